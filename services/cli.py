@@ -1,0 +1,100 @@
+"""The `hybridserve` command: one-shot generation now; the services join as subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from services.settings import CommonSettings
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate once from a prompt, without any server")
+    p.add_argument("--engine", choices=["torch", "opencl"], default="torch")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw text, tokenized as is")
+    src.add_argument("--chat", help="a user message, wrapped in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=16, help="OpenAI's default: 16")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy; OpenAI's default: 1")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks)")
+    p.add_argument("--weights-dtype", choices=["fp32", "fp16", "gguf"], default=None,
+                   help="opencl engine: weight storage on the device")
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: HYBRIDSERVE_MODEL or SmolLM2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=_generate)
+
+
+def _build_engine(args, loaded):
+    if args.engine == "torch":
+        from services.prefill_gpu.engine import TorchEngine
+
+        return TorchEngine(loaded.config, loaded.weights)
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.decode_fpga.settings import DecodeSettings
+
+    overrides = {"weights_dtype": args.weights_dtype} if args.weights_dtype else {}
+    return OpenCLEngine.from_settings(loaded, DecodeSettings(**overrides))
+
+
+def _generate(args) -> int:
+    from services.generation import Generation
+    from services.model_loading import load_model
+    from services.sampling import SamplingParams
+    from services.tokenizer import chat_prompt_ids, load_tokenizer
+
+    loaded = load_model(args.model or CommonSettings().model)
+    tok = load_tokenizer(loaded.checkpoint)
+    if args.chat is not None:
+        prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.chat}])
+    else:
+        prompt_ids = tok(args.prompt).input_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    engine = _build_engine(args, loaded)
+    gen = Generation(engine, prompt_ids, params, loaded.config.max_context)
+    ids: list[int] = []
+    finish = None
+    printed = ""
+    for ev in gen:
+        ids.append(ev.token)
+        finish = ev.finish_reason
+        if not args.json:
+            # decode the whole text each time so multi-token characters print whole
+            text = tok.decode(ids, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    text = tok.decode(ids, skip_special_tokens=True)
+    if args.json:
+        t = gen.timings
+        print(json.dumps({"text": text, "token_ids": ids, "finish_reason": finish,
+                          "timings": {"prefill_s": t.prefill_s, "decode_s": t.decode_s,
+                                      "decode_tokens": t.decode_tokens}}))
+    else:
+        sys.stdout.write(text[len(printed):] + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=CommonSettings().log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from services.checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError) as exc:
+        print(f"hybridserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

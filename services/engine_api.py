@@ -1,0 +1,33 @@
+"""The contract every engine implements, so generation, services and tests treat them alike.
+
+An engine owns a device and the model's weights on it. It does not sample
+(except greedy argmax, which a device may do to avoid reading back logits) and
+knows nothing of text or requests: token ids in, logits or token ids out.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from services.model_config import ModelConfig
+
+
+class Engine(Protocol):
+    cfg: ModelConfig
+    device_name: str  # human-readable device, for Info and logs
+
+    def new_sequence(self, capacity: int) -> Any:
+        """Allocate KV for one sequence of up to `capacity` positions."""
+
+    def prefill(self, seq: Any, token_ids: list[int], on_layer: Callable[[int], None] | None = None) -> np.ndarray:
+        """Fill `seq` with the prompt; float32 logits of its last position, [vocab]."""
+
+    def decode(self, seqs: list[Any], tokens: list[int]) -> np.ndarray:
+        """Append one token to each sequence; float32 logits [B, vocab]."""
+
+    def decode_greedy(self, seqs: list[Any], tokens: list[int]) -> list[int]:
+        """As decode, but return each row's argmax (first index on ties), possibly computed on the device."""
+
+    def release(self, seq: Any) -> None:
+        """Free the sequence's KV."""

@@ -1,0 +1,88 @@
+"""The token loop any engine runs for one request: prefill, then decode until a finish.
+
+Yields each generated token as soon as it exists, and keeps the stage timings
+(`prefill_s` covers the first token; `decode_s` the `decode_tokens` after it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from services.engine_api import Engine
+from services.request_state import RequestState, finish_reason, state_after_token
+from services.sampling import Sampler, SamplingParams
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not leave room for one generated token in the context window."""
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    finish_reason: str | None  # set on the last token only
+
+
+@dataclass
+class Generation:
+    """Iterate to run it. `timings` and `state` are final once iteration ends."""
+
+    engine: Engine
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_context: int
+    timings: Timings = field(default_factory=Timings)
+    state: RequestState = RequestState.WAITING
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if len(self.prompt_ids) >= self.max_context:
+            raise PromptTooLong(
+                f"prompt of {len(self.prompt_ids)} tokens leaves no room in the {self.max_context}-token context"
+            )
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in self.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        p = self.params
+        eos = () if p.ignore_eos else self.engine.cfg.eos_token_ids
+        stop_ids = frozenset(eos) | frozenset(p.stop_token_ids)
+        capacity = min(len(self.prompt_ids) + p.max_tokens, self.max_context)
+        sampler = Sampler(p)
+        seq = self.engine.new_sequence(capacity)
+        try:
+            self.state = RequestState.PREFILLING
+            t0 = time.perf_counter()
+            token = sampler.sample(self.engine.prefill(seq, self.prompt_ids))
+            self.timings.prefill_s = time.perf_counter() - t0
+            n = 1
+            t0 = time.perf_counter()
+            while True:
+                self.state = state_after_token(token, n, p.max_tokens, stop_ids, capacity - len(self.prompt_ids) - n)
+                if self.state.finished:
+                    self.timings.decode_s = time.perf_counter() - t0
+                    self.timings.decode_tokens = n - 1
+                    yield TokenEvent(token, finish_reason(self.state))
+                    return
+                yield TokenEvent(token, None)
+                if p.greedy:
+                    token = self.engine.decode_greedy([seq], [token])[0]
+                else:
+                    token = sampler.sample(self.engine.decode([seq], [token])[0])
+                n += 1
+        except GeneratorExit:
+            self.state = RequestState.FINISHED_ABORTED
+            raise
+        finally:
+            self.engine.release(seq)

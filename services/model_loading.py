@@ -1,0 +1,21 @@
+"""One call that turns a model setting into (checkpoint, config, weights)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.checkpoint import Checkpoint, locate
+from services.model_config import ModelConfig, read_config
+from services.weights import ModelWeights, load_weights
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    checkpoint: Checkpoint
+    config: ModelConfig
+    weights: ModelWeights
+
+
+def load_model(model: str | None = None) -> LoadedModel:
+    ckpt = locate(model)
+    cfg = read_config(ckpt)
+    return LoadedModel(ckpt, cfg, load_weights(ckpt, cfg))

@@ -1,0 +1,34 @@
+"""Tokenizer and chat template, loaded offline through `transformers`."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from services.checkpoint import Checkpoint, CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(ckpt: Checkpoint):
+    # Never reach for a hub: weights and tokenizer come from the checkpoint on disk.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    start = time.perf_counter()
+    try:
+        if ckpt.kind == "gguf":
+            tok = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(ckpt.path))
+    except Exception as exc:  # transformers raises many types for unreadable tokenizers
+        raise CheckpointError(f"cannot load the tokenizer of {ckpt.path}: {exc}") from exc
+    log.info("tokenizer loaded in %.2fs", time.perf_counter() - start)
+    return tok
+
+
+def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
