@@ -29,5 +29,15 @@ class Engine(Protocol):
     def decode_greedy(self, seqs: list[Any], tokens: list[int]) -> list[int]:
         """As decode, but return each row's argmax (first index on ties), possibly computed on the device."""
 
+    def import_kv_layer(self, seq: Any, layer: int, kv: np.ndarray) -> None:
+        """Hybrid mode, receiving side: write one layer of wire-layout KV into positions [0, n_tokens).
+
+        kv: [2 (k|v), n_kv_heads, n_tokens, head_dim], float32 or float16 (see kv_layout.py).
+        May only enqueue the copy; `finish_import` waits for all of them.
+        """
+
+    def finish_import(self, seq: Any, n_tokens: int) -> None:
+        """All layers imported: wait until they are on the device and mark `n_tokens` positions filled."""
+
     def release(self, seq: Any) -> None:
         """Free the sequence's KV."""

@@ -61,5 +61,20 @@ class TorchEngine:
     def decode_greedy(self, seqs: list[TorchSequence], tokens: list[int]) -> list[int]:
         return self.model.decode(seqs, tokens).argmax(dim=-1).tolist()
 
+    def import_kv_layer(self, seq: TorchSequence, layer: int, kv: np.ndarray) -> None:
+        n = kv.shape[2]
+        src = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device, self.model.dtype)
+        seq.k[layer, :, :n] = src[0]
+        seq.v[layer, :, :n] = src[1]
+
+    def finish_import(self, seq: TorchSequence, n_tokens: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seq.length = n_tokens
+
+    def export_kv_layer(self, seq: TorchSequence, layer: int, n_tokens: int) -> torch.Tensor:
+        """Layer `layer` of the cache in wire layout, [2, n_kv_heads, n_tokens, head_dim], on the device."""
+        return torch.stack([seq.k[layer, :, :n_tokens], seq.v[layer, :, :n_tokens]])
+
     def release(self, seq: TorchSequence) -> None:
         seq.k = seq.v = None  # drop the tensors now, not when the last reference goes

@@ -1,0 +1,66 @@
+"""Shared fixtures: the real default model, loaded once per test session.
+
+Loading the weights takes ~6 s and the transformers reference ~15 s on this
+machine, so every test module shares these session-scoped objects.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    from services.model_loading import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def model_config(loaded_model):
+    return loaded_model.config
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded_model):
+    from services.tokenizer import load_tokenizer
+
+    return load_tokenizer(loaded_model.checkpoint)
+
+
+@pytest.fixture(scope="session")
+def torch_engine(loaded_model):
+    from services.prefill_gpu.engine import TorchEngine
+
+    return TorchEngine(loaded_model.config, loaded_model.weights, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_model(loaded_model):
+    """transformers' own Llama on the same GGUF: the numerical reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ckpt = loaded_model.checkpoint
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids drawn reproducibly from the vocabulary (specials included: the model must cope)."""
+    return np.random.default_rng(seed + n).integers(3, vocab, n).tolist()
+
+
+def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
+    """transformers' generate, greedy, EOS ignored: the tokens every engine must reproduce."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
