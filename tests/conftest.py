@@ -57,10 +57,17 @@ def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
-    """transformers' generate, greedy, EOS ignored: the tokens every engine must reproduce."""
+    """transformers' generate, greedy, EOS ignored: the tokens every engine must reproduce.
+
+    EOS is disabled with an id that never occurs rather than min_new_tokens, which
+    would mask EOS's logit and so change which token wins.
+    """
+    import copy
+
     import torch
 
+    gc = copy.deepcopy(hf_model.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.max_new_tokens, gc.do_sample = -1, 0, n_new, False
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
-                                do_sample=False, pad_token_id=0)
+        out = hf_model.generate(torch.tensor([prompt]), generation_config=gc)
     return out[0, len(prompt):].tolist()

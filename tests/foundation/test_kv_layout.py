@@ -1,0 +1,38 @@
+"""The wire layout: offsets, sizes and zero-copy layer views."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.kv_layout import WireLayout
+
+
+def test_layer_views_round_trip(model_config):
+    lay = WireLayout.for_model(model_config, n_tokens=7, dtype="fp16")
+    assert lay.layer_nbytes == 2 * 3 * 7 * 64 * 2 and lay.nbytes == 30 * lay.layer_nbytes
+    full = np.random.default_rng(0).normal(size=lay.shape).astype(np.float16)
+    buf = memoryview(full.tobytes())
+    for layer in (0, 13, 29):
+        np.testing.assert_array_equal(lay.layer_view(buf, layer), full[layer])
+    with pytest.raises(IndexError):
+        lay.layer_offset(30)
+
+
+def test_torch_export_is_wire_layout(torch_engine, model_config):
+    seq = torch_engine.new_sequence(9)
+    torch_engine.prefill(seq, [4, 8, 15, 16, 23])
+    kv = torch_engine.export_kv_layer(seq, 3, 5).numpy()
+    assert kv.shape == WireLayout.for_model(model_config, 5).layer_shape
+    np.testing.assert_array_equal(kv[0], seq.k[3, :, :5].numpy())
+    np.testing.assert_array_equal(kv[1], seq.v[3, :, :5].numpy())
+
+
+def test_torch_import_then_decode_equals_continuing(torch_engine, model_config):
+    prompt = [4, 8, 15, 16, 23, 42]
+    src = torch_engine.new_sequence(8)
+    first = int(np.argmax(torch_engine.prefill(src, prompt)))
+    dst = torch_engine.new_sequence(8)
+    for layer in range(model_config.n_layers):
+        torch_engine.import_kv_layer(dst, layer, torch_engine.export_kv_layer(src, layer, len(prompt)).numpy())
+    torch_engine.finish_import(dst, len(prompt))
+    np.testing.assert_array_equal(torch_engine.decode([dst], [first]), torch_engine.decode([src], [first]))
