@@ -81,21 +81,26 @@ class LlamaTorch:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
         return w * x32.to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, dim]; positions: [T]
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # computed once per forward and shared by every layer; [T, 1, dim] each
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [T, heads, dim]
+        cos, sin = rope
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def _qkv(self, layer: TorchLayer, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, layer: TorchLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         c = self.cfg
         qkv = self._rms_norm(x, layer.attn_norm) @ layer.w_qkv  # [T, q_dim + 2 kv_dim]
         q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        q = self._rope(q.view(-1, c.n_heads, c.head_dim), positions)
-        k = self._rope(k.view(-1, c.n_kv_heads, c.head_dim), positions)
+        q = self._rope(q.view(-1, c.n_heads, c.head_dim), rope)
+        k = self._rope(k.view(-1, c.n_kv_heads, c.head_dim), rope)
         return q, k, v.view(-1, c.n_kv_heads, c.head_dim)
 
     def _mlp_residual(self, layer: TorchLayer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -119,10 +124,10 @@ class LlamaTorch:
         n = len(token_ids)
         assert 0 < n <= seq.capacity, f"prompt of {n} tokens does not fit capacity {seq.capacity}"
         ids = torch.tensor(token_ids, device=self.device)
-        positions = torch.arange(n, device=self.device)
+        rope = self._rope_tables(torch.arange(n, device=self.device))
         x = self.embed[ids]  # [T, hidden]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)
+            q, k, v = self._qkv(layer, x, rope)
             seq.k[li, :, :n] = k.transpose(0, 1)
             seq.v[li, :, :n] = v.transpose(0, 1)
             attn = F.scaled_dot_product_attention(
@@ -141,10 +146,10 @@ class LlamaTorch:
         assert len(seqs) == len(tokens) and seqs
         for s in seqs:
             assert s.length < s.capacity, "sequence is full"
-        positions = torch.tensor([s.length for s in seqs], device=self.device)
+        rope = self._rope_tables(torch.tensor([s.length for s in seqs], device=self.device))
         x = self.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
         for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, positions)  # q [B, heads, dim]; k, v [B, kv_heads, dim]
+            q, k, v = self._qkv(layer, x, rope)  # q [B, heads, dim]; k, v [B, kv_heads, dim]
             outs = []
             for b, s in enumerate(seqs):
                 n = s.length
