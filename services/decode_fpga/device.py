@@ -1,0 +1,94 @@
+"""Choosing the OpenCL device and building programs for it.
+
+Every candidate device must build a tiny probe kernel before it is chosen: the
+PoCL in the `pocl-binary-distribution` wheel (LLVM 14) lists this machine's CPU
+but fails every build ("unknown target CPU"), while Debian's PoCL 3.1 works.
+Platforms that cannot compile from source (FPGAs) load prebuilt binaries.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyopencl as cl
+
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+_PROBE = "__kernel void probe(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
+
+
+class DeviceSelectionError(RuntimeError):
+    """No OpenCL device matches the settings and can build kernels."""
+
+
+@dataclass
+class DeviceContext:
+    """The chosen device, its context and in-order queue, and a cache of built programs."""
+
+    device: cl.Device
+    context: cl.Context
+    queue: cl.CommandQueue
+    binary_dir: Path | None = None
+    _programs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.device.platform.name.strip()} / {self.device.name.strip()}"
+
+    def build(self, kernel_file: str, defines: dict[str, object] | None = None) -> cl.Program:
+        """Build `kernels/<kernel_file>` (or load its prebuilt binary) with -D defines, cached."""
+        opts = tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
+        key = (kernel_file, opts)
+        if key not in self._programs:
+            self._programs[key] = self._build(kernel_file, opts)
+        return self._programs[key]
+
+    def _build(self, kernel_file: str, opts: tuple[str, ...]) -> cl.Program:
+        if self.binary_dir is not None:
+            binary = self.binary_dir / (Path(kernel_file).stem + "".join(o[2:].replace("=", "_") for o in opts) + ".bin")
+            if not binary.is_file():
+                raise DeviceSelectionError(f"prebuilt program {binary} is missing (opencl_binary_dir is set)")
+            return cl.Program(self.context, [self.device], [binary.read_bytes()]).build()
+        source = (KERNEL_DIR / kernel_file).read_text()
+        return cl.Program(self.context, source).build(options=list(opts))
+
+
+def _probe(device: cl.Device) -> str | None:
+    """None when the device builds and runs the probe kernel, else why not."""
+    try:
+        ctx = cl.Context([device])
+        cl.Program(ctx, _PROBE).build()
+        return None
+    except Exception as exc:  # pyopencl raises RuntimeError/LogicError subclasses with build logs
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+
+
+def select_device(platform: str | None = None, device: str | None = None,
+                  binary_dir: str | None = None) -> DeviceContext:
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as exc:
+        raise DeviceSelectionError(
+            f"no OpenCL platform found ({exc}); install one, e.g. `apt-get install -y pocl-opencl-icd`"
+        ) from exc
+    seen = []
+    for plat in platforms:
+        for dev in plat.get_devices():
+            label = f"{plat.name.strip()} / {dev.name.strip()}"
+            seen.append(label)
+            if platform and platform.lower() not in plat.name.lower():
+                continue
+            if device and device.lower() not in dev.name.lower():
+                continue
+            if binary_dir is None:
+                why = _probe(dev)
+                if why is not None:
+                    log.warning("skipping OpenCL device %s: cannot build kernels: %s", label, why)
+                    continue
+            ctx = cl.Context([dev])
+            log.info("OpenCL device: %s", label)
+            return DeviceContext(dev, ctx, cl.CommandQueue(ctx), Path(binary_dir) if binary_dir else None)
+    wanted = f"platform~{platform!r} device~{device!r}"
+    raise DeviceSelectionError(f"no usable OpenCL device matches {wanted}; present: {seen or 'none'}")

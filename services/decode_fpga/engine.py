@@ -1,0 +1,288 @@
+"""The OpenCL engine: weights resident in device buffers, KV cache across memory channels.
+
+One forward serves prefill and decode: it runs a set of *rows* (token, slot,
+position) through every layer. A prefill is the prompt's rows in chunks; a
+decode step is one row per sequence. The whole step is enqueued on one in-order
+queue and the host waits once, when it reads back the sampled tokens or logits
+(on PoCL a waited launch costs ~48 µs, an enqueue ~2.4 µs).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyopencl as cl
+
+from services.decode_fpga.device import DeviceContext, select_device
+from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
+from services.decode_fpga.kv_channels import ChannelLayout
+from services.decode_fpga.settings import DecodeSettings
+from services.model_config import ModelConfig
+from services.model_loading import LoadedModel
+from services.weights import ModelWeights
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
+ARGMAX_WG = 256
+MF = cl.mem_flags
+
+
+class EngineFull(RuntimeError):
+    """Every sequence slot on the device is taken."""
+
+
+@dataclass
+class OpenCLSequence:
+    slot: int
+    capacity: int
+    length: int = 0
+    _keep_alive: list = field(default_factory=list)  # host arrays of non-blocking uploads
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn_norm: cl.Buffer
+    ffn_norm: cl.Buffer
+    qkv: DeviceMatrix  # [q_dim + 2 kv_dim, hidden]
+    o: DeviceMatrix  # [hidden, q_dim]
+    gate_up: DeviceMatrix  # [2 ff, hidden]
+    down: DeviceMatrix  # [hidden, ff]
+
+
+class OpenCLEngine:
+    """Engine (engine_api.py) on an OpenCL device."""
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, dev: DeviceContext, weights_dtype: str = "fp32",
+                 kv_channels: int = 1, max_context: int = 4096, max_sequences: int = 4):
+        if cfg.hidden % 16 or cfg.intermediate % 16 or cfg.head_dim % 4:
+            raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
+        self.cfg, self.dev, self.weights_dtype = cfg, dev, weights_dtype
+        self.device_name = dev.name
+        self.max_context = min(max_context, cfg.max_context)
+        self.max_sequences = max_sequences
+        self._lock = threading.RLock()
+        self._free_slots = list(range(max_sequences))
+        start = time.perf_counter()
+        self._upload_weights(weights, weights_dtype)
+        self.kv = ChannelLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.max_context, max_sequences,
+                                kv_channels)
+        self._channels = [cl.Buffer(dev.context, MF.READ_WRITE, max(4, self.kv.channel_elems(c) * 4))
+                          for c in range(kv_channels)]
+        self._build_kernels()
+        self._alloc_scratch(max(PREFILL_CHUNK, max_sequences))
+        dev.queue.finish()
+        kv_bytes = sum(self.kv.channel_elems(c) * 4 for c in range(kv_channels))
+        log.info("OpenCL engine on %s: %.1f MB of %s weights resident, %.1f MB KV over %d channel(s), "
+                 "uploaded in %.2fs", dev.name, self.weights_nbytes / 1e6, weights_dtype, kv_bytes / 1e6,
+                 kv_channels, time.perf_counter() - start)
+
+    @classmethod
+    def from_settings(cls, loaded: LoadedModel, settings: DecodeSettings) -> "OpenCLEngine":
+        dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir)
+        return cls(loaded.config, loaded.weights, dev, settings.weights_dtype, settings.kv_channels,
+                   settings.max_context, settings.max_sequences)
+
+    # ---- set-up -----------------------------------------------------------
+    def _upload_weights(self, w: ModelWeights, fmt: str) -> None:
+        ctx = self.dev.context
+
+        def vec(a):
+            return cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a, np.float32))
+
+        self.layers = [
+            _Layer(attn_norm=vec(lw.attn_norm), ffn_norm=vec(lw.ffn_norm),
+                   qkv=upload_dense_matrix(self.dev, np.concatenate([lw.wq, lw.wk, lw.wv]), fmt),
+                   o=upload_dense_matrix(self.dev, lw.wo, fmt),
+                   gate_up=upload_dense_matrix(self.dev, np.concatenate([lw.w_gate, lw.w_up]), fmt),
+                   down=upload_dense_matrix(self.dev, lw.w_down, fmt))
+            for lw in w.layers
+        ]
+        self.embed = upload_dense_matrix(self.dev, w.embed, fmt)
+        self.lm_head = self.embed if w.lm_head is w.embed else upload_dense_matrix(self.dev, w.lm_head, fmt)
+        self.final_norm = vec(w.final_norm)
+        c = self.cfg
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / c.head_dim))
+        self.inv_freq = vec(inv_freq.astype(np.float32))
+        mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        mats += [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        self.weights_nbytes = sum(m.nbytes for m in mats) + (2 * c.n_layers + 1) * c.hidden * 4
+
+    def _build_kernels(self) -> None:
+        c = self.cfg
+        attn = self.dev.build("attention.cl", {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads,
+                                               "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim})
+        self._k_rope_store, self._k_attention = attn.rope_store_kv, attn.attention
+        self._k_norm = self.dev.build("norm.cl").rms_norm
+        elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
+        self._k_silu_mul, self._k_argmax = elem.silu_mul, elem.argmax_rows
+
+    def _alloc_scratch(self, rows: int) -> None:
+        c, ctx = self.cfg, self.dev.context
+
+        def buf(n, dtype=np.float32):
+            return cl.Buffer(ctx, MF.READ_WRITE, n * np.dtype(dtype).itemsize)
+
+        self.max_rows = rows
+        self.b_tokens, self.b_slots, self.b_pos = buf(rows, np.int32), buf(rows, np.int32), buf(rows, np.int32)
+        self.b_x, self.b_xn = buf(rows * c.hidden), buf(rows * c.hidden)
+        self.b_qkv, self.b_attn = buf(rows * (c.q_dim + 2 * c.kv_dim)), buf(rows * c.q_dim)
+        self.b_gu, self.b_act = buf(rows * 2 * c.intermediate), buf(rows * c.intermediate)
+        self.b_logits = buf(self.max_sequences * c.vocab_size)
+        self.b_last = buf(self.max_sequences * c.hidden)
+        self.b_argmax = buf(self.max_sequences, np.int32)
+
+    # ---- the forward --------------------------------------------------------
+    def _plane(self, layer: int, kv: int, head: int) -> tuple[cl.Buffer, np.int64, np.int64]:
+        ch, base = self.kv.locate(0, layer, kv, head)
+        _, slot1 = self.kv.locate(1, layer, kv, head) if self.kv.n_slots > 1 else (ch, base)
+        return self._channels[ch], np.int64(base), np.int64(slot1 - base)
+
+    def _enqueue_rows(self, tokens: np.ndarray, slots: np.ndarray, pos: np.ndarray, keep: list) -> None:
+        q = self.dev.queue
+        for b, a in ((self.b_tokens, tokens), (self.b_slots, slots), (self.b_pos, pos)):
+            a = np.ascontiguousarray(a, np.int32)
+            keep.append(a)
+            cl.enqueue_copy(q, b, a, is_blocking=False)
+
+    def _enqueue_layer(self, li: int, n: int) -> None:
+        c, q, layer = self.cfg, self.dev.queue, self.layers[li]
+        group = c.n_heads // c.n_kv_heads
+        eps = np.float32(c.rms_eps)
+        self._k_norm(q, (n,), None, self.b_x, layer.attn_norm, self.b_xn, np.int32(c.hidden), eps)
+        layer.qkv.enqueue_gemv(q, self.b_xn, self.b_qkv, n)
+        scale = np.float32(1.0 / np.sqrt(c.head_dim))
+        for h in range(c.n_kv_heads):
+            k_buf, k_base, k_stride = self._plane(li, 0, h)
+            v_buf, v_base, v_stride = self._plane(li, 1, h)
+            self._k_rope_store(q, (n, group + 1), None, self.b_qkv, self.b_slots, self.b_pos, self.inv_freq,
+                               np.int32(h), k_buf, k_base, k_stride, v_buf, v_base, v_stride)
+            self._k_attention(q, (n, group), None, self.b_qkv, self.b_slots, self.b_pos, np.int32(h), scale,
+                              k_buf, k_base, k_stride, v_buf, v_base, v_stride, self.b_attn)
+        layer.o.enqueue_gemv(q, self.b_attn, self.b_x, n, accumulate=True)  # residual fused
+        self._k_norm(q, (n,), None, self.b_x, layer.ffn_norm, self.b_xn, np.int32(c.hidden), eps)
+        layer.gate_up.enqueue_gemv(q, self.b_xn, self.b_gu, n)
+        self._k_silu_mul(q, (n, c.intermediate), None, self.b_gu, self.b_act, np.int32(c.intermediate))
+        layer.down.enqueue_gemv(q, self.b_act, self.b_x, n, accumulate=True)
+
+    def _enqueue_logits(self, rows: list[int]) -> None:
+        """Logits of the given rows of b_x into b_logits[0:len(rows)]."""
+        c, q = self.cfg, self.dev.queue
+        row_bytes = c.hidden * 4
+        for i, r in enumerate(rows):
+            cl.enqueue_copy(q, self.b_last, self.b_x, byte_count=row_bytes, src_offset=r * row_bytes,
+                            dst_offset=i * row_bytes)
+        self._k_norm(q, (len(rows),), None, self.b_last, self.final_norm, self.b_xn, np.int32(c.hidden),
+                     np.float32(c.rms_eps))
+        self.lm_head.enqueue_gemv(q, self.b_xn, self.b_logits, len(rows))
+
+    def _read_logits(self, n: int) -> np.ndarray:
+        out = np.empty((n, self.cfg.vocab_size), np.float32)
+        cl.enqueue_copy(self.dev.queue, out, self.b_logits, is_blocking=True)
+        return out
+
+    # ---- Engine API ---------------------------------------------------------
+    def new_sequence(self, capacity: int) -> OpenCLSequence:
+        if capacity > self.max_context:
+            raise ValueError(f"sequence of {capacity} positions exceeds the engine's context of {self.max_context}")
+        with self._lock:
+            if not self._free_slots:
+                raise EngineFull(f"all {self.max_sequences} sequence slots of the OpenCL engine are in use")
+            return OpenCLSequence(self._free_slots.pop(0), capacity)
+
+    def release(self, seq: OpenCLSequence) -> None:
+        with self._lock:
+            if seq.slot >= 0 and seq.slot not in self._free_slots:
+                self._free_slots.append(seq.slot)
+            seq.slot = -1
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def prefill(self, seq: OpenCLSequence, token_ids: list[int], on_layer=None) -> np.ndarray:
+        n = len(token_ids)
+        assert seq.length == 0 and 0 < n <= seq.capacity, (seq.length, n, seq.capacity)
+        with self._lock:
+            q, keep = self.dev.queue, []
+            chunks = [(s, min(s + PREFILL_CHUNK, n)) for s in range(0, n, PREFILL_CHUNK)]
+            for ci, (s, e) in enumerate(chunks):
+                rows = e - s
+                self._enqueue_rows(np.array(token_ids[s:e]), np.full(rows, seq.slot), np.arange(s, e), keep)
+                self.embed.enqueue_embed(q, self.b_tokens, self.b_x, rows)
+                for li in range(self.cfg.n_layers):
+                    self._enqueue_layer(li, rows)
+                    if on_layer is not None and ci == len(chunks) - 1:
+                        q.finish()  # the layer's KV of the whole prompt is now in the cache
+                        on_layer(li)
+                if ci == len(chunks) - 1:
+                    self._enqueue_logits([rows - 1])
+                else:
+                    q.finish()  # the next chunk reuses the row buffers
+            seq.length = n
+            return self._read_logits(1)[0]
+
+    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list) -> int:
+        b = len(seqs)
+        assert b == len(tokens) and 0 < b <= self.max_sequences
+        for s in seqs:
+            assert s.length < s.capacity, "sequence is full"
+        self._enqueue_rows(np.array(tokens), np.array([s.slot for s in seqs]), np.array([s.length for s in seqs]),
+                           keep)
+        self.embed.enqueue_embed(self.dev.queue, self.b_tokens, self.b_x, b)
+        for li in range(self.cfg.n_layers):
+            self._enqueue_layer(li, b)
+        self._enqueue_logits(list(range(b)))
+        for s in seqs:
+            s.length += 1
+        return b
+
+    def decode(self, seqs: list[OpenCLSequence], tokens: list[int]) -> np.ndarray:
+        with self._lock:
+            keep: list = []
+            return self._read_logits(self._enqueue_decode(seqs, tokens, keep))
+
+    def decode_greedy(self, seqs: list[OpenCLSequence], tokens: list[int]) -> list[int]:
+        with self._lock:
+            keep: list = []
+            b = self._enqueue_decode(seqs, tokens, keep)
+            q = self.dev.queue
+            self._k_argmax(q, (b * ARGMAX_WG,), (ARGMAX_WG,), self.b_logits, np.int32(self.cfg.vocab_size),
+                           self.b_argmax)
+            out = np.empty(b, np.int32)
+            cl.enqueue_copy(q, out, self.b_argmax, is_blocking=True)  # the one wait of this step
+            return out.tolist()
+
+    def import_kv_layer(self, seq: OpenCLSequence, layer: int, kv: np.ndarray) -> None:
+        c = self.cfg
+        assert kv.shape[:2] == (2, c.n_kv_heads) and kv.shape[3] == c.head_dim, kv.shape
+        n = kv.shape[2]
+        assert n <= seq.capacity, f"{n} tokens do not fit the sequence's {seq.capacity} positions"
+        host = np.ascontiguousarray(kv, np.float32)  # fp16 on the wire is widened here
+        seq._keep_alive.append(host)
+        with self._lock:
+            for k_or_v in range(2):
+                for h in range(c.n_kv_heads):
+                    ch, off = self.kv.locate(seq.slot, layer, k_or_v, h)
+                    cl.enqueue_copy(self.dev.queue, self._channels[ch], host[k_or_v, h], dst_offset=off * 4,
+                                    is_blocking=False)
+
+    def finish_import(self, seq: OpenCLSequence, n_tokens: int) -> None:
+        self.dev.queue.finish()
+        seq._keep_alive.clear()
+        seq.length = n_tokens
+
+    def read_kv(self, seq: OpenCLSequence, n_tokens: int) -> np.ndarray:
+        """The sequence's first n_tokens of KV in wire layout (tests and debugging)."""
+        from services.decode_fpga.kv_channels import channels_to_wire
+
+        with self._lock:
+            host = []
+            for c, buf in enumerate(self._channels):
+                a = np.empty(max(1, self.kv.channel_elems(c)), np.float32)
+                cl.enqueue_copy(self.dev.queue, a, buf, is_blocking=True)
+                host.append(a)
+        return channels_to_wire(self.kv, seq.slot, n_tokens, host)

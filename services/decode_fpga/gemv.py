@@ -1,0 +1,58 @@
+"""Weight matrices resident on the OpenCL device, and the GEMV that reads them.
+
+`DeviceMatrix` is the seam between the engine and a storage format: the engine
+only calls `enqueue_gemv`, so a quantized format drops in beside fp32 and fp16.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import pyopencl as cl
+
+from services.decode_fpga.device import DeviceContext
+
+DENSE_FORMATS = {"fp32": (np.float32, 0), "fp16": (np.float16, 1)}
+
+
+class DeviceMatrix(Protocol):
+    rows: int
+    cols: int
+    nbytes: int
+    fmt: str
+
+    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
+                     accumulate: bool = False) -> None:
+        """y[b, r] (+)= sum_c W[r, c] * x[b, c] for b < batch. x: [batch, cols] float32 row-major,
+        y: [batch, rows] float32 row-major. Enqueue only, never wait."""
+
+
+class DenseMatrix:
+    """A [rows, cols] matrix stored as fp32 or fp16 in one device buffer."""
+
+    def __init__(self, dev: DeviceContext, w: np.ndarray, fmt: str):
+        if fmt not in DENSE_FORMATS:
+            raise ValueError(f"dense format must be one of {sorted(DENSE_FORMATS)}, got {fmt!r}")
+        if w.ndim != 2 or w.shape[1] % 16:
+            raise ValueError(f"matrix of shape {w.shape}: need 2-D with cols % 16 == 0")
+        dtype, code = DENSE_FORMATS[fmt]
+        host = np.ascontiguousarray(w, dtype=dtype)
+        self.rows, self.cols = host.shape
+        self.nbytes, self.fmt = host.nbytes, fmt
+        self.buffer = cl.Buffer(dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
+        program = dev.build("gemv.cl", {"WFMT": code})
+        # one kernel object per matrix: its arguments are set per launch
+        self._gemv = cl.Kernel(program, "gemv")
+        self._embed = cl.Kernel(program, "embed_rows")
+
+    def enqueue_gemv(self, queue, x, y, batch, accumulate=False) -> None:
+        self._gemv(queue, (self.rows,), None, self.buffer, x, y, np.int32(self.cols), np.int32(self.rows),
+                   np.int32(batch), np.int32(accumulate))
+
+    def enqueue_embed(self, queue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
+        """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""
+        self._embed(queue, (n_rows,), None, self.buffer, tokens, x, np.int32(self.cols))
+
+
+def upload_dense_matrix(dev: DeviceContext, w: np.ndarray, fmt: str) -> DenseMatrix:
+    return DenseMatrix(dev, w, fmt)

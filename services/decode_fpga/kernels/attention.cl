@@ -1,0 +1,84 @@
+// RoPE, the KV-cache write and attention for one (layer, kv_head) group.
+//
+// Rows are (slot, position) pairs: a prefill is many rows of one slot, a batched
+// decode one row per sequence. Row r attends to positions [0, pos[r]] of its slot,
+// which makes prefill causal and decode a plain lookup with the same code.
+// A plane is one (layer, k|v, kv_head) of a slot: [max_context][HEAD_DIM] floats at
+// plane_base + slot * slot_stride in its channel buffer (see kv_channels.py).
+// Defines: HEAD_DIM, GROUP (query heads per kv head), Q_DIM, KV_DIM.
+
+#define HALF (HEAD_DIM / 2)
+
+// HF's rotate-half RoPE of one head vector, in place.
+inline void rope(__global float *v, const int pos, __global const float *inv_freq)
+{
+    for (int i = 0; i < HALF; ++i) {
+        const float angle = (float)pos * inv_freq[i];
+        const float c = cos(angle), s = sin(angle);
+        const float a = v[i], b = v[i + HALF];
+        v[i] = a * c - b * s;
+        v[i + HALF] = b * c + a * s;
+    }
+}
+
+// qkv: [rows, Q_DIM + 2 KV_DIM]. Work-item (r, j): j == 0 ropes this group's K and
+// stores K and V into the cache; j in 1..GROUP ropes query head (kv_head*GROUP + j-1).
+__kernel void rope_store_kv(__global float *qkv, __global const int *slots, __global const int *pos,
+                            __global const float *inv_freq, const int kv_head,
+                            __global float *k_chan, const long k_base, const long k_stride,
+                            __global float *v_chan, const long v_base, const long v_stride)
+{
+    const int r = get_global_id(0), j = get_global_id(1);
+    __global float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
+    if (j > 0) {
+        rope(row + (kv_head * GROUP + j - 1) * HEAD_DIM, pos[r], inv_freq);
+        return;
+    }
+    __global float *k = row + Q_DIM + kv_head * HEAD_DIM;
+    __global const float *v = row + Q_DIM + KV_DIM + kv_head * HEAD_DIM;
+    rope(k, pos[r], inv_freq);
+    __global float *kd = k_chan + k_base + slots[r] * k_stride + (long)pos[r] * HEAD_DIM;
+    __global float *vd = v_chan + v_base + slots[r] * v_stride + (long)pos[r] * HEAD_DIM;
+    for (int i = 0; i < HEAD_DIM / 4; ++i) {
+        vstore4(vload4(i, k), i, kd);
+        vstore4(vload4(i, v), i, vd);
+    }
+}
+
+// Work-item (r, j): query head h = kv_head*GROUP + j of row r; out: [rows, Q_DIM].
+// Two passes (max, then exp-sum and weighted V) keep the softmax in the same form as
+// the reference: exp(s - max) / sum.
+__kernel void attention(__global const float *qkv, __global const int *slots, __global const int *pos,
+                        const int kv_head, const float scale,
+                        __global const float *k_chan, const long k_base, const long k_stride,
+                        __global const float *v_chan, const long v_base, const long v_stride,
+                        __global float *out)
+{
+    const int r = get_global_id(0), j = get_global_id(1);
+    const int h = kv_head * GROUP + j;
+    __global const float *q = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM) + h * HEAD_DIM;
+    __global const float *K = k_chan + k_base + slots[r] * k_stride;
+    __global const float *V = v_chan + v_base + slots[r] * v_stride;
+    const int n = pos[r] + 1;
+    float4 qv[HEAD_DIM / 4];
+    for (int i = 0; i < HEAD_DIM / 4; ++i) qv[i] = vload4(i, q);
+    float m = -INFINITY;
+    for (int t = 0; t < n; ++t) {
+        float4 a = (float4)(0.0f);
+        for (int i = 0; i < HEAD_DIM / 4; ++i) a = fma(qv[i], vload4(i, K + (size_t)t * HEAD_DIM), a);
+        m = fmax(m, (a.x + a.y + a.z + a.w) * scale);
+    }
+    float4 acc[HEAD_DIM / 4];
+    for (int i = 0; i < HEAD_DIM / 4; ++i) acc[i] = (float4)(0.0f);
+    float denom = 0.0f;
+    for (int t = 0; t < n; ++t) {
+        float4 a = (float4)(0.0f);
+        for (int i = 0; i < HEAD_DIM / 4; ++i) a = fma(qv[i], vload4(i, K + (size_t)t * HEAD_DIM), a);
+        const float p = exp((a.x + a.y + a.z + a.w) * scale - m);
+        denom += p;
+        for (int i = 0; i < HEAD_DIM / 4; ++i) acc[i] = fma((float4)(p), vload4(i, V + (size_t)t * HEAD_DIM), acc[i]);
+    }
+    const float inv = 1.0f / denom;
+    __global float *o = out + (size_t)r * Q_DIM + h * HEAD_DIM;
+    for (int i = 0; i < HEAD_DIM / 4; ++i) vstore4(acc[i] * inv, i, o);
+}

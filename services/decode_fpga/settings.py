@@ -1,0 +1,26 @@
+"""Settings of the OpenCL (decode_fpga) engine and its service; HYBRIDSERVE_* variables."""
+from __future__ import annotations
+
+from typing import Literal
+
+from services.settings import CommonSettings
+
+
+class DecodeSettings(CommonSettings):
+    # device
+    opencl_platform: str | None = None  # substring of the platform name (e.g. "Portable", "Intel(R) FPGA")
+    opencl_device: str | None = None  # substring of the device name
+    opencl_binary_dir: str | None = None  # prebuilt programs (<kernel>.bin) for platforms that cannot compile
+    # weights and KV
+    weights_dtype: Literal["fp32", "fp16"] = "fp32"  # fp32 keeps every mode token-identical
+    kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
+    max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
+    max_sequences: int = 4  # sequence slots resident on the device
+    # service
+    host: str = "127.0.0.1"
+    port: int = 50062
+    metrics_port: int = 9102
+    prefill_address: str = "127.0.0.1:50061"  # prefill_gpu, for hybrid mode
+    queue_depth: int = 16  # requests waiting beyond the running ones; more → RESOURCE_EXHAUSTED
+    max_concurrency: int = 4  # requests running at once
+    profile_cache: str = "~/.cache/hybridserve/profile"
