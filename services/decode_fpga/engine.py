@@ -115,10 +115,11 @@ class OpenCLEngine:
         c = self.cfg
         attn = self.dev.build("attention.cl", {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads,
                                                "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim})
-        self._k_rope_store, self._k_attention = attn.rope_store_kv, attn.attention
-        self._k_norm = self.dev.build("norm.cl").rms_norm
+        # kernel objects of this engine's own: arguments are set per launch
+        self._k_rope_store, self._k_attention = cl.Kernel(attn, "rope_store_kv"), cl.Kernel(attn, "attention")
+        self._k_norm = cl.Kernel(self.dev.build("norm.cl"), "rms_norm")
         elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
-        self._k_silu_mul, self._k_argmax = elem.silu_mul, elem.argmax_rows
+        self._k_silu_mul, self._k_argmax = cl.Kernel(elem, "silu_mul"), cl.Kernel(elem, "argmax_rows")
 
     def _alloc_scratch(self, rows: int) -> None:
         c, ctx = self.cfg, self.dev.context

@@ -1,0 +1,23 @@
+"""OpenCL fixtures: the device and engines, built once per session (kernels + upload take seconds)."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cl_dev():
+    from services.decode_fpga.device import select_device
+
+    return select_device()
+
+
+def make_engine(loaded_model, cl_dev, **kw):
+    from services.decode_fpga.engine import OpenCLEngine
+
+    return OpenCLEngine(loaded_model.config, loaded_model.weights, cl_dev, **kw)
+
+
+@pytest.fixture(scope="session")
+def ocl_engine(loaded_model, cl_dev):
+    """fp32 weights, one channel: the default configuration."""
+    return make_engine(loaded_model, cl_dev, max_context=1024, max_sequences=4)

@@ -1,0 +1,133 @@
+"""Every OpenCL kernel against its numpy reference, on small random inputs."""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+import pytest
+
+from services.decode_fpga.gemv import upload_dense_matrix
+from services.decode_fpga.kv_channels import ChannelLayout
+
+MF = cl.mem_flags
+rng = np.random.default_rng(0)
+
+
+def buf(dev, a):
+    return cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a))
+
+
+def read(dev, b, shape, dtype=np.float32):
+    out = np.empty(shape, dtype)
+    cl.enqueue_copy(dev.queue, out, b, is_blocking=True)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+@pytest.mark.parametrize("batch", [1, 3, 6])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_matches_numpy(cl_dev, fmt, batch, accumulate):
+    w = rng.normal(size=(200, 96)).astype(np.float32)
+    x = rng.normal(size=(batch, 96)).astype(np.float32)
+    y0 = rng.normal(size=(batch, 200)).astype(np.float32)
+    m = upload_dense_matrix(cl_dev, w, fmt)
+    xb, yb = buf(cl_dev, x), buf(cl_dev, y0)
+    m.enqueue_gemv(cl_dev.queue, xb, yb, batch, accumulate)
+    stored = w.astype(np.float16).astype(np.float64) if fmt == "fp16" else w.astype(np.float64)
+    ref = x.astype(np.float64) @ stored.T + (y0 if accumulate else 0)
+    np.testing.assert_allclose(read(cl_dev, yb, (batch, 200)), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_dense_matrix_refuses_bad_shapes(cl_dev):
+    with pytest.raises(ValueError, match="cols % 16"):
+        upload_dense_matrix(cl_dev, np.zeros((4, 10), np.float32), "fp32")
+    with pytest.raises(ValueError, match="dense format"):
+        upload_dense_matrix(cl_dev, np.zeros((4, 16), np.float32), "int3")
+
+
+def test_embed_rows(cl_dev):
+    e = rng.normal(size=(50, 32)).astype(np.float32)
+    m = upload_dense_matrix(cl_dev, e, "fp32")
+    toks = np.array([7, 0, 49, 7], np.int32)
+    xb = cl.Buffer(cl_dev.context, MF.READ_WRITE, 4 * 32 * 4)
+    m.enqueue_embed(cl_dev.queue, buf(cl_dev, toks), xb, 4)
+    np.testing.assert_array_equal(read(cl_dev, xb, (4, 32)), e[toks])
+
+
+def test_rms_norm(cl_dev):
+    x = rng.normal(size=(5, 64)).astype(np.float32)
+    w = rng.normal(size=64).astype(np.float32)
+    out = cl.Buffer(cl_dev.context, MF.READ_WRITE, x.nbytes)
+    k = cl_dev.build("norm.cl").rms_norm
+    k(cl_dev.queue, (5,), None, buf(cl_dev, x), buf(cl_dev, w), out, np.int32(64), np.float32(1e-5))
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(read(cl_dev, out, x.shape), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul(cl_dev):
+    gu = rng.normal(size=(3, 2 * 40)).astype(np.float32)
+    act = cl.Buffer(cl_dev.context, MF.READ_WRITE, 3 * 40 * 4)
+    cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).silu_mul(cl_dev.queue, (3, 40), None, buf(cl_dev, gu), act,
+                                                              np.int32(40))
+    g, u = gu[:, :40].astype(np.float64), gu[:, 40:]
+    np.testing.assert_allclose(read(cl_dev, act, (3, 40)), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+def test_argmax_takes_first_of_ties(cl_dev):
+    logits = rng.normal(size=(3, 1000)).astype(np.float32)
+    logits[1, [17, 600]] = 50.0  # a tie: the first index wins, as np.argmax and torch.argmax
+    out = cl.Buffer(cl_dev.context, MF.READ_WRITE, 12)
+    k = cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).argmax_rows
+    k(cl_dev.queue, (3 * 256,), (256,), buf(cl_dev, logits), np.int32(1000), out)
+    np.testing.assert_array_equal(read(cl_dev, out, 3, np.int32), np.argmax(logits, axis=1))
+
+
+def _rope_ref(v, pos, inv_freq):
+    half = v.shape[-1] // 2
+    ang = (np.float32(pos) * inv_freq).astype(np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = v[:half], v[half:]
+    return np.concatenate([a * c - b * s, b * c + a * s])
+
+
+def test_rope_store_and_attention_match_numpy(cl_dev):
+    """Two sequences in two slots, rows at different positions, 3 channels, GQA group of 2."""
+    head_dim, n_heads, n_kv, ctx = 16, 4, 2, 12
+    group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
+    lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2, n_channels=3)
+    prog = cl_dev.build("attention.cl", {"HEAD_DIM": head_dim, "GROUP": group, "Q_DIM": q_dim, "KV_DIM": kv_dim})
+    chans = [cl.Buffer(cl_dev.context, MF.READ_WRITE, max(4, lay.channel_elems(c) * 4)) for c in range(3)]
+    inv_freq = (1.0 / (1e4 ** (np.arange(0, head_dim, 2) / head_dim))).astype(np.float32)
+    # slot 0 gets a 5-token "prefill", then slot 1 a 3-token one; then one decode row each
+    rows = [(0, p) for p in range(5)] + [(1, p) for p in range(3)] + [(0, 5), (1, 3)]
+    qkv = rng.normal(size=(len(rows), q_dim + 2 * kv_dim)).astype(np.float32)
+    out_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * q_dim * 4)
+    qkv_b = buf(cl_dev, qkv)
+    slots = buf(cl_dev, np.array([r[0] for r in rows], np.int32))
+    pos = buf(cl_dev, np.array([r[1] for r in rows], np.int32))
+    for h in range(n_kv):
+        kc, kb = lay.locate(0, 0, 0, h)
+        vc, vb = lay.locate(0, 0, 1, h)
+        ks, vs = lay.locate(1, 0, 0, h)[1] - kb, lay.locate(1, 0, 1, h)[1] - vb
+        args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs))
+        prog.rope_store_kv(cl_dev.queue, (len(rows), group + 1), None, qkv_b, slots, pos, buf(cl_dev, inv_freq),
+                           np.int32(h), *args)
+        prog.attention(cl_dev.queue, (len(rows), group), None, qkv_b, slots, pos, np.int32(h),
+                       np.float32(head_dim ** -0.5), *args, out_b)
+    got = read(cl_dev, out_b, (len(rows), q_dim))
+    # numpy reference: rope q and k, causal attention within each slot
+    cache = {}
+    for i, (slot, p) in enumerate(rows):
+        for h in range(n_kv):
+            k = _rope_ref(qkv[i, q_dim + h * head_dim: q_dim + (h + 1) * head_dim], p, inv_freq)
+            v = qkv[i, q_dim + kv_dim + h * head_dim: q_dim + kv_dim + (h + 1) * head_dim]
+            cache[(slot, h, p)] = (k, v)
+    for i, (slot, p) in enumerate(rows):
+        for h in range(n_heads):
+            q = _rope_ref(qkv[i, h * head_dim:(h + 1) * head_dim], p, inv_freq)
+            ks = np.stack([cache[(slot, h // group, t)][0] for t in range(p + 1)])
+            vs = np.stack([cache[(slot, h // group, t)][1] for t in range(p + 1)])
+            s = ks @ q / np.sqrt(head_dim)
+            w = np.exp(s - s.max())
+            ref = (w / w.sum()) @ vs
+            np.testing.assert_allclose(got[i, h * head_dim:(h + 1) * head_dim], ref, rtol=1e-4, atol=1e-5)
