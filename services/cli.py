@@ -80,10 +80,26 @@ def _generate(args) -> int:
     return 0
 
 
+def _service(module: str):
+    def run(_args) -> int:
+        import importlib
+
+        return importlib.import_module(module).main()
+    return run
+
+
+def _add_services(sub) -> None:
+    for name, module, what in (("prefill", "services.prefill_gpu.__main__", "the prefill_gpu service (PyTorch)"),
+                               ("decode", "services.decode_fpga.__main__", "the decode_fpga service (OpenCL)")):
+        p = sub.add_parser(name, help=f"run {what}; settings from HYBRIDSERVE_* variables")
+        p.set_defaults(func=_service(module))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_services(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=CommonSettings().log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

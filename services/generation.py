@@ -56,8 +56,6 @@ class Generation:
 
     def __iter__(self) -> Iterator[TokenEvent]:
         p = self.params
-        eos = () if p.ignore_eos else self.engine.cfg.eos_token_ids
-        stop_ids = frozenset(eos) | frozenset(p.stop_token_ids)
         capacity = min(len(self.prompt_ids) + p.max_tokens, self.max_context)
         sampler = Sampler(p)
         seq = self.engine.new_sequence(capacity)
@@ -66,16 +64,30 @@ class Generation:
             t0 = time.perf_counter()
             token = sampler.sample(self.engine.prefill(seq, self.prompt_ids))
             self.timings.prefill_s = time.perf_counter() - t0
-            n = 1
-            t0 = time.perf_counter()
+            yield from self.decode_from(seq, token, sampler)
+        finally:
+            self.engine.release(seq)
+
+    def decode_from(self, seq, first_token: int, sampler: Sampler) -> Iterator[TokenEvent]:
+        """Emit `first_token`, then decode until a finish. `seq` holds the prompt's KV
+        (prefilled here, or imported from another engine in hybrid mode); the caller
+        releases it."""
+        p = self.params
+        eos = () if p.ignore_eos else self.engine.cfg.eos_token_ids
+        stop_ids = frozenset(eos) | frozenset(p.stop_token_ids)
+        room = min(len(self.prompt_ids) + p.max_tokens, self.max_context) - len(self.prompt_ids)
+        token, n = first_token, 1
+        t0 = time.perf_counter()
+        try:
             while True:
-                self.state = state_after_token(token, n, p.max_tokens, stop_ids, capacity - len(self.prompt_ids) - n)
+                self.state = state_after_token(token, n, p.max_tokens, stop_ids, room - n)
                 if self.state.finished:
                     self.timings.decode_s = time.perf_counter() - t0
                     self.timings.decode_tokens = n - 1
                     yield TokenEvent(token, finish_reason(self.state))
                     return
                 yield TokenEvent(token, None)
+                self.state = RequestState.DECODING
                 if p.greedy:
                     token = self.engine.decode_greedy([seq], [token])[0]
                 else:
@@ -84,5 +96,3 @@ class Generation:
         except GeneratorExit:
             self.state = RequestState.FINISHED_ABORTED
             raise
-        finally:
-            self.engine.release(seq)

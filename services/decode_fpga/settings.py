@@ -22,5 +22,7 @@ class DecodeSettings(CommonSettings):
     metrics_port: int = 9102
     prefill_address: str = "127.0.0.1:50061"  # prefill_gpu, for hybrid mode
     queue_depth: int = 16  # requests waiting beyond the running ones; more → RESOURCE_EXHAUSTED
-    max_concurrency: int = 4  # requests running at once
+    max_concurrency: int = 4  # requests running at once (at most max_sequences hold device KV)
+    handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
     profile_cache: str = "~/.cache/hybridserve/profile"
+    profile_at_start: bool = True

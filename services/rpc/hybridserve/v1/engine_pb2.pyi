@@ -103,24 +103,30 @@ class SlotGranted(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., n_tokens: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class LayerReady(_message.Message):
-    __slots__ = ("layer", "offset", "nbytes")
+    __slots__ = ("layer", "offset", "nbytes", "written_at")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_AT_FIELD_NUMBER: _ClassVar[int]
     layer: int
     offset: int
     nbytes: int
-    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    written_at: float
+    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., written_at: _Optional[float] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "prefill_s", "queue_s")
+    __slots__ = ("first_token", "prefill_s", "queue_s", "compute_done_at", "finish_reason")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DONE_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     prefill_s: float
     queue_s: float
-    def __init__(self, first_token: _Optional[int] = ..., prefill_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    compute_done_at: float
+    finish_reason: str
+    def __init__(self, first_token: _Optional[int] = ..., prefill_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_done_at: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("slot", "layer", "done")

@@ -70,7 +70,9 @@ class EngineServicer:
 
     def Prefill(self, request, context):
         """prefill_gpu only: prefill into an arena slot, one message per layer as it lands.
-        The slot is freed when this stream ends, is cancelled, or its deadline passes.
+        After PrefillDone the server keeps the slot until the client ends the call
+        (cancels it once the layers are on its device), the call's deadline passes, or
+        a hold limit passes; then, or on any failure, the slot is freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,22 @@
+"""Prometheus metrics of the engine processes (names fixed by the hybrid-mode issue)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+STAGE_SECONDS = Histogram("hybridserve_stage_seconds", "Seconds spent per request stage",
+                          ["stage", "device"], buckets=STAGE_BUCKETS)
+QUEUE_DEPTH = Gauge("hybridserve_engine_queue_depth", "Requests waiting for the engine")
+REQUESTS = Counter("hybridserve_engine_requests", "Requests finished by the engine, by status", ["status"])
+
+# prefill_gpu
+ARENA_USED_BYTES = Gauge("hybridserve_kv_arena_used_bytes", "Bytes of the KV arena held by slots")
+ARENA_SLOTS_IN_USE = Gauge("hybridserve_kv_arena_slots_in_use", "KV arena slots held by requests")
+
+# decode_fpga
+HANDOFF_SECONDS = Histogram("hybridserve_kv_handoff_seconds",
+                            "KV hand-off, first layer written to last layer on the device", buckets=STAGE_BUCKETS)
+HANDOFF_EXPOSED_SECONDS = Histogram("hybridserve_kv_handoff_exposed_seconds",
+                                    "KV hand-off not hidden behind prefill compute", buckets=STAGE_BUCKETS)
+HANDOFF_BYTES = Counter("hybridserve_kv_handoff_bytes", "Bytes of KV handed over")

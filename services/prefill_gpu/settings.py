@@ -1,0 +1,22 @@
+"""Settings of the prefill_gpu service; HYBRIDSERVE_* variables."""
+from __future__ import annotations
+
+from typing import Literal
+
+from services.settings import CommonSettings
+
+
+class PrefillSettings(CommonSettings):
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int = 9101
+    device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # auto = fp32, for parity across modes
+    arena_bytes: int = 256 * 1024 * 1024
+    arena_wait_s: float = 2.0  # bounded wait for a slot; then RESOURCE_EXHAUSTED
+    slot_hold_s: float = 30.0  # longest a finished Prefill keeps its slot for a silent client
+    wire_dtype: Literal["fp32", "fp16"] = "fp32"  # fp32 = the KV cache's own dtype on the CPU: identical tokens
+    max_concurrency: int = 2
+    queue_depth: int = 16
+    profile_cache: str = "~/.cache/hybridserve/profile"
+    profile_at_start: bool = True
