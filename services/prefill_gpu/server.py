@@ -34,7 +34,7 @@ class PrefillServicer(EngineServicer):
         self.modes = {pb.MODE_GPU: self.local_generation}
         # prefills get their own admission: they are short, and a hybrid decode must
         # never wait behind gpu-mode generations for its prefill
-        self.prefill_admission = Admission(settings.max_concurrency, settings.queue_depth)
+        self.prefill_admission = Admission(settings.prefill_max_concurrency, settings.prefill_queue_depth)
 
     def info_fields(self) -> dict:
         return {**super().info_fields(), "kv_dtype": self.settings.wire_dtype, "arena_name": self.arena.name,

@@ -1,0 +1,194 @@
+"""Hybrid mode with both services as real processes on loopback: parity, leaks, failures."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+from tests.conftest import random_prompt
+from tests.integration.conftest import DECODE_ENV, PREFILL_ENV
+from tests.services_harness import Service
+
+VOCAB = 49152
+
+
+def generate(stub, prompt, mode, max_tokens=8, **sampling):
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0),
+                               ignore_eos=True, **sampling)
+    tokens, last = [], None
+    for msg in stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=params, mode=mode), timeout=180):
+        tokens += msg.token_ids
+        last = msg
+    return tokens, last
+
+
+def slots_in_use(prefill: Service) -> float:
+    return prefill.metric("hybridserve_kv_arena_slots_in_use")
+
+
+def wait_for_zero_slots(prefill: Service, within: float) -> float:
+    deadline = time.monotonic() + within
+    while (n := slots_in_use(prefill)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 64, 512])
+def test_greedy_hybrid_equals_gpu_and_fpga(stubs, n):
+    pre, dec = stubs
+    prompt = random_prompt(n, VOCAB, seed=21)
+    gpu, _ = generate(pre, prompt, pb.MODE_GPU, 16)
+    fpga, _ = generate(dec, prompt, pb.MODE_FPGA, 16)
+    hybrid, last = generate(dec, prompt, pb.MODE_HYBRID, 16)
+    assert gpu == fpga == hybrid
+    t = last.timings
+    assert last.finish_reason == "length" and t.generated_tokens == 16 and t.prompt_tokens == n
+    assert t.handoff_bytes == 30 * 2 * 3 * n * 64 * 4
+    assert 0 <= t.handoff_exposed_s <= t.handoff_total_s and t.prefill_s > 0
+
+
+def test_seeded_sampling_continues_identically_across_the_handoff(stubs):
+    pre, dec = stubs
+    prompt = random_prompt(20, VOCAB, seed=22)
+    kw = dict(temperature=0.9, top_p=0.95, seed=1234)
+    gpu, _ = generate(pre, prompt, pb.MODE_GPU, 12, **kw)
+    hybrid, _ = generate(dec, prompt, pb.MODE_HYBRID, 12, **kw)
+    assert gpu == hybrid
+
+
+@pytest.mark.slow
+def test_300_sequential_and_30_concurrent_leave_no_slot(services, stubs):
+    prefill, _ = services
+    _, dec = stubs
+    for i in range(300):
+        toks, last = generate(dec, [5 + i % 50, 7, 9], pb.MODE_HYBRID, 1)
+        assert len(toks) == 1
+    assert slots_in_use(prefill) == 0
+    with ThreadPoolExecutor(30) as pool:
+        results = list(pool.map(lambda i: generate(dec, random_prompt(8 + i, VOCAB), pb.MODE_HYBRID, 2)[0],
+                                range(30)))
+    assert all(len(r) == 2 for r in results)
+    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert prefill.metric("hybridserve_kv_arena_used_bytes") == 0
+
+
+def test_prefill_cancelled_mid_stream_frees_its_slot(services, stubs):
+    prefill, _ = services
+    pre, _ = stubs
+    call = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=23),
+                                         sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
+    kinds = []
+    for msg in call:
+        kinds.append(msg.WhichOneof("event"))
+        if kinds.count("layer") == 2:
+            break
+    assert kinds[0] == "slot" and slots_in_use(prefill) == 1
+    call.cancel()
+    time.sleep(2.0)
+    assert slots_in_use(prefill) == 0
+
+
+def test_hybrid_generate_cancelled_during_prefill_frees_everything(services, stubs):
+    prefill, _ = services
+    _, dec = stubs
+    call = dec.Generate(pb.GenerateRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=24),
+                                           sampling=pb.SamplingParams(max_tokens=4), mode=pb.MODE_HYBRID), timeout=60)
+    threading.Timer(0.3, call.cancel).start()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_for_zero_slots(prefill, 2.0) == 0
+    # the decode side gave its sequence slot back too: 4 requests fit again at once
+    with ThreadPoolExecutor(4) as pool:
+        assert all(len(t) == 1 for t in pool.map(
+            lambda i: generate(dec, [11, 12, i + 3], pb.MODE_HYBRID, 1)[0], range(4)))
+
+
+def test_decode_process_killed_mid_handoff_frees_the_slot(services, tmp_path):
+    prefill, _ = services
+    victim = Service("services.decode_fpga", {"HYBRIDSERVE_PREFILL_ADDRESS": prefill.address,
+                                              "HYBRIDSERVE_PROFILE_CACHE": str(tmp_path), **DECODE_ENV},
+                     tmp_path / "victim.log").start().wait_healthy()
+    with grpc.insecure_channel(victim.address) as ch:
+        from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
+
+        call = pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(
+            prompt_token_ids=random_prompt(512, VOCAB, seed=25), sampling=pb.SamplingParams(max_tokens=4),
+            mode=pb.MODE_HYBRID), timeout=60)
+        deadline = time.monotonic() + 20
+        while slots_in_use(prefill) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)  # wait until the hand-off has its slot
+        assert slots_in_use(prefill) == 1
+        victim.stop(sig=9)
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    time.sleep(2.0)
+    assert slots_in_use(prefill) == 0
+
+
+def test_full_arena_is_resource_exhausted_within_the_bounded_wait(services, stubs):
+    prefill, _ = services
+    pre, _ = stubs
+    holder = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=26),
+                                           sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
+    try:
+        assert next(holder).WhichOneof("event") == "slot"  # holds ~24 of the 32 MiB
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(400, VOCAB, seed=27),
+                                               sampling=pb.SamplingParams(max_tokens=1)), timeout=30))
+        waited = time.monotonic() - t0
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "no" in err.value.details() and "slot free within" in err.value.details()
+        assert waited < 10  # bounded: the setting is 1 s, never a hang
+    finally:
+        holder.cancel()
+    assert wait_for_zero_slots(prefill, 2.0) == 0
+
+
+def test_queue_over_depth_is_resource_exhausted(stubs):
+    pre, _ = stubs  # prefill_gpu runs 1 gpu-mode request and queues 1 (PREFILL_ENV)
+    assert PREFILL_ENV["HYBRIDSERVE_QUEUE_DEPTH"] == "1"
+
+    def one(i):
+        try:
+            generate(pre, random_prompt(30, VOCAB, seed=i), pb.MODE_GPU, 24)
+            return "ok"
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    with ThreadPoolExecutor(5) as pool:
+        codes = list(pool.map(one, range(5)))
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 2 and "ok" in codes
+
+
+def test_bad_requests_get_precise_statuses(stubs):
+    pre, dec = stubs
+    cases = [
+        (pre, pb.GenerateRequest(prompt_token_ids=[1, 2], mode=pb.MODE_HYBRID), grpc.StatusCode.INVALID_ARGUMENT),
+        (dec, pb.GenerateRequest(prompt_token_ids=[], mode=pb.MODE_FPGA), grpc.StatusCode.INVALID_ARGUMENT),
+        (dec, pb.GenerateRequest(prompt_token_ids=[VOCAB + 5], mode=pb.MODE_FPGA), grpc.StatusCode.INVALID_ARGUMENT),
+        (dec, pb.GenerateRequest(prompt_token_ids=[3] * 1024, mode=pb.MODE_FPGA), grpc.StatusCode.OUT_OF_RANGE),
+        (dec, pb.GenerateRequest(prompt_token_ids=[3], mode=pb.MODE_FPGA,
+                                 sampling=pb.SamplingParams(temperature=7)), grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for stub, req, code in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, timeout=30))
+        assert err.value.code() == code, (req, err.value.details())
+
+
+def test_info_and_profile(stubs):
+    pre, dec = stubs
+    info = pre.Info(pb.InfoRequest())
+    assert info.engine == "torch" and info.arena_name.startswith("hybridserve-kv-") and info.arena_size == 32 << 20
+    assert dec.Info(pb.InfoRequest()).engine == "opencl"
+    samples = dec.Profile(pb.ProfileRequest(), timeout=120).samples
+    stages = {(s.stage, s.device) for s in samples}
+    assert {("prefill", "fpga"), ("decode", "fpga"), ("handoff", "")} <= stages
+    assert all(s.seconds > 0 for s in samples)

@@ -1,0 +1,90 @@
+"""The arena on its own: real /dev/shm segments, slots, headers, the bounded wait."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from services.kv_arena import ALIGN, Arena, ArenaFull, ArenaReader, HeaderMismatch, SlotHeader
+from services.kv_handoff import HandoffState, KVReceiver
+
+HEADER = SlotHeader("fp32", 30, 3, 64, 17, "SmolLM2-135M-Instruct.Q4_1")
+
+
+@pytest.fixture
+def arena():
+    a = Arena(1 << 20)
+    yield a
+    a.close()
+
+
+def test_allocate_free_and_coalesce(arena):
+    a = arena.allocate(100_000, timeout=0)
+    b = arena.allocate(100_000, timeout=0)
+    assert a.offset == 0 and b.offset == a.size and a.size % ALIGN == 0
+    assert arena.slots_in_use == 2 and arena.used_bytes == a.size + b.size
+    arena.free(a)
+    arena.free(a)  # idempotent
+    arena.free(b)
+    assert arena.slots_in_use == 0
+    whole = arena.allocate((1 << 20) - 64, timeout=0)  # free space merged back into one run
+    assert whole.offset == 0
+
+
+def test_full_arena_waits_then_refuses(arena):
+    arena.allocate(900_000, timeout=0)
+    t0 = time.monotonic()
+    with pytest.raises(ArenaFull, match="within 0.3s"):
+        arena.allocate(200_000, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 2
+    with pytest.raises(ArenaFull, match="can never fit"):
+        arena.allocate(2 << 20, timeout=5)
+
+
+def test_a_freed_slot_wakes_a_waiter(arena):
+    held = arena.allocate(900_000, timeout=0)
+    threading.Timer(0.2, arena.free, args=(held,)).start()
+    assert arena.allocate(900_000, timeout=5).offset == 0
+
+
+def test_reader_maps_by_name_and_sees_the_bytes(arena):
+    slot = arena.allocate(4096, timeout=0)
+    arena.write_header(slot, HEADER)
+    arena.data_view(slot, 8)[:] = np.arange(8, dtype=np.uint8)
+    reader = ArenaReader(arena.name)
+    assert reader.read_header(slot.offset) == HEADER
+    assert bytes(reader.view(slot.data_offset, 8)) == bytes(range(8))
+    with pytest.raises(HeaderMismatch, match="outside"):
+        reader.view(arena.size - 4, 8)
+
+
+@pytest.mark.parametrize("field,value", [("version", 2), ("dtype", "fp16"), ("n_tokens", 18), ("model_id", "other")])
+def test_header_mismatch_is_refused_with_the_field_named(arena, field, value):
+    slot = arena.allocate(4096, timeout=0)
+    arena.write_header(slot, dataclasses.replace(HEADER, **{field: value}))
+    got = ArenaReader(arena.name).read_header(slot.offset)
+    with pytest.raises(HeaderMismatch, match=f"{field}="):
+        got.check_against(HEADER)
+
+
+def test_receiver_refuses_a_slot_whose_header_lies(arena):
+    slot = arena.allocate(4096, timeout=0)
+    arena.write_header(slot, dataclasses.replace(HEADER, version=9))
+    receiver = KVReceiver(ArenaReader(arena.name), engine=None, seq=None, expected=HEADER)
+    with pytest.raises(HeaderMismatch, match="version=9"):
+        receiver.accept_slot(slot.offset, HEADER.n_tokens, "fp32")
+    assert receiver.state is HandoffState.BOOTSTRAPPING
+
+
+def test_garbage_is_not_a_slot(arena):
+    arena._map.mm[0:64] = b"\xff" * 64
+    with pytest.raises(HeaderMismatch, match="magic"):
+        ArenaReader(arena.name).read_header(0)
+
+
+def test_missing_arena_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="prefill_gpu on this host"):
+        ArenaReader("hybridserve-kv-does-not-exist")
