@@ -1,0 +1,68 @@
+"""The gateway's view of the two engines: async gRPC stubs, health, Info and Profile."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAMES = {"gpu": "prefill_gpu", "fpga": "decode_fpga"}
+MODE_PROTO = {"gpu": pb.MODE_GPU, "fpga": pb.MODE_FPGA, "hybrid": pb.MODE_HYBRID}
+SERVED_BY = {"gpu": "gpu", "fpga": "fpga", "hybrid": "fpga"}  # whose Generate runs each mode
+
+
+class EngineClients:
+    def __init__(self, prefill_address: str, decode_address: str):
+        self.channels = {"gpu": grpc.aio.insecure_channel(prefill_address),
+                         "fpga": grpc.aio.insecure_channel(decode_address)}
+        self.stubs = {k: pb_grpc.EngineStub(ch) for k, ch in self.channels.items()}
+        self._health = {k: health_pb2_grpc.HealthStub(ch) for k, ch in self.channels.items()}
+        self.up = {"gpu": False, "fpga": False}
+        self.info: dict[str, pb.InfoResponse] = {}
+        self.profiles: dict[str, list[dict]] = {}
+
+    async def check(self, engine: str) -> bool:
+        try:
+            reply = await self._health[engine].Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            up = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if up and engine not in self.info:
+                self.info[engine] = await self.stubs[engine].Info(pb.InfoRequest(), timeout=5.0)
+        except grpc.RpcError:
+            up = False
+        if up != self.up[engine]:
+            log.info("%s is %s", ENGINE_NAMES[engine], "up" if up else "DOWN")
+        self.up[engine] = up
+        return up
+
+    async def check_all(self) -> dict[str, bool]:
+        await asyncio.gather(*(self.check(e) for e in self.up))
+        return dict(self.up)
+
+    def mark_down(self, engine: str) -> None:
+        if self.up[engine]:
+            log.warning("%s marked down after a failed call", ENGINE_NAMES[engine])
+        self.up[engine] = False
+
+    async def fetch_profile(self, engine: str) -> list[dict] | None:
+        try:
+            reply = await self.stubs[engine].Profile(pb.ProfileRequest(), timeout=600.0)
+        except grpc.RpcError as exc:
+            log.warning("no profile from %s: %s", ENGINE_NAMES[engine], exc.code().name)
+            return None
+        samples = [{"stage": s.stage, "device": s.device, "n_in": s.n_in, "n_out": s.n_out, "seconds": s.seconds}
+                   for s in reply.samples]
+        self.profiles[engine] = samples
+        return samples
+
+    def context_of(self, engine: str) -> int:
+        info = self.info.get(engine)
+        return info.max_context if info else 0
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self.channels.values()))

@@ -1,0 +1,19 @@
+"""Prometheus metrics of the gateway (names fixed by the gateway issue)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 30, 60, 120)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+TTFT = Histogram("hybridserve_time_to_first_token_seconds", "Time to first token", ["mode"], buckets=LATENCY_BUCKETS)
+ITL = Histogram("hybridserve_inter_token_latency_seconds", "Time between streamed tokens", ["mode"],
+                buckets=TOKEN_BUCKETS)
+E2E = Histogram("hybridserve_e2e_request_latency_seconds", "End-to-end request latency", ["mode"],
+                buckets=LATENCY_BUCKETS)
+REQUESTS = Counter("hybridserve_requests", "Requests by mode and outcome", ["mode", "status"])
+DECISIONS = Counter("hybridserve_router_decisions", "Router decisions", ["mode", "reason"])
+ESTIMATE_ERROR = Histogram("hybridserve_router_estimate_error_ratio", "|predicted - actual| / actual end-to-end time",
+                           ["mode"], buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10))
+PROMPT_TOKENS = Counter("hybridserve_prompt_tokens", "Prompt tokens processed")
+GENERATION_TOKENS = Counter("hybridserve_generation_tokens", "Tokens generated")

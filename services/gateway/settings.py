@@ -1,0 +1,20 @@
+"""Settings of the gateway; HYBRIDSERVE_* variables."""
+from __future__ import annotations
+
+from pydantic import SecretStr
+
+from services.settings import CommonSettings
+
+
+class GatewaySettings(CommonSettings):
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    prefill_address: str = "127.0.0.1:50061"
+    decode_address: str = "127.0.0.1:50062"
+    api_key: SecretStr | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    served_model_name: str | None = None  # default: the engines' model id
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
+    chat_default_max_tokens: int = 1024  # chat requests without max_tokens
+    calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile
+    health_interval_s: float = 1.0
