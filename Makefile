@@ -30,7 +30,7 @@ system-deps:
 	fi
 
 run: $(STAMP) system-deps
-	$(VENV)/bin/hybridserve generate --chat "What is the capital of France?" --max-tokens 64 --temperature 0
+	$(VENV)/bin/hybridserve up
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra

@@ -93,6 +93,10 @@ def _add_services(sub) -> None:
                                ("decode", "services.decode_fpga.__main__", "the decode_fpga service (OpenCL)")):
         p = sub.add_parser(name, help=f"run {what}; settings from HYBRIDSERVE_* variables")
         p.set_defaults(func=_service(module))
+    sub.add_parser("gateway", help="run the OpenAI-compatible gateway").set_defaults(
+        func=_service("services.gateway.__main__"))
+    sub.add_parser("up", help="run the whole local stack: prefill_gpu, decode_fpga and the gateway").set_defaults(
+        func=lambda _args: __import__("services.stack", fromlist=["up"]).up())
 
 
 def main(argv: list[str] | None = None) -> int:
