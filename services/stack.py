@@ -89,11 +89,11 @@ def up() -> int:
         auth = {"Authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
         with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
             model = json.load(r)["data"][0]["id"]
+        key_header = "-H 'Authorization: Bearer $HYBRIDSERVE_API_KEY' " if s.api_key else ""
         print(f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics)\n"
-              f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-              + (f"    -H 'Authorization: Bearer $HYBRIDSERVE_API_KEY'\n" if s.api_key else "") +
               f"Ctrl-C stops all three processes.", flush=True)
         while not stop.is_set():
             dead = [n for n, p in procs.items() if p.poll() is not None]
