@@ -1,7 +1,7 @@
 """Settings of the gateway; HYBRIDSERVE_* variables."""
 from __future__ import annotations
 
-from pydantic import SecretStr
+from pydantic import SecretStr, field_validator
 
 from services.settings import CommonSettings
 
@@ -18,3 +18,9 @@ class GatewaySettings(CommonSettings):
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
     calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile
     health_interval_s: float = 1.0
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        # compose passes HYBRIDSERVE_API_KEY= when none is set: that means "no key", not "the empty key"
+        return None if v in ("", None) else v

@@ -1,0 +1,54 @@
+"""Writes deploy/grafana/dashboards/hybridserve.json: one source for the panels and their PromQL.
+
+Run after changing a panel: python deploy/grafana/make_dashboard.py
+"""
+import json
+from pathlib import Path
+
+
+def quantiles(metric: str, by: str = "mode", window: str = "5m") -> list[dict]:
+    return [{"refId": f"p{q}", "legendFormat": f"p{q} {{{{{by}}}}}",
+             "expr": f"histogram_quantile(0.{q}, sum by (le, {by}) (rate({metric}_bucket[{window}])))"}
+            for q in (50, 95, 99)]
+
+
+PANELS = [
+    ("Time to first token by mode (s)", quantiles("hybridserve_time_to_first_token_seconds"), "s"),
+    ("Inter-token latency by mode (s)", quantiles("hybridserve_inter_token_latency_seconds"), "s"),
+    ("End-to-end latency by mode (s)", quantiles("hybridserve_e2e_request_latency_seconds"), "s"),
+    ("Mode mix (router decisions per second)",
+     [{"refId": "A", "legendFormat": "{{mode}} ({{reason}})",
+       "expr": "sum by (mode, reason) (rate(hybridserve_router_decisions_total[5m]))"}], "reqps"),
+    ("KV hand-off: exposed vs total (p95, s)",
+     [{"refId": "A", "legendFormat": "exposed",
+       "expr": "histogram_quantile(0.95, sum by (le) (rate(hybridserve_kv_handoff_exposed_seconds_bucket[5m])))"},
+      {"refId": "B", "legendFormat": "total",
+       "expr": "histogram_quantile(0.95, sum by (le) (rate(hybridserve_kv_handoff_seconds_bucket[5m])))"}], "s"),
+    ("KV arena use",
+     [{"refId": "A", "legendFormat": "bytes", "expr": "hybridserve_kv_arena_used_bytes"},
+      {"refId": "B", "legendFormat": "slots", "expr": "hybridserve_kv_arena_slots_in_use"}], "short"),
+    ("Engine queue depth",
+     [{"refId": "A", "legendFormat": "{{job}}", "expr": "hybridserve_engine_queue_depth"}], "short"),
+    ("Router estimate error |predicted - actual| / actual (median)",
+     [{"refId": "A", "legendFormat": "{{mode}}",
+       "expr": "histogram_quantile(0.5, sum by (le, mode) (rate(hybridserve_router_estimate_error_ratio_bucket[5m])))"}],
+     "percentunit"),
+]
+
+
+def dashboard() -> dict:
+    panels = []
+    for i, (title, targets, unit) in enumerate(PANELS):
+        panels.append({"id": i + 1, "type": "timeseries", "title": title,
+                       "datasource": {"type": "prometheus", "uid": "prometheus"},
+                       "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                       "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                       "targets": [{**t, "datasource": {"type": "prometheus", "uid": "prometheus"}} for t in targets]})
+    return {"uid": "hybridserve", "title": "hybridserve", "schemaVersion": 39, "version": 1, "refresh": "5s",
+            "time": {"from": "now-30m", "to": "now"}, "tags": ["hybridserve"], "panels": panels}
+
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "dashboards" / "hybridserve.json"
+    out.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    print(f"wrote {out}")
