@@ -88,3 +88,26 @@ def engine_pair(tmp: Path, prefill_env: dict | None = None, decode_env: dict | N
     decode = Service("services.decode_fpga", {**cache, "HYBRIDSERVE_PREFILL_ADDRESS": prefill.address,
                                               **(decode_env or {})}, tmp / "decode.log").start()
     return prefill, decode
+
+
+def start_gateway(tmp: Path, prefill: Service, decode: Service, env: dict | None = None) -> Service:
+    gw = Service("services.gateway", {"HYBRIDSERVE_PREFILL_ADDRESS": prefill.address,
+                                      "HYBRIDSERVE_DECODE_ADDRESS": decode.address, "HYBRIDSERVE_LOG_LEVEL": "WARNING",
+                                      **(env or {})}, tmp / "gateway.log")
+    gw.env["HYBRIDSERVE_GATEWAY_PORT"] = str(gw.port)
+    return gw.start()
+
+
+def wait_http_ok(svc: Service, path: str = "/health", timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if svc.proc.poll() is not None:
+            raise RuntimeError(f"{svc.module} exited:\n{svc.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{svc.port}{path}", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{svc.module}{path} not OK after {timeout}s:\n{svc.log_tail()}")
