@@ -38,9 +38,12 @@ test: $(STAMP) system-deps
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"
 
+# engine benchmarks (each a few minutes), then the end-to-end suite (~15-20 min); see bench/README.md
 bench: $(STAMP) system-deps
-	$(PY) -m pip install -q '.[bench]'
 	$(PY) bench/engine_torch.py
+	$(PY) bench/engine_opencl.py
+	$(PY) bench/handoff.py
+	$(PY) bench/suite.py
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iservices/rpc=proto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO)

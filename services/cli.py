@@ -88,6 +88,17 @@ def _service(module: str):
     return run
 
 
+def _bench(args) -> int:
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "suite.py"
+    if not script.is_file():
+        print("hybridserve bench: bench/suite.py is not here; run it from a checkout of the project", file=sys.stderr)
+        return 2
+    os.execv(sys.executable, [sys.executable, str(script), *args.bench_args])
+
+
 def _add_services(sub) -> None:
     for name, module, what in (("prefill", "services.prefill_gpu.__main__", "the prefill_gpu service (PyTorch)"),
                                ("decode", "services.decode_fpga.__main__", "the decode_fpga service (OpenCL)")):
@@ -95,6 +106,9 @@ def _add_services(sub) -> None:
         p.set_defaults(func=_service(module))
     sub.add_parser("gateway", help="run the OpenAI-compatible gateway").set_defaults(
         func=_service("services.gateway.__main__"))
+    bench = sub.add_parser("bench", help="the end-to-end benchmark suite (bench/suite.py; needs a checkout)",
+                           add_help=False)
+    bench.set_defaults(func=_bench)
     sub.add_parser("up", help="run the whole local stack: prefill_gpu, decode_fpga and the gateway").set_defaults(
         func=lambda _args: __import__("services.stack", fromlist=["up"]).up())
 
@@ -104,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_services(sub)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = rest  # everything after `bench` belongs to the suite
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=CommonSettings().log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.checkpoint import CheckpointError

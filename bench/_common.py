@@ -1,0 +1,61 @@
+"""What every benchmark shares: statistics, a terminal table, JSON under bench/results, plots."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_json(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    out = (out_dir or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def memory_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
+    """numpy copy of a buffer much larger than the caches: (read + write) bytes / time, median."""
+    import numpy as np
+
+    a = np.ones(mb << 18, np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t)
+    return 2 * a.nbytes / statistics.median(times) / 1e9

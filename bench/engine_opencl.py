@@ -1,0 +1,205 @@
+"""The OpenCL engine: each kernel's achieved GB/s, and whole decode steps against memory bandwidth.
+
+Side by side in one run, interleaved round by round: OpenCL decode with fp32 and
+fp16 weights at batch 1 and 8, the torch engine and transformers at batch 1.
+Also how often fp16 greedy tokens differ from fp32 over 256 tokens.
+
+    python bench/engine_opencl.py [--rounds N] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from _common import RESULTS, memory_bandwidth_gbs, progress, stats, table, write_json
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pyopencl as cl  # noqa: E402
+
+MF = cl.mem_flags
+
+
+def time_enqueued(dev, enqueue, reps: int) -> float:
+    enqueue()
+    dev.queue.finish()
+    t = time.perf_counter()
+    for _ in range(reps):
+        enqueue()
+    dev.queue.finish()
+    return (time.perf_counter() - t) / reps
+
+
+def kernel_lines(dev, cfg) -> list[dict]:
+    """One line per kernel: bytes it must move per launch / time per launch."""
+    from services.decode_fpga.gemv import upload_dense_matrix
+    from services.decode_fpga.kv_channels import ChannelLayout
+
+    rng = np.random.default_rng(0)
+    buf = lambda n, dt=np.float32: cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,  # noqa: E731
+                                            hostbuf=rng.normal(size=n).astype(dt))
+    lines = []
+    shapes = {"qkv": (cfg.q_dim + 2 * cfg.kv_dim, cfg.hidden), "gate_up": (2 * cfg.intermediate, cfg.hidden),
+              "down": (cfg.hidden, cfg.intermediate), "lm_head": (cfg.vocab_size, cfg.hidden)}
+    x, y = buf(8 * cfg.intermediate), buf(8 * cfg.vocab_size)
+    for fmt in ("fp32", "fp16"):
+        for name, shape in shapes.items():
+            copies = 1 if name == "lm_head" else 30  # 30 layers' worth: out of the caches, as in a decode step
+            mats = [upload_dense_matrix(dev, rng.normal(size=shape).astype(np.float32), fmt) for _ in range(copies)]
+            for batch in (1, 8):
+                s = time_enqueued(dev, lambda: [m.enqueue_gemv(dev.queue, x, y, batch) for m in mats], 3) / copies
+                lines.append({"kernel": f"gemv {fmt} {name} {shape[0]}x{shape[1]}", "batch": batch, "us": s * 1e6,
+                              "gbs": mats[0].nbytes / s / 1e9})
+            del mats
+    hidden, ff = cfg.hidden, cfg.intermediate
+    norm = cl.Kernel(dev.build("norm.cl"), "rms_norm")
+    nw, nx, no = buf(hidden), buf(8 * hidden), buf(8 * hidden)
+    s = time_enqueued(dev, lambda: norm(dev.queue, (1,), None, nx, nw, no, np.int32(hidden), np.float32(1e-5)), 200)
+    lines.append({"kernel": "rms_norm", "batch": 1, "us": s * 1e6, "gbs": 3 * hidden * 4 / s / 1e9})
+    elem = dev.build("elementwise.cl", {"ARGMAX_WG": 256})
+    silu = cl.Kernel(elem, "silu_mul")
+    gu, act = buf(8 * 2 * ff), buf(8 * ff)
+    s = time_enqueued(dev, lambda: silu(dev.queue, (1, ff), None, gu, act, np.int32(ff)), 200)
+    lines.append({"kernel": "silu_mul", "batch": 1, "us": s * 1e6, "gbs": 3 * ff * 4 / s / 1e9})
+    argmax = cl.Kernel(elem, "argmax_rows")
+    logits, out = buf(cfg.vocab_size), cl.Buffer(dev.context, MF.READ_WRITE, 64)
+    s = time_enqueued(dev, lambda: argmax(dev.queue, (256,), (256,), logits, np.int32(cfg.vocab_size), out), 100)
+    lines.append({"kernel": "argmax_rows", "batch": 1, "us": s * 1e6, "gbs": cfg.vocab_size * 4 / s / 1e9})
+    emb = upload_dense_matrix(dev, rng.normal(size=(4096, hidden)).astype(np.float32), "fp32")
+    toks = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(8, dtype=np.int32))
+    s = time_enqueued(dev, lambda: emb.enqueue_embed(dev.queue, toks, nx, 1), 200)
+    lines.append({"kernel": "embed_rows", "batch": 1, "us": s * 1e6, "gbs": 2 * hidden * 4 / s / 1e9})
+    ctx = 512
+    group = cfg.n_heads // cfg.n_kv_heads
+    attn = dev.build("attention.cl", {"HEAD_DIM": cfg.head_dim, "GROUP": group, "Q_DIM": cfg.q_dim,
+                                      "KV_DIM": cfg.kv_dim})
+    lay = ChannelLayout(1, cfg.n_kv_heads, cfg.head_dim, ctx + 1, 1, 1)
+    chan = buf(lay.channel_elems(0))
+    qkv = buf(cfg.q_dim + 2 * cfg.kv_dim)
+    slots = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.zeros(1, np.int32))
+    pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.full(1, ctx, np.int32))
+    inv = buf(cfg.head_dim // 2)
+    ro, at = cl.Kernel(attn, "rope_store_kv"), cl.Kernel(attn, "attention")
+    attn_out = buf(cfg.q_dim)
+    k_base, v_base = lay.locate(0, 0, 0, 0)[1], lay.locate(0, 0, 1, 0)[1]
+    args = (chan, np.int64(k_base), np.int64(0), chan, np.int64(v_base), np.int64(0))
+    s = time_enqueued(dev, lambda: ro(dev.queue, (1, group + 1), None, qkv, slots, pos, inv, np.int32(0), *args), 200)
+    lines.append({"kernel": "rope_store_kv", "batch": 1, "us": s * 1e6, "gbs": 4 * cfg.head_dim * 4 / s / 1e9})
+    s = time_enqueued(dev, lambda: at(dev.queue, (1, group), None, qkv, slots, pos, np.int32(0),
+                                      np.float32(0.125), *args, attn_out), 100)
+    # each query head reads K twice (max, then sum) and V once over ctx positions
+    lines.append({"kernel": f"attention ctx {ctx} (1 kv head)", "batch": 1, "us": s * 1e6,
+                  "gbs": group * 3 * (ctx + 1) * cfg.head_dim * 4 / s / 1e9})
+    return lines
+
+
+def decode_step_s(engine, batch: int, ctx: int, steps: int, rng) -> float:
+    seqs = [engine.new_sequence(ctx + steps + 2) for _ in range(batch)]
+    try:
+        toks = [int(np.argmax(engine.prefill(s, rng.integers(3, 4000, ctx).tolist()))) for s in seqs]
+        t = time.perf_counter()
+        for _ in range(steps):
+            toks = engine.decode_greedy(seqs, toks)
+        return (time.perf_counter() - t) / steps
+    finally:
+        for s in seqs:
+            engine.release(s)
+
+
+def hf_step_s(model, ctx: int, steps: int, rng) -> float:
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([rng.integers(3, 4000, ctx).tolist()]), use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - t) / steps
+
+
+def divergence(a, b, prompt, n: int) -> dict:
+    from services.generation import Generation
+    from services.sampling import SamplingParams
+
+    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    ta = [e.token for e in Generation(a, prompt, p, 8192)]
+    tb = [e.token for e in Generation(b, prompt, p, 8192)]
+    first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+    return {"tokens": n, "first_difference": first, "differing_fraction": float(np.mean(np.array(ta) != np.array(tb)))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    rounds, steps, ctx = (2, 8, 64) if args.quick else (args.rounds, 24, 64)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.decode_fpga.device import select_device
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.model_loading import load_model
+    from services.prefill_gpu.engine import TorchEngine
+
+    loaded = load_model()
+    cfg = loaded.config
+    dev = select_device()
+    progress(f"kernels on {dev.name}")
+    kernels = kernel_lines(dev, cfg)
+    progress("building the engines (fp32, fp16), the torch engine and transformers")
+    engines = {f: OpenCLEngine(cfg, loaded.weights, dev, weights_dtype=f, max_context=1024, max_sequences=8)
+               for f in ("fp32", "fp16")}
+    torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
+    ck = loaded.checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
+    bandwidth = []
+    runs: dict[str, list[float]] = {}
+    rng = np.random.default_rng(1)
+    for r in range(rounds):
+        progress(f"decode round {r + 1}/{rounds}")
+        bandwidth.append(memory_bandwidth_gbs())
+        for f, eng in engines.items():
+            for batch in (1, 8):
+                runs.setdefault(f"opencl {f} b{batch}", []).append(decode_step_s(eng, batch, ctx, steps, rng))
+        runs.setdefault("torch engine b1", []).append(decode_step_s(torch_engine, 1, ctx, steps, rng))
+        runs.setdefault("transformers b1", []).append(hf_step_s(hf, ctx, steps, rng))
+    kv_bytes_per_token = cfg.n_layers * 2 * cfg.kv_dim * 4  # fp32 KV, read for every cached position
+    rows, decode = [], {}
+    bw = float(np.median(bandwidth))
+    for name, ts in runs.items():
+        st = stats(ts)
+        batch = int(name.rsplit("b", 1)[1])
+        fmt = name.split()[1] if name.startswith("opencl") else "fp32"
+        weights = engines[fmt].weights_nbytes if name.startswith("opencl") else engines["fp32"].weights_nbytes
+        bytes_step = weights + batch * (ctx + steps / 2) * kv_bytes_per_token
+        gbs = bytes_step / st["median"] / 1e9
+        decode[name] = {**{k + "_s": v for k, v in st.items() if k != "n"}, "rounds": st["n"], "bytes_per_step": bytes_step,
+                        "gbs": gbs, "tokens_per_s": batch / st["median"]}
+        rows.append([name, f"{st['median'] * 1e3:.2f}", f"{st['min'] * 1e3:.2f}-{st['max'] * 1e3:.2f}",
+                     f"{batch / st['median']:.1f}", f"{gbs:.1f}", f"{100 * gbs / bw:.0f}%"])
+    progress("fp16 vs fp32 greedy divergence over 256 tokens")
+    div = divergence(engines["fp16"], engines["fp32"], rng.integers(3, 4000, 32).tolist(), 256 if not args.quick else 64)
+    print(table(["kernel", "batch", "us/launch", "GB/s"],
+                [[k["kernel"], k["batch"], f"{k['us']:.1f}", f"{k['gbs']:.1f}"] for k in kernels]))
+    print()
+    print(table(["decode step", "ms (median)", "ms min-max", "tokens/s", "GB/s", "of memory bw"], rows))
+    print(f"memory bandwidth (numpy copy, read+write, median of {rounds}): {bw:.1f} GB/s; context {ctx} tokens; "
+          f"{rounds} interleaved rounds of {steps} steps")
+    print(f"fp16 vs fp32 greedy: first difference at token {div['first_difference']}, "
+          f"{100 * div['differing_fraction']:.1f}% of {div['tokens']} tokens differ")
+    write_json("engine_opencl", {"device": dev.name, "memory_bandwidth_gbs": bandwidth, "kernels": kernels,
+                                 "decode": decode, "fp16_divergence": div, "context": ctx, "steps": steps},
+               out_dir=Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The PyTorch engine against `transformers`, same model, same threads, interleaved rounds.
+
+Prefill tokens/s at 64, 256, 512, 1024 prompt tokens; decode ms/token at batch
+1, 4, 16 (sequences of different lengths). Rounds alternate ours / theirs
+because this machine's speed drifts by +-25% over minutes.
+
+    python bench/engine_torch.py [--rounds N] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from _common import RESULTS, progress, stats, table, write_json
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def ours_prefill(engine, ids):
+    seq = engine.new_sequence(len(ids) + 1)
+    t = time.perf_counter()
+    engine.prefill(seq, ids)
+    return time.perf_counter() - t
+
+
+def hf_prefill(model, ids):
+    t = time.perf_counter()
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - t
+
+
+def ours_decode(engine, prompts, steps):
+    seqs = [engine.new_sequence(len(p) + steps + 1) for p in prompts]
+    tokens = [int(np.argmax(engine.prefill(s, p))) for s, p in zip(seqs, prompts)]
+    t = time.perf_counter()
+    for _ in range(steps):
+        tokens = engine.decode_greedy(seqs, tokens)
+    return (time.perf_counter() - t) / steps
+
+
+def hf_decode(model, prompts, steps):
+    """Left-padded batch with an attention mask and the KV cache, as `generate` runs it."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        past = out.past_key_values
+        t = time.perf_counter()
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+            out = model(nxt, attention_mask=mask, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - t) / steps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="2 rounds, fewer sizes")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    rounds = 2 if args.quick else args.rounds
+    prefill_sizes = (64, 512) if args.quick else (64, 256, 512, 1024)
+    batches = (1, 4) if args.quick else (1, 4, 16)
+    steps = 8 if args.quick else 16
+
+    from transformers import AutoModelForCausalLM
+
+    from services.model_loading import load_model
+    from services.prefill_gpu.engine import TorchEngine
+
+    progress("loading the model twice: ours and transformers'")
+    loaded = load_model()
+    ours = TorchEngine(loaded.config, loaded.weights, device="cpu")
+    ck = loaded.checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    res = {"prefill": {}, "decode": {}}
+    for n in prefill_sizes:
+        ids = rng.integers(3, loaded.config.vocab_size, n).tolist()
+        ours_prefill(ours, ids), hf_prefill(hf, ids)  # warm-up
+        a, b = [], []
+        for r in range(rounds):
+            progress(f"prefill {n}: round {r + 1}/{rounds}")
+            a.append(ours_prefill(ours, ids))
+            b.append(hf_prefill(hf, ids))
+        res["prefill"][n] = {"ours_s": stats(a), "transformers_s": stats(b)}
+    for batch in batches:
+        prompts = [rng.integers(3, loaded.config.vocab_size, 20 + 13 * i).tolist() for i in range(batch)]
+        a, b = [], []
+        for r in range(rounds):
+            progress(f"decode batch {batch}: round {r + 1}/{rounds}")
+            a.append(ours_decode(ours, prompts, steps))
+            b.append(hf_decode(hf, prompts, steps))
+        res["decode"][batch] = {"ours_s": stats(a), "transformers_s": stats(b)}
+    rows = []
+    for n, r in res["prefill"].items():
+        o, t = r["ours_s"]["median"], r["transformers_s"]["median"]
+        rows.append([f"prefill {n} tok", f"{n / o:.0f} tok/s", f"{n / t:.0f} tok/s", f"{t / o:.2f}x"])
+    for bsz, r in res["decode"].items():
+        o, t = r["ours_s"]["median"], r["transformers_s"]["median"]
+        rows.append([f"decode batch {bsz}", f"{o * 1e3:.1f} ms/step", f"{t * 1e3:.1f} ms/step", f"{t / o:.2f}x"])
+    print(table(["what", "ours (median)", "transformers (median)", "speed-up"], rows))
+    print(f"({rounds} interleaved rounds, torch threads {torch.get_num_threads()})")
+    write_json("engine_torch", {"rounds": rounds, "decode_steps": steps, "results": res}, out_dir=__import__(
+        "pathlib").Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
