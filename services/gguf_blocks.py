@@ -49,6 +49,11 @@ class BlockTensor:
         return self.cols // BLOCK_FORMATS[self.qtype][0]
 
     @property
+    def data(self) -> np.ndarray:
+        """The raw blocks (gguf's name for them)."""
+        return self.raw
+
+    @property
     def nbytes(self) -> int:
         return self.raw.nbytes
 
@@ -89,7 +94,7 @@ def stack_rows(name: str, parts: list[BlockTensor]) -> BlockTensor:
     """The matrices one under the other ([sum rows, cols]); ValueError unless formats and widths agree."""
     kinds = {(p.qtype, p.cols) for p in parts}
     if len(kinds) != 1:
-        raise ValueError(f"cannot stack {name}: (format, cols) differ: {sorted(kinds)}")
+        raise ValueError(f"cannot stack {name}: formats differ or widths differ: {sorted(kinds)}")
     qtype, cols = kinds.pop()
     return BlockTensor(name, qtype, sum(p.rows for p in parts), cols, np.concatenate([p.raw for p in parts]))
 

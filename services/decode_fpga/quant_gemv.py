@@ -1,0 +1,101 @@
+"""Weight matrices kept on the device as the checkpoint's GGUF blocks (a DeviceMatrix, see gemv.py).
+
+Q4_1 costs 20 bytes per 32 weights (a fifth of fp32) and the kernel
+(kernels/gemv_quant.cl) dequantizes in registers to exactly the values
+`gguf.quants.dequantize` gives, accumulating in fp32.
+
+At upload the blocks are split into three arrays, values unchanged: fp16
+scales, fp16 minimums (Q4_1) and the quants, so no load straddles a scale and
+its quants; scale rows are padded to a multiple of 4 blocks for vload_half4.
+
+Wiring an engine (one call per layer, one for the LM head):
+
+    from services.decode_fpga.quant_gemv import upload_layer_matrices, upload_lm_head
+    mats = upload_layer_matrices(dev, loaded.checkpoint, loaded.config, i)  # {"qkv","o","gate_up","down"}
+    head = upload_lm_head(dev, loaded.checkpoint)
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+
+from services.decode_fpga.device import DeviceContext
+from services.gguf_blocks import BlockTensor, GGUFBlocks
+
+QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80}
+MF = cl.mem_flags
+
+
+def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The device arrays of a block matrix: d fp16 [rows, nbp], m fp16 [rows, nbp] (Q4_1, else None),
+    quants uint8 [rows, nb * bytes]; nbp = nb rounded up to 4, the padding is zero."""
+    if t.qtype not in QFMT_CODES:
+        raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
+    blocks = t.blocks()  # [rows, nb, block_bytes]
+    nb = t.n_blocks
+    nbp = (nb + 3) // 4 * 4
+    head = 4 if t.qtype == "q4_1" else 2  # bytes before the quants: d (and m)
+
+    def halves(offset: int) -> np.ndarray:
+        out = np.zeros((t.rows, nbp), np.float16)
+        out[:, :nb] = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
+        return out
+
+    d = halves(0)
+    m = halves(2) if t.qtype == "q4_1" else None
+    quants = np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
+    return d, m, quants
+
+
+class QuantMatrix:
+    """A [rows, cols] Q4_0/Q4_1/Q8_0 matrix resident on the device; implements DeviceMatrix."""
+
+    def __init__(self, dev: DeviceContext, t: BlockTensor):
+        if t.qtype not in QFMT_CODES:
+            raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
+        self.name, self.rows, self.cols, self.fmt = t.name, t.rows, t.cols, t.qtype
+        d, m, quants = split_blocks(t)
+
+        def up(a: np.ndarray) -> cl.Buffer:
+            return cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a))
+
+        self._d = up(d)
+        self._m = up(m) if m is not None else self._d  # unread unless Q4_1
+        self._q = up(quants)
+        self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
+        self._kernel = cl.Kernel(dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]}), "gemv_quant")
+
+    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
+                     accumulate: bool = False) -> None:
+        """y[b, r] (+)= sum_c W[r, c] x[b, c] for b < batch; x [batch, cols], y [batch, rows] fp32."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self._kernel(queue, (self.rows,), None, self._d, self._m, self._q, x, y, np.int32(self.cols),
+                     np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+
+
+def upload_block_matrix(dev: DeviceContext, t: BlockTensor):
+    """A DeviceMatrix in the tensor's own format: QuantMatrix for blocks, dense for F32/F16."""
+    from services.decode_fpga.gemv import upload_dense_matrix
+
+    if t.qtype in ("f32", "f16"):
+        return upload_dense_matrix(dev, t.dequantize(), "fp32" if t.qtype == "f32" else "fp16")
+    return QuantMatrix(dev, t)
+
+
+upload_quant_matrix = upload_block_matrix
+
+
+def upload_layer_matrices(dev: DeviceContext, blocks: GGUFBlocks | object, cfg, layer: int) -> dict:
+    """Layer `layer`'s {"qkv", "o", "gate_up", "down"} DeviceMatrix set from a GGUF checkpoint
+    (a Checkpoint or an open GGUFBlocks): q/k un-permuted to HF order, q|k|v and gate|up stacked."""
+    src = blocks if isinstance(blocks, GGUFBlocks) else GGUFBlocks.from_checkpoint(blocks)
+    return {k: upload_block_matrix(dev, t) for k, t in src.layer(cfg, layer).items()}
+
+
+def upload_lm_head(dev: DeviceContext, blocks: GGUFBlocks | object):
+    """The output matrix (the embedding when tied) as a DeviceMatrix in its own block format."""
+    src = blocks if isinstance(blocks, GGUFBlocks) else GGUFBlocks.from_checkpoint(blocks)
+    return upload_block_matrix(dev, src.lm_head())
+
+
