@@ -33,6 +33,28 @@ def time_enqueued(dev, enqueue, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def block_kernel_lines(dev, cfg, blocks) -> list[dict]:
+    """GEMV straight from the checkpoint's GGUF blocks (the real tensors, all 30 layers)."""
+    from services.decode_fpga.quant_gemv import upload_block_matrix
+    from services.gguf_blocks import stack_rows
+
+    b = lambda i, n: blocks[f"blk.{i}.{n}.weight"]  # noqa: E731
+    groups = {"qkv": [stack_rows("qkv", [b(i, "attn_q"), b(i, "attn_k"), b(i, "attn_v")]) for i in range(cfg.n_layers)],
+              "gate_up": [stack_rows("gu", [b(i, "ffn_gate"), b(i, "ffn_up")]) for i in range(cfg.n_layers)],
+              "down": [b(i, "ffn_down") for i in range(cfg.n_layers)],
+              "lm_head": [blocks.get("output.weight", blocks["token_embd.weight"])]}
+    x = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.intermediate * 4)
+    y = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.vocab_size * 4)
+    lines = []
+    for name, ts in groups.items():
+        mats = [upload_block_matrix(dev, t) for t in ts]
+        for batch in (1, 8):
+            s = time_enqueued(dev, lambda: [m.enqueue_gemv(dev.queue, x, y, batch) for m in mats], 3) / len(mats)
+            lines.append({"kernel": f"gemv {mats[0].fmt} {name} {mats[0].rows}x{mats[0].cols}", "batch": batch,
+                          "us": s * 1e6, "gbs": mats[0].nbytes / s / 1e9})
+    return lines
+
+
 def kernel_lines(dev, cfg) -> list[dict]:
     """One line per kernel: bytes it must move per launch / time per launch."""
     from services.decode_fpga.gemv import upload_dense_matrix
@@ -154,9 +176,13 @@ def main() -> int:
     dev = select_device()
     progress(f"kernels on {dev.name}")
     kernels = kernel_lines(dev, cfg)
+    from services.gguf_blocks import read_block_tensors
+
+    blocks = read_block_tensors(loaded.checkpoint, cfg)
+    kernels += block_kernel_lines(dev, cfg, blocks)
     progress("building the engines (fp32, fp16), the torch engine and transformers")
-    engines = {f: OpenCLEngine(cfg, loaded.weights, dev, weights_dtype=f, max_context=1024, max_sequences=8)
-               for f in ("fp32", "fp16")}
+    engines = {f: OpenCLEngine(cfg, loaded.weights, dev, weights_dtype=f, max_context=1024, max_sequences=8,
+                               blocks=blocks) for f in ("fp32", "fp16", "gguf")}
     torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
     ck = loaded.checkpoint
     hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
@@ -185,18 +211,22 @@ def main() -> int:
                         "gbs": gbs, "tokens_per_s": batch / st["median"]}
         rows.append([name, f"{st['median'] * 1e3:.2f}", f"{st['min'] * 1e3:.2f}-{st['max'] * 1e3:.2f}",
                      f"{batch / st['median']:.1f}", f"{gbs:.1f}", f"{100 * gbs / bw:.0f}%"])
-    progress("fp16 vs fp32 greedy divergence over 256 tokens")
-    div = divergence(engines["fp16"], engines["fp32"], rng.integers(3, 4000, 32).tolist(), 256 if not args.quick else 64)
+    progress("fp16 and gguf vs fp32 greedy divergence over 256 tokens")
+    prompt = rng.integers(3, 4000, 32).tolist()
+    n_div = 256 if not args.quick else 64
+    div = divergence(engines["fp16"], engines["fp32"], prompt, n_div)
+    div_gguf = divergence(engines["gguf"], engines["fp32"], prompt, n_div)
     print(table(["kernel", "batch", "us/launch", "GB/s"],
                 [[k["kernel"], k["batch"], f"{k['us']:.1f}", f"{k['gbs']:.1f}"] for k in kernels]))
     print()
     print(table(["decode step", "ms (median)", "ms min-max", "tokens/s", "GB/s", "of memory bw"], rows))
     print(f"memory bandwidth (numpy copy, read+write, median of {rounds}): {bw:.1f} GB/s; context {ctx} tokens; "
           f"{rounds} interleaved rounds of {steps} steps")
-    print(f"fp16 vs fp32 greedy: first difference at token {div['first_difference']}, "
-          f"{100 * div['differing_fraction']:.1f}% of {div['tokens']} tokens differ")
+    for name, d in (("fp16", div), ("gguf", div_gguf)):
+        print(f"{name} vs fp32 greedy: first difference at token {d['first_difference']}, "
+              f"{100 * d['differing_fraction']:.1f}% of {d['tokens']} tokens differ")
     write_json("engine_opencl", {"device": dev.name, "memory_bandwidth_gbs": bandwidth, "kernels": kernels,
-                                 "decode": decode, "fp16_divergence": div, "context": ctx, "steps": steps},
+                                 "decode": decode, "fp16_divergence": div, "gguf_divergence": div_gguf, "context": ctx, "steps": steps},
                out_dir=Path(args.out))
     return 0
 

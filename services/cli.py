@@ -21,8 +21,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS (benchmarks)")
-    p.add_argument("--weights-dtype", choices=["fp32", "fp16", "gguf"], default=None,
-                   help="opencl engine: weight storage on the device")
+    p.add_argument("--weights-dtype", choices=["auto", "fp32", "fp16", "gguf"], default=None,
+                   help="opencl engine: weight storage on the device (auto: gguf for GGUF checkpoints)")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: HYBRIDSERVE_MODEL or SmolLM2)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=_generate)

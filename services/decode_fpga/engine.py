@@ -57,7 +57,8 @@ class OpenCLEngine:
     """Engine (engine_api.py) on an OpenCL device."""
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dev: DeviceContext, weights_dtype: str = "fp32",
-                 kv_channels: int = 1, max_context: int = 4096, max_sequences: int = 4):
+                 kv_channels: int = 1, max_context: int = 4096, max_sequences: int = 4,
+                 blocks: dict | None = None):
         if cfg.hidden % 16 or cfg.intermediate % 16 or cfg.head_dim % 4:
             raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
         self.cfg, self.dev, self.weights_dtype = cfg, dev, weights_dtype
@@ -67,7 +68,12 @@ class OpenCLEngine:
         self._lock = threading.RLock()
         self._free_slots = list(range(max_sequences))
         start = time.perf_counter()
-        self._upload_weights(weights, weights_dtype)
+        if weights_dtype == "gguf":
+            if blocks is None:
+                raise ValueError("weights_dtype gguf needs the checkpoint's blocks (gguf_blocks.read_block_tensors)")
+            self._upload_block_weights(weights, blocks)
+        else:
+            self._upload_weights(weights, weights_dtype)
         self.kv = ChannelLayout(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.max_context, max_sequences,
                                 kv_channels)
         self._channels = [cl.Buffer(dev.context, MF.READ_WRITE, max(4, self.kv.channel_elems(c) * 4))
@@ -83,16 +89,32 @@ class OpenCLEngine:
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: DecodeSettings) -> "OpenCLEngine":
         dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir)
-        return cls(loaded.config, loaded.weights, dev, settings.weights_dtype, settings.kv_channels,
-                   settings.max_context, settings.max_sequences)
+        fmt = settings.weights_dtype
+        if fmt == "auto":  # the checkpoint's own blocks when it has them: same values, a fifth of the bytes
+            fmt = "gguf" if loaded.checkpoint.kind == "gguf" else "fp32"
+        blocks = None
+        if fmt == "gguf":
+            from services.gguf_blocks import read_block_tensors
+
+            blocks = read_block_tensors(loaded.checkpoint, loaded.config)
+        return cls(loaded.config, loaded.weights, dev, fmt, settings.kv_channels, settings.max_context,
+                   settings.max_sequences, blocks)
 
     # ---- set-up -----------------------------------------------------------
+    def _vec(self, a: np.ndarray) -> cl.Buffer:
+        return cl.Buffer(self.dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a, np.float32))
+
+    def _upload_common(self, w: ModelWeights) -> None:
+        """What every storage format keeps in fp32: the final norm and the RoPE frequencies."""
+        c = self.cfg
+        self.final_norm = self._vec(w.final_norm)
+        # computed as torch does (int64 arange → float32) so the angles match the reference bit for bit
+        self.inv_freq = self._vec(1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64)
+                                                          .astype(np.float32) / c.head_dim)))
+        self._count_bytes()
+
     def _upload_weights(self, w: ModelWeights, fmt: str) -> None:
-        ctx = self.dev.context
-
-        def vec(a):
-            return cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a, np.float32))
-
+        vec = self._vec
         self.layers = [
             _Layer(attn_norm=vec(lw.attn_norm), ffn_norm=vec(lw.ffn_norm),
                    qkv=upload_dense_matrix(self.dev, np.concatenate([lw.wq, lw.wk, lw.wv]), fmt),
@@ -103,13 +125,38 @@ class OpenCLEngine:
         ]
         self.embed = upload_dense_matrix(self.dev, w.embed, fmt)
         self.lm_head = self.embed if w.lm_head is w.embed else upload_dense_matrix(self.dev, w.lm_head, fmt)
-        self.final_norm = vec(w.final_norm)
+        self._upload_common(w)
+
+    def _count_bytes(self) -> None:
+        """Bytes a decode step reads: every layer matrix, the LM head, the norms (not the lookup table)."""
         c = self.cfg
-        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32) / c.head_dim))
-        self.inv_freq = vec(inv_freq.astype(np.float32))
         mats = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        mats += [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
-        self.weights_nbytes = sum(m.nbytes for m in mats) + (2 * c.n_layers + 1) * c.hidden * 4
+        self.weights_nbytes = sum(m.nbytes for m in mats) + self.lm_head.nbytes + (2 * c.n_layers + 1) * c.hidden * 4
+
+    def _upload_block_weights(self, w: ModelWeights, blocks: dict) -> None:
+        """Layer matrices and the LM head as the checkpoint's GGUF blocks (quant_gemv.py)."""
+        from services.decode_fpga.quant_gemv import upload_block_matrix
+        from services.gguf_blocks import stack_rows
+
+        vec = self._vec
+
+        def mat(i, *names):
+            parts = [blocks[f"blk.{i}.{n}.weight"] for n in names]
+            try:
+                return upload_block_matrix(self.dev, parts[0] if len(parts) == 1 else stack_rows(names[0], parts))
+            except ValueError as exc:  # mixed formats in one stack: keep that one exact, dense fp32
+                log.warning("layer %d %s: %s; storing it as fp32", i, names, exc)
+                return upload_dense_matrix(self.dev, np.concatenate([p.dequantize() for p in parts]), "fp32")
+
+        self.layers = [
+            _Layer(attn_norm=vec(lw.attn_norm), ffn_norm=vec(lw.ffn_norm),
+                   qkv=mat(i, "attn_q", "attn_k", "attn_v"), o=mat(i, "attn_output"),
+                   gate_up=mat(i, "ffn_gate", "ffn_up"), down=mat(i, "ffn_down"))
+            for i, lw in enumerate(w.layers)
+        ]
+        self.embed = upload_dense_matrix(self.dev, w.embed, "fp32")  # row lookups only: one row per token
+        self.lm_head = upload_block_matrix(self.dev, blocks.get("output.weight", blocks["token_embd.weight"]))
+        self._upload_common(w)
 
     def _build_kernels(self) -> None:
         c = self.cfg

@@ -12,7 +12,9 @@ class DecodeSettings(CommonSettings):
     opencl_device: str | None = None  # substring of the device name
     opencl_binary_dir: str | None = None  # prebuilt programs (<kernel>.bin) for platforms that cannot compile
     # weights and KV
-    weights_dtype: Literal["fp32", "fp16"] = "fp32"  # fp32 keeps every mode token-identical
+    # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
+    # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values
+    weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = "auto"
     kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
     max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
     max_sequences: int = 4  # sequence slots resident on the device

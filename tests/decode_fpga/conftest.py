@@ -21,3 +21,12 @@ def make_engine(loaded_model, cl_dev, **kw):
 def ocl_engine(loaded_model, cl_dev):
     """fp32 weights, one channel: the default configuration."""
     return make_engine(loaded_model, cl_dev, max_context=1024, max_sequences=4)
+
+
+@pytest.fixture(scope="session")
+def ocl_gguf_engine(loaded_model, cl_dev):
+    """The checkpoint's own Q4_1/Q8_0 blocks on the device: the default for GGUF checkpoints."""
+    from services.gguf_blocks import read_block_tensors
+
+    blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
+    return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4)

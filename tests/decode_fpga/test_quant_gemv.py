@@ -78,3 +78,28 @@ def test_stacked_unpermuted_blocks_equal_the_dense_weights(blocks, loaded_model)
 def test_mixed_formats_do_not_stack():
     with pytest.raises(ValueError, match="formats differ"):
         stack_rows("x", [synthetic("q4_0", 4, 64), synthetic("q8_0", 4, 64)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_prompt,n_new", [(1, 64), (17, 16), (128, 16), (512, 64)])
+def test_gguf_storage_greedy_identical_to_transformers(ocl_gguf_engine, ocl_engine, hf_model, model_config, n_prompt,
+                                                       n_new):
+    from tests.conftest import hf_greedy, random_prompt
+    from tests.decode_fpga.test_opencl_engine import greedy
+
+    prompt = random_prompt(n_prompt, model_config.vocab_size, seed=11)
+    ours = greedy(ocl_gguf_engine, prompt, n_new)
+    assert ours == hf_greedy(hf_model, prompt, n_new)
+    assert ours == greedy(ocl_engine, prompt, n_new)  # and to the fp32 storage of the same weights
+
+
+def test_gguf_reads_a_fraction_of_fp32s_bytes(ocl_gguf_engine, ocl_engine):
+    assert ocl_gguf_engine.weights_nbytes < 0.3 * ocl_engine.weights_nbytes
+
+
+def test_auto_storage_is_gguf_for_a_gguf_checkpoint(loaded_model):
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.decode_fpga.settings import DecodeSettings
+
+    engine = OpenCLEngine.from_settings(loaded_model, DecodeSettings(max_context=64, max_sequences=1))
+    assert engine.weights_dtype == "gguf"
