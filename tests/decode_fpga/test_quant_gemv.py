@@ -20,6 +20,13 @@ def blocks(loaded_model):
     return read_block_tensors(loaded_model.checkpoint, loaded_model.config)
 
 
+@pytest.fixture(scope="module")
+def gguf_src(loaded_model):
+    from services.gguf_blocks import GGUFBlocks
+
+    return GGUFBlocks.from_checkpoint(loaded_model.checkpoint)
+
+
 def synthetic(qtype: str, rows: int, cols: int, seed: int = 0) -> BlockTensor:
     w = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
     return BlockTensor("w", qtype, rows, cols, quantize(w, QTYPES[qtype]).reshape(rows, -1))
@@ -103,3 +110,113 @@ def test_auto_storage_is_gguf_for_a_gguf_checkpoint(loaded_model):
 
     engine = OpenCLEngine.from_settings(loaded_model, DecodeSettings(max_context=64, max_sequences=1))
     assert engine.weights_dtype == "gguf"
+
+
+# ---- the block layer and the kernels in detail (gguf_blocks.py, quant_gemv.py, gemv_quant.cl) ----
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_kernel_weights_are_ggufs_bit_for_bit(cl_dev, qtype):
+    """One-hot rows of x read the matrix back through the kernel: exactly gguf's values."""
+    t = synthetic(qtype, 37, 160, seed=4)  # 5 blocks per row: the 4-block loop and its tail
+    eye = np.eye(t.cols, dtype=np.float32)
+    got = run_gemv(cl_dev, t, eye, np.zeros((t.cols, t.rows), np.float32), False)
+    np.testing.assert_array_equal(got.T, t.dequantize())
+
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("batch", [5, 8, 16])
+def test_batched_gemv_past_one_tile(cl_dev, qtype, batch):
+    t = synthetic(qtype, 45, 576, seed=batch)
+    rng = np.random.default_rng(batch)
+    x = rng.normal(size=(batch, t.cols)).astype(np.float32)
+    y0 = rng.normal(size=(batch, t.rows)).astype(np.float32)
+    ref = reference(t, x, y0, True)
+    np.testing.assert_allclose(run_gemv(cl_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_lm_head_q8_0(cl_dev, blocks, batch):
+    """The real 49152x576 Q8_0 output matrix, batch 1 and 8."""
+    t = blocks["token_embd.weight"]
+    assert t.qtype == "q8_0"
+    x = np.random.default_rng(batch).normal(size=(batch, t.cols)).astype(np.float32)
+    ref = x.astype(np.float64) @ t.dequantize().astype(np.float64).T
+    got = run_gemv(cl_dev, t, x, np.zeros((batch, t.rows), np.float32), False)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, gguf_src):
+    """upload_layer_matrices (the one call an engine needs) against load_weights' fp32 matrices."""
+    from services.decode_fpga.quant_gemv import upload_layer_matrices, upload_lm_head
+
+    cfg, lw = loaded_model.config, loaded_model.weights.layers[5]
+    mats = upload_layer_matrices(cl_dev, gguf_src, cfg, 5)
+    dense = {"qkv": np.concatenate([lw.wq, lw.wk, lw.wv]), "o": lw.wo,
+             "gate_up": np.concatenate([lw.w_gate, lw.w_up]), "down": lw.w_down}
+    rng = np.random.default_rng(5)
+    for name, w in dense.items():
+        m = mats[name]
+        assert (m.rows, m.cols, m.fmt) == (*w.shape, "q4_1"), name
+        x = rng.normal(size=(3, m.cols)).astype(np.float32)
+        xb = cl.Buffer(cl_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=x)
+        yb = cl.Buffer(cl_dev.context, MF.READ_WRITE, 3 * m.rows * 4)
+        m.enqueue_gemv(cl_dev.queue, xb, yb, 3)
+        got = np.empty((3, m.rows), np.float32)
+        cl.enqueue_copy(cl_dev.queue, got, yb, is_blocking=True)
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)
+    head = upload_lm_head(cl_dev, gguf_src)
+    assert (head.rows, head.cols, head.fmt) == (cfg.vocab_size, cfg.hidden, "q8_0")
+
+
+def test_layer_blocks_unpermuted_and_stacked(loaded_model, gguf_src):
+    lw = loaded_model.weights.layers[0]
+    layer = gguf_src.layer(loaded_model.config, 0)
+    np.testing.assert_array_equal(layer["qkv"].dequantize(), np.concatenate([lw.wq, lw.wk, lw.wv]))
+    np.testing.assert_array_equal(layer["gate_up"].dequantize(), np.concatenate([lw.w_gate, lw.w_up]))
+    np.testing.assert_array_equal(layer["o"].dequantize(), lw.wo)
+    np.testing.assert_array_equal(layer["down"].dequantize(), lw.w_down)
+
+
+def test_embedding_rows_dequantize_as_gguf(blocks, loaded_model):
+    from services.gguf_blocks import dequantize_rows
+
+    ids = np.array([0, 2, 17, 49151, 17])
+    np.testing.assert_array_equal(dequantize_rows(blocks["token_embd.weight"], ids), loaded_model.weights.embed[ids])
+
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_device_arrays_hold_the_blocks_values(qtype):
+    """split_blocks only moves bytes: scales, mins and quants rebuild gguf's weights exactly."""
+    from services.decode_fpga.quant_gemv import split_blocks
+
+    t = synthetic(qtype, 6, 96, seed=2)  # 3 blocks: scales padded to 4
+    d, m, q = split_blocks(t)
+    assert d.shape == (6, 4) and not d[:, 3].any()
+    d = d[:, :3, None].astype(np.float32)
+    if qtype == "q8_0":
+        w = q.view(np.int8).reshape(6, 3, 32).astype(np.float32) * d
+    else:
+        qb = q.reshape(6, 3, 16)
+        nib = np.concatenate([qb & 0x0F, qb >> 4], axis=2).astype(np.float32)
+        w = (nib - 8) * d if qtype == "q4_0" else nib * d + m[:, :3, None].astype(np.float32)
+    np.testing.assert_array_equal(w.reshape(6, 96), t.dequantize())
+
+
+def test_dense_gguf_tensors_go_dense(cl_dev):
+    from services.decode_fpga.quant_gemv import upload_block_matrix
+
+    w = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float16)
+    t = BlockTensor("f16", "f16", 8, 64, w.view(np.uint8).reshape(8, -1))
+    m = upload_block_matrix(cl_dev, t)
+    assert (m.fmt, m.rows, m.cols) == ("fp16", 8, 64)
+    np.testing.assert_array_equal(t.dequantize(), w.astype(np.float32))
+
+
+def test_unsupported_and_malformed_blocks_are_refused():
+    from services.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="expected uint8"):
+        BlockTensor("w", "q4_1", 4, 64, np.zeros((4, 39), np.uint8))
+    with pytest.raises(CheckpointError, match="whole number"):
+        BlockTensor("w", "q8_0", 4, 48, np.zeros((4, 51), np.uint8))
