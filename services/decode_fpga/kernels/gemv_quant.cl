@@ -11,7 +11,9 @@
 // both (overlapping loads made the compiler shuffle bytes), and 4 scales per
 // vload_half4 (scalar and 2-wide half loads are emulated in software there).
 //
-// Weight values: Q4_0 d*(q-8), Q4_1 d*q+m, Q8_0 d*q, as gguf.quants.dequantize.
+// Weight values: Q4_0 d*(q-8), Q4_1 d*q+m, Q8_0 d*q, as gguf.quants.dequantize, bit for bit
+// even where the compiler fuses d*q+m into an fma: d (11-bit mantissa) times q (at most 8
+// bits) is exact in fp32, so the fused and the separately rounded results are the same.
 
 #if QFMT == 80
 #define QBYTES 32
@@ -28,9 +30,9 @@ inline void dequant_block(__global const uchar *q, const int b, const float d, c
     *w0 = convert_float16(vload16(2 * b, qc)) * d;
     *w1 = convert_float16(vload16(2 * b + 1, qc)) * d;
 #else
-    const uchar16 qb = vload16(b, q);
-    const float16 lo = convert_float16(qb & (uchar16)(0x0F));
-    const float16 hi = convert_float16(qb >> (uchar16)(4));
+    const uint16 qi = convert_uint16(vload16(b, q));
+    const float16 lo = convert_float16(qi & (uint16)(0x0F));
+    const float16 hi = convert_float16(qi >> (uint16)(4));
 #if QFMT == 40
     *w0 = (lo - 8.0f) * d;
     *w1 = (hi - 8.0f) * d;
@@ -91,7 +93,18 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
             a2 = fma(w0, vload16(2 * b + 6, x), a2);
             a3 = fma(w1, vload16(2 * b + 7, x), a3);
         }
-        for (int b = 4 * ng; b < nb; ++b) {  // the last nb % 4 blocks (scales are padded to 4)
+        int b0 = 4 * ng;
+        if (nb - b0 >= 2) {  // a pair left (576 columns: 18 blocks): no lane selects
+            const float4 d4 = vload_half4(ng, drow), m4 = LOAD_MINS(ng);
+            dequant_block(qrow, b0, d4.x, m4.x, &w0, &w1);
+            a0 = fma(w0, vload16(2 * b0, x), a0);
+            a1 = fma(w1, vload16(2 * b0 + 1, x), a1);
+            dequant_block(qrow, b0 + 1, d4.y, m4.y, &w0, &w1);
+            a2 = fma(w0, vload16(2 * b0 + 2, x), a2);
+            a3 = fma(w1, vload16(2 * b0 + 3, x), a3);
+            b0 += 2;
+        }
+        for (int b = b0; b < nb; ++b) {  // the last block when nb is odd (scales are padded to 4)
             const float4 d4 = vload_half4(ng, drow), m4 = LOAD_MINS(ng);
             dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
             a0 = fma(w0, vload16(2 * b, x), a0);
