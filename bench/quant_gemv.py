@@ -1,5 +1,7 @@
 """Block-format GEMV (kernels/gemv_quant.cl): achieved GB/s per format on the model's shapes.
 
+(fp16 lines: the dense kernel on the same weights, as a yardstick measured in the same run.)
+
 GB/s = bytes of blocks on the device (scales + mins + quants) / time per launch. Each
 shape is 30 distinct matrices launched in turn (as a decode step does: one 576x576
 Q4_1 matrix alone fits in the caches and would flatter the kernel); the LM head is
@@ -25,7 +27,7 @@ import numpy as np  # noqa: E402
 import pyopencl as cl  # noqa: E402
 
 MF = cl.mem_flags
-FORMATS = ("q4_0", "q4_1", "q8_0")
+FORMATS = ("q4_0", "q4_1", "q8_0", "fp16")  # fp16: the dense kernel (gemv.cl), for scale
 
 
 def read_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
@@ -84,6 +86,7 @@ def main() -> int:
 
     from services.checkpoint import locate
     from services.decode_fpga.device import select_device
+    from services.decode_fpga.gemv import upload_dense_matrix
     from services.decode_fpga.quant_gemv import QuantMatrix
     from services.gguf_blocks import GGUFBlocks
     from services.model_config import read_config
@@ -99,10 +102,13 @@ def main() -> int:
     lines, bw_copy, bw_read = [], [], []
     for shape, (rows, cols, copies, real) in shapes(src, cfg, args.quick).items():
         for fmt in FORMATS:
-            probe = real(0)
-            use_real = probe.qtype == fmt
-            ts = [real(i) if use_real else synthetic(fmt, rows, cols, i) for i in range(copies)]
-            mats = [QuantMatrix(dev, t) for t in ts]
+            if fmt == "fp16":
+                use_real = True
+                mats = [upload_dense_matrix(dev, real(i).dequantize(), "fp16") for i in range(copies)]
+            else:
+                use_real = real(0).qtype == fmt
+                ts = [real(i) if use_real else synthetic(fmt, rows, cols, i) for i in range(copies)]
+                mats = [QuantMatrix(dev, t) for t in ts]
             for batch in (1, 8):
                 reps = max(2, int(2e6 // (mats[0].nbytes * batch ** 0.5)) // copies)
                 times = []
