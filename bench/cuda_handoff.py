@@ -85,16 +85,7 @@ def main() -> int:
                 rx = KVReceiver(reader, cpu, seq, expected)
                 call = stub.Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=1)),
                                     timeout=120)
-                for msg in call:
-                    kind = msg.WhichOneof("event")
-                    if kind == "slot":
-                        rx.accept_slot(msg.slot.offset, msg.slot.n_tokens, msg.slot.dtype)
-                    elif kind == "layer":
-                        rx.import_layer(msg.layer.layer, msg.layer.offset, msg.layer.nbytes, msg.layer.written_at)
-                    else:
-                        rx.finish()
-                        done = msg.done
-                        break
+                done = rx.consume(call)
                 call.cancel()
                 ref = cpu.new_sequence(n + 1)
                 cpu.prefill(ref, prompt)

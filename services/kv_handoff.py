@@ -107,3 +107,21 @@ class KVReceiver:
         self.engine.finish_import(self.seq, self.layout.n_tokens)
         self.on_device_at = time.time()
         self.state = HandoffState.SUCCESS
+
+    def consume(self, messages, keep_going=lambda: True):
+        """Drive the hand-off from a Prefill response stream; the PrefillDone message once every
+        layer is on the device, or None if `keep_going()` turned false first. The caller then
+        ends the call, which frees the slot."""
+        for msg in messages:
+            kind = msg.WhichOneof("event")
+            if kind == "slot":
+                self.accept_slot(msg.slot.offset, msg.slot.n_tokens, msg.slot.dtype)
+            elif kind == "layer":
+                self.import_layer(msg.layer.layer, msg.layer.offset, msg.layer.nbytes, msg.layer.written_at)
+            elif kind == "done":
+                self.finish()
+                return msg.done
+            if not keep_going():
+                break
+        self.state = HandoffState.FAILED
+        return None

@@ -75,27 +75,18 @@ class DecodeServicer(EngineServicer):
                               sampling=request.sampling),
             timeout=self.settings.handoff_timeout_s)
         try:
-            for msg in call:
-                kind = msg.WhichOneof("event")
-                if kind == "slot":
-                    receiver.accept_slot(msg.slot.offset, msg.slot.n_tokens, msg.slot.dtype)
-                elif kind == "layer":
-                    receiver.import_layer(msg.layer.layer, msg.layer.offset, msg.layer.nbytes, msg.layer.written_at)
-                elif kind == "done":
-                    receiver.finish()
-                    d = msg.done
-                    timings.queue_s += d.queue_s
-                    timings.prefill_s = d.prefill_s
-                    timings.handoff_total_s = receiver.on_device_at - receiver.first_written_at
-                    timings.handoff_exposed_s = max(0.0, receiver.on_device_at - d.compute_done_at)
-                    timings.handoff_bytes = receiver.bytes
-                    m.HANDOFF_SECONDS.observe(timings.handoff_total_s)
-                    m.HANDOFF_EXPOSED_SECONDS.observe(timings.handoff_exposed_s)
-                    m.HANDOFF_BYTES.inc(receiver.bytes)
-                    return d.first_token
-                if not context.is_active():
-                    break
-            context.abort(grpc.StatusCode.CANCELLED, "client went away during the KV hand-off")
+            d = receiver.consume(call, context.is_active)
+            if d is None:
+                context.abort(grpc.StatusCode.CANCELLED, "client went away during the KV hand-off")
+            timings.queue_s += d.queue_s
+            timings.prefill_s = d.prefill_s
+            timings.handoff_total_s = receiver.on_device_at - receiver.first_written_at
+            timings.handoff_exposed_s = max(0.0, receiver.on_device_at - d.compute_done_at)
+            timings.handoff_bytes = receiver.bytes
+            m.HANDOFF_SECONDS.observe(timings.handoff_total_s)
+            m.HANDOFF_EXPOSED_SECONDS.observe(timings.handoff_exposed_s)
+            m.HANDOFF_BYTES.inc(receiver.bytes)
+            return d.first_token
         except grpc.RpcError as exc:
             code = exc.code()
             passthrough = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
