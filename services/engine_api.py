@@ -13,6 +13,10 @@ import numpy as np
 from services.model_config import ModelConfig
 
 
+class EngineFull(RuntimeError):
+    """The engine holds as many sequences as it can; a later request may fit (back-pressure)."""
+
+
 class Engine(Protocol):
     cfg: ModelConfig
     device_name: str  # human-readable device, for Info and logs

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services import metrics_engine as m
+from services.engine_api import EngineFull
 from services.generation import Generation, PromptTooLong, TokenEvent
 from services.kv_arena import ArenaFull, HeaderMismatch
 from services.profile_sweep import cached_sweep, run_sweep
@@ -142,14 +143,10 @@ class EngineServicer(pb_grpc.EngineServicer):
         """Turn the engine side's typed failures into precise gRPC statuses."""
         try:
             yield from events
-        except (ArenaFull,) as exc:
+        except (ArenaFull, EngineFull) as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except HeaderMismatch as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except RuntimeError as exc:
-            if type(exc).__name__ == "EngineFull":
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            raise
 
     def _observe(self, mode: str, t: pb.Timings) -> None:
         m.STAGE_SECONDS.labels(stage="prefill", device="gpu" if mode in ("gpu", "hybrid") else "fpga").observe(

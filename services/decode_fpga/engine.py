@@ -20,6 +20,7 @@ from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.kv_channels import ChannelLayout
 from services.decode_fpga.settings import DecodeSettings
+from services.engine_api import EngineFull
 from services.model_config import ModelConfig
 from services.model_loading import LoadedModel
 from services.weights import ModelWeights
@@ -29,10 +30,6 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
 ARGMAX_WG = 256
 MF = cl.mem_flags
-
-
-class EngineFull(RuntimeError):
-    """Every sequence slot on the device is taken."""
 
 
 @dataclass
