@@ -213,7 +213,9 @@ async def _start(st: State, body, prompt_ids: list[int], max_tokens: int):
                 for e in ENGINES_OF_MODE[d.mode]:
                     await st.clients.check(e)  # find out which one is gone, then route again
                 continue
-            _raise_for(exc, d.mode)
+            err = _api_error(exc, d.mode)
+            m.REQUESTS.labels(mode=d.mode, status=str(err.status)).inc()
+            raise err from exc
         if first is grpc.aio.EOF:
             raise APIError(502, "the engine ended the call without a token", code="engine_error")
         m.DECISIONS.labels(mode=d.mode, reason=d.reason).inc()
@@ -221,10 +223,9 @@ async def _start(st: State, body, prompt_ids: list[int], max_tokens: int):
     raise APIError(503, "no engine is able to serve this request", code="engine_unavailable")
 
 
-def _raise_for(exc: grpc.aio.AioRpcError, mode: str):
+def _api_error(exc: grpc.aio.AioRpcError, mode: str) -> APIError:
     status, code = GRPC_TO_HTTP.get(exc.code(), (502, "engine_error"))
-    m.REQUESTS.labels(mode=mode, status=str(status)).inc()
-    raise APIError(status, f"{mode} engine: {exc.details() or exc.code().name}", code=code)
+    return APIError(status, f"{mode} engine: {exc.details() or exc.code().name}", code=code)
 
 
 # ---- serving -------------------------------------------------------------------------
@@ -318,7 +319,12 @@ async def _serve(st: State, request: Request, body, prompt_ids: list[int], max_t
                 raise APIError(502, "the engine ended the stream without a finish reason", code="engine_error")
         status = "200"
     except grpc.aio.AioRpcError as exc:
-        _raise_for(exc, decision.mode)
+        err = _api_error(exc, decision.mode)
+        status = str(err.status)
+        raise err from exc
+    except APIError as err:
+        status = str(err.status)
+        raise
     finally:
         call.cancel()
         run.finish(status)
