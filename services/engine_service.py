@@ -35,7 +35,11 @@ MODE_NAMES = {pb.MODE_GPU: "gpu", pb.MODE_FPGA: "fpga", pb.MODE_HYBRID: "hybrid"
 
 
 class RequestAborted(Exception):
-    """The RPC was aborted with a status; already counted."""
+    """The client went away while the request waited."""
+
+
+class QueueFull(Exception):
+    """More requests wait than the queue holds: RESOURCE_EXHAUSTED."""
 
 
 class Admission:
@@ -53,15 +57,12 @@ class Admission:
         if not self._sem.acquire(blocking=False):
             with self._lock:
                 if self._waiting >= self._depth:
-                    m.REQUESTS.labels(status="rejected").inc()
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"engine queue full ({self._depth} waiting); retry later")
+                    raise QueueFull(f"engine queue full ({self._depth} waiting); retry later")
                 self._waiting += 1
                 m.QUEUE_DEPTH.set(self._waiting)
             try:
                 while not self._sem.acquire(timeout=0.05):
                     if not context.is_active():
-                        m.REQUESTS.labels(status="cancelled").inc()
                         raise RequestAborted("cancelled while queued")
             finally:
                 with self._lock:
@@ -134,6 +135,9 @@ class EngineServicer(pb_grpc.EngineServicer):
                         yield pb.GenerateResponse(token_ids=[ev.token], finish_reason=ev.finish_reason, timings=timings)
                 finally:
                     events.close()
+        except QueueFull as exc:
+            status = "rejected"
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestAborted:
             status = "cancelled"
         finally:

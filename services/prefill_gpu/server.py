@@ -9,7 +9,7 @@ import time
 import grpc
 
 from services import metrics_engine as m
-from services.engine_service import Admission, EngineServicer, RequestAborted, sampling_from_proto
+from services.engine_service import Admission, EngineServicer, QueueFull, RequestAborted, sampling_from_proto
 from services.kv_arena import Arena, ArenaFull, SlotHeader
 from services.kv_handoff import KVSender
 from services.kv_layout import WireLayout
@@ -70,8 +70,11 @@ class PrefillServicer(EngineServicer):
                 finally:
                     self.arena.free(slot)
                     self._update_arena_gauges()
+        except QueueFull as exc:
+            m.REQUESTS.labels(status="rejected").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestAborted:
-            pass
+            m.REQUESTS.labels(status="cancelled").inc()
 
     def _prefill_into(self, slot, layout, prompt, params, queue_s, context, ended):
         cfg = self.loaded.config

@@ -115,8 +115,26 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
         return;
     }
 
-    // several rows of x, four at a time: each block is dequantized once per pass, used four times
-    for (int r0 = 0; r0 < n_rows; r0 += 4) {
+    // several rows of x, eight (then four) at a time: each block is dequantized once per pass
+    int r0 = 0;
+    for (; r0 + 8 <= n_rows; r0 += 8) {
+        __global const float *xr = x + (size_t)r0 * cols;
+        float16 c0 = (float16)(0.0f), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        for (int b = 0; b < nb; ++b) {
+            const float4 d4 = vload_half4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
+            dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
+#define ROW(c, r) c = fma(w1, vload16(2 * b + 1, xr + (r) * cols), fma(w0, vload16(2 * b, xr + (r) * cols), c))
+            ROW(c0, 0); ROW(c1, 1); ROW(c2, 2); ROW(c3, 3); ROW(c4, 4); ROW(c5, 5); ROW(c6, 6); ROW(c7, 7);
+#undef ROW
+        }
+        const float v[8] = {hsum16(c0), hsum16(c1), hsum16(c2), hsum16(c3),
+                            hsum16(c4), hsum16(c5), hsum16(c6), hsum16(c7)};
+        for (int r = 0; r < 8; ++r) {
+            const size_t k = (size_t)(r0 + r) * out_rows + o;
+            y[k] = accumulate ? y[k] + v[r] : v[r];
+        }
+    }
+    for (; r0 < n_rows; r0 += 4) {
         // rows past n_rows re-read the last row (harmless) and are not stored
         __global const float *x0 = x + (size_t)min(r0, n_rows - 1) * cols;
         __global const float *x1 = x + (size_t)min(r0 + 1, n_rows - 1) * cols;
