@@ -11,6 +11,7 @@ dense weights (that only reorders rows, so it applies to block rows as they are)
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import numpy as np
 from services.checkpoint import Checkpoint, CheckpointError
 from services.model_config import ModelConfig
 from services.weights import unpermute_rope_rows
+
+log = logging.getLogger(__name__)
 
 # qtype → (elements per block, bytes per block); f16/f32 are "blocks" of one element
 BLOCK_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "f16": (1, 2), "f32": (1, 4)}
@@ -121,18 +124,32 @@ class GGUFBlocks:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
-    def tensor(self, name: str) -> BlockTensor:
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor(self, name: str, dense_fallback: bool = False) -> BlockTensor:
+        """The tensor's blocks; a type without a device kernel (e.g. Q6_K) raises CheckpointError,
+        or with dense_fallback comes back as f32 (gguf's dequantization: same values, 4 bytes each)."""
         if name not in self._tensors:
             raise CheckpointError(f"{self.path.name} has no tensor {name!r}")
         t = self._tensors[name]
-        qtype = _GGML_NAMES.get(t.tensor_type.name)
-        if qtype is None:
-            raise CheckpointError(f"{name}: GGUF type {t.tensor_type.name} is not supported on the device "
-                                  f"(supported: {sorted(_GGML_NAMES)})")
         shape = [int(d) for d in reversed(t.shape.tolist())]
         rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+        qtype = _GGML_NAMES.get(t.tensor_type.name)
+        if qtype is None:
+            if not dense_fallback:
+                raise CheckpointError(f"{name}: GGUF type {t.tensor_type.name} has no device kernel "
+                                      f"(supported: {sorted(_GGML_NAMES)})")
+            from gguf.quants import dequantize
+
+            log.warning("%s: GGUF type %s has no device kernel; stored as f32", name, t.tensor_type.name)
+            dense = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(rows, cols), np.float32)
+            return BlockTensor(name, "f32", rows, cols, dense.view(np.uint8))
         raw = np.asarray(t.data).reshape(rows, -1).view(np.uint8)
         return BlockTensor(name, qtype, rows, cols, raw)
+
+    def is_matrix(self, name: str) -> bool:
+        return len(self._tensors[name].shape) == 2
 
     def layer(self, cfg: ModelConfig, i: int) -> dict[str, BlockTensor]:
         """The layer's matrices as the engine uses them: qkv and gate_up stacked, q/k un-permuted."""
@@ -153,13 +170,14 @@ class GGUFBlocks:
 
 
 def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, BlockTensor]:
-    """Every 2-D tensor of a GGUF checkpoint by its GGUF name, q/k rows already un-permuted."""
+    """Every 2-D tensor of a GGUF checkpoint by its GGUF name, q/k rows already un-permuted;
+    types without a device kernel come back as f32 (so any GGUF file can use gguf storage)."""
     src = GGUFBlocks.from_checkpoint(ckpt)
     out = {}
-    for name in src._tensors:
-        t = src.tensor(name)
-        if t.rows == 1 and not name.startswith("token_embd"):
+    for name in src.names():
+        if not src.is_matrix(name):
             continue  # norms and other vectors stay with the dense weights
+        t = src.tensor(name, dense_fallback=True)
         if name.endswith("attn_q.weight"):
             t = unpermute_rope(t, cfg.n_heads)
         elif name.endswith("attn_k.weight"):

@@ -220,3 +220,24 @@ def test_unsupported_and_malformed_blocks_are_refused():
         BlockTensor("w", "q4_1", 4, 64, np.zeros((4, 39), np.uint8))
     with pytest.raises(CheckpointError, match="whole number"):
         BlockTensor("w", "q8_0", 4, 48, np.zeros((4, 51), np.uint8))
+
+
+def test_types_without_a_kernel_fall_back_to_exact_f32(tmp_path):
+    """A Q5_0 tensor (no kernel here) comes back dense with gguf's values, or is refused."""
+    from services.checkpoint import CheckpointError
+    from services.gguf_blocks import GGUFBlocks
+
+    w = np.random.default_rng(1).normal(size=(4, 256)).astype(np.float32)
+    q5 = quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("w.weight", q5, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    src = GGUFBlocks(tmp_path / "t.gguf")
+    with pytest.raises(CheckpointError, match="no device kernel"):
+        src.tensor("w.weight")
+    t = src.tensor("w.weight", dense_fallback=True)
+    assert (t.qtype, t.rows, t.cols) == ("f32", 4, 256)
+    np.testing.assert_array_equal(t.dequantize(), dequantize(q5, gguf.GGMLQuantizationType.Q5_0).reshape(4, 256))
