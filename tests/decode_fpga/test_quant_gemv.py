@@ -241,3 +241,28 @@ def test_types_without_a_kernel_fall_back_to_exact_f32(tmp_path):
     t = src.tensor("w.weight", dense_fallback=True)
     assert (t.qtype, t.rows, t.cols) == ("f32", 4, 256)
     np.testing.assert_array_equal(t.dequantize(), dequantize(q5, gguf.GGMLQuantizationType.Q5_0).reshape(4, 256))
+
+
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+def test_embed_rows_from_blocks(cl_dev, qtype):
+    """The device lookup dequantizes rows exactly as gguf does (repeated ids, the last row, a tail)."""
+    t = synthetic(qtype, 50, 160, seed=6)
+    m = QuantMatrix(cl_dev, t)
+    ids = np.array([3, 49, 0, 3], np.int32)
+    tb = cl.Buffer(cl_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=ids)
+    xb = cl.Buffer(cl_dev.context, MF.READ_WRITE, ids.size * t.cols * 4)
+    m.enqueue_embed(cl_dev.queue, tb, xb, ids.size)
+    got = np.empty((ids.size, t.cols), np.float32)
+    cl.enqueue_copy(cl_dev.queue, got, xb, is_blocking=True)
+    np.testing.assert_array_equal(got, t.dequantize()[ids])
+
+
+def test_embed_rows_of_the_real_embedding(cl_dev, blocks, loaded_model):
+    m = QuantMatrix(cl_dev, blocks["token_embd.weight"])
+    ids = np.array([0, 1, 2, 100, 49151], np.int32)
+    tb = cl.Buffer(cl_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=ids)
+    xb = cl.Buffer(cl_dev.context, MF.READ_WRITE, ids.size * m.cols * 4)
+    m.enqueue_embed(cl_dev.queue, tb, xb, ids.size)
+    got = np.empty((ids.size, m.cols), np.float32)
+    cl.enqueue_copy(cl_dev.queue, got, xb, is_blocking=True)
+    np.testing.assert_array_equal(got, loaded_model.weights.embed[ids])

@@ -156,3 +156,23 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
         }
     }
 }
+
+// x[r, :] = E[tokens[r], :] dequantized (the embedding lookup from the blocks), one work-item per row
+__kernel void embed_rows(__global const half *d, __global const half *m, __global const uchar *q,
+                         __global const int *tokens, __global float *x, const int cols)
+{
+    const int r = get_global_id(0);
+    const int nb = cols / 32, nbp = (nb + 3) & ~3;
+    const size_t row = (size_t)tokens[r];
+    __global const half *drow = d + row * nbp;
+    __global const half *mrow = m + row * nbp;
+    __global const uchar *qrow = q + row * nb * QBYTES;
+    __global float *out = x + (size_t)r * cols;
+    float16 w0, w1;
+    for (int b = 0; b < nb; ++b) {
+        const float4 d4 = vload_half4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
+        dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
+        vstore16(w0, 2 * b, out);
+        vstore16(w1, 2 * b + 1, out);
+    }
+}
