@@ -107,7 +107,7 @@ def kernel_lines(dev, cfg) -> list[dict]:
     ro, at = cl.Kernel(attn, "rope_store_kv"), cl.Kernel(attn, "attention")
     attn_out = buf(cfg.q_dim)
     k_base, v_base = lay.locate(0, 0, 0, 0)[1], lay.locate(0, 0, 1, 0)[1]
-    args = (chan, np.int64(k_base), np.int64(0), chan, np.int64(v_base), np.int64(0))
+    args = (chan, np.int64(k_base), np.int64(0), chan, np.int64(v_base), np.int64(0), np.int64(0))
     s = time_enqueued(dev, lambda: ro(dev.queue, (1, group + 1), None, qkv, slots, pos, inv, np.int32(0), *args), 200)
     lines.append({"kernel": "rope_store_kv", "batch": 1, "us": s * 1e6, "gbs": 4 * cfg.head_dim * 4 / s / 1e9})
     s = time_enqueued(dev, lambda: at(dev.queue, (1, group), None, qkv, slots, pos, np.int32(0),

@@ -200,13 +200,19 @@ class OpenCLEngine:
         self._k_norm(q, (n,), None, self.b_x, layer.attn_norm, self.b_xn, np.int32(c.hidden), eps)
         layer.qkv.enqueue_gemv(q, self.b_xn, self.b_qkv, n)
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
-        for h in range(c.n_kv_heads):
+        # one channel: every kv head's plane at a fixed stride, so one launch covers them all
+        # (two commands per layer instead of 2 x n_kv_heads; PoCL charges per command)
+        one_launch = self.kv.n_channels == 1
+        heads = [0] if one_launch else range(c.n_kv_heads)
+        span = c.n_kv_heads if one_launch else 1
+        head_stride = np.int64(self.kv.plane_elems)
+        for h in heads:
             k_buf, k_base, k_stride = self._plane(li, 0, h)
             v_buf, v_base, v_stride = self._plane(li, 1, h)
-            self._k_rope_store(q, (n, group + 1), None, self.b_qkv, self.b_slots, self.b_pos, self.inv_freq,
-                               np.int32(h), k_buf, k_base, k_stride, v_buf, v_base, v_stride)
-            self._k_attention(q, (n, group), None, self.b_qkv, self.b_slots, self.b_pos, np.int32(h), scale,
-                              k_buf, k_base, k_stride, v_buf, v_base, v_stride, self.b_attn)
+            self._k_rope_store(q, (n, span * (group + 1)), None, self.b_qkv, self.b_slots, self.b_pos, self.inv_freq,
+                               np.int32(h), k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride)
+            self._k_attention(q, (n, span * group), None, self.b_qkv, self.b_slots, self.b_pos, np.int32(h), scale,
+                              k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride, self.b_attn)
         layer.o.enqueue_gemv(q, self.b_attn, self.b_x, n, accumulate=True)  # residual fused
         self._k_norm(q, (n,), None, self.b_x, layer.ffn_norm, self.b_xn, np.int32(c.hidden), eps)
         layer.gate_up.enqueue_gemv(q, self.b_xn, self.b_gu, n)

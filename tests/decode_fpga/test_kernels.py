@@ -90,13 +90,16 @@ def _rope_ref(v, pos, inv_freq):
     return np.concatenate([a * c - b * s, b * c + a * s])
 
 
-def test_rope_store_and_attention_match_numpy(cl_dev):
-    """Two sequences in two slots, rows at different positions, 3 channels, GQA group of 2."""
+@pytest.mark.parametrize("n_channels", [1, 3])
+def test_rope_store_and_attention_match_numpy(cl_dev, n_channels):
+    """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
+    one launch covers every kv head; three: one launch per head, as the engine does."""
     head_dim, n_heads, n_kv, ctx = 16, 4, 2, 12
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
-    lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2, n_channels=3)
+    lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
+                        n_channels=n_channels)
     prog = cl_dev.build("attention.cl", {"HEAD_DIM": head_dim, "GROUP": group, "Q_DIM": q_dim, "KV_DIM": kv_dim})
-    chans = [cl.Buffer(cl_dev.context, MF.READ_WRITE, max(4, lay.channel_elems(c) * 4)) for c in range(3)]
+    chans = [cl.Buffer(cl_dev.context, MF.READ_WRITE, max(4, lay.channel_elems(c) * 4)) for c in range(n_channels)]
     inv_freq = (1.0 / (1e4 ** (np.arange(0, head_dim, 2) / head_dim))).astype(np.float32)
     # slot 0 gets a 5-token "prefill", then slot 1 a 3-token one; then one decode row each
     rows = [(0, p) for p in range(5)] + [(1, p) for p in range(3)] + [(0, 5), (1, 3)]
@@ -105,15 +108,18 @@ def test_rope_store_and_attention_match_numpy(cl_dev):
     qkv_b = buf(cl_dev, qkv)
     slots = buf(cl_dev, np.array([r[0] for r in rows], np.int32))
     pos = buf(cl_dev, np.array([r[1] for r in rows], np.int32))
-    for h in range(n_kv):
+    span = n_kv if n_channels == 1 else 1
+    rope_store, attention = cl.Kernel(prog, "rope_store_kv"), cl.Kernel(prog, "attention")
+    for h in range(0, n_kv, span):
         kc, kb = lay.locate(0, 0, 0, h)
         vc, vb = lay.locate(0, 0, 1, h)
         ks, vs = lay.locate(1, 0, 0, h)[1] - kb, lay.locate(1, 0, 1, h)[1] - vb
-        args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs))
-        prog.rope_store_kv(cl_dev.queue, (len(rows), group + 1), None, qkv_b, slots, pos, buf(cl_dev, inv_freq),
-                           np.int32(h), *args)
-        prog.attention(cl_dev.queue, (len(rows), group), None, qkv_b, slots, pos, np.int32(h),
-                       np.float32(head_dim ** -0.5), *args, out_b)
+        args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs),
+                np.int64(lay.plane_elems))
+        rope_store(cl_dev.queue, (len(rows), span * (group + 1)), None, qkv_b, slots, pos, buf(cl_dev, inv_freq),
+                   np.int32(h), *args)
+        attention(cl_dev.queue, (len(rows), span * group), None, qkv_b, slots, pos, np.int32(h),
+                  np.float32(head_dim ** -0.5), *args, out_b)
     got = read(cl_dev, out_b, (len(rows), q_dim))
     # numpy reference: rope q and k, causal attention within each slot
     cache = {}

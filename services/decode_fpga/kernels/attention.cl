@@ -5,6 +5,9 @@
 // which makes prefill causal and decode a plain lookup with the same code.
 // A plane is one (layer, k|v, kv_head) of a slot: [max_context][HEAD_DIM] floats at
 // plane_base + slot * slot_stride in its channel buffer (see kv_channels.py).
+// One launch covers the kv heads kv_head0, kv_head0 + 1, ... along global dimension 1
+// when their planes share a buffer at a constant head_stride (one channel); with
+// several channels the host launches once per head (head_stride unused).
 // Defines: HEAD_DIM, GROUP (query heads per kv head), Q_DIM, KV_DIM.
 
 #define HALF (HEAD_DIM / 2)
@@ -21,14 +24,18 @@ inline void rope(__global float *v, const int pos, __global const float *inv_fre
     }
 }
 
-// qkv: [rows, Q_DIM + 2 KV_DIM]. Work-item (r, j): j == 0 ropes this group's K and
-// stores K and V into the cache; j in 1..GROUP ropes query head (kv_head*GROUP + j-1).
+// qkv: [rows, Q_DIM + 2 KV_DIM]. Work-item (r, g*(GROUP+1) + j) serves kv head
+// kv_head0 + g: j == 0 ropes its K and stores K and V into the cache; j in 1..GROUP
+// ropes query head (kv_head*GROUP + j-1).
 __kernel void rope_store_kv(__global float *qkv, __global const int *slots, __global const int *pos,
-                            __global const float *inv_freq, const int kv_head,
-                            __global float *k_chan, const long k_base, const long k_stride,
-                            __global float *v_chan, const long v_base, const long v_stride)
+                            __global const float *inv_freq, const int kv_head0,
+                            __global float *k_chan, long k_base, const long k_stride,
+                            __global float *v_chan, long v_base, const long v_stride, const long head_stride)
 {
-    const int r = get_global_id(0), j = get_global_id(1);
+    const int r = get_global_id(0), g = get_global_id(1) / (GROUP + 1), j = get_global_id(1) % (GROUP + 1);
+    const int kv_head = kv_head0 + g;
+    k_base += g * head_stride;
+    v_base += g * head_stride;
     __global float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
     if (j > 0) {
         rope(row + (kv_head * GROUP + j - 1) * HEAD_DIM, pos[r], inv_freq);
@@ -45,17 +52,19 @@ __kernel void rope_store_kv(__global float *qkv, __global const int *slots, __gl
     }
 }
 
-// Work-item (r, j): query head h = kv_head*GROUP + j of row r; out: [rows, Q_DIM].
+// Work-item (r, g*GROUP + j): query head h = (kv_head0+g)*GROUP + j of row r; out: [rows, Q_DIM].
 // Two passes (max, then exp-sum and weighted V) keep the softmax in the same form as
 // the reference: exp(s - max) / sum.
 __kernel void attention(__global const float *qkv, __global const int *slots, __global const int *pos,
-                        const int kv_head, const float scale,
-                        __global const float *k_chan, const long k_base, const long k_stride,
-                        __global const float *v_chan, const long v_base, const long v_stride,
+                        const int kv_head0, const float scale,
+                        __global const float *k_chan, long k_base, const long k_stride,
+                        __global const float *v_chan, long v_base, const long v_stride, const long head_stride,
                         __global float *out)
 {
-    const int r = get_global_id(0), j = get_global_id(1);
-    const int h = kv_head * GROUP + j;
+    const int r = get_global_id(0), g = get_global_id(1) / GROUP, j = get_global_id(1) % GROUP;
+    const int h = (kv_head0 + g) * GROUP + j;
+    k_base += g * head_stride;
+    v_base += g * head_stride;
     __global const float *q = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM) + h * HEAD_DIM;
     __global const float *K = k_chan + k_base + slots[r] * k_stride;
     __global const float *V = v_chan + v_base + slots[r] * v_stride;
