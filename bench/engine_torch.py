@@ -4,13 +4,18 @@ Prefill tokens/s at 64, 256, 512, 1024 prompt tokens; decode ms/token at batch
 1, 4, 16 (sequences of different lengths). Rounds alternate ours / theirs
 because this machine's speed drifts by +-25% over minutes.
 
-    python bench/engine_torch.py [--rounds N] [--quick]
+    python bench/engine_torch.py [--rounds N] [--quick] [--out DIR]
+
+Writes engine_torch.json and engine_torch.png under bench/results (or --out);
+the 1-minute load average before and after goes into the JSON, since other
+processes on this 2-core machine move the numbers.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import time
+from pathlib import Path
 
 from _common import RESULTS, progress, stats, table, write_json
 
@@ -60,6 +65,35 @@ def hf_decode(model, prompts, steps):
     return (time.perf_counter() - t) / steps
 
 
+def plot(path: Path, res: dict) -> Path:
+    """Two panels: prefill tokens/s by prompt length, decode ms/step by batch; bars are medians, whiskers min-max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = ((axes[0], res["prefill"], lambda n, s: n / s, "prefill tokens/s (higher is better)", "prompt tokens"),
+              (axes[1], res["decode"], lambda n, s: s * 1e3, "decode ms/step (lower is better)", "batch"))
+    for ax, part, f, title, xlabel in panels:
+        keys = list(part)
+        x = np.arange(len(keys))
+        for i, (who, key) in enumerate((("ours", "ours_s"), ("transformers", "transformers_s"))):
+            med = np.array([f(k, part[k][key]["median"]) for k in keys])
+            lo = np.array([min(f(k, part[k][key]["min"]), f(k, part[k][key]["max"])) for k in keys])
+            hi = np.array([max(f(k, part[k][key]["min"]), f(k, part[k][key]["max"])) for k in keys])
+            ax.bar(x + (i - 0.5) * 0.4, med, 0.4, yerr=[med - lo, hi - med], capsize=3, label=who)
+        ax.set_xticks(x, [str(k) for k in keys])
+        ax.set_xlabel(xlabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -82,6 +116,7 @@ def main() -> int:
     ck = loaded.checkpoint
     hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
+    load_before = os.getloadavg()[0]
     res = {"prefill": {}, "decode": {}}
     for n in prefill_sizes:
         ids = rng.integers(3, loaded.config.vocab_size, n).tolist()
@@ -108,9 +143,13 @@ def main() -> int:
         o, t = r["ours_s"]["median"], r["transformers_s"]["median"]
         rows.append([f"decode batch {bsz}", f"{o * 1e3:.1f} ms/step", f"{t * 1e3:.1f} ms/step", f"{t / o:.2f}x"])
     print(table(["what", "ours (median)", "transformers (median)", "speed-up"], rows))
-    print(f"({rounds} interleaved rounds, torch threads {torch.get_num_threads()})")
-    write_json("engine_torch", {"rounds": rounds, "decode_steps": steps, "results": res}, out_dir=__import__(
-        "pathlib").Path(args.out))
+    load_after = os.getloadavg()[0]
+    print(f"({rounds} interleaved rounds, torch threads {torch.get_num_threads()}, "
+          f"1-min load average {load_before:.2f} before, {load_after:.2f} after)")
+    out = Path(args.out)
+    write_json("engine_torch", {"rounds": rounds, "decode_steps": steps, "results": res,
+                                "load_average_1min": {"before": load_before, "after": load_after}}, out_dir=out)
+    plot(out / "engine_torch.png", res)
     return 0
 
 
