@@ -151,8 +151,11 @@ class OpenCLEngine:
                    gate_up=mat(i, "ffn_gate", "ffn_up"), down=mat(i, "ffn_down"))
             for i, lw in enumerate(w.layers)
         ]
-        self.embed = upload_dense_matrix(self.dev, w.embed, "fp32")  # row lookups only: one row per token
         self.lm_head = upload_block_matrix(self.dev, blocks.get("output.weight", blocks["token_embd.weight"]))
+        if w.lm_head is w.embed and hasattr(self.lm_head, "enqueue_embed"):
+            self.embed = self.lm_head  # tied: rows are looked up from the same blocks, gguf's values exactly
+        else:
+            self.embed = upload_dense_matrix(self.dev, w.embed, "fp32")  # row lookups only: one row per token
         self._upload_common(w)
 
     def _build_kernels(self) -> None:
