@@ -32,6 +32,11 @@ PRESETS = {  # inputs, outputs, reps, load clients, load requests per client
     "default": ((64, 256, 512, 1024), (64, 256, 512), 2, 4, 3),
     "full": ((64, 256, 512, 1024), (64, 256, 512), 5, 8, 6),
 }
+# Repetitions of cells with >= LONG_OUTPUT output tokens: those are ~70% of the default's time
+# (4 modes x ~20 s each), and a 512-token run already averages over 512 steps, so the default
+# runs them once to fit ~15 minutes; --full runs them as often as the rest.
+LONG_OUTPUT = 512
+LONG_REPS = {"quick": 2, "default": 1, "full": 5}
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -46,7 +51,8 @@ def one_request(url: str, model: str, headers: dict, n_in: int, n_out: int, mode
     first, last, gaps, ran, usage = None, None, [], None, None
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=1800) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"{mode} {n_in}x{n_out}: HTTP {r.status_code}: {r.read()[:300]!r}")
+            raise (Unavailable if r.status_code == 503 else RuntimeError)(f"{mode} {n_in}x{n_out}: HTTP {r.status_code}: {r.read()[:300]!r}")
+        ran = r.headers.get("x-hybridserve-mode")  # the final chunk's hybridserve.mode confirms it below
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -54,16 +60,40 @@ def one_request(url: str, model: str, headers: dict, n_in: int, n_out: int, mode
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk.get("choices"):
+            if chunk.get("hybridserve"):
+                ran = chunk["hybridserve"]["mode"]
+            # only chunks that carry text time tokens: the closing chunk (finish_reason, empty text)
+            # follows the last token at once and would pull the inter-token gaps down
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
                 if first is None:
                     first = now - t0
                 elif last is not None:
                     gaps.append(now - last)
                 last = now
-                if chunk.get("hybridserve"):
-                    ran = chunk["hybridserve"]["mode"]
     return {"e2e": time.perf_counter() - t0, "ttft": first, "itl": gaps, "ran": ran,
             "tokens": (usage or {}).get("completion_tokens", 0)}
+
+
+class Unavailable(RuntimeError):
+    """HTTP 503: an engine (or the link between them) is not answering yet."""
+
+
+def warm_up(url: str, model: str, headers: dict, mode: str, timeout: float = 300) -> None:
+    """One small request in `mode`, retried while the stack answers 503.
+
+    The gateway's /health is 200 as soon as it reaches both engines, but decode_fpga's own
+    channel to prefill_gpu (hybrid mode) can still be in gRPC's reconnect back-off then.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            one_request(url, model, headers, 32, 4, mode, seed=7)
+            return
+        except Unavailable as exc:
+            if time.monotonic() > deadline:
+                raise
+            progress(f"{exc}; retrying")
+            time.sleep(2)
 
 
 def transformers_baseline(cells, reps: int) -> dict:
@@ -192,14 +222,17 @@ def main() -> int:
     ap.add_argument("--inputs", help="comma-separated input lengths (overrides the preset)")
     ap.add_argument("--outputs", help="comma-separated output lengths (overrides the preset)")
     ap.add_argument("--reps", type=int)
+    ap.add_argument("--long-reps", type=int, help=f"repetitions of cells with >= {LONG_OUTPUT} output tokens")
     ap.add_argument("--load-clients", type=int)
     ap.add_argument("--load-requests", type=int, help="requests per client in the load run")
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    inputs, outputs, reps, clients, per_client = PRESETS["quick" if args.quick else "full" if args.full else "default"]
+    preset = "quick" if args.quick else "full" if args.full else "default"
+    inputs, outputs, reps, clients, per_client = PRESETS[preset]
     inputs = tuple(int(v) for v in args.inputs.split(",")) if args.inputs else inputs
     outputs = tuple(int(v) for v in args.outputs.split(",")) if args.outputs else outputs
+    long_reps = args.long_reps or (args.reps or LONG_REPS[preset])
     reps = args.reps or reps
     clients, per_client = args.load_clients or clients, args.load_requests or per_client
     out = Path(args.out)
@@ -218,14 +251,15 @@ def main() -> int:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         progress("warming up every mode")
         for mode in MODES:
-            one_request(url, model, headers, 32, 4, mode, seed=7)
+            warm_up(url, model, headers, mode)
         cells = []
         grid = [(i, o) for i in inputs for o in outputs]
         for k, (n_in, n_out) in enumerate(grid):
             runs = {m: [] for m in MODES}
-            for r in range(reps):
+            cell_reps = long_reps if n_out >= LONG_OUTPUT else reps
+            for r in range(cell_reps):
                 for mode in MODES:  # interleaved, so drift hits every mode alike
-                    progress(f"cell {k + 1}/{len(grid)} {n_in}x{n_out}: {mode} ({r + 1}/{reps})")
+                    progress(f"cell {k + 1}/{len(grid)} {n_in}x{n_out}: {mode} ({r + 1}/{cell_reps})")
                     runs[mode].append(one_request(url, model, headers, n_in, n_out, mode, seed=n_in * 7 + n_out))
             cell = {"n_in": n_in, "n_out": n_out, "modes": {}}
             for mode, rs in runs.items():
@@ -259,14 +293,14 @@ def main() -> int:
     print(table(["in x out", "gpu s", "fpga s", "hybrid s", "auto s", "best", "auto ran", "regret", "transformers s",
                  "best vs hf"], rows))
     print(f"router regret: mean {100 * summary['regret_mean']:+.1f}%, worst {100 * summary['regret_worst']:+.1f}% "
-          f"(medians of {reps} interleaved runs per mode and cell)")
+          f"(medians of {reps} interleaved runs per mode and cell, {long_reps} for >= {LONG_OUTPUT} output tokens)")
     print(table(["load: mode", "tok/s", "TTFT p50 ms", "p95", "p99", "ITL p50 ms", "p95", "p99"],
                 [[m, f"{v['throughput_tok_s']:.1f}", *[f"{(v[f'ttft_p{q}'] or 0) * 1e3:.0f}" for q in (50, 95, 99)],
                   *[f"{(v[f'itl_p{q}'] or 0) * 1e3:.1f}" for q in (50, 95, 99)]] for m, v in load.items()]))
     pngs = plots(out, cells, load)
     for p in pngs:
         print(f"wrote {p}")
-    write_json("suite", {"reps": reps, "inputs": inputs, "outputs": outputs, "modes": MODES, "cells": cells,
+    write_json("suite", {"reps": reps, "long_reps": long_reps, "long_output": LONG_OUTPUT, "inputs": inputs, "outputs": outputs, "modes": MODES, "cells": cells,
                          "load": {"clients": clients, "requests_per_client": per_client, "results": load},
                          "summary": summary, "plots": [p.name for p in pngs]}, out_dir=out)
     return 0
