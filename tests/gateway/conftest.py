@@ -36,8 +36,9 @@ def stack(tmp_path_factory):
     prefill, decode = engine_pair(tmp, PREFILL_ENV, DECODE_ENV)
     gateway = start_gateway(tmp, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY, "HYBRIDSERVE_MAX_BODY_BYTES": "200000"})
     try:
-        prefill.wait_healthy()
-        decode.wait_healthy()
+        # start-up (model load, profile sweep) takes minutes when other work holds the two cores
+        prefill.wait_healthy(timeout=420)
+        decode.wait_healthy(timeout=420)
         wait_http_ok(gateway)
         wait_calibrated(f"http://127.0.0.1:{gateway.port}")
         yield {"prefill": prefill, "decode": decode, "gateway": gateway, "url": f"http://127.0.0.1:{gateway.port}"}

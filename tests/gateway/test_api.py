@@ -12,6 +12,9 @@ import pytest
 
 from tests.gateway.conftest import API_KEY, MODEL
 
+# every test here talks to the real stack (three processes, model forwards)
+pytestmark = pytest.mark.slow
+
 MODES = ("gpu", "fpga", "hybrid")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

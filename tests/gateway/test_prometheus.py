@@ -69,6 +69,7 @@ def query(url: str, expr: str) -> list:
     return r["data"]["result"]
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_returns_data(stack, prometheus):
     for mode in ("gpu", "fpga", "hybrid", "auto"):  # traffic after the first scrape, so rates move
         body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 6, "temperature": 0, "mode": mode,

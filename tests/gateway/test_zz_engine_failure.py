@@ -14,6 +14,7 @@ import pytest
 from tests.gateway.conftest import API_KEY, MODEL
 
 
+@pytest.mark.slow
 def test_killing_decode_fpga_falls_back_to_gpu(stack, client):
     stack["decode"].stop(sig=signal.SIGKILL)
     time.sleep(0.5)
