@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import AliasChoices, Field
+
 from services.settings import CommonSettings
 
 
@@ -14,7 +16,10 @@ class DecodeSettings(CommonSettings):
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values
-    weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = "auto"
+    # HYBRIDSERVE_DECODE_WEIGHTS_DTYPE is the name the decode engine's issue gives; both are read
+    weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = Field(
+        "auto", validation_alias=AliasChoices("HYBRIDSERVE_DECODE_WEIGHTS_DTYPE", "HYBRIDSERVE_WEIGHTS_DTYPE",
+                                              "weights_dtype"))
     kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
     max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
     max_sequences: int = 4  # sequence slots resident on the device
