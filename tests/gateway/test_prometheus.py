@@ -49,9 +49,12 @@ def prometheus(stack, tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # every target scraped at least once
             try:
-                active = httpx.get(url + "/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
-                if len(active) == 3 and all(t["health"] == "up" for t in active):
-                    break
+                # Prometheus answers 503 "Service Unavailable" (plain text) until its TSDB is open.
+                r = httpx.get(url + "/api/v1/targets", timeout=2)
+                if r.status_code == 200:
+                    active = r.json()["data"]["activeTargets"]
+                    if len(active) == 3 and all(t["health"] == "up" for t in active):
+                        break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
