@@ -5,6 +5,10 @@ position) through every layer. A prefill is the prompt's rows in chunks; a
 decode step is one row per sequence. The whole step is enqueued on one in-order
 queue and the host waits once, when it reads back the sampled tokens or logits
 (on PoCL a waited launch costs ~48 µs, an enqueue ~2.4 µs).
+
+The launches of a forward over n rows are bound once (launch.py: setting a
+kernel's arguments costs ~40 µs in pyopencl) and replayed every step; only the
+rows' token ids, slots and positions are uploaded per step.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.kv_channels import ChannelLayout
+from services.decode_fpga.launch import Launch, bind
 from services.decode_fpga.settings import DecodeSettings
 from services.engine_api import EngineFull
 from services.model_config import ModelConfig
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
 ARGMAX_WG = 256
 MF = cl.mem_flags
+_UNCACHED = object()  # a plan built for one use only (a prefill's last, partial chunk)
 
 
 @dataclass
@@ -77,6 +83,9 @@ class OpenCLEngine:
                           for c in range(kv_channels)]
         self._build_kernels()
         self._alloc_scratch(max(PREFILL_CHUNK, max_sequences))
+        self.rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, self.max_context * cfg.head_dim * 4)
+        bind(self._p_attn, "rope_table", (self.max_context, cfg.head_dim // 2), self.inv_freq,
+             self.rope_cs).enqueue(dev.queue)
         dev.queue.finish()
         kv_bytes = sum(self.kv.channel_elems(c) * 4 for c in range(kv_channels))
         log.info("OpenCL engine on %s: %.1f MB of %s weights resident, %.1f MB KV over %d channel(s), "
@@ -160,13 +169,12 @@ class OpenCLEngine:
 
     def _build_kernels(self) -> None:
         c = self.cfg
-        attn = self.dev.build("attention.cl", {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads,
-                                               "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim})
-        # kernel objects of this engine's own: arguments are set per launch
-        self._k_rope_store, self._k_attention = cl.Kernel(attn, "rope_store_kv"), cl.Kernel(attn, "attention")
-        self._k_norm = cl.Kernel(self.dev.build("norm.cl"), "rms_norm")
-        elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
-        self._k_silu_mul, self._k_argmax = cl.Kernel(elem, "silu_mul"), cl.Kernel(elem, "argmax_rows")
+        self._p_attn = self.dev.build("attention.cl", {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads,
+                                                       "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim})
+        self._p_norm = self.dev.build("norm.cl")
+        self._p_elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
+        self._layer_plans: dict[int, tuple[Launch, list[list[Launch]]]] = {}
+        self._tail_plans: dict[tuple[str, int], list[Launch]] = {}
 
     def _alloc_scratch(self, rows: int) -> None:
         c, ctx = self.cfg, self.dev.context
@@ -196,12 +204,13 @@ class OpenCLEngine:
             keep.append(a)
             cl.enqueue_copy(q, b, a, is_blocking=False)
 
-    def _enqueue_layer(self, li: int, n: int) -> None:
-        c, q, layer = self.cfg, self.dev.queue, self.layers[li]
+    def _bind_layer(self, li: int, n: int) -> list[Launch]:
+        """The launches of layer li over n rows of b_x, in order."""
+        c, layer = self.cfg, self.layers[li]
         group = c.n_heads // c.n_kv_heads
-        eps = np.float32(c.rms_eps)
-        self._k_norm(q, (n,), None, self.b_x, layer.attn_norm, self.b_xn, np.int32(c.hidden), eps)
-        layer.qkv.enqueue_gemv(q, self.b_xn, self.b_qkv, n)
+        eps, hidden = np.float32(c.rms_eps), np.int32(c.hidden)
+        out = [bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.attn_norm, self.b_xn, hidden, eps),
+               layer.qkv.bind_gemv(self.b_xn, self.b_qkv, n)]
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
         # one channel: every kv head's plane at a fixed stride, so one launch covers them all
         # (two commands per layer instead of 2 x n_kv_heads; PoCL charges per command)
@@ -212,26 +221,49 @@ class OpenCLEngine:
         for h in heads:
             k_buf, k_base, k_stride = self._plane(li, 0, h)
             v_buf, v_base, v_stride = self._plane(li, 1, h)
-            self._k_rope_store(q, (n, span * (group + 1)), None, self.b_qkv, self.b_slots, self.b_pos, self.inv_freq,
-                               np.int32(h), k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride)
-            self._k_attention(q, (n, span * group), None, self.b_qkv, self.b_slots, self.b_pos, np.int32(h), scale,
-                              k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride, self.b_attn)
-        layer.o.enqueue_gemv(q, self.b_attn, self.b_x, n, accumulate=True)  # residual fused
-        self._k_norm(q, (n,), None, self.b_x, layer.ffn_norm, self.b_xn, np.int32(c.hidden), eps)
-        layer.gate_up.enqueue_gemv(q, self.b_xn, self.b_gu, n)
-        self._k_silu_mul(q, (n, c.intermediate), None, self.b_gu, self.b_act, np.int32(c.intermediate))
-        layer.down.enqueue_gemv(q, self.b_act, self.b_x, n, accumulate=True)
+            out.append(bind(self._p_attn, "rope_store_kv", (n, span * (group + 1)), self.b_qkv, self.b_slots,
+                            self.b_pos, self.rope_cs, np.int32(h), k_buf, k_base, k_stride, v_buf, v_base,
+                            v_stride, head_stride))
+            out.append(bind(self._p_attn, "attention", (n, span * group), self.b_qkv, self.b_slots, self.b_pos,
+                            np.int32(h), scale, k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride,
+                            self.b_attn))
+        out += [layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True),  # residual fused
+                bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.ffn_norm, self.b_xn, hidden, eps),
+                layer.gate_up.bind_gemv(self.b_xn, self.b_gu, n),
+                bind(self._p_elem, "silu_mul", (n, c.intermediate), self.b_gu, self.b_act, np.int32(c.intermediate)),
+                layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True)]
+        return out
 
-    def _enqueue_logits(self, rows: list[int]) -> None:
-        """Logits of the given rows of b_x into b_logits[0:len(rows)]."""
-        c, q = self.cfg, self.dev.queue
-        row_bytes = c.hidden * 4
-        for i, r in enumerate(rows):
-            cl.enqueue_copy(q, self.b_last, self.b_x, byte_count=row_bytes, src_offset=r * row_bytes,
-                            dst_offset=i * row_bytes)
-        self._k_norm(q, (len(rows),), None, self.b_last, self.final_norm, self.b_xn, np.int32(c.hidden),
-                     np.float32(c.rms_eps))
-        self.lm_head.enqueue_gemv(q, self.b_xn, self.b_logits, len(rows))
+    def _layers_plan(self, n: int, cache: bool = True) -> tuple[Launch, list[list[Launch]]]:
+        """The embedding lookup and every layer's launches over n rows (bound once per n when cached)."""
+        plan = self._layer_plans.get(n)
+        if plan is None:
+            plan = (self.embed.bind_embed(self.b_tokens, self.b_x, n),
+                    [self._bind_layer(li, n) for li in range(self.cfg.n_layers)])
+            if cache:
+                self._layer_plans[n] = plan
+        return plan
+
+    def _tail_plan(self, kind: str, n: int) -> list[Launch]:
+        """Logits into b_logits[0:n]: of b_x's n rows ("rows", decode) or of b_last's one row ("last", prefill);
+        "argmax" adds the greedy pick of each of the n rows into b_argmax."""
+        key = (kind, n)
+        if key not in self._tail_plans:
+            c = self.cfg
+            src = self.b_last if kind == "last" else self.b_x
+            plan = [bind(self._p_norm, "rms_norm", (n,), src, self.final_norm, self.b_xn, np.int32(c.hidden),
+                         np.float32(c.rms_eps)),
+                    self.lm_head.bind_gemv(self.b_xn, self.b_logits, n)]
+            if kind == "argmax":
+                plan.append(bind(self._p_elem, "argmax_rows", (n * ARGMAX_WG,), self.b_logits,
+                                 np.int32(c.vocab_size), self.b_argmax, local_size=(ARGMAX_WG,)))
+            self._tail_plans[key] = plan
+        return self._tail_plans[key]
+
+    @staticmethod
+    def _replay(queue: cl.CommandQueue, launches: list[Launch]) -> None:
+        for launch in launches:
+            launch.enqueue(queue)
 
     def _read_logits(self, n: int) -> np.ndarray:
         out = np.empty((n, self.cfg.vocab_size), np.float32)
@@ -264,32 +296,38 @@ class OpenCLEngine:
             q, keep = self.dev.queue, []
             chunks = [(s, min(s + PREFILL_CHUNK, n)) for s in range(0, n, PREFILL_CHUNK)]
             for ci, (s, e) in enumerate(chunks):
-                rows = e - s
+                rows, last = e - s, ci == len(chunks) - 1
                 self._enqueue_rows(np.array(token_ids[s:e]), np.full(rows, seq.slot), np.arange(s, e), keep)
-                self.embed.enqueue_embed(q, self.b_tokens, self.b_x, rows)
-                for li in range(self.cfg.n_layers):
-                    self._enqueue_layer(li, rows)
-                    if on_layer is not None and ci == len(chunks) - 1:
+                # full chunks and decode-sized ones recur; a one-off partial chunk is bound and dropped
+                embed, layers = self._layers_plan(rows, cache=rows == PREFILL_CHUNK or rows <= self.max_sequences)
+                embed.enqueue(q)
+                for li, launches in enumerate(layers):
+                    self._replay(q, launches)
+                    if on_layer is not None and last:
                         q.finish()  # the layer's KV of the whole prompt is now in the cache
                         on_layer(li)
-                if ci == len(chunks) - 1:
-                    self._enqueue_logits([rows - 1])
+                if last:
+                    row_bytes = self.cfg.hidden * 4
+                    cl.enqueue_copy(q, self.b_last, self.b_x, byte_count=row_bytes, src_offset=(rows - 1) * row_bytes)
+                    self._replay(q, self._tail_plan("last", 1))
                 else:
                     q.finish()  # the next chunk reuses the row buffers
             seq.length = n
             return self._read_logits(1)[0]
 
-    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list) -> int:
+    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list, tail: str) -> int:
         b = len(seqs)
         assert b == len(tokens) and 0 < b <= self.max_sequences
         for s in seqs:
             assert s.length < s.capacity, "sequence is full"
+        q = self.dev.queue
         self._enqueue_rows(np.array(tokens), np.array([s.slot for s in seqs]), np.array([s.length for s in seqs]),
                            keep)
-        self.embed.enqueue_embed(self.dev.queue, self.b_tokens, self.b_x, b)
-        for li in range(self.cfg.n_layers):
-            self._enqueue_layer(li, b)
-        self._enqueue_logits(list(range(b)))
+        embed, layers = self._layers_plan(b)
+        embed.enqueue(q)
+        for launches in layers:
+            self._replay(q, launches)
+        self._replay(q, self._tail_plan(tail, b))
         for s in seqs:
             s.length += 1
         return b
@@ -297,17 +335,14 @@ class OpenCLEngine:
     def decode(self, seqs: list[OpenCLSequence], tokens: list[int]) -> np.ndarray:
         with self._lock:
             keep: list = []
-            return self._read_logits(self._enqueue_decode(seqs, tokens, keep))
+            return self._read_logits(self._enqueue_decode(seqs, tokens, keep, "rows"))
 
     def decode_greedy(self, seqs: list[OpenCLSequence], tokens: list[int]) -> list[int]:
         with self._lock:
             keep: list = []
-            b = self._enqueue_decode(seqs, tokens, keep)
-            q = self.dev.queue
-            self._k_argmax(q, (b * ARGMAX_WG,), (ARGMAX_WG,), self.b_logits, np.int32(self.cfg.vocab_size),
-                           self.b_argmax)
+            b = self._enqueue_decode(seqs, tokens, keep, "argmax")
             out = np.empty(b, np.int32)
-            cl.enqueue_copy(q, out, self.b_argmax, is_blocking=True)  # the one wait of this step
+            cl.enqueue_copy(self.dev.queue, out, self.b_argmax, is_blocking=True)  # the one wait of this step
             return out.tolist()
 
     def import_kv_layer(self, seq: OpenCLSequence, layer: int, kv: np.ndarray) -> None:

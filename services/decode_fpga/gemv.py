@@ -1,7 +1,8 @@
 """Weight matrices resident on the OpenCL device, and the GEMV that reads them.
 
 `DeviceMatrix` is the seam between the engine and a storage format: the engine
-only calls `enqueue_gemv`, so a quantized format drops in beside fp32 and fp16.
+only binds GEMV and embedding launches (`bind_gemv`, `bind_embed`), so a
+quantized format drops in beside fp32 and fp16.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.launch import Launch, bind
 
 DENSE_FORMATS = {"fp32": (np.float32, 0), "fp16": (np.float16, 1)}
 
@@ -21,10 +23,13 @@ class DeviceMatrix(Protocol):
     nbytes: int
     fmt: str
 
+    def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False) -> Launch:
+        """The launch of y[b, r] (+)= sum_c W[r, c] * x[b, c] for b < batch. x: [batch, cols] float32
+        row-major, y: [batch, rows] float32 row-major."""
+
     def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
                      accumulate: bool = False) -> None:
-        """y[b, r] (+)= sum_c W[r, c] * x[b, c] for b < batch. x: [batch, cols] float32 row-major,
-        y: [batch, rows] float32 row-major. Enqueue only, never wait."""
+        """bind_gemv(...) enqueued once: for tests and one-off use, never wait."""
 
 
 class DenseMatrix:
@@ -40,18 +45,23 @@ class DenseMatrix:
         self.rows, self.cols = host.shape
         self.nbytes, self.fmt = host.nbytes, fmt
         self.buffer = cl.Buffer(dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
-        program = dev.build("gemv.cl", {"WFMT": code})
-        # one kernel object per matrix: its arguments are set per launch
-        self._gemv = cl.Kernel(program, "gemv")
-        self._embed = cl.Kernel(program, "embed_rows")
+        self._program = dev.build("gemv.cl", {"WFMT": code})
+
+    def bind_gemv(self, x, y, batch, accumulate=False) -> Launch:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        return bind(self._program, "gemv", (self.rows,), self.buffer, x, y, np.int32(self.cols),
+                    np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
     def enqueue_gemv(self, queue, x, y, batch, accumulate=False) -> None:
-        self._gemv(queue, (self.rows,), None, self.buffer, x, y, np.int32(self.cols), np.int32(self.rows),
-                   np.int32(batch), np.int32(accumulate))
+        self.bind_gemv(x, y, batch, accumulate).enqueue(queue)
+
+    def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
+        """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""
+        return bind(self._program, "embed_rows", (n_rows,), self.buffer, tokens, x, np.int32(self.cols))
 
     def enqueue_embed(self, queue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
-        """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""
-        self._embed(queue, (n_rows,), None, self.buffer, tokens, x, np.int32(self.cols))
+        self.bind_embed(tokens, x, n_rows).enqueue(queue)
 
 
 def upload_dense_matrix(dev: DeviceContext, w: np.ndarray, fmt: str) -> DenseMatrix:

@@ -12,7 +12,7 @@ Wiring an engine (one call per layer, one for the LM head):
 
     from services.decode_fpga.quant_gemv import upload_layer_matrices, upload_lm_head
     mats = upload_layer_matrices(dev, loaded.checkpoint, loaded.config, i)  # {"qkv","o","gate_up","down"}
-    head = upload_lm_head(dev, loaded.checkpoint)  # also the embedding when tied: head.enqueue_embed(...)
+    head = upload_lm_head(dev, loaded.checkpoint)  # also the embedding when tied: head.bind_embed(...)
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numpy as np
 import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.launch import Launch, bind
 from services.gguf_blocks import BlockTensor, GGUFBlocks
 
 QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80}
@@ -63,23 +64,27 @@ class QuantMatrix:
         self._m = up(m) if m is not None else self._d  # unread unless Q4_1
         self._q = up(quants)
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
-        program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
-        self._kernel = cl.Kernel(program, "gemv_quant")
-        self._embed = cl.Kernel(program, "embed_rows")
+        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
 
-    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
-                     accumulate: bool = False) -> None:
+    def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False) -> Launch:
         """y[b, r] (+)= sum_c W[r, c] x[b, c] for b < batch; x [batch, cols], y [batch, rows] fp32."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        self._kernel(queue, (self.rows,), None, self._d, self._m, self._q, x, y, np.int32(self.cols),
-                     np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+        return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, y,
+                    np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
+    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
+                     accumulate: bool = False) -> None:
+        self.bind_gemv(x, y, batch, accumulate).enqueue(queue)
 
-    def enqueue_embed(self, queue: cl.CommandQueue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
+    def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :] dequantized (gguf's values): the embedding lookup, which is
         also the tied LM head, so a tied checkpoint needs no fp32 copy of its embedding."""
-        self._embed(queue, (n_rows,), None, self._d, self._m, self._q, tokens, x, np.int32(self.cols))
+        return bind(self._program, "embed_rows", (n_rows,), self._d, self._m, self._q, tokens, x,
+                    np.int32(self.cols))
+
+    def enqueue_embed(self, queue: cl.CommandQueue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
+        self.bind_embed(tokens, x, n_rows).enqueue(queue)
 
 
 def upload_block_matrix(dev: DeviceContext, t: BlockTensor):

@@ -108,6 +108,12 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels):
     qkv_b = buf(cl_dev, qkv)
     slots = buf(cl_dev, np.array([r[0] for r in rows], np.int32))
     pos = buf(cl_dev, np.array([r[1] for r in rows], np.int32))
+    # the RoPE table the engine computes once at start-up: cos | sin of every position's angles
+    rope_cs = cl.Buffer(cl_dev.context, MF.READ_WRITE, ctx * head_dim * 4)
+    cl.Kernel(prog, "rope_table")(cl_dev.queue, (ctx, head_dim // 2), None, buf(cl_dev, inv_freq), rope_cs)
+    angles = np.arange(ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
+    np.testing.assert_allclose(read(cl_dev, rope_cs, (ctx, head_dim)), np.concatenate([np.cos(angles), np.sin(angles)], 1),
+                               rtol=1e-6, atol=1e-6)
     span = n_kv if n_channels == 1 else 1
     rope_store, attention = cl.Kernel(prog, "rope_store_kv"), cl.Kernel(prog, "attention")
     for h in range(0, n_kv, span):
@@ -116,8 +122,8 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels):
         ks, vs = lay.locate(1, 0, 0, h)[1] - kb, lay.locate(1, 0, 1, h)[1] - vb
         args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs),
                 np.int64(lay.plane_elems))
-        rope_store(cl_dev.queue, (len(rows), span * (group + 1)), None, qkv_b, slots, pos, buf(cl_dev, inv_freq),
-                   np.int32(h), *args)
+        rope_store(cl_dev.queue, (len(rows), span * (group + 1)), None, qkv_b, slots, pos, rope_cs, np.int32(h),
+                   *args)
         attention(cl_dev.queue, (len(rows), span * group), None, qkv_b, slots, pos, np.int32(h),
                   np.float32(head_dim ** -0.5), *args, out_b)
     got = read(cl_dev, out_b, (len(rows), q_dim))

@@ -12,12 +12,24 @@
 
 #define HALF (HEAD_DIM / 2)
 
-// HF's rotate-half RoPE of one head vector, in place.
-inline void rope(__global float *v, const int pos, __global const float *inv_freq)
+// The RoPE angles' cosines and sines of every position, computed once at start-up:
+// rope_cs[pos][0:HALF] = cos, rope_cs[pos][HALF:HEAD_DIM] = sin. On PoCL cos/sin are
+// software routines (~20 us a launch when each decode step recomputed them); the
+// expression is the one the per-step code used, so the values are unchanged.
+__kernel void rope_table(__global const float *inv_freq, __global float *rope_cs)
 {
+    const int pos = get_global_id(0), i = get_global_id(1);
+    const float angle = (float)pos * inv_freq[i];
+    rope_cs[(size_t)pos * HEAD_DIM + i] = cos(angle);
+    rope_cs[(size_t)pos * HEAD_DIM + HALF + i] = sin(angle);
+}
+
+// HF's rotate-half RoPE of one head vector, in place.
+inline void rope(__global float *v, const int pos, __global const float *rope_cs)
+{
+    __global const float *cs = rope_cs + (size_t)pos * HEAD_DIM;
     for (int i = 0; i < HALF; ++i) {
-        const float angle = (float)pos * inv_freq[i];
-        const float c = cos(angle), s = sin(angle);
+        const float c = cs[i], s = cs[HALF + i];
         const float a = v[i], b = v[i + HALF];
         v[i] = a * c - b * s;
         v[i + HALF] = b * c + a * s;
@@ -28,7 +40,7 @@ inline void rope(__global float *v, const int pos, __global const float *inv_fre
 // kv_head0 + g: j == 0 ropes its K and stores K and V into the cache; j in 1..GROUP
 // ropes query head (kv_head*GROUP + j-1).
 __kernel void rope_store_kv(__global float *qkv, __global const int *slots, __global const int *pos,
-                            __global const float *inv_freq, const int kv_head0,
+                            __global const float *rope_cs, const int kv_head0,
                             __global float *k_chan, long k_base, const long k_stride,
                             __global float *v_chan, long v_base, const long v_stride, const long head_stride)
 {
@@ -38,12 +50,12 @@ __kernel void rope_store_kv(__global float *qkv, __global const int *slots, __gl
     v_base += g * head_stride;
     __global float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
     if (j > 0) {
-        rope(row + (kv_head * GROUP + j - 1) * HEAD_DIM, pos[r], inv_freq);
+        rope(row + (kv_head * GROUP + j - 1) * HEAD_DIM, pos[r], rope_cs);
         return;
     }
     __global float *k = row + Q_DIM + kv_head * HEAD_DIM;
     __global const float *v = row + Q_DIM + KV_DIM + kv_head * HEAD_DIM;
-    rope(k, pos[r], inv_freq);
+    rope(k, pos[r], rope_cs);
     __global float *kd = k_chan + k_base + slots[r] * k_stride + (long)pos[r] * HEAD_DIM;
     __global float *vd = v_chan + v_base + slots[r] * v_stride + (long)pos[r] * HEAD_DIM;
     for (int i = 0; i < HEAD_DIM / 4; ++i) {
