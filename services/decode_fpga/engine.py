@@ -226,7 +226,7 @@ class OpenCLEngine:
                             v_stride, head_stride))
             out.append(bind(self._p_attn, "attention", (n, span * group), self.b_qkv, self.b_slots, self.b_pos,
                             np.int32(h), scale, k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride,
-                            self.b_attn))
+                            self.b_attn, local_size=(1, 1)))
         out += [layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True),  # residual fused
                 bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.ffn_norm, self.b_xn, hidden, eps),
                 layer.gate_up.bind_gemv(self.b_xn, self.b_gu, n),
