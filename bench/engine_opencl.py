@@ -160,8 +160,9 @@ def llama_cpp_model(path: Path):
         progress("llama.cpp: not installed (pip install '.[llamacpp]' builds it); its line is left out")
         return None
     threads = os.cpu_count() or 1
+    # logits_all: llama-cpp-python keeps a step's logits (llm.scores) only then; one 196 KB row per step
     return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
-                 verbose=False)
+                 logits_all=True, verbose=False)
 
 
 def llama_step_s(llm, ctx: int, steps: int, rng) -> float:
