@@ -24,7 +24,7 @@ from services import metrics_engine as m
 from services.engine_api import EngineFull
 from services.generation import Generation, PromptTooLong, TokenEvent
 from services.kv_arena import ArenaFull, HeaderMismatch
-from services.profile_sweep import cached_sweep, run_sweep
+from services.profile_sweep import cached_sweep, code_fingerprint, run_sweep
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from services.sampling import SamplingParams
@@ -174,7 +174,10 @@ class EngineServicer(pb_grpc.EngineServicer):
     def profile_samples(self, refresh: bool = False) -> list[dict]:
         with self._profile_lock:
             if self._profile is None or refresh:
-                key = f"{self.loaded.config.model_id}-{self.engine_name}-{self.engine.device_name}"
+                # what the timings depend on: model, engine, device, storage format, code
+                storage = getattr(self.engine, "weights_dtype", None) or str(getattr(self.engine, "dtype", ""))
+                key = (f"{self.loaded.config.model_id}-{self.engine_name}-{self.engine.device_name}-{storage}-"
+                       f"{code_fingerprint()}")
                 run = lambda: run_sweep(self.engine, self.device_label)  # noqa: E731
                 self._profile = run() if refresh else cached_sweep(self.settings.profile_cache, key, run)
             return self._profile

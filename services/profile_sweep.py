@@ -5,6 +5,7 @@ calibration file takes them; decode seconds are the total for n_out tokens.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -54,6 +55,17 @@ def _warm_up(engine) -> None:
             token = engine.decode_greedy([seq], [token])[0]
     finally:
         engine.release(seq)
+
+
+def code_fingerprint(root: Path | None = None) -> str:
+    """A short hash of the engines' code (every .py and .cl under services/): a cached profile
+    measured with other kernels would mislead the router, so a code change reruns the sweep."""
+    root = root or Path(__file__).parent
+    h = hashlib.sha1()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cl") and "__pycache__" not in p.parts):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def cached_sweep(cache_dir: str, key: str, run) -> list[dict]:
