@@ -175,7 +175,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         with self._profile_lock:
             if self._profile is None or refresh:
                 # what the timings depend on: model, engine, device, storage format, code
-                storage = getattr(self.engine, "weights_dtype", None) or str(getattr(self.engine, "dtype", ""))
+                storage = getattr(self.engine, "weights_dtype", None) or str(getattr(self.engine, "kv_dtype", ""))
                 key = (f"{self.loaded.config.model_id}-{self.engine_name}-{self.engine.device_name}-{storage}-"
                        f"{code_fingerprint()}")
                 run = lambda: run_sweep(self.engine, self.device_label)  # noqa: E731

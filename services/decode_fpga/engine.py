@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
 ARGMAX_WG = 256
 MF = cl.mem_flags
-_UNCACHED = object()  # a plan built for one use only (a prefill's last, partial chunk)
 
 
 @dataclass
