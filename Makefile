@@ -40,7 +40,7 @@ test-fast: $(STAMP)
 
 # engine benchmarks (each a few minutes), then the end-to-end suite (~15-20 min); see bench/README.md
 bench: $(STAMP) system-deps
-	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp (llama-cpp-python) for the comparison: several minutes, once"; \
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp (llama-cpp-python) for the comparison: ~20-25 min on 2 cores, once"; \
 	  $(PY) -m pip install -q -e '.[test,llamacpp]' || echo "warning: llama.cpp did not build; engine_opencl.py runs without it"; }
 	$(PY) bench/engine_torch.py
 	@for b in engine_opencl handoff quant_gemv; do \
