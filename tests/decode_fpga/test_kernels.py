@@ -90,11 +90,12 @@ def _rope_ref(v, pos, inv_freq):
     return np.concatenate([a * c - b * s, b * c + a * s])
 
 
-@pytest.mark.parametrize("n_channels", [1, 3])
-def test_rope_store_and_attention_match_numpy(cl_dev, n_channels):
+@pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12)])
+def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
     """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
-    one launch covers every kv head; three: one launch per head, as the engine does."""
-    head_dim, n_heads, n_kv, ctx = 16, 4, 2, 12
+    one launch covers every kv head; three: one launch per head, as the engine does.
+    head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one."""
+    n_heads, n_kv, ctx = 4, 2, 12
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
     lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
                         n_channels=n_channels)
