@@ -173,7 +173,8 @@ class OpenCLEngine:
         self._p_norm = self.dev.build("norm.cl")
         self._p_elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
         self._layer_plans: dict[int, tuple[Launch, list[list[Launch]]]] = {}
-        self._tail_plans: dict[tuple[str, int], list[Launch]] = {}
+        self._logits_plans: dict[tuple[str, int], list[Launch]] = {}
+        self._argmax_launches: dict[int, Launch] = {}
 
     def _alloc_scratch(self, rows: int) -> None:
         c, ctx = self.cfg, self.dev.context
@@ -187,7 +188,7 @@ class OpenCLEngine:
         self.b_qkv, self.b_attn = buf(rows * (c.q_dim + 2 * c.kv_dim)), buf(rows * c.q_dim)
         self.b_gu, self.b_act = buf(rows * 2 * c.intermediate), buf(rows * c.intermediate)
         self.b_logits = buf(self.max_sequences * c.vocab_size)
-        self.b_last = buf(self.max_sequences * c.hidden)
+        self.b_last = buf(c.hidden)  # a prefill's last row, for its logits
         self.b_argmax = buf(self.max_sequences, np.int32)
 
     # ---- the forward --------------------------------------------------------
@@ -243,21 +244,25 @@ class OpenCLEngine:
                 self._layer_plans[n] = plan
         return plan
 
-    def _tail_plan(self, kind: str, n: int) -> list[Launch]:
-        """Logits into b_logits[0:n]: of b_x's n rows ("rows", decode) or of b_last's one row ("last", prefill);
-        "argmax" adds the greedy pick of each of the n rows into b_argmax."""
-        key = (kind, n)
-        if key not in self._tail_plans:
+    def _logits_plan(self, src: str, n: int) -> list[Launch]:
+        """Final norm and LM head into b_logits[0:n]: of b_x's n rows (src "rows", a decode step) or of
+        b_last's one row (src "last", a prefill's last token)."""
+        key = (src, n)
+        if key not in self._logits_plans:
             c = self.cfg
-            src = self.b_last if kind == "last" else self.b_x
-            plan = [bind(self._p_norm, "rms_norm", (n,), src, self.final_norm, self.b_xn, np.int32(c.hidden),
-                         np.float32(c.rms_eps)),
-                    self.lm_head.bind_gemv(self.b_xn, self.b_logits, n)]
-            if kind == "argmax":
-                plan.append(bind(self._p_elem, "argmax_rows", (n * ARGMAX_WG,), self.b_logits,
-                                 np.int32(c.vocab_size), self.b_argmax, local_size=(ARGMAX_WG,)))
-            self._tail_plans[key] = plan
-        return self._tail_plans[key]
+            rows = self.b_last if src == "last" else self.b_x
+            self._logits_plans[key] = [
+                bind(self._p_norm, "rms_norm", (n,), rows, self.final_norm, self.b_xn, np.int32(c.hidden),
+                     np.float32(c.rms_eps)),
+                self.lm_head.bind_gemv(self.b_xn, self.b_logits, n)]
+        return self._logits_plans[key]
+
+    def _argmax_launch(self, n: int) -> Launch:
+        """The greedy pick of each of b_logits' first n rows into b_argmax."""
+        if n not in self._argmax_launches:
+            self._argmax_launches[n] = bind(self._p_elem, "argmax_rows", (n * ARGMAX_WG,), self.b_logits,
+                                            np.int32(self.cfg.vocab_size), self.b_argmax, local_size=(ARGMAX_WG,))
+        return self._argmax_launches[n]
 
     @staticmethod
     def _replay(queue: cl.CommandQueue, launches: list[Launch]) -> None:
@@ -308,13 +313,13 @@ class OpenCLEngine:
                 if last:
                     row_bytes = self.cfg.hidden * 4
                     cl.enqueue_copy(q, self.b_last, self.b_x, byte_count=row_bytes, src_offset=(rows - 1) * row_bytes)
-                    self._replay(q, self._tail_plan("last", 1))
+                    self._replay(q, self._logits_plan("last", 1))
                 else:
                     q.finish()  # the next chunk reuses the row buffers
             seq.length = n
             return self._read_logits(1)[0]
 
-    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list, tail: str) -> int:
+    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list) -> int:
         b = len(seqs)
         assert b == len(tokens) and 0 < b <= self.max_sequences
         for s in seqs:
@@ -326,7 +331,7 @@ class OpenCLEngine:
         embed.enqueue(q)
         for launches in layers:
             self._replay(q, launches)
-        self._replay(q, self._tail_plan(tail, b))
+        self._replay(q, self._logits_plan("rows", b))
         for s in seqs:
             s.length += 1
         return b
@@ -334,12 +339,13 @@ class OpenCLEngine:
     def decode(self, seqs: list[OpenCLSequence], tokens: list[int]) -> np.ndarray:
         with self._lock:
             keep: list = []
-            return self._read_logits(self._enqueue_decode(seqs, tokens, keep, "rows"))
+            return self._read_logits(self._enqueue_decode(seqs, tokens, keep))
 
     def decode_greedy(self, seqs: list[OpenCLSequence], tokens: list[int]) -> list[int]:
         with self._lock:
             keep: list = []
-            b = self._enqueue_decode(seqs, tokens, keep, "argmax")
+            b = self._enqueue_decode(seqs, tokens, keep)
+            self._argmax_launch(b).enqueue(self.dev.queue)
             out = np.empty(b, np.int32)
             cl.enqueue_copy(self.dev.queue, out, self.b_argmax, is_blocking=True)  # the one wait of this step
             return out.tolist()
