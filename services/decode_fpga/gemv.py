@@ -32,7 +32,19 @@ class DeviceMatrix(Protocol):
         """bind_gemv(...) enqueued once: for tests and one-off use, never wait."""
 
 
-class DenseMatrix:
+class EnqueueOnce:
+    """enqueue_gemv / enqueue_embed from a matrix's bind_gemv / bind_embed: one launch, bound and
+    enqueued, for tests and one-off use (the engine binds once and replays)."""
+
+    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
+                     accumulate: bool = False) -> None:
+        self.bind_gemv(x, y, batch, accumulate).enqueue(queue)
+
+    def enqueue_embed(self, queue: cl.CommandQueue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
+        self.bind_embed(tokens, x, n_rows).enqueue(queue)
+
+
+class DenseMatrix(EnqueueOnce):
     """A [rows, cols] matrix stored as fp32 or fp16 in one device buffer."""
 
     def __init__(self, dev: DeviceContext, w: np.ndarray, fmt: str):
@@ -53,15 +65,9 @@ class DenseMatrix:
         return bind(self._program, "gemv", (self.rows,), self.buffer, x, y, np.int32(self.cols),
                     np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
-    def enqueue_gemv(self, queue, x, y, batch, accumulate=False) -> None:
-        self.bind_gemv(x, y, batch, accumulate).enqueue(queue)
-
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""
         return bind(self._program, "embed_rows", (n_rows,), self.buffer, tokens, x, np.int32(self.cols))
-
-    def enqueue_embed(self, queue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
-        self.bind_embed(tokens, x, n_rows).enqueue(queue)
 
 
 def upload_dense_matrix(dev: DeviceContext, w: np.ndarray, fmt: str) -> DenseMatrix:

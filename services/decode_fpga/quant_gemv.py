@@ -20,6 +20,7 @@ import numpy as np
 import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
 from services.decode_fpga.launch import Launch, bind
 from services.gguf_blocks import BlockTensor, GGUFBlocks
 
@@ -48,7 +49,7 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
     return d, m, quants
 
 
-class QuantMatrix:
+class QuantMatrix(EnqueueOnce):
     """A [rows, cols] Q4_0/Q4_1/Q8_0 matrix resident on the device; implements DeviceMatrix."""
 
     def __init__(self, dev: DeviceContext, t: BlockTensor):
@@ -73,24 +74,15 @@ class QuantMatrix:
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
-    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
-                     accumulate: bool = False) -> None:
-        self.bind_gemv(x, y, batch, accumulate).enqueue(queue)
-
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :] dequantized (gguf's values): the embedding lookup, which is
         also the tied LM head, so a tied checkpoint needs no fp32 copy of its embedding."""
         return bind(self._program, "embed_rows", (n_rows,), self._d, self._m, self._q, tokens, x,
                     np.int32(self.cols))
 
-    def enqueue_embed(self, queue: cl.CommandQueue, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> None:
-        self.bind_embed(tokens, x, n_rows).enqueue(queue)
-
 
 def upload_block_matrix(dev: DeviceContext, t: BlockTensor):
     """A DeviceMatrix in the tensor's own format: QuantMatrix for blocks, dense for F32/F16."""
-    from services.decode_fpga.gemv import upload_dense_matrix
-
     if t.qtype in ("f32", "f16"):
         return upload_dense_matrix(dev, t.dequantize(), "fp32" if t.qtype == "f32" else "fp16")
     return QuantMatrix(dev, t)
