@@ -173,14 +173,18 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     def profile_samples(self, refresh: bool = False) -> list[dict]:
         with self._profile_lock:
-            if self._profile is None or refresh:
-                # what the timings depend on: model, engine, device, storage format, code
-                storage = getattr(self.engine, "weights_dtype", None) or str(getattr(self.engine, "kv_dtype", ""))
-                key = (f"{self.loaded.config.model_id}-{self.engine_name}-{self.engine.device_name}-{storage}-"
-                       f"{code_fingerprint()}")
-                run = lambda: run_sweep(self.engine, self.device_label)  # noqa: E731
-                self._profile = run() if refresh else cached_sweep(self.settings.profile_cache, key, run)
+            if refresh:
+                self._profile = run_sweep(self.engine, self.device_label)
+            elif self._profile is None:
+                self._profile = cached_sweep(self.settings.profile_cache, self._profile_key(),
+                                             lambda: run_sweep(self.engine, self.device_label))
             return self._profile
+
+    def _profile_key(self) -> str:
+        """What the cached timings depend on: model, engine, device, storage format, code."""
+        storage = getattr(self.engine, "weights_dtype", None) or str(getattr(self.engine, "kv_dtype", ""))
+        return (f"{self.loaded.config.model_id}-{self.engine_name}-{self.engine.device_name}-{storage}-"
+                f"{code_fingerprint()}")
 
     def Profile(self, request, context):
         samples = self.profile_samples(request.refresh)

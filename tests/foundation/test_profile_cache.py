@@ -29,6 +29,4 @@ def test_fingerprint_follows_kernels_and_code_only(tmp_path):
     (tmp_path / "notes.txt").write_text("not code")
     assert code_fingerprint(tmp_path) == before
     (tmp_path / "kernels" / "gemv.cl").write_text("__kernel void k() { }\n")
-    changed = code_fingerprint(tmp_path)
-    assert changed != before
-    assert code_fingerprint() != changed  # the real package hashes its own files
+    assert code_fingerprint(tmp_path) != before
