@@ -37,6 +37,11 @@ ARGMAX_WG = 256
 MF = cl.mem_flags
 
 
+def _blocks(cols: int) -> int:
+    """32-column blocks of a row (the last may be short)."""
+    return (cols + 31) // 32
+
+
 @dataclass
 class OpenCLSequence:
     slot: int
@@ -187,6 +192,9 @@ class OpenCLEngine:
         self.b_x, self.b_xn = buf(rows * c.hidden), buf(rows * c.hidden)
         self.b_qkv, self.b_attn = buf(rows * (c.q_dim + 2 * c.kv_dim)), buf(rows * c.q_dim)
         self.b_gu, self.b_act = buf(rows * 2 * c.intermediate), buf(rows * c.intermediate)
+        # the sums of b_xn, b_attn and b_act over 32-column blocks, written beside them (Q4_1 GEMVs read them)
+        self.b_xn_sums, self.b_attn_sums = buf(rows * _blocks(c.hidden)), buf(rows * _blocks(c.q_dim))
+        self.b_act_sums = buf(rows * _blocks(c.intermediate))
         self.b_logits = buf(self.max_sequences * c.vocab_size)
         self.b_last = buf(c.hidden)  # a prefill's last row, for its logits
         self.b_argmax = buf(self.max_sequences, np.int32)
@@ -209,8 +217,9 @@ class OpenCLEngine:
         c, layer = self.cfg, self.layers[li]
         group = c.n_heads // c.n_kv_heads
         eps, hidden = np.float32(c.rms_eps), np.int32(c.hidden)
-        out = [bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.attn_norm, self.b_xn, hidden, eps),
-               layer.qkv.bind_gemv(self.b_xn, self.b_qkv, n)]
+        out = [bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.attn_norm, self.b_xn, self.b_xn_sums, hidden,
+                    eps),
+               layer.qkv.bind_gemv(self.b_xn, self.b_qkv, n, x_sums=self.b_xn_sums)]
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
         # one channel: every kv head's plane at a fixed stride, so one launch covers them all
         # (two commands per layer instead of 2 x n_kv_heads; PoCL charges per command)
@@ -226,12 +235,16 @@ class OpenCLEngine:
                             v_stride, head_stride))
             out.append(bind(self._p_attn, "attention", (n, span * group), self.b_qkv, self.b_slots, self.b_pos,
                             np.int32(h), scale, k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride,
-                            self.b_attn, local_size=(1, 1)))
-        out += [layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True),  # residual fused
-                bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.ffn_norm, self.b_xn, hidden, eps),
-                layer.gate_up.bind_gemv(self.b_xn, self.b_gu, n),
-                bind(self._p_elem, "silu_mul", (n, c.intermediate), self.b_gu, self.b_act, np.int32(c.intermediate)),
-                layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True)]
+                            self.b_attn, self.b_attn_sums, local_size=(1, 1)))
+        if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
+            out.append(layer.o.bind_block_sums(self.b_attn, self.b_attn_sums, n))
+        out += [layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True, x_sums=self.b_attn_sums),  # residual
+                bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.ffn_norm, self.b_xn, self.b_xn_sums, hidden,
+                     eps),
+                layer.gate_up.bind_gemv(self.b_xn, self.b_gu, n, x_sums=self.b_xn_sums),
+                bind(self._p_elem, "silu_mul", (n, _blocks(c.intermediate)), self.b_gu, self.b_act, self.b_act_sums,
+                     np.int32(c.intermediate)),
+                layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True, x_sums=self.b_act_sums)]
         return out
 
     def _layers_plan(self, n: int, cache: bool = True) -> tuple[Launch, list[list[Launch]]]:
@@ -252,9 +265,9 @@ class OpenCLEngine:
             c = self.cfg
             rows = self.b_last if src == "last" else self.b_x
             self._logits_plans[key] = [
-                bind(self._p_norm, "rms_norm", (n,), rows, self.final_norm, self.b_xn, np.int32(c.hidden),
-                     np.float32(c.rms_eps)),
-                self.lm_head.bind_gemv(self.b_xn, self.b_logits, n)]
+                bind(self._p_norm, "rms_norm", (n,), rows, self.final_norm, self.b_xn, self.b_xn_sums,
+                     np.int32(c.hidden), np.float32(c.rms_eps)),
+                self.lm_head.bind_gemv(self.b_xn, self.b_logits, n, x_sums=self.b_xn_sums)]
         return self._logits_plans[key]
 
     def _argmax_launch(self, n: int) -> Launch:

@@ -23,9 +23,12 @@ class DeviceMatrix(Protocol):
     nbytes: int
     fmt: str
 
-    def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False) -> Launch:
+    needs_block_sums: bool  # bind_gemv reads x_sums, the sums of x over 32-column blocks
+
+    def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False,
+                  x_sums: cl.Buffer | None = None) -> Launch:
         """The launch of y[b, r] (+)= sum_c W[r, c] * x[b, c] for b < batch. x: [batch, cols] float32
-        row-major, y: [batch, rows] float32 row-major."""
+        row-major, y: [batch, rows] float32 row-major, x_sums: [batch, cols / 32] float32."""
 
     def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
                      accumulate: bool = False) -> None:
@@ -47,6 +50,8 @@ class EnqueueOnce:
 class DenseMatrix(EnqueueOnce):
     """A [rows, cols] matrix stored as fp32 or fp16 in one device buffer."""
 
+    needs_block_sums = False
+
     def __init__(self, dev: DeviceContext, w: np.ndarray, fmt: str):
         if fmt not in DENSE_FORMATS:
             raise ValueError(f"dense format must be one of {sorted(DENSE_FORMATS)}, got {fmt!r}")
@@ -59,7 +64,7 @@ class DenseMatrix(EnqueueOnce):
         self.buffer = cl.Buffer(dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
         self._program = dev.build("gemv.cl", {"WFMT": code})
 
-    def bind_gemv(self, x, y, batch, accumulate=False) -> Launch:
+    def bind_gemv(self, x, y, batch, accumulate=False, x_sums=None) -> Launch:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         return bind(self._program, "gemv", (self.rows,), self.buffer, x, y, np.int32(self.cols),

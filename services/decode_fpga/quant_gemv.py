@@ -67,12 +67,36 @@ class QuantMatrix(EnqueueOnce):
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
         self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
 
-    def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False) -> Launch:
-        """y[b, r] (+)= sum_c W[r, c] x[b, c] for b < batch; x [batch, cols], y [batch, rows] fp32."""
+    @property
+    def needs_block_sums(self) -> bool:
+        """Q4_1 at one row reads the block sums of x (gemv_quant.cl): sum_b m_b * xsum_b."""
+        return self.fmt == "q4_1"
+
+    def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False,
+                  x_sums: cl.Buffer | None = None) -> Launch:
+        """y[b, r] (+)= sum_c W[r, c] x[b, c] for b < batch; x [batch, cols], y [batch, rows] fp32;
+        x_sums [batch, cols / 32]: x's block sums, needed when `needs_block_sums`."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, y,
+        if x_sums is None:
+            if self.needs_block_sums:
+                raise ValueError(f"{self.name}: a {self.fmt} GEMV needs the block sums of x (x_sums)")
+            x_sums = x  # unread
+        return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+
+    def bind_block_sums(self, x: cl.Buffer, x_sums: cl.Buffer, batch: int) -> Launch:
+        """x_sums[b, k] = sum of x[b, 32 k : 32 k + 32], for an x whose producer does not write them."""
+        return bind(self._program, "block_sums", (batch, self.cols // 32), x, x_sums, np.int32(self.cols))
+
+    def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
+                     accumulate: bool = False) -> None:
+        """One-off: the block sums too when the format reads them (never waits)."""
+        sums = None
+        if self.needs_block_sums:
+            sums = cl.Buffer(queue.context, MF.READ_WRITE, batch * (self.cols // 32) * 4)
+            self.bind_block_sums(x, sums, batch).enqueue(queue)
+        self.bind_gemv(x, y, batch, accumulate, sums).enqueue(queue)
 
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :] dequantized (gguf's values): the embedding lookup, which is

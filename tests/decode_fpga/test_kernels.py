@@ -53,24 +53,38 @@ def test_embed_rows(cl_dev):
     np.testing.assert_array_equal(read(cl_dev, xb, (4, 32)), e[toks])
 
 
-def test_rms_norm(cl_dev):
-    x = rng.normal(size=(5, 64)).astype(np.float32)
-    w = rng.normal(size=64).astype(np.float32)
+def block_sums_ref(a: np.ndarray) -> np.ndarray:
+    """Sums of each row over 32-column blocks, the last one short when cols % 32 != 0."""
+    return np.stack([a[:, b:b + 32].sum(1) for b in range(0, a.shape[1], 32)], 1)
+
+
+@pytest.mark.parametrize("n", [64, 80])
+def test_rms_norm(cl_dev, n):
+    x = rng.normal(size=(5, n)).astype(np.float32)
+    w = rng.normal(size=n).astype(np.float32)
     out = cl.Buffer(cl_dev.context, MF.READ_WRITE, x.nbytes)
+    nb = (n + 31) // 32
+    sums = cl.Buffer(cl_dev.context, MF.READ_WRITE, 5 * nb * 4)
     k = cl_dev.build("norm.cl").rms_norm
-    k(cl_dev.queue, (5,), None, buf(cl_dev, x), buf(cl_dev, w), out, np.int32(64), np.float32(1e-5))
+    k(cl_dev.queue, (5,), None, buf(cl_dev, x), buf(cl_dev, w), out, sums, np.int32(n), np.float32(1e-5))
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
     np.testing.assert_allclose(read(cl_dev, out, x.shape), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(read(cl_dev, sums, (5, nb)), block_sums_ref(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_silu_mul(cl_dev):
-    gu = rng.normal(size=(3, 2 * 40)).astype(np.float32)
-    act = cl.Buffer(cl_dev.context, MF.READ_WRITE, 3 * 40 * 4)
-    cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).silu_mul(cl_dev.queue, (3, 40), None, buf(cl_dev, gu), act,
-                                                              np.int32(40))
-    g, u = gu[:, :40].astype(np.float64), gu[:, 40:]
-    np.testing.assert_allclose(read(cl_dev, act, (3, 40)), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("ff", [40, 64])  # a short last block; whole blocks only (the 16-wide path)
+def test_silu_mul(cl_dev, ff):
+    gu = rng.normal(size=(3, 2 * ff)).astype(np.float32)
+    act = cl.Buffer(cl_dev.context, MF.READ_WRITE, 3 * ff * 4)
+    nb = (ff + 31) // 32
+    sums = cl.Buffer(cl_dev.context, MF.READ_WRITE, 3 * nb * 4)
+    cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).silu_mul(cl_dev.queue, (3, nb), None, buf(cl_dev, gu), act,
+                                                              sums, np.int32(ff))
+    g, u = gu[:, :ff].astype(np.float64), gu[:, ff:]
+    ref = g / (1 + np.exp(-g)) * u
+    np.testing.assert_allclose(read(cl_dev, act, (3, ff)), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(read(cl_dev, sums, (3, nb)), block_sums_ref(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_argmax_takes_first_of_ties(cl_dev):
@@ -90,11 +104,11 @@ def _rope_ref(v, pos, inv_freq):
     return np.concatenate([a * c - b * s, b * c + a * s])
 
 
-@pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12)])
+@pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12), (1, 32)])
 def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
     """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
     one launch covers every kv head; three: one launch per head, as the engine does.
-    head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one."""
+    head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one; 32 also writes block sums."""
     n_heads, n_kv, ctx = 4, 2, 12
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
     lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
@@ -106,6 +120,7 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
     rows = [(0, p) for p in range(5)] + [(1, p) for p in range(3)] + [(0, 5), (1, 3)]
     qkv = rng.normal(size=(len(rows), q_dim + 2 * kv_dim)).astype(np.float32)
     out_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * q_dim * 4)
+    sums_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * max(1, q_dim // 32) * 4)
     qkv_b = buf(cl_dev, qkv)
     slots = buf(cl_dev, np.array([r[0] for r in rows], np.int32))
     pos = buf(cl_dev, np.array([r[1] for r in rows], np.int32))
@@ -126,7 +141,7 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
         rope_store(cl_dev.queue, (len(rows), span * (group + 1)), None, qkv_b, slots, pos, rope_cs, np.int32(h),
                    *args)
         attention(cl_dev.queue, (len(rows), span * group), None, qkv_b, slots, pos, np.int32(h),
-                  np.float32(head_dim ** -0.5), *args, out_b)
+                  np.float32(head_dim ** -0.5), *args, out_b, sums_b)
     got = read(cl_dev, out_b, (len(rows), q_dim))
     # numpy reference: rope q and k, causal attention within each slot
     cache = {}
@@ -144,3 +159,6 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
             w = np.exp(s - s.max())
             ref = (w / w.sum()) @ vs
             np.testing.assert_allclose(got[i, h * head_dim:(h + 1) * head_dim], ref, rtol=1e-4, atol=1e-5)
+    if head_dim % 32 == 0:
+        np.testing.assert_allclose(read(cl_dev, sums_b, (len(rows), q_dim // 32)), block_sums_ref(got),
+                                   rtol=1e-5, atol=1e-5)

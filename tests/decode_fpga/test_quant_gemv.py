@@ -60,11 +60,32 @@ def test_block_gemv_matches_gguf_dequantize(cl_dev, qtype, batch, accumulate):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 5, 6, 7, 18])
+def test_one_row_gemv_any_block_count(cl_dev, qtype, n_blocks):
+    """One row takes the path with the scales out of the inner loop (and Q4_1's block sums):
+    4 blocks at a time, then a tail of 1-3."""
+    t = synthetic(qtype, 37, 32 * n_blocks, seed=n_blocks)
+    rng = np.random.default_rng(n_blocks)
+    x = rng.normal(size=(1, t.cols)).astype(np.float32)
+    y0 = rng.normal(size=(1, t.rows)).astype(np.float32)
+    ref = reference(t, x, y0, True)
+    np.testing.assert_allclose(run_gemv(cl_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_q4_1_gemv_without_block_sums_is_refused(cl_dev):
+    m = QuantMatrix(cl_dev, synthetic("q4_1", 4, 64))
+    x = cl.Buffer(cl_dev.context, MF.READ_WRITE, 64 * 4)
+    with pytest.raises(ValueError, match="block sums"):
+        m.bind_gemv(x, x, 1)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.7.attn_q.weight", "token_embd.weight"])
-def test_real_tensors_match(cl_dev, blocks, name):
+def test_real_tensors_match(cl_dev, blocks, name, batch):
     t = blocks[name]
-    x = np.random.default_rng(3).normal(size=(2, t.cols)).astype(np.float32)
-    y0 = np.zeros((2, t.rows), np.float32)
+    x = np.random.default_rng(3).normal(size=(batch, t.cols)).astype(np.float32)
+    y0 = np.zeros((batch, t.rows), np.float32)
     ref = x.astype(np.float64) @ t.dequantize().astype(np.float64).T
     np.testing.assert_allclose(run_gemv(cl_dev, t, x, y0, False), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

@@ -93,13 +93,16 @@ inline float dot_head(const hvec *qv, __global const float *k)
 }
 
 // Work-item (r, g*GROUP + j): query head h = (kv_head0+g)*GROUP + j of row r; out: [rows, Q_DIM].
+// When HEAD_DIM % 32 == 0 it also writes out_sums[r, :] of its head's 32-blocks (out_sums:
+// [rows, Q_DIM / 32]), which a Q4_1 GEMV of one row reads (gemv_quant.cl); otherwise the
+// engine launches block_sums.
 // Two passes (max, then exp-sum and weighted V) keep the softmax in the same form as
 // the reference: exp(s - max) / sum.
 __kernel void attention(__global const float *qkv, __global const int *slots, __global const int *pos,
                         const int kv_head0, const float scale,
                         __global const float *k_chan, long k_base, const long k_stride,
                         __global const float *v_chan, long v_base, const long v_stride, const long head_stride,
-                        __global float *out)
+                        __global float *out, __global float *out_sums)
 {
     const int r = get_global_id(0), g = get_global_id(1) / GROUP, j = get_global_id(1) % GROUP;
     const int h = (kv_head0 + g) * GROUP + j;
@@ -123,5 +126,16 @@ __kernel void attention(__global const float *qkv, __global const int *slots, __
     }
     const float inv = 1.0f / denom;
     __global float *o = out + (size_t)r * Q_DIM + h * HEAD_DIM;
-    for (int i = 0; i < NV; ++i) VSTOREH(acc[i] * inv, i, o);
+    for (int i = 0; i < NV; ++i) {
+        acc[i] *= inv;
+        VSTOREH(acc[i], i, o);
+    }
+#if HEAD_DIM % 32 == 0
+    const int per_block = 32 / (HEAD_DIM / NV);  // head vectors per 32-block
+    for (int b = 0; b < HEAD_DIM / 32; ++b) {
+        float s = 0.0f;
+        for (int i = b * per_block; i < (b + 1) * per_block; ++i) s += hsum(acc[i]);
+        out_sums[(size_t)r * (Q_DIM / 32) + h * (HEAD_DIM / 32) + b] = s;
+    }
+#endif
 }

@@ -1,11 +1,30 @@
 // Small element-wise and reduction kernels of a decode step.
 
 // act[r, i] = silu(gu[r, i]) * gu[r, FF + i]   gu: [rows, 2 FF] (gate | up), act: [rows, FF]
-__kernel void silu_mul(__global const float *gu, __global float *act, const int ff)
+// Work-item (r, b) makes act[r, 32 b : 32 b + 32] (the last block may be short) and its sum,
+// act_sums[r, b]: the block sums a Q4_1 GEMV of one row reads (gemv_quant.cl).
+__kernel void silu_mul(__global const float *gu, __global float *act, __global float *act_sums, const int ff)
 {
-    const int r = get_global_id(0), i = get_global_id(1);
-    const float g = gu[(size_t)r * 2 * ff + i];
-    act[(size_t)r * ff + i] = g / (1.0f + exp(-g)) * gu[(size_t)r * 2 * ff + ff + i];
+    const int r = get_global_id(0), b = get_global_id(1), nb = (ff + 31) / 32;
+    __global const float *g = gu + (size_t)r * 2 * ff, *u = g + ff;
+    float s = 0.0f;
+    if (32 * b + 32 <= ff) {  // a whole block: 16-wide (exp is a vector routine on PoCL)
+        for (int h = 2 * b; h < 2 * b + 2; ++h) {
+            const float16 gv = vload16(h, g);
+            const float16 a = gv / (1.0f + exp(-gv)) * vload16(h, u);
+            vstore16(a, h, act + (size_t)r * ff);
+            const float8 s8 = a.lo + a.hi;
+            const float4 s4 = s8.lo + s8.hi;
+            s += (s4.x + s4.y) + (s4.z + s4.w);
+        }
+    } else {
+        for (int i = 32 * b; i < ff; ++i) {
+            const float a = g[i] / (1.0f + exp(-g[i])) * u[i];
+            act[(size_t)r * ff + i] = a;
+            s += a;
+        }
+    }
+    act_sums[(size_t)r * nb + b] = s;
 }
 
 // out[r] = the first index of the largest logits[r, :]; one work-group of ARGMAX_WG per row.

@@ -14,6 +14,14 @@
 // Weight values: Q4_0 d*(q-8), Q4_1 d*q+m, Q8_0 d*q, as gguf.quants.dequantize, bit for bit
 // even where the compiler fuses d*q+m into an fma: d (11-bit mantissa) times q (at most 8
 // bits) is exact in fp32, so the fused and the separately rounded results are the same.
+//
+// One row of x (a decode step) takes the scales out of the inner loop:
+//   sum_c W[o,c] x[c] = sum_b d_b * sum_j q_bj x_bj  (+ sum_b m_b * xsum_b for Q4_1)
+// where xsum_b is the sum of x over block b, written by the kernel that produced x
+// (rms_norm, attention, silu_mul: see their sources) or by block_sums below. Per block
+// that is 4 conversions, 4 multiply-adds and one scale, where dequantizing first costs
+// 8 multiply-adds and a broadcast of d and m; the rounding differs from numpy's order of
+// summation only as any other order does (the tests hold it to 1e-5 of float64).
 
 #if QFMT == 80
 #define QBYTES 32
@@ -61,9 +69,28 @@ inline float pick4(const float4 v, const int i)
 #define LOAD_MINS(g) ((float4)(0.0f))
 #endif
 
-// y[r, o] (+)= sum_c W[o, c] * x[r, c]   x: [n_rows, cols], y: [n_rows, out_rows], cols % 32 == 0
+// sum_j q_bj * x_bj of block b as 16 lanes (Q4_0: (q - 8)), before the block's scale
+inline float16 block_dot(__global const uchar *q, const int b, __global const float *x)
+{
+#if QFMT == 80
+    __global const char *qc = (__global const char *)q;
+    const float16 w0 = convert_float16(vload16(2 * b, qc)), w1 = convert_float16(vload16(2 * b + 1, qc));
+#else
+    const uint16 qi = convert_uint16(vload16(b, q));
+#if QFMT == 40
+    const float16 w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
+    const float16 w1 = convert_float16(convert_int16(qi >> (uint16)(4)) - 8);
+#else
+    const float16 w0 = convert_float16(qi & (uint16)(0x0F)), w1 = convert_float16(qi >> (uint16)(4));
+#endif
+#endif
+    return fma(w1, vload16(2 * b + 1, x), w0 * vload16(2 * b, x));
+}
+
+// y[r, o] (+)= sum_c W[o, c] * x[r, c]   x: [n_rows, cols], y: [n_rows, out_rows], cols % 32 == 0;
+// xsum: [n_rows, nb] block sums of x, read for Q4_1 when n_rows == 1
 __kernel void gemv_quant(__global const half *d, __global const half *m, __global const uchar *q,
-                         __global const float *x, __global float *y,
+                         __global const float *x, __global const float *xsum, __global float *y,
                          const int cols, const int out_rows, const int n_rows, const int accumulate)
 {
     const int o = get_global_id(0);
@@ -75,42 +102,33 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
     float16 w0, w1;
 
     if (n_rows == 1) {
-        // four independent accumulators: two blocks in flight at a time
-        float16 a0 = (float16)(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        // two independent accumulators, blocks alternating between them
+        float16 a0 = (float16)(0.0f), a1 = a0;
         for (int g = 0; g < ng; ++g) {
-            const float4 d4 = vload_half4(g, drow), m4 = LOAD_MINS(g);
+            const float4 d4 = vload_half4(g, drow);
             const int b = 4 * g;
-            dequant_block(qrow, b, d4.x, m4.x, &w0, &w1);
-            a0 = fma(w0, vload16(2 * b, x), a0);
-            a1 = fma(w1, vload16(2 * b + 1, x), a1);
-            dequant_block(qrow, b + 1, d4.y, m4.y, &w0, &w1);
-            a2 = fma(w0, vload16(2 * b + 2, x), a2);
-            a3 = fma(w1, vload16(2 * b + 3, x), a3);
-            dequant_block(qrow, b + 2, d4.z, m4.z, &w0, &w1);
-            a0 = fma(w0, vload16(2 * b + 4, x), a0);
-            a1 = fma(w1, vload16(2 * b + 5, x), a1);
-            dequant_block(qrow, b + 3, d4.w, m4.w, &w0, &w1);
-            a2 = fma(w0, vload16(2 * b + 6, x), a2);
-            a3 = fma(w1, vload16(2 * b + 7, x), a3);
+            a0 = fma(block_dot(qrow, b, x), (float16)(d4.x), a0);
+            a1 = fma(block_dot(qrow, b + 1, x), (float16)(d4.y), a1);
+            a0 = fma(block_dot(qrow, b + 2, x), (float16)(d4.z), a0);
+            a1 = fma(block_dot(qrow, b + 3, x), (float16)(d4.w), a1);
         }
-        int b0 = 4 * ng;
-        if (nb - b0 >= 2) {  // a pair left (576 columns: 18 blocks): no lane selects
-            const float4 d4 = vload_half4(ng, drow), m4 = LOAD_MINS(ng);
-            dequant_block(qrow, b0, d4.x, m4.x, &w0, &w1);
-            a0 = fma(w0, vload16(2 * b0, x), a0);
-            a1 = fma(w1, vload16(2 * b0 + 1, x), a1);
-            dequant_block(qrow, b0 + 1, d4.y, m4.y, &w0, &w1);
-            a2 = fma(w0, vload16(2 * b0 + 2, x), a2);
-            a3 = fma(w1, vload16(2 * b0 + 3, x), a3);
-            b0 += 2;
+        if (nb > 4 * ng) {  // 1-3 blocks left (576 columns: 18 blocks); scales are padded to 4
+            const float4 d4 = vload_half4(ng, drow);
+            const int b = 4 * ng;
+            a0 = fma(block_dot(qrow, b, x), (float16)(d4.x), a0);
+            if (nb > b + 1) a1 = fma(block_dot(qrow, b + 1, x), (float16)(d4.y), a1);
+            if (nb > b + 2) a0 = fma(block_dot(qrow, b + 2, x), (float16)(d4.z), a0);
         }
-        for (int b = b0; b < nb; ++b) {  // the last block when nb is odd (scales are padded to 4)
-            const float4 d4 = vload_half4(ng, drow), m4 = LOAD_MINS(ng);
-            dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
-            a0 = fma(w0, vload16(2 * b, x), a0);
-            a1 = fma(w1, vload16(2 * b + 1, x), a1);
+        float acc = hsum16(a0 + a1);
+#if QFMT == 41
+        float4 ms = (float4)(0.0f);
+        for (int g = 0; g < ng; ++g) ms = fma(vload_half4(g, mrow), vload4(g, xsum), ms);
+        acc += (ms.x + ms.y) + (ms.z + ms.w);
+        if (nb > 4 * ng) {
+            const float4 m4 = vload_half4(ng, mrow);
+            for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
         }
-        const float acc = hsum16((a0 + a1) + (a2 + a3));
+#endif
         y[o] = accumulate ? y[o] + acc : acc;
         return;
     }
@@ -175,4 +193,14 @@ __kernel void embed_rows(__global const half *d, __global const half *m, __globa
         vstore16(w0, 2 * b, out);
         vstore16(w1, 2 * b + 1, out);
     }
+}
+
+// xsum[r, b] = sum of x[r, 32 b : 32 b + 32]: block sums for a GEMV whose input came from
+// no producer that writes them (tests, one-off launches). Work-item (r, b).
+__kernel void block_sums(__global const float *x, __global float *xsum, const int cols)
+{
+    const int r = get_global_id(0), b = get_global_id(1), nb = cols / 32;
+    __global const float *xb = x + (size_t)r * cols + 32 * b;
+    const float16 s = vload16(0, xb) + vload16(1, xb);
+    xsum[(size_t)r * nb + b] = hsum16(s);
 }
