@@ -177,7 +177,7 @@ class OpenCLEngine:
                                                        "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim})
         self._p_norm = self.dev.build("norm.cl")
         self._p_elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
-        self._layer_plans: dict[int, tuple[Launch, list[list[Launch]]]] = {}
+        self._layer_plans: dict[tuple[int, bool], tuple[Launch, list[list[Launch]]]] = {}
         self._logits_plans: dict[tuple[str, int], list[Launch]] = {}
         self._argmax_launches: dict[int, Launch] = {}
 
@@ -212,8 +212,9 @@ class OpenCLEngine:
             keep.append(a)
             cl.enqueue_copy(q, b, a, is_blocking=False)
 
-    def _bind_layer(self, li: int, n: int) -> list[Launch]:
-        """The launches of layer li over n rows of b_x, in order."""
+    def _bind_layer(self, li: int, n: int, decode: bool) -> list[Launch]:
+        """The launches of layer li over n rows of b_x, in order. decode: every row is a different
+        sequence (a decode step), so RoPE, the KV write and attention are one launch."""
         c, layer = self.cfg, self.layers[li]
         group = c.n_heads // c.n_kv_heads
         eps, hidden = np.float32(c.rms_eps), np.int32(c.hidden)
@@ -230,12 +231,16 @@ class OpenCLEngine:
         for h in heads:
             k_buf, k_base, k_stride = self._plane(li, 0, h)
             v_buf, v_base, v_stride = self._plane(li, 1, h)
+            cache = (k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride)
+            if decode:
+                out.append(bind(self._p_attn, "rope_attention_decode", (n, span * group), self.b_qkv, self.b_slots,
+                                self.b_pos, self.rope_cs, np.int32(h), scale, *cache, self.b_attn,
+                                self.b_attn_sums, local_size=(1, 1)))
+                continue
             out.append(bind(self._p_attn, "rope_store_kv", (n, span * (group + 1)), self.b_qkv, self.b_slots,
-                            self.b_pos, self.rope_cs, np.int32(h), k_buf, k_base, k_stride, v_buf, v_base,
-                            v_stride, head_stride))
+                            self.b_pos, self.rope_cs, np.int32(h), *cache))
             out.append(bind(self._p_attn, "attention", (n, span * group), self.b_qkv, self.b_slots, self.b_pos,
-                            np.int32(h), scale, k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride,
-                            self.b_attn, self.b_attn_sums, local_size=(1, 1)))
+                            np.int32(h), scale, *cache, self.b_attn, self.b_attn_sums, local_size=(1, 1)))
         if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
             out.append(layer.o.bind_block_sums(self.b_attn, self.b_attn_sums, n))
         out += [layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True, x_sums=self.b_attn_sums),  # residual
@@ -247,14 +252,15 @@ class OpenCLEngine:
                 layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True, x_sums=self.b_act_sums)]
         return out
 
-    def _layers_plan(self, n: int, cache: bool = True) -> tuple[Launch, list[list[Launch]]]:
-        """The embedding lookup and every layer's launches over n rows (bound once per n when cached)."""
-        plan = self._layer_plans.get(n)
+    def _layers_plan(self, n: int, decode: bool, cache: bool = True) -> tuple[Launch, list[list[Launch]]]:
+        """The embedding lookup and every layer's launches over n rows (bound once per (n, decode) when
+        cached); decode: one row per sequence, else rows of one prompt."""
+        plan = self._layer_plans.get((n, decode))
         if plan is None:
             plan = (self.embed.bind_embed(self.b_tokens, self.b_x, n),
-                    [self._bind_layer(li, n) for li in range(self.cfg.n_layers)])
+                    [self._bind_layer(li, n, decode) for li in range(self.cfg.n_layers)])
             if cache:
-                self._layer_plans[n] = plan
+                self._layer_plans[(n, decode)] = plan
         return plan
 
     def _logits_plan(self, src: str, n: int) -> list[Launch]:
@@ -316,7 +322,8 @@ class OpenCLEngine:
                 rows, last = e - s, ci == len(chunks) - 1
                 self._enqueue_rows(np.array(token_ids[s:e]), np.full(rows, seq.slot), np.arange(s, e), keep)
                 # full chunks and decode-sized ones recur; a one-off partial chunk is bound and dropped
-                embed, layers = self._layers_plan(rows, cache=rows == PREFILL_CHUNK or rows <= self.max_sequences)
+                embed, layers = self._layers_plan(rows, decode=False,
+                                                  cache=rows == PREFILL_CHUNK or rows <= self.max_sequences)
                 embed.enqueue(q)
                 for li, launches in enumerate(layers):
                     self._replay(q, launches)
@@ -335,12 +342,13 @@ class OpenCLEngine:
     def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list) -> int:
         b = len(seqs)
         assert b == len(tokens) and 0 < b <= self.max_sequences
+        assert len({s.slot for s in seqs}) == b, "a sequence appears twice in one decode step"
         for s in seqs:
             assert s.length < s.capacity, "sequence is full"
         q = self.dev.queue
         self._enqueue_rows(np.array(tokens), np.array([s.slot for s in seqs]), np.array([s.length for s in seqs]),
                            keep)
-        embed, layers = self._layers_plan(b)
+        embed, layers = self._layers_plan(b, decode=True)
         embed.enqueue(q)
         for launches in layers:
             self._replay(q, launches)

@@ -104,11 +104,14 @@ def _rope_ref(v, pos, inv_freq):
     return np.concatenate([a * c - b * s, b * c + a * s])
 
 
+@pytest.mark.parametrize("fused_decode", [False, True])
 @pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12), (1, 32)])
-def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
+def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fused_decode):
     """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
     one launch covers every kv head; three: one launch per head, as the engine does.
-    head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one; 32 also writes block sums."""
+    head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one; 32 also writes block sums.
+    fused_decode: the last two rows (one per sequence, a decode step) go through
+    rope_attention_decode, which must store their K and V and attend as the two launches do."""
     n_heads, n_kv, ctx = 4, 2, 12
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
     lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
@@ -121,9 +124,6 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
     qkv = rng.normal(size=(len(rows), q_dim + 2 * kv_dim)).astype(np.float32)
     out_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * q_dim * 4)
     sums_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * max(1, q_dim // 32) * 4)
-    qkv_b = buf(cl_dev, qkv)
-    slots = buf(cl_dev, np.array([r[0] for r in rows], np.int32))
-    pos = buf(cl_dev, np.array([r[1] for r in rows], np.int32))
     # the RoPE table the engine computes once at start-up: cos | sin of every position's angles
     rope_cs = cl.Buffer(cl_dev.context, MF.READ_WRITE, ctx * head_dim * 4)
     cl.Kernel(prog, "rope_table")(cl_dev.queue, (ctx, head_dim // 2), None, buf(cl_dev, inv_freq), rope_cs)
@@ -132,16 +132,32 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
                                rtol=1e-6, atol=1e-6)
     span = n_kv if n_channels == 1 else 1
     rope_store, attention = cl.Kernel(prog, "rope_store_kv"), cl.Kernel(prog, "attention")
-    for h in range(0, n_kv, span):
-        kc, kb = lay.locate(0, 0, 0, h)
-        vc, vb = lay.locate(0, 0, 1, h)
-        ks, vs = lay.locate(1, 0, 0, h)[1] - kb, lay.locate(1, 0, 1, h)[1] - vb
-        args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs),
-                np.int64(lay.plane_elems))
-        rope_store(cl_dev.queue, (len(rows), span * (group + 1)), None, qkv_b, slots, pos, rope_cs, np.int32(h),
-                   *args)
-        attention(cl_dev.queue, (len(rows), span * group), None, qkv_b, slots, pos, np.int32(h),
-                  np.float32(head_dim ** -0.5), *args, out_b, sums_b)
+    fused = cl.Kernel(prog, "rope_attention_decode")
+    split = len(rows) - 2 if fused_decode else len(rows)
+    phases = [(0, split, False), (split, len(rows), True)] if fused_decode else [(0, len(rows), False)]
+    for start, end, decode in phases:
+        n = end - start
+        qkv_p = buf(cl_dev, qkv[start:end])
+        slots = buf(cl_dev, np.array([r[0] for r in rows[start:end]], np.int32))
+        pos = buf(cl_dev, np.array([r[1] for r in rows[start:end]], np.int32))
+        out_p = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * q_dim * 4)
+        sums_p = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * max(1, q_dim // 32) * 4)
+        for h in range(0, n_kv, span):
+            kc, kb = lay.locate(0, 0, 0, h)
+            vc, vb = lay.locate(0, 0, 1, h)
+            ks, vs = lay.locate(1, 0, 0, h)[1] - kb, lay.locate(1, 0, 1, h)[1] - vb
+            args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs),
+                    np.int64(lay.plane_elems))
+            if decode:
+                fused(cl_dev.queue, (n, span * group), (1, 1), qkv_p, slots, pos, rope_cs, np.int32(h),
+                      np.float32(head_dim ** -0.5), *args, out_p, sums_p)
+                continue
+            rope_store(cl_dev.queue, (n, span * (group + 1)), None, qkv_p, slots, pos, rope_cs, np.int32(h), *args)
+            attention(cl_dev.queue, (n, span * group), None, qkv_p, slots, pos, np.int32(h),
+                      np.float32(head_dim ** -0.5), *args, out_p, sums_p)
+        cl.enqueue_copy(cl_dev.queue, out_b, out_p, byte_count=n * q_dim * 4, dst_offset=start * q_dim * 4)
+        cl.enqueue_copy(cl_dev.queue, sums_b, sums_p, byte_count=n * max(1, q_dim // 32) * 4,
+                        dst_offset=start * max(1, q_dim // 32) * 4)
     got = read(cl_dev, out_b, (len(rows), q_dim))
     # numpy reference: rope q and k, causal attention within each slot
     cache = {}
@@ -159,6 +175,13 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim):
             w = np.exp(s - s.max())
             ref = (w / w.sum()) @ vs
             np.testing.assert_allclose(got[i, h * head_dim:(h + 1) * head_dim], ref, rtol=1e-4, atol=1e-5)
+    for slot, p in rows[-2:]:  # the decode rows' K and V are in the cache, roped K
+        for h in range(n_kv):
+            k_ref, v_ref = cache[(slot, h, p)]
+            for kv, ref in ((0, k_ref), (1, v_ref)):
+                c, off = lay.locate(slot, 0, kv, h)
+                plane = read(cl_dev, chans[c], lay.channel_elems(c))[off + p * head_dim: off + (p + 1) * head_dim]
+                np.testing.assert_allclose(plane, ref, rtol=1e-5, atol=1e-6)
     if head_dim % 32 == 0:
         np.testing.assert_allclose(read(cl_dev, sums_b, (len(rows), q_dim // 32)), block_sums_ref(got),
                                    rtol=1e-5, atol=1e-5)

@@ -139,3 +139,87 @@ __kernel void attention(__global const float *qkv, __global const int *slots, __
     }
 #endif
 }
+
+// HF's rotate-half RoPE of a head vector held in private memory (the expression of rope()).
+inline void rope_private(float *v, const int pos, __global const float *rope_cs)
+{
+    __global const float *cs = rope_cs + (size_t)pos * HEAD_DIM;
+    for (int i = 0; i < HALF; ++i) {
+        const float c = cs[i], s = cs[HALF + i];
+        const float a = v[i], b = v[i + HALF];
+        v[i] = a * c - b * s;
+        v[i + HALF] = b * c + a * s;
+    }
+}
+
+// A decode step's rope_store_kv and attention in one launch (one command per layer instead of
+// two; PoCL charges ~5 us per command). Every row is a different sequence, at position pos[r].
+// Work-items as in attention: each ropes its query head and its kv head's new K in registers;
+// the first of a group (j == 0) also stores K and V at pos[r]. Positions before pos[r] are
+// read from the cache, the new one from registers, so no work-item reads what another writes,
+// and the scores and sums come in the same order, with the same values, as the two launches.
+// Prefill rows of one sequence read each other's K and V, so prefill keeps the two launches.
+__kernel void rope_attention_decode(__global const float *qkv, __global const int *slots, __global const int *pos,
+                                    __global const float *rope_cs, const int kv_head0, const float scale,
+                                    __global float *k_chan, long k_base, const long k_stride,
+                                    __global float *v_chan, long v_base, const long v_stride,
+                                    const long head_stride, __global float *out, __global float *out_sums)
+{
+    const int r = get_global_id(0), g = get_global_id(1) / GROUP, j = get_global_id(1) % GROUP;
+    const int kv_head = kv_head0 + g, h = kv_head * GROUP + j, p = pos[r];
+    k_base += g * head_stride;
+    v_base += g * head_stride;
+    __global const float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
+    __global const float *v_new = row + Q_DIM + KV_DIM + kv_head * HEAD_DIM;
+    __global float *K = k_chan + k_base + slots[r] * k_stride;
+    __global float *V = v_chan + v_base + slots[r] * v_stride;
+    float qf[HEAD_DIM], kf[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; ++i) {
+        qf[i] = row[h * HEAD_DIM + i];
+        kf[i] = row[Q_DIM + kv_head * HEAD_DIM + i];
+    }
+    rope_private(qf, p, rope_cs);
+    rope_private(kf, p, rope_cs);
+    if (j == 0) {
+        for (int i = 0; i < HEAD_DIM; ++i) {
+            K[(size_t)p * HEAD_DIM + i] = kf[i];
+            V[(size_t)p * HEAD_DIM + i] = v_new[i];
+        }
+    }
+    hvec qv[NV], kv[NV];
+    for (int i = 0; i < NV; ++i) {
+        qv[i] = VLOADH(i, qf);
+        kv[i] = VLOADH(i, kf);
+    }
+    // dot_head reads a __global K row; the new position's K is private, so its score is summed here
+    hvec c = qv[0] * kv[0];
+    for (int i = 1; i < NV; ++i) c = fma(qv[i], kv[i], c);
+    const float s_new = hsum(c) * scale;
+    float m = s_new;
+    for (int t = 0; t < p; ++t) m = fmax(m, dot_head(qv, K + (size_t)t * HEAD_DIM) * scale);
+    hvec acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
+    float denom = 0.0f;
+    for (int t = 0; t < p; ++t) {
+        const float e = exp(dot_head(qv, K + (size_t)t * HEAD_DIM) * scale - m);
+        denom += e;
+        for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(e), VLOADH(i, V + (size_t)t * HEAD_DIM), acc[i]);
+    }
+    const float e = exp(s_new - m);
+    denom += e;
+    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(e), VLOADH(i, v_new), acc[i]);
+    const float inv = 1.0f / denom;
+    __global float *o = out + (size_t)r * Q_DIM + h * HEAD_DIM;
+    for (int i = 0; i < NV; ++i) {
+        acc[i] *= inv;
+        VSTOREH(acc[i], i, o);
+    }
+#if HEAD_DIM % 32 == 0
+    const int per_block = 32 / (HEAD_DIM / NV);
+    for (int b = 0; b < HEAD_DIM / 32; ++b) {
+        float s = 0.0f;
+        for (int i = b * per_block; i < (b + 1) * per_block; ++i) s += hsum(acc[i]);
+        out_sums[(size_t)r * (Q_DIM / 32) + h * (HEAD_DIM / 32) + b] = s;
+    }
+#endif
+}
