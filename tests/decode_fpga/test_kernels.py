@@ -87,13 +87,19 @@ def test_silu_mul(cl_dev, ff):
     np.testing.assert_allclose(read(cl_dev, sums, (3, nb)), block_sums_ref(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_argmax_takes_first_of_ties(cl_dev):
-    logits = rng.normal(size=(3, 1000)).astype(np.float32)
-    logits[1, [17, 600]] = 50.0  # a tie: the first index wins, as np.argmax and torch.argmax
+@pytest.mark.parametrize("vocab,ties", [(1000, [17, 600]), (49157, [5008, 5000]), (49157, [5003, 5001]),
+                                        (49157, [49156, 49151])])
+def test_argmax_takes_first_of_ties(cl_dev, vocab, ties):
+    """Ties across work-items, within one vector lane, across lanes, and in a chunk's scalar tail
+    (49157 is not a multiple of 8): the first index wins, as np.argmax and torch.argmax."""
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    logits[1, ties] = 50.0
     out = cl.Buffer(cl_dev.context, MF.READ_WRITE, 12)
     k = cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).argmax_rows
-    k(cl_dev.queue, (3 * 256,), (256,), buf(cl_dev, logits), np.int32(1000), out)
-    np.testing.assert_array_equal(read(cl_dev, out, 3, np.int32), np.argmax(logits, axis=1))
+    k(cl_dev.queue, (3 * 256,), (256,), buf(cl_dev, logits), np.int32(vocab), out)
+    got = read(cl_dev, out, 3, np.int32)
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+    assert got[1] == min(ties)
 
 
 def _rope_ref(v, pos, inv_freq):

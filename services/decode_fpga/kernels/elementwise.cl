@@ -36,11 +36,27 @@ __kernel void argmax_rows(__global const float *logits, const int vocab, __globa
     __local float best_v[ARGMAX_WG];
     __local int best_i[ARGMAX_WG];
     const int r = get_group_id(0), lid = get_local_id(0);
-    const int chunk = (vocab + ARGMAX_WG - 1) / ARGMAX_WG;
+    const int chunk = (vocab + 8 * ARGMAX_WG - 1) / (8 * ARGMAX_WG) * 8;  // a multiple of 8
     __global const float *row = logits + (size_t)r * vocab;
+    const int start = min(lid * chunk, vocab), end = min(start + chunk, vocab);
+    // 8 lanes, each the first maximum of its stride-8 subsequence; then the lanes in index order
+    float8 lv = (float8)(-INFINITY);
+    int8 li = (int8)(vocab);
+    int i = start;
+    for (; i + 8 <= end; i += 8) {
+        const float8 v = vload8(0, row + i);
+        const int8 better = isgreater(v, lv);
+        lv = select(lv, v, better);
+        li = select(li, (int8)(i) + (int8)(0, 1, 2, 3, 4, 5, 6, 7), better);
+    }
     float bv = -INFINITY;
     int bi = vocab;
-    for (int i = lid * chunk; i < min((lid + 1) * chunk, vocab); ++i) {
+    const float lvs[8] = {lv.s0, lv.s1, lv.s2, lv.s3, lv.s4, lv.s5, lv.s6, lv.s7};
+    const int lis[8] = {li.s0, li.s1, li.s2, li.s3, li.s4, li.s5, li.s6, li.s7};
+    for (int k = 0; k < 8; ++k) {
+        if (lvs[k] > bv || (lvs[k] == bv && lis[k] < bi)) { bv = lvs[k]; bi = lis[k]; }
+    }
+    for (; i < end; ++i) {  // the tail of the last chunk
         const float v = row[i];
         if (v > bv) { bv = v; bi = i; }
     }
