@@ -118,15 +118,16 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fuse
     head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one; 32 also writes block sums.
     fused_decode: the last two rows (one per sequence, a decode step) go through
     rope_attention_decode, which must store their K and V and attend as the two launches do."""
-    n_heads, n_kv, ctx = 4, 2, 12
+    n_heads, n_kv, ctx = 4, 2, 40
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
     lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
                         n_channels=n_channels)
     prog = cl_dev.build("attention.cl", {"HEAD_DIM": head_dim, "GROUP": group, "Q_DIM": q_dim, "KV_DIM": kv_dim})
     chans = [cl.Buffer(cl_dev.context, MF.READ_WRITE, max(4, lay.channel_elems(c) * 4)) for c in range(n_channels)]
     inv_freq = (1.0 / (1e4 ** (np.arange(0, head_dim, 2) / head_dim))).astype(np.float32)
-    # slot 0 gets a 5-token "prefill", then slot 1 a 3-token one; then one decode row each
-    rows = [(0, p) for p in range(5)] + [(1, p) for p in range(3)] + [(0, 5), (1, 3)]
+    # slot 0 gets a 35-token "prefill" (past two 16-position tiles of the softmax), then slot 1 a
+    # 3-token one; then one decode row each
+    rows = [(0, p) for p in range(35)] + [(1, p) for p in range(3)] + [(0, 35), (1, 3)]
     qkv = rng.normal(size=(len(rows), q_dim + 2 * kv_dim)).astype(np.float32)
     out_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * q_dim * 4)
     sums_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * max(1, q_dim // 32) * 4)

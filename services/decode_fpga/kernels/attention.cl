@@ -92,6 +92,61 @@ inline float dot_head(const hvec *qv, __global const float *k)
     return hsum(a);
 }
 
+// The softmax's first pass: the largest of m and the scaled scores of cached positions [0, n).
+inline float max_score(const hvec *qv, __global const float *K, const int n, const float scale, float m)
+{
+    for (int t = 0; t < n; ++t) m = fmax(m, dot_head(qv, K + (size_t)t * HEAD_DIM) * scale);
+    return m;
+}
+
+// The second pass over cached positions [0, n): acc += exp(s_t - m) * V[t]; returns the sum of
+// the weights. 16 positions share one call of exp, a vector routine on PoCL (one scalar call per
+// position was about a third of attention at 1000 positions).
+inline float weigh_values(const hvec *qv, __global const float *K, __global const float *V, const int n,
+                          const float scale, const float m, hvec *acc)
+{
+    float16 wsum = (float16)(0.0f);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        float s[16], w[16];
+        for (int k = 0; k < 16; ++k) s[k] = dot_head(qv, K + (size_t)(t + k) * HEAD_DIM) * scale - m;
+        const float16 w16 = exp(vload16(0, s));
+        vstore16(w16, 0, w);
+        wsum += w16;
+        for (int k = 0; k < 16; ++k)
+            for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w[k]), VLOADH(i, V + (size_t)(t + k) * HEAD_DIM), acc[i]);
+    }
+    const float8 w8 = wsum.lo + wsum.hi;
+    const float4 w4 = w8.lo + w8.hi;
+    float denom = (w4.x + w4.y) + (w4.z + w4.w);
+    for (; t < n; ++t) {
+        const float w = exp(dot_head(qv, K + (size_t)t * HEAD_DIM) * scale - m);
+        denom += w;
+        for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, V + (size_t)t * HEAD_DIM), acc[i]);
+    }
+    return denom;
+}
+
+// out[r, h] = acc / denom, and its 32-blocks' sums when HEAD_DIM % 32 == 0 (see attention)
+inline void store_head(hvec *acc, const float denom, const int r, const int h, __global float *out,
+                       __global float *out_sums)
+{
+    const float inv = 1.0f / denom;
+    __global float *o = out + (size_t)r * Q_DIM + h * HEAD_DIM;
+    for (int i = 0; i < NV; ++i) {
+        acc[i] *= inv;
+        VSTOREH(acc[i], i, o);
+    }
+#if HEAD_DIM % 32 == 0
+    const int per_block = 32 / (HEAD_DIM / NV);  // head vectors per 32-block
+    for (int b = 0; b < HEAD_DIM / 32; ++b) {
+        float s = 0.0f;
+        for (int i = b * per_block; i < (b + 1) * per_block; ++i) s += hsum(acc[i]);
+        out_sums[(size_t)r * (Q_DIM / 32) + h * (HEAD_DIM / 32) + b] = s;
+    }
+#endif
+}
+
 // Work-item (r, g*GROUP + j): query head h = (kv_head0+g)*GROUP + j of row r; out: [rows, Q_DIM].
 // When HEAD_DIM % 32 == 0 it also writes out_sums[r, :] of its head's 32-blocks (out_sums:
 // [rows, Q_DIM / 32]), which a Q4_1 GEMV of one row reads (gemv_quant.cl); otherwise the
@@ -114,30 +169,10 @@ __kernel void attention(__global const float *qkv, __global const int *slots, __
     const int n = pos[r] + 1;
     hvec qv[NV];
     for (int i = 0; i < NV; ++i) qv[i] = VLOADH(i, q);
-    float m = -INFINITY;
-    for (int t = 0; t < n; ++t) m = fmax(m, dot_head(qv, K + (size_t)t * HEAD_DIM) * scale);
+    const float m = max_score(qv, K, n, scale, -INFINITY);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
-    float denom = 0.0f;
-    for (int t = 0; t < n; ++t) {
-        const float p = exp(dot_head(qv, K + (size_t)t * HEAD_DIM) * scale - m);
-        denom += p;
-        for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(p), VLOADH(i, V + (size_t)t * HEAD_DIM), acc[i]);
-    }
-    const float inv = 1.0f / denom;
-    __global float *o = out + (size_t)r * Q_DIM + h * HEAD_DIM;
-    for (int i = 0; i < NV; ++i) {
-        acc[i] *= inv;
-        VSTOREH(acc[i], i, o);
-    }
-#if HEAD_DIM % 32 == 0
-    const int per_block = 32 / (HEAD_DIM / NV);  // head vectors per 32-block
-    for (int b = 0; b < HEAD_DIM / 32; ++b) {
-        float s = 0.0f;
-        for (int i = b * per_block; i < (b + 1) * per_block; ++i) s += hsum(acc[i]);
-        out_sums[(size_t)r * (Q_DIM / 32) + h * (HEAD_DIM / 32) + b] = s;
-    }
-#endif
+    store_head(acc, weigh_values(qv, K, V, n, scale, m, acc), r, h, out, out_sums);
 }
 
 // HF's rotate-half RoPE of a head vector held in private memory (the expression of rope()).
@@ -156,8 +191,8 @@ inline void rope_private(float *v, const int pos, __global const float *rope_cs)
 // two; PoCL charges ~5 us per command). Every row is a different sequence, at position pos[r].
 // Work-items as in attention: each ropes its query head and its kv head's new K in registers;
 // the first of a group (j == 0) also stores K and V at pos[r]. Positions before pos[r] are
-// read from the cache, the new one from registers, so no work-item reads what another writes,
-// and the scores and sums come in the same order, with the same values, as the two launches.
+// read from the cache, the new one from registers, so no work-item reads what another writes;
+// the scores are the two launches' (the new position's weight joins the sums last).
 // Prefill rows of one sequence read each other's K and V, so prefill keeps the two launches.
 __kernel void rope_attention_decode(__global const float *qkv, __global const int *slots, __global const int *pos,
                                     __global const float *rope_cs, const int kv_head0, const float scale,
@@ -195,31 +230,12 @@ __kernel void rope_attention_decode(__global const float *qkv, __global const in
     hvec c = qv[0] * kv[0];
     for (int i = 1; i < NV; ++i) c = fma(qv[i], kv[i], c);
     const float s_new = hsum(c) * scale;
-    float m = s_new;
-    for (int t = 0; t < p; ++t) m = fmax(m, dot_head(qv, K + (size_t)t * HEAD_DIM) * scale);
+    const float m = max_score(qv, K, p, scale, s_new);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
-    float denom = 0.0f;
-    for (int t = 0; t < p; ++t) {
-        const float e = exp(dot_head(qv, K + (size_t)t * HEAD_DIM) * scale - m);
-        denom += e;
-        for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(e), VLOADH(i, V + (size_t)t * HEAD_DIM), acc[i]);
-    }
-    const float e = exp(s_new - m);
-    denom += e;
-    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(e), VLOADH(i, v_new), acc[i]);
-    const float inv = 1.0f / denom;
-    __global float *o = out + (size_t)r * Q_DIM + h * HEAD_DIM;
-    for (int i = 0; i < NV; ++i) {
-        acc[i] *= inv;
-        VSTOREH(acc[i], i, o);
-    }
-#if HEAD_DIM % 32 == 0
-    const int per_block = 32 / (HEAD_DIM / NV);
-    for (int b = 0; b < HEAD_DIM / 32; ++b) {
-        float s = 0.0f;
-        for (int i = b * per_block; i < (b + 1) * per_block; ++i) s += hsum(acc[i]);
-        out_sums[(size_t)r * (Q_DIM / 32) + h * (HEAD_DIM / 32) + b] = s;
-    }
-#endif
+    float denom = weigh_values(qv, K, V, p, scale, m, acc);
+    const float w = exp(s_new - m);
+    denom += w;
+    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, v_new), acc[i]);
+    store_head(acc, denom, r, h, out, out_sums);
 }
