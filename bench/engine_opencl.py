@@ -46,12 +46,13 @@ def block_kernel_lines(dev, cfg, blocks) -> list[dict]:
               "down": [b(i, "ffn_down") for i in range(cfg.n_layers)],
               "lm_head": [blocks.get("output.weight", blocks["token_embd.weight"])]}
     x = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.intermediate * 4)
+    xs = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.intermediate // 32 * 4)  # x's block sums (Q4_1 reads them)
     y = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.vocab_size * 4)
     lines = []
     for name, ts in groups.items():
         mats = [upload_block_matrix(dev, t) for t in ts]
         for batch in (1, 8):
-            launches = [m.bind_gemv(x, y, batch) for m in mats]
+            launches = [m.bind_gemv(x, y, batch, x_sums=xs) for m in mats]
             s = time_enqueued(dev, lambda: [la.enqueue(dev.queue) for la in launches], 3) / len(mats)
             lines.append({"kernel": f"gemv {mats[0].fmt} {name} {mats[0].rows}x{mats[0].cols}", "batch": batch,
                           "us": s * 1e6, "gbs": mats[0].nbytes / s / 1e9})
@@ -83,13 +84,13 @@ def kernel_lines(dev, cfg) -> list[dict]:
             del mats
     hidden, ff = cfg.hidden, cfg.intermediate
     q = dev.queue
-    nw, nx, no = buf(hidden), buf(8 * hidden), buf(8 * hidden)
-    la = bind(dev.build("norm.cl"), "rms_norm", (1,), nx, nw, no, np.int32(hidden), np.float32(1e-5))
+    nw, nx, no, sums = buf(hidden), buf(8 * hidden), buf(8 * hidden), buf(8 * ff // 32)
+    la = bind(dev.build("norm.cl"), "rms_norm", (1,), nx, nw, no, sums, np.int32(hidden), np.float32(1e-5))
     s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "rms_norm", "batch": 1, "us": s * 1e6, "gbs": 3 * hidden * 4 / s / 1e9})
     elem = dev.build("elementwise.cl", {"ARGMAX_WG": 256})
     gu, act = buf(8 * 2 * ff), buf(8 * ff)
-    la = bind(elem, "silu_mul", (1, ff), gu, act, np.int32(ff))
+    la = bind(elem, "silu_mul", (1, ff // 32), gu, act, sums, np.int32(ff))
     s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "silu_mul", "batch": 1, "us": s * 1e6, "gbs": 3 * ff * 4 / s / 1e9})
     logits, out = buf(cfg.vocab_size), cl.Buffer(dev.context, MF.READ_WRITE, 64)
@@ -118,10 +119,15 @@ def kernel_lines(dev, cfg) -> list[dict]:
     s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "rope_store_kv", "batch": 1, "us": s * 1e6, "gbs": 4 * cfg.head_dim * 4 / s / 1e9})
     la = bind(attn, "attention", (1, group), qkv, slots, pos, np.int32(0), np.float32(0.125), *args, attn_out,
-              local_size=(1, 1))
+              sums, local_size=(1, 1))
     s = time_enqueued(dev, lambda: la.enqueue(q), 100)
     # each query head reads K twice (max, then sum) and V once over ctx positions
     lines.append({"kernel": f"attention ctx {ctx} (1 kv head)", "batch": 1, "us": s * 1e6,
+                  "gbs": group * 3 * (ctx + 1) * cfg.head_dim * 4 / s / 1e9})
+    la = bind(attn, "rope_attention_decode", (1, group), qkv, slots, pos, rope_cs, np.int32(0), np.float32(0.125),
+              *args, attn_out, sums, local_size=(1, 1))
+    s = time_enqueued(dev, lambda: la.enqueue(q), 100)
+    lines.append({"kernel": f"rope_attention_decode ctx {ctx} (1 kv head)", "batch": 1, "us": s * 1e6,
                   "gbs": group * 3 * (ctx + 1) * cfg.head_dim * 4 / s / 1e9})
     return lines
 

@@ -66,7 +66,8 @@ def shapes(src, cfg, quick: bool) -> dict[str, tuple[int, int, int, callable]]:
 def time_launches(dev, mats, x, y, batch: int, reps: int) -> float:
     """Seconds per launch: every matrix in turn, `reps` times, one wait at the end. Launches are
     bound once, as the engine does (binding costs ~40 us of Python per launch)."""
-    launches = [m.bind_gemv(x, y, batch) for m in mats]
+    sums = cl.Buffer(dev.context, MF.READ_WRITE, batch * mats[0].cols // 32 * 4)  # x's block sums (Q4_1)
+    launches = [m.bind_gemv(x, y, batch, x_sums=sums) for m in mats]
     for la in launches:
         la.enqueue(dev.queue)
     dev.queue.finish()
