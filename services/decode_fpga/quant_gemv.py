@@ -1,12 +1,14 @@
 """Weight matrices kept on the device as the checkpoint's GGUF blocks (a DeviceMatrix, see gemv.py).
 
-Q4_1 costs 20 bytes per 32 weights (a fifth of fp32) and the kernel
-(kernels/gemv_quant.cl) dequantizes in registers to exactly the values
-`gguf.quants.dequantize` gives, accumulating in fp32.
+Q4_1 costs 20 bytes per 32 weights in the file (a fifth of fp32), 22 on the device
+(scales widened to fp32, see below), and the kernel (kernels/gemv_quant.cl)
+dequantizes in registers to exactly the values `gguf.quants.dequantize` gives,
+accumulating in fp32.
 
-At upload the blocks are split into three arrays, values unchanged: fp16
-scales, fp16 minimums (Q4_1) and the quants, so no load straddles a scale and
-its quants; scale rows are padded to a multiple of 4 blocks for vload_half4.
+At upload the blocks are split into three arrays, values unchanged: the scales
+(widened to fp32, exactly, so the one-row loop broadcasts them from memory),
+fp16 minimums (Q4_1) and the quants, so no load straddles a scale and its
+quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
 
 Wiring an engine (one call per layer, one for the LM head):
 
@@ -29,8 +31,9 @@ MF = cl.mem_flags
 
 
 def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """The device arrays of a block matrix: d fp16 [rows, nbp], m fp16 [rows, nbp] (Q4_1, else None),
-    quants uint8 [rows, nb * bytes]; nbp = nb rounded up to 4, the padding is zero."""
+    """The device arrays of a block matrix: d fp32 [rows, nbp] (the fp16 scales widened, exactly),
+    m fp16 [rows, nbp] (Q4_1, else None), quants uint8 [rows, nb * bytes]; nbp = nb rounded up to 4,
+    the padding is zero."""
     if t.qtype not in QFMT_CODES:
         raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
     blocks = t.blocks()  # [rows, nb, block_bytes]
@@ -43,7 +46,7 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
         out[:, :nb] = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
         return out
 
-    d = halves(0)
+    d = halves(0).astype(np.float32)
     m = halves(2) if t.qtype == "q4_1" else None
     quants = np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
     return d, m, quants

@@ -3,12 +3,14 @@
 //
 // Device layout of a [rows, cols] matrix, nb = cols / 32 blocks per row (quant_gemv.py
 // repacks the blocks; every value stays the block's own):
-//   d: half [rows][nbp]   the blocks' scales, nbp = nb rounded up to 4 (zero padded)
+//   d: float [rows][nbp]  the blocks' scales, widened from fp16 (exact), nbp = nb rounded up
+//                         to 4 (zero padded); fp32 so the one-row loop broadcasts each from
+//                         memory (a half needed a conversion and a lane permute: ~5% of the GEMV)
 //   m: half [rows][nbp]   the blocks' minimums (Q4_1 only)
 //   q: Q4: uchar [rows][nb][16]  byte j = weight j (low nibble) | weight j+16 (high nibble)
 //      Q8: char  [rows][nb][32]
 // Why this layout, measured on PoCL: scales apart from quants so no load straddles
-// both (overlapping loads made the compiler shuffle bytes), and 4 scales per
+// both (overlapping loads made the compiler shuffle bytes), and 4 minimums per
 // vload_half4 (scalar and 2-wide half loads are emulated in software there).
 //
 // Weight values: Q4_0 d*(q-8), Q4_1 d*q+m, Q8_0 d*q, as gguf.quants.dequantize, bit for bit
@@ -89,14 +91,14 @@ inline float16 block_dot(__global const uchar *q, const int b, __global const fl
 
 // y[r, o] (+)= sum_c W[o, c] * x[r, c]   x: [n_rows, cols], y: [n_rows, out_rows], cols % 32 == 0;
 // xsum: [n_rows, nb] block sums of x, read for Q4_1 when n_rows == 1
-__kernel void gemv_quant(__global const half *d, __global const half *m, __global const uchar *q,
+__kernel void gemv_quant(__global const float *d, __global const half *m, __global const uchar *q,
                          __global const float *x, __global const float *xsum, __global float *y,
                          const int cols, const int out_rows, const int n_rows, const int accumulate)
 {
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3, ng = nb / 4;
-    __global const half *drow = d + (size_t)o * nbp;
+    __global const float *drow = d + (size_t)o * nbp;
     __global const half *mrow = m + (size_t)o * nbp;
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
     float16 w0, w1;
@@ -104,21 +106,12 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
     if (n_rows == 1) {
         // two independent accumulators, blocks alternating between them
         float16 a0 = (float16)(0.0f), a1 = a0;
-        for (int g = 0; g < ng; ++g) {
-            const float4 d4 = vload_half4(g, drow);
-            const int b = 4 * g;
-            a0 = fma(block_dot(qrow, b, x), (float16)(d4.x), a0);
-            a1 = fma(block_dot(qrow, b + 1, x), (float16)(d4.y), a1);
-            a0 = fma(block_dot(qrow, b + 2, x), (float16)(d4.z), a0);
-            a1 = fma(block_dot(qrow, b + 3, x), (float16)(d4.w), a1);
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            a0 = fma(block_dot(qrow, b, x), (float16)(drow[b]), a0);
+            a1 = fma(block_dot(qrow, b + 1, x), (float16)(drow[b + 1]), a1);
         }
-        if (nb > 4 * ng) {  // 1-3 blocks left (576 columns: 18 blocks); scales are padded to 4
-            const float4 d4 = vload_half4(ng, drow);
-            const int b = 4 * ng;
-            a0 = fma(block_dot(qrow, b, x), (float16)(d4.x), a0);
-            if (nb > b + 1) a1 = fma(block_dot(qrow, b + 1, x), (float16)(d4.y), a1);
-            if (nb > b + 2) a0 = fma(block_dot(qrow, b + 2, x), (float16)(d4.z), a0);
-        }
+        if (b < nb) a0 = fma(block_dot(qrow, b, x), (float16)(drow[b]), a0);
         float acc = hsum16(a0 + a1);
 #if QFMT == 41
         float4 ms = (float4)(0.0f);
@@ -139,7 +132,7 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
         __global const float *xr = x + (size_t)r0 * cols;
         float16 c0 = (float16)(0.0f), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
         for (int b = 0; b < nb; ++b) {
-            const float4 d4 = vload_half4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
+            const float4 d4 = vload4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
             dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
 #define ROW(c, r) c = fma(w1, vload16(2 * b + 1, xr + (r) * cols), fma(w0, vload16(2 * b, xr + (r) * cols), c))
             ROW(c0, 0); ROW(c1, 1); ROW(c2, 2); ROW(c3, 3); ROW(c4, 4); ROW(c5, 5); ROW(c6, 6); ROW(c7, 7);
@@ -160,7 +153,7 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
         __global const float *x3 = x + (size_t)min(r0 + 3, n_rows - 1) * cols;
         float16 c0 = (float16)(0.0f), c1 = c0, c2 = c0, c3 = c0;
         for (int b = 0; b < nb; ++b) {
-            const float4 d4 = vload_half4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
+            const float4 d4 = vload4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
             dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
             c0 = fma(w1, vload16(2 * b + 1, x0), fma(w0, vload16(2 * b, x0), c0));
             c1 = fma(w1, vload16(2 * b + 1, x1), fma(w0, vload16(2 * b, x1), c1));
@@ -176,19 +169,19 @@ __kernel void gemv_quant(__global const half *d, __global const half *m, __globa
 }
 
 // x[r, :] = E[tokens[r], :] dequantized (the embedding lookup from the blocks), one work-item per row
-__kernel void embed_rows(__global const half *d, __global const half *m, __global const uchar *q,
+__kernel void embed_rows(__global const float *d, __global const half *m, __global const uchar *q,
                          __global const int *tokens, __global float *x, const int cols)
 {
     const int r = get_global_id(0);
     const int nb = cols / 32, nbp = (nb + 3) & ~3;
     const size_t row = (size_t)tokens[r];
-    __global const half *drow = d + row * nbp;
+    __global const float *drow = d + row * nbp;
     __global const half *mrow = m + row * nbp;
     __global const uchar *qrow = q + row * nb * QBYTES;
     __global float *out = x + (size_t)r * cols;
     float16 w0, w1;
     for (int b = 0; b < nb; ++b) {
-        const float4 d4 = vload_half4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
+        const float4 d4 = vload4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
         dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
         vstore16(w0, 2 * b, out);
         vstore16(w1, 2 * b + 1, out);
