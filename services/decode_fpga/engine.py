@@ -214,13 +214,12 @@ class OpenCLEngine:
 
     def _bind_layer(self, li: int, n: int, decode: bool) -> list[Launch]:
         """The launches of layer li over n rows of b_x, in order. decode: every row is a different
-        sequence (a decode step), so RoPE, the KV write and attention are one launch."""
+        sequence (a decode step), so RoPE, the KV write and attention are one launch; with one row,
+        block-format matrices also normalize their own input (no rms_norm launches)."""
         c, layer = self.cfg, self.layers[li]
         group = c.n_heads // c.n_kv_heads
-        eps, hidden = np.float32(c.rms_eps), np.int32(c.hidden)
-        out = [bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.attn_norm, self.b_xn, self.b_xn_sums, hidden,
-                    eps),
-               layer.qkv.bind_gemv(self.b_xn, self.b_qkv, n, x_sums=self.b_xn_sums)]
+        fuse_norm = decode and n == 1
+        out = self._normed_gemv(self.b_x, layer.attn_norm, layer.qkv, self.b_qkv, n, fuse_norm)
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
         # one channel: every kv head's plane at a fixed stride, so one launch covers them all
         # (two commands per layer instead of 2 x n_kv_heads; PoCL charges per command)
@@ -243,14 +242,23 @@ class OpenCLEngine:
                             np.int32(h), scale, *cache, self.b_attn, self.b_attn_sums, local_size=(1, 1)))
         if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
             out.append(layer.o.bind_block_sums(self.b_attn, self.b_attn_sums, n))
-        out += [layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True, x_sums=self.b_attn_sums),  # residual
-                bind(self._p_norm, "rms_norm", (n,), self.b_x, layer.ffn_norm, self.b_xn, self.b_xn_sums, hidden,
-                     eps),
-                layer.gate_up.bind_gemv(self.b_xn, self.b_gu, n, x_sums=self.b_xn_sums),
-                bind(self._p_elem, "silu_mul", (n, _blocks(c.intermediate)), self.b_gu, self.b_act, self.b_act_sums,
+        out.append(layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True, x_sums=self.b_attn_sums))  # residual
+        out += self._normed_gemv(self.b_x, layer.ffn_norm, layer.gate_up, self.b_gu, n, fuse_norm)
+        out += [bind(self._p_elem, "silu_mul", (n, _blocks(c.intermediate)), self.b_gu, self.b_act, self.b_act_sums,
                      np.int32(c.intermediate)),
                 layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True, x_sums=self.b_act_sums)]
         return out
+
+    def _normed_gemv(self, rows: cl.Buffer, norm_w: cl.Buffer, matrix: DeviceMatrix, y: cl.Buffer, n: int,
+                     fuse: bool) -> list[Launch]:
+        """y = matrix @ rms_norm(rows[0:n], norm_w): one launch when fuse (one row) and the matrix can
+        normalize its input itself (block formats: gemv_quant_norm), else rms_norm into b_xn and a GEMV."""
+        c = self.cfg
+        if fuse and hasattr(matrix, "bind_gemv_norm"):
+            return [matrix.bind_gemv_norm(rows, norm_w, c.rms_eps, y)]
+        return [bind(self._p_norm, "rms_norm", (n,), rows, norm_w, self.b_xn, self.b_xn_sums, np.int32(c.hidden),
+                     np.float32(c.rms_eps)),
+                matrix.bind_gemv(self.b_xn, y, n, x_sums=self.b_xn_sums)]
 
     def _layers_plan(self, n: int, decode: bool, cache: bool = True) -> tuple[Launch, list[list[Launch]]]:
         """The embedding lookup and every layer's launches over n rows (bound once per (n, decode) when
@@ -268,12 +276,9 @@ class OpenCLEngine:
         b_last's one row (src "last", a prefill's last token)."""
         key = (src, n)
         if key not in self._logits_plans:
-            c = self.cfg
             rows = self.b_last if src == "last" else self.b_x
-            self._logits_plans[key] = [
-                bind(self._p_norm, "rms_norm", (n,), rows, self.final_norm, self.b_xn, self.b_xn_sums,
-                     np.int32(c.hidden), np.float32(c.rms_eps)),
-                self.lm_head.bind_gemv(self.b_xn, self.b_logits, n, x_sums=self.b_xn_sums)]
+            self._logits_plans[key] = self._normed_gemv(rows, self.final_norm, self.lm_head, self.b_logits, n,
+                                                        fuse=n == 1)
         return self._logits_plans[key]
 
     def _argmax_launch(self, n: int) -> Launch:

@@ -68,6 +68,7 @@ class QuantMatrix(EnqueueOnce):
         self._m = up(m) if m is not None else self._d  # unread unless Q4_1
         self._q = up(quants)
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
+        self._dev = dev
         self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
 
     @property
@@ -87,6 +88,14 @@ class QuantMatrix(EnqueueOnce):
             x_sums = x  # unread
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+
+    def bind_gemv_norm(self, x: cl.Buffer, norm_w: cl.Buffer, eps: float, y: cl.Buffer,
+                       accumulate: bool = False) -> Launch:
+        """y[r] (+)= sum_c W[r, c] rms_norm(x, norm_w)[c] for one row x [cols]: the norm computed by
+        each work-group as the GEMV's prologue (gemv_quant_norm), one launch instead of two."""
+        program = self._dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols})
+        return bind(program, "gemv_quant_norm", (self.rows,), self._d, self._m, self._q, x, norm_w,
+                    np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)))
 
     def bind_block_sums(self, x: cl.Buffer, x_sums: cl.Buffer, batch: int) -> Launch:
         """x_sums[b, k] = sum of x[b, 32 k : 32 k + 32], for an x whose producer does not write them."""

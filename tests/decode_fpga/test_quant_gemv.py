@@ -73,6 +73,28 @@ def test_one_row_gemv_any_block_count(cl_dev, qtype, n_blocks):
     np.testing.assert_allclose(run_gemv(cl_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_with_fused_rms_norm(cl_dev, qtype, accumulate):
+    """gemv_quant_norm (one decode row): y (+)= W rms_norm(x, w), the norm made by each work-group
+    in local memory; 200 rows, so several work-groups each make it."""
+    t = synthetic(qtype, 200, 576, seed=4)
+    rng = np.random.default_rng(4)
+    x, w = rng.normal(size=576).astype(np.float32), rng.normal(size=576).astype(np.float32)
+    y0 = rng.normal(size=200).astype(np.float32)
+    m = QuantMatrix(cl_dev, t)
+    yb = cl.Buffer(cl_dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=y0.copy())
+    xb, wb = (cl.Buffer(cl_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=a) for a in (x, w))
+    launch = m.bind_gemv_norm(xb, wb, 1e-5, yb, accumulate)
+    cl.enqueue_nd_range_kernel(cl_dev.queue, launch.kernel, launch.global_size, (40,))  # 5 work-groups
+    got = np.empty(200, np.float32)
+    cl.enqueue_copy(cl_dev.queue, got, yb, is_blocking=True)
+    x64 = x.astype(np.float64)
+    xn = x64 / np.sqrt((x64 ** 2).mean() + 1e-5) * w
+    ref = reference(t, xn[None].astype(np.float32), y0[None], accumulate)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_q4_1_gemv_without_block_sums_is_refused(cl_dev):
     m = QuantMatrix(cl_dev, synthetic("q4_1", 4, 64))
     x = cl.Buffer(cl_dev.context, MF.READ_WRITE, 64 * 4)

@@ -71,8 +71,16 @@ inline float pick4(const float4 v, const int i)
 #define LOAD_MINS(g) ((float4)(0.0f))
 #endif
 
+// Where x lives: global memory, or the work-group's normalized copy in gemv_quant_norm's
+// build (-DNORM_COLS), which holds that kernel alone.
+#ifdef NORM_COLS
+#define XAS __local
+#else
+#define XAS __global
+#endif
+
 // sum_j q_bj * x_bj of block b as 16 lanes (Q4_0: (q - 8)), before the block's scale
-inline float16 block_dot(__global const uchar *q, const int b, __global const float *x)
+inline float16 block_dot(__global const uchar *q, const int b, XAS const float *x)
 {
 #if QFMT == 80
     __global const char *qc = (__global const char *)q;
@@ -89,6 +97,33 @@ inline float16 block_dot(__global const uchar *q, const int b, __global const fl
     return fma(w1, vload16(2 * b + 1, x), w0 * vload16(2 * b, x));
 }
 
+// ACC = sum_c W[o, c] * X[c] of one row o (DROW, MROW, QROW: its scales, minimums and quants),
+// the scales out of the inner loop, two accumulators taking blocks in turn, Q4_1's minimums
+// through the block sums XSUM. A macro, not a function: the same loop in a function measured
+// 5-10% slower on PoCL (interleaved A/B runs on a 92160x576 Q4_1 matrix), though it was inlined.
+#define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB)                                            \
+    do {                                                                                       \
+        float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
+        int b_ = 0;                                                                            \
+        for (; b_ + 2 <= (NB); b_ += 2) {                                                      \
+            a0_ = fma(block_dot((QROW), b_, (X)), (float16)((DROW)[b_]), a0_);                 \
+            a1_ = fma(block_dot((QROW), b_ + 1, (X)), (float16)((DROW)[b_ + 1]), a1_);         \
+        }                                                                                      \
+        if (b_ < (NB)) a0_ = fma(block_dot((QROW), b_, (X)), (float16)((DROW)[b_]), a0_);      \
+        ACC = hsum16(a0_ + a1_);                                                               \
+        if (QFMT == 41) {                                                                      \
+            const int ng_ = (NB) / 4;                                                          \
+            float4 ms_ = (float4)(0.0f);                                                       \
+            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(vload_half4(g_, (MROW)), vload4(g_, (XSUM)), ms_); \
+            ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                                          \
+            if ((NB) > 4 * ng_) { /* 1-3 blocks left; minimums are padded to 4 */              \
+                const float4 m4_ = vload_half4(ng_, (MROW));                                   \
+                for (b_ = 4 * ng_; b_ < (NB); ++b_) ACC += pick4(m4_, b_ & 3) * (XSUM)[b_];    \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
+#ifndef NORM_COLS
 // y[r, o] (+)= sum_c W[o, c] * x[r, c]   x: [n_rows, cols], y: [n_rows, out_rows], cols % 32 == 0;
 // xsum: [n_rows, nb] block sums of x, read for Q4_1 when n_rows == 1
 __kernel void gemv_quant(__global const float *d, __global const half *m, __global const uchar *q,
@@ -97,31 +132,15 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
 {
     const int o = get_global_id(0);
     if (o >= out_rows) return;
-    const int nb = cols / 32, nbp = (nb + 3) & ~3, ng = nb / 4;
+    const int nb = cols / 32, nbp = (nb + 3) & ~3;
     __global const float *drow = d + (size_t)o * nbp;
     __global const half *mrow = m + (size_t)o * nbp;
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
     float16 w0, w1;
 
     if (n_rows == 1) {
-        // two independent accumulators, blocks alternating between them
-        float16 a0 = (float16)(0.0f), a1 = a0;
-        int b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            a0 = fma(block_dot(qrow, b, x), (float16)(drow[b]), a0);
-            a1 = fma(block_dot(qrow, b + 1, x), (float16)(drow[b + 1]), a1);
-        }
-        if (b < nb) a0 = fma(block_dot(qrow, b, x), (float16)(drow[b]), a0);
-        float acc = hsum16(a0 + a1);
-#if QFMT == 41
-        float4 ms = (float4)(0.0f);
-        for (int g = 0; g < ng; ++g) ms = fma(vload_half4(g, mrow), vload4(g, xsum), ms);
-        acc += (ms.x + ms.y) + (ms.z + ms.w);
-        if (nb > 4 * ng) {
-            const float4 m4 = vload_half4(ng, mrow);
-            for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
-        }
-#endif
+        float acc;
+        ROW_DOT(acc, drow, mrow, qrow, x, xsum, nb);
         y[o] = accumulate ? y[o] + acc : acc;
         return;
     }
@@ -197,3 +216,39 @@ __kernel void block_sums(__global const float *x, __global float *xsum, const in
     const float16 s = vload16(0, xb) + vload16(1, xb);
     xsum[(size_t)r * nb + b] = hsum16(s);
 }
+#endif  // NORM_COLS
+
+#ifdef NORM_COLS
+// One row (a decode step of one sequence): y (+)= W * rms_norm(x, norm_w), x: [NORM_COLS].
+// Every work-group first normalizes x into local memory (with the expression of norm.cl's
+// rms_norm) and sums its blocks, so the norm needs no launch of its own: PoCL charges ~4 us a
+// command, and a decode step had 61 rms_norm launches.
+__kernel void gemv_quant_norm(__global const float *d, __global const half *m, __global const uchar *q,
+                              __global const float *x, __global const float *norm_w, const float eps,
+                              __global float *y, const int out_rows, const int accumulate)
+{
+    __local float xn[NORM_COLS];
+    __local float xsum[NORM_COLS / 32];
+    if (get_local_id(0) == 0) {
+        float4 ss = (float4)(0.0f);
+        for (int i = 0; i < NORM_COLS / 4; ++i) { const float4 v = vload4(i, x); ss = fma(v, v, ss); }
+        const float scale = rsqrt((ss.x + ss.y + ss.z + ss.w) / NORM_COLS + eps);
+        for (int b = 0; b < NORM_COLS / 32; ++b) {
+            float4 s4 = (float4)(0.0f);
+            for (int i = 8 * b; i < 8 * b + 8; ++i) {
+                const float4 v = vload4(i, norm_w) * (vload4(i, x) * scale);
+                vstore4(v, i, xn);
+                s4 += v;
+            }
+            xsum[b] = (s4.x + s4.y) + (s4.z + s4.w);
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const int o = get_global_id(0);
+    if (o >= out_rows) return;
+    const int nb = NORM_COLS / 32, nbp = (nb + 3) & ~3;
+    float acc;
+    ROW_DOT(acc, d + (size_t)o * nbp, m + (size_t)o * nbp, q + (size_t)o * nb * QBYTES, xn, xsum, nb);
+    y[o] = accumulate ? y[o] + acc : acc;
+}
+#endif
