@@ -188,7 +188,15 @@ class OpenCLEngine:
             return cl.Buffer(ctx, MF.READ_WRITE, n * np.dtype(dtype).itemsize)
 
         self.max_rows = rows
-        self.b_tokens, self.b_slots, self.b_pos = buf(rows, np.int32), buf(rows, np.int32), buf(rows, np.int32)
+        # the rows' token ids, slots and positions: three sub-buffers of one buffer, so a step uploads
+        # them in one copy (each host-to-device copy costs ~40-100 us of host time on PoCL, before
+        # the step's first kernel can start)
+        align = max(4, self.dev.device.mem_base_addr_align // 8)
+        self._rows_stride = (rows * 4 + align - 1) // align * align
+        self._b_rows = cl.Buffer(ctx, MF.READ_WRITE, 3 * self._rows_stride)
+        self._rows_on_device: tuple | None = None  # (tokens, slots, positions) the three hold
+        self.b_tokens, self.b_slots, self.b_pos = (self._b_rows.get_sub_region(i * self._rows_stride, rows * 4)
+                                                   for i in range(3))
         self.b_x, self.b_xn = buf(rows * c.hidden), buf(rows * c.hidden)
         self.b_qkv, self.b_attn = buf(rows * (c.q_dim + 2 * c.kv_dim)), buf(rows * c.q_dim)
         self.b_gu, self.b_act = buf(rows * 2 * c.intermediate), buf(rows * c.intermediate)
@@ -197,7 +205,6 @@ class OpenCLEngine:
         self.b_act_sums = buf(rows * _blocks(c.intermediate))
         self.b_logits = buf(self.max_sequences * c.vocab_size)
         self.b_last = buf(c.hidden)  # a prefill's last row, for its logits
-        self.b_argmax = buf(self.max_sequences, np.int32)
 
     # ---- the forward --------------------------------------------------------
     def _plane(self, layer: int, kv: int, head: int) -> tuple[cl.Buffer, np.int64, np.int64]:
@@ -206,11 +213,18 @@ class OpenCLEngine:
         return self._channels[ch], np.int64(base), np.int64(slot1 - base)
 
     def _enqueue_rows(self, tokens: np.ndarray, slots: np.ndarray, pos: np.ndarray, keep: list) -> None:
-        q = self.dev.queue
-        for b, a in ((self.b_tokens, tokens), (self.b_slots, slots), (self.b_pos, pos)):
-            a = np.ascontiguousarray(a, np.int32)
-            keep.append(a)
-            cl.enqueue_copy(q, b, a, is_blocking=False)
+        """Upload the rows' token ids, slots and positions (one copy; keep holds the host array),
+        unless the device holds them already: a greedy step leaves its picks and next positions."""
+        rows = tuple(tuple(int(v) for v in a) for a in (tokens, slots, pos))
+        if rows == self._rows_on_device:
+            return
+        n, stride = len(tokens), self._rows_stride // 4
+        packed = np.zeros(3 * stride, np.int32)
+        for i, a in enumerate(rows):
+            packed[i * stride:i * stride + n] = a
+        keep.append(packed)
+        cl.enqueue_copy(self.dev.queue, self._b_rows, packed[:2 * stride + n], is_blocking=False)
+        self._rows_on_device = rows
 
     def _bind_layer(self, li: int, n: int, decode: bool) -> list[Launch]:
         """The launches of layer li over n rows of b_x, in order. decode: every row is a different
@@ -282,10 +296,12 @@ class OpenCLEngine:
         return self._logits_plans[key]
 
     def _argmax_launch(self, n: int) -> Launch:
-        """The greedy pick of each of b_logits' first n rows into b_argmax."""
+        """The greedy pick of each of b_logits' first n rows into b_tokens, and b_pos += 1: the next
+        decode step's rows, already on the device."""
         if n not in self._argmax_launches:
             self._argmax_launches[n] = bind(self._p_elem, "argmax_rows", (n * ARGMAX_WG,), self.b_logits,
-                                            np.int32(self.cfg.vocab_size), self.b_argmax, local_size=(ARGMAX_WG,))
+                                            np.int32(self.cfg.vocab_size), self.b_tokens, self.b_pos,
+                                            local_size=(ARGMAX_WG,))
         return self._argmax_launches[n]
 
     @staticmethod
@@ -371,10 +387,13 @@ class OpenCLEngine:
         with self._lock:
             keep: list = []
             b = self._enqueue_decode(seqs, tokens, keep)
+            self._rows_on_device = None  # until the picks are read: argmax_rows rewrites the rows
             self._argmax_launch(b).enqueue(self.dev.queue)
             out = np.empty(b, np.int32)
-            cl.enqueue_copy(self.dev.queue, out, self.b_argmax, is_blocking=True)  # the one wait of this step
-            return out.tolist()
+            cl.enqueue_copy(self.dev.queue, out, self.b_tokens, is_blocking=True)  # the one wait of this step
+            picks = out.tolist()
+            self._rows_on_device = (tuple(picks), tuple(s.slot for s in seqs), tuple(s.length for s in seqs))
+            return picks
 
     def import_kv_layer(self, seq: OpenCLSequence, layer: int, kv: np.ndarray) -> None:
         c = self.cfg

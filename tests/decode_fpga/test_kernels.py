@@ -95,11 +95,13 @@ def test_argmax_takes_first_of_ties(cl_dev, vocab, ties):
     logits = rng.normal(size=(3, vocab)).astype(np.float32)
     logits[1, ties] = 50.0
     out = cl.Buffer(cl_dev.context, MF.READ_WRITE, 12)
+    pos = buf(cl_dev, np.array([4, 0, 99], np.int32))
     k = cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).argmax_rows
-    k(cl_dev.queue, (3 * 256,), (256,), buf(cl_dev, logits), np.int32(vocab), out)
+    k(cl_dev.queue, (3 * 256,), (256,), buf(cl_dev, logits), np.int32(vocab), out, pos)
     got = read(cl_dev, out, 3, np.int32)
     np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
     assert got[1] == min(ties)
+    np.testing.assert_array_equal(read(cl_dev, pos, 3, np.int32), [5, 1, 100])  # the next step's positions
 
 
 def _rope_ref(v, pos, inv_freq):

@@ -76,6 +76,39 @@ def test_batch_of_three_lengths_equals_each_alone(ocl_engine, model_config):
     assert out == alone
 
 
+def test_rows_left_on_the_device_serve_only_the_step_they_belong_to(ocl_engine, model_config):
+    """A greedy step leaves its picks and next positions on the device, and a step with exactly those
+    rows uploads nothing. Interleaved sequences, a reordered batch, a logits step and a token other
+    than the last pick must each still see their own rows."""
+    p1, p2 = (random_prompt(n, model_config.vocab_size, seed=n) for n in (5, 12))
+    ref1, ref2 = greedy(ocl_engine, p1, 8), greedy(ocl_engine, p2, 8)
+    a, b = ocl_engine.new_sequence(40), ocl_engine.new_sequence(40)
+    try:
+        out_a = [int(np.argmax(ocl_engine.prefill(a, p1)))]
+        out_b = [int(np.argmax(ocl_engine.prefill(b, p2)))]
+        for _ in range(2):  # the second reuses the first's rows
+            out_a += ocl_engine.decode_greedy([a], out_a[-1:])
+        out_b += ocl_engine.decode_greedy([b], out_b[-1:])
+        tb, ta = ocl_engine.decode_greedy([b, a], [out_b[-1], out_a[-1]])
+        out_a.append(ta), out_b.append(tb)
+        ta, tb = ocl_engine.decode_greedy([a, b], [ta, tb])  # the same rows, reordered
+        out_a.append(ta), out_b.append(tb)
+        out_a.append(int(np.argmax(ocl_engine.decode([a], [ta])[0])))
+        out_a += ocl_engine.decode_greedy([a], out_a[-1:])
+        assert out_a == ref1[:len(out_a)] and out_b == ref2[:len(out_b)]
+        forced = (out_a[-1] + 1) % model_config.vocab_size  # fed instead of the pick the device holds
+        got = ocl_engine.decode_greedy([a], [forced])[0]
+    finally:
+        ocl_engine.release(a)
+        ocl_engine.release(b)
+    fresh = ocl_engine.new_sequence(40)
+    try:
+        want = int(np.argmax(ocl_engine.prefill(fresh, p1 + out_a[:-1] + [forced])))
+    finally:
+        ocl_engine.release(fresh)
+    assert got == want
+
+
 def test_imported_kv_decodes_like_torch(ocl_engine, torch_engine, model_config):
     """The hybrid hand-off's receiving side: torch prefills, the OpenCL engine decodes."""
     prompt = random_prompt(21, model_config.vocab_size, seed=17)

@@ -27,11 +27,14 @@ __kernel void silu_mul(__global const float *gu, __global float *act, __global f
     act_sums[(size_t)r * nb + b] = s;
 }
 
-// out[r] = the first index of the largest logits[r, :]; one work-group of ARGMAX_WG per row.
+// tokens[r] = the first index of the largest logits[r, :], and pos[r] += 1: a greedy decode
+// step leaves its rows' next tokens and positions where the next step reads them, so that step
+// uploads nothing (a host-to-device copy costs ~0.3 ms of host time on PoCL before the step can
+// start). The host reads the picks back from tokens. One work-group of ARGMAX_WG per row.
 // Each work-item scans a contiguous chunk (first maximum kept), then work-item 0 scans the
 // ARGMAX_WG candidates: one barrier, where a halving tree took eight (on PoCL each barrier
 // splits the work-group loop; the tree made this launch ~95 us of a decode step).
-__kernel void argmax_rows(__global const float *logits, const int vocab, __global int *out)
+__kernel void argmax_rows(__global const float *logits, const int vocab, __global int *tokens, __global int *pos)
 {
     __local float best_v[ARGMAX_WG];
     __local int best_i[ARGMAX_WG];
@@ -68,6 +71,7 @@ __kernel void argmax_rows(__global const float *logits, const int vocab, __globa
         for (int k = 1; k < ARGMAX_WG; ++k) {
             if (best_v[k] > bv) { bv = best_v[k]; bi = best_i[k]; }
         }
-        out[r] = bi;
+        tokens[r] = bi;
+        pos[r] += 1;
     }
 }
