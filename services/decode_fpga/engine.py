@@ -188,15 +188,8 @@ class OpenCLEngine:
             return cl.Buffer(ctx, MF.READ_WRITE, n * np.dtype(dtype).itemsize)
 
         self.max_rows = rows
-        # the rows' token ids, slots and positions: three sub-buffers of one buffer, so a step uploads
-        # them in one copy (each host-to-device copy costs ~40-100 us of host time on PoCL, before
-        # the step's first kernel can start)
-        align = max(4, self.dev.device.mem_base_addr_align // 8)
-        self._rows_stride = (rows * 4 + align - 1) // align * align
-        self._b_rows = cl.Buffer(ctx, MF.READ_WRITE, 3 * self._rows_stride)
+        self.b_tokens, self.b_slots, self.b_pos = buf(rows, np.int32), buf(rows, np.int32), buf(rows, np.int32)
         self._rows_on_device: tuple | None = None  # (tokens, slots, positions) the three hold
-        self.b_tokens, self.b_slots, self.b_pos = (self._b_rows.get_sub_region(i * self._rows_stride, rows * 4)
-                                                   for i in range(3))
         self.b_x, self.b_xn = buf(rows * c.hidden), buf(rows * c.hidden)
         self.b_qkv, self.b_attn = buf(rows * (c.q_dim + 2 * c.kv_dim)), buf(rows * c.q_dim)
         self.b_gu, self.b_act = buf(rows * 2 * c.intermediate), buf(rows * c.intermediate)
@@ -213,17 +206,15 @@ class OpenCLEngine:
         return self._channels[ch], np.int64(base), np.int64(slot1 - base)
 
     def _enqueue_rows(self, tokens: np.ndarray, slots: np.ndarray, pos: np.ndarray, keep: list) -> None:
-        """Upload the rows' token ids, slots and positions (one copy; keep holds the host array),
-        unless the device holds them already: a greedy step leaves its picks and next positions."""
+        """Upload the rows' token ids, slots and positions (keep holds the host arrays), unless the
+        device holds them already: a greedy step leaves its picks and next positions (argmax_rows)."""
         rows = tuple(tuple(int(v) for v in a) for a in (tokens, slots, pos))
         if rows == self._rows_on_device:
             return
-        n, stride = len(tokens), self._rows_stride // 4
-        packed = np.zeros(3 * stride, np.int32)
-        for i, a in enumerate(rows):
-            packed[i * stride:i * stride + n] = a
-        keep.append(packed)
-        cl.enqueue_copy(self.dev.queue, self._b_rows, packed[:2 * stride + n], is_blocking=False)
+        for b, a in zip((self.b_tokens, self.b_slots, self.b_pos), rows):
+            a = np.array(a, np.int32)
+            keep.append(a)
+            cl.enqueue_copy(self.dev.queue, b, a, is_blocking=False)
         self._rows_on_device = rows
 
     def _bind_layer(self, li: int, n: int, decode: bool) -> list[Launch]:

@@ -29,8 +29,8 @@ __kernel void silu_mul(__global const float *gu, __global float *act, __global f
 
 // tokens[r] = the first index of the largest logits[r, :], and pos[r] += 1: a greedy decode
 // step leaves its rows' next tokens and positions where the next step reads them, so that step
-// uploads nothing (a host-to-device copy costs ~0.3 ms of host time on PoCL before the step can
-// start). The host reads the picks back from tokens. One work-group of ARGMAX_WG per row.
+// uploads nothing (its three host-to-device copies took ~0.3 ms of host time on PoCL before the
+// step could start). The host reads the picks back from tokens. One work-group of ARGMAX_WG per row.
 // Each work-item scans a contiguous chunk (first maximum kept), then work-item 0 scans the
 // ARGMAX_WG candidates: one barrier, where a halving tree took eight (on PoCL each barrier
 // splits the work-group loop; the tree made this launch ~95 us of a decode step).
