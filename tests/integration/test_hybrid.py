@@ -53,9 +53,13 @@ def test_greedy_hybrid_equals_gpu_and_fpga(stubs, n):
 
 
 def test_seeded_sampling_continues_identically_across_the_handoff(stubs):
+    """The hybrid stream consumes the seed's draws as gpu mode does (the first token is drawn by
+    prefill_gpu). The two engines' logits differ by ~6e-5 (summation order), which moves the
+    sampler's bin edges by ~1e-6: with top_p 0.95 over ~12000 tokens one draw landed 8e-7 from an
+    edge and the test failed on rounding. A few wide bins (top_k 8) keep it to what it checks."""
     pre, dec = stubs
     prompt = random_prompt(20, VOCAB, seed=22)
-    kw = dict(temperature=0.9, top_p=0.95, seed=1234)
+    kw = dict(temperature=0.8, top_k=8, seed=1234)
     gpu, _ = generate(pre, prompt, pb.MODE_GPU, 12, **kw)
     hybrid, _ = generate(dec, prompt, pb.MODE_HYBRID, 12, **kw)
     assert gpu == hybrid
