@@ -24,8 +24,8 @@ __kernel void rope_table(__global const float *inv_freq, __global float *rope_cs
     rope_cs[(size_t)pos * HEAD_DIM + HALF + i] = sin(angle);
 }
 
-// HF's rotate-half RoPE of one head vector, in place.
-inline void rope(__global float *v, const int pos, __global const float *rope_cs)
+// HF's rotate-half RoPE of one head vector held in private memory, in place.
+inline void rope(float *v, const int pos, __global const float *rope_cs)
 {
     __global const float *cs = rope_cs + (size_t)pos * HEAD_DIM;
     for (int i = 0; i < HALF; ++i) {
@@ -34,6 +34,15 @@ inline void rope(__global float *v, const int pos, __global const float *rope_cs
         v[i] = a * c - b * s;
         v[i + HALF] = b * c + a * s;
     }
+}
+
+// The same for a head vector in global memory (rope_store_kv ropes the qkv rows in place).
+inline void rope_global(__global float *v, const int pos, __global const float *rope_cs)
+{
+    float t[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; ++i) t[i] = v[i];
+    rope(t, pos, rope_cs);
+    for (int i = 0; i < HEAD_DIM; ++i) v[i] = t[i];
 }
 
 // qkv: [rows, Q_DIM + 2 KV_DIM]. Work-item (r, g*(GROUP+1) + j) serves kv head
@@ -50,12 +59,12 @@ __kernel void rope_store_kv(__global float *qkv, __global const int *slots, __gl
     v_base += g * head_stride;
     __global float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
     if (j > 0) {
-        rope(row + (kv_head * GROUP + j - 1) * HEAD_DIM, pos[r], rope_cs);
+        rope_global(row + (kv_head * GROUP + j - 1) * HEAD_DIM, pos[r], rope_cs);
         return;
     }
     __global float *k = row + Q_DIM + kv_head * HEAD_DIM;
     __global const float *v = row + Q_DIM + KV_DIM + kv_head * HEAD_DIM;
-    rope(k, pos[r], rope_cs);
+    rope_global(k, pos[r], rope_cs);
     __global float *kd = k_chan + k_base + slots[r] * k_stride + (long)pos[r] * HEAD_DIM;
     __global float *vd = v_chan + v_base + slots[r] * v_stride + (long)pos[r] * HEAD_DIM;
     for (int i = 0; i < HEAD_DIM / 4; ++i) {
@@ -175,18 +184,6 @@ __kernel void attention(__global const float *qkv, __global const int *slots, __
     store_head(acc, weigh_values(qv, K, V, n, scale, m, acc), r, h, out, out_sums);
 }
 
-// HF's rotate-half RoPE of a head vector held in private memory (the expression of rope()).
-inline void rope_private(float *v, const int pos, __global const float *rope_cs)
-{
-    __global const float *cs = rope_cs + (size_t)pos * HEAD_DIM;
-    for (int i = 0; i < HALF; ++i) {
-        const float c = cs[i], s = cs[HALF + i];
-        const float a = v[i], b = v[i + HALF];
-        v[i] = a * c - b * s;
-        v[i + HALF] = b * c + a * s;
-    }
-}
-
 // A decode step's rope_store_kv and attention in one launch (one command per layer instead of
 // two; PoCL charges ~5 us per command). Every row is a different sequence, at position pos[r].
 // Work-items as in attention: each ropes its query head and its kv head's new K in registers;
@@ -213,8 +210,8 @@ __kernel void rope_attention_decode(__global const float *qkv, __global const in
         qf[i] = row[h * HEAD_DIM + i];
         kf[i] = row[Q_DIM + kv_head * HEAD_DIM + i];
     }
-    rope_private(qf, p, rope_cs);
-    rope_private(kf, p, rope_cs);
+    rope(qf, p, rope_cs);
+    rope(kf, p, rope_cs);
     if (j == 0) {
         for (int i = 0; i < HEAD_DIM; ++i) {
             K[(size_t)p * HEAD_DIM + i] = kf[i];
