@@ -20,7 +20,8 @@
 // One row of x (a decode step) takes the scales out of the inner loop:
 //   sum_c W[o,c] x[c] = sum_b d_b * sum_j q_bj x_bj  (+ sum_b m_b * xsum_b for Q4_1)
 // where xsum_b is the sum of x over block b, written by the kernel that produced x
-// (rms_norm, attention, silu_mul: see their sources) or by block_sums below. Per block
+// (rms_norm, attention, silu_mul: see their sources), by block_sums below, or, in
+// gemv_quant_norm (the build with -DNORM_COLS), by its own RMSNorm prologue. Per block
 // that is 4 conversions, 4 multiply-adds and one scale, where dequantizing first costs
 // 8 multiply-adds and a broadcast of d and m; the rounding differs from numpy's order of
 // summation only as any other order does (the tests hold it to 1e-5 of float64).
