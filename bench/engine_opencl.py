@@ -240,13 +240,18 @@ def main() -> int:
         if llm is not None:
             runs.setdefault("llama.cpp b1", []).append(llama_step_s(llm, ctx, steps, rng))
     kv_bytes_per_token = cfg.n_layers * 2 * cfg.kv_dim * 4  # fp32 KV, read for every cached position
+    matrices = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    file_block_bytes = (sum(blocks[f"blk.{i}.{m}.weight"].raw.nbytes for i in range(cfg.n_layers) for m in matrices)
+                        + blocks.get("output.weight", blocks["token_embd.weight"]).raw.nbytes)
     rows, decode = [], {}
     bw = float(np.median(bandwidth))
     for name, ts in runs.items():
         st = stats(ts)
         batch = int(name.rsplit("b", 1)[1])
-        fmt = name.split()[1] if name.startswith("opencl") else "gguf" if name.startswith("llama") else "fp32"
-        weights = engines[fmt].weights_nbytes
+        if name.startswith("llama"):  # the file's blocks as they are (ours widen the scales to fp32)
+            weights = file_block_bytes
+        else:
+            weights = engines[name.split()[1] if name.startswith("opencl") else "fp32"].weights_nbytes
         bytes_step = weights + batch * (ctx + steps / 2) * kv_bytes_per_token
         gbs = bytes_step / st["median"] / 1e9
         decode[name] = {**{k + "_s": v for k, v in st.items() if k != "n"}, "rounds": st["n"], "bytes_per_step": bytes_step,

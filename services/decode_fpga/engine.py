@@ -209,10 +209,11 @@ class OpenCLEngine:
         _, slot1 = self.kv.locate(1, layer, kv, head) if self.kv.n_slots > 1 else (ch, base)
         return self._channels[ch], np.int64(base), np.int64(slot1 - base)
 
-    def _enqueue_rows(self, tokens: np.ndarray, slots: np.ndarray, pos: np.ndarray, keep: list) -> None:
-        """Upload the rows' token ids, slots and positions (keep holds the host arrays), unless the
-        device holds them already: a greedy step leaves its picks and next positions (argmax_rows)."""
-        rows = tuple(tuple(int(v) for v in a) for a in (tokens, slots, pos))
+    def _enqueue_rows(self, tokens, slots, pos, keep: list) -> None:
+        """Upload the rows' token ids, slots and positions (sequences of ints; keep holds the host
+        arrays), unless the device holds them already: a greedy step leaves its picks and next
+        positions (argmax_rows)."""
+        rows = (tuple(tokens), tuple(slots), tuple(pos))
         if rows == self._rows_on_device:
             return
         for b, a in zip((self.b_tokens, self.b_slots, self.b_pos), rows):
@@ -336,7 +337,7 @@ class OpenCLEngine:
             chunks = [(s, min(s + PREFILL_CHUNK, n)) for s in range(0, n, PREFILL_CHUNK)]
             for ci, (s, e) in enumerate(chunks):
                 rows, last = e - s, ci == len(chunks) - 1
-                self._enqueue_rows(np.array(token_ids[s:e]), np.full(rows, seq.slot), np.arange(s, e), keep)
+                self._enqueue_rows(token_ids[s:e], [seq.slot] * rows, range(s, e), keep)
                 # full chunks and decode-sized ones recur; a one-off partial chunk is bound and dropped
                 embed, layers = self._layers_plan(rows, decode=False,
                                                   cache=rows == PREFILL_CHUNK or rows <= self.max_sequences)
@@ -362,8 +363,7 @@ class OpenCLEngine:
         for s in seqs:
             assert s.length < s.capacity, "sequence is full"
         q = self.dev.queue
-        self._enqueue_rows(np.array(tokens), np.array([s.slot for s in seqs]), np.array([s.length for s in seqs]),
-                           keep)
+        self._enqueue_rows(tokens, [s.slot for s in seqs], [s.length for s in seqs], keep)
         embed, layers = self._layers_plan(b, decode=True)
         embed.enqueue(q)
         for launches in layers:
