@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 _PROBE = "__kernel void probe(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
+GPU_LANES = 32  # work-items per output row / head on a GPU (kernels/*_wg.cl)
 
 
 class DeviceSelectionError(RuntimeError):
@@ -31,11 +32,22 @@ class DeviceContext:
     context: cl.Context
     queue: cl.CommandQueue
     binary_dir: Path | None = None
+    lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row)
     _programs: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return f"{self.device.platform.name.strip()} / {self.device.name.strip()}"
+
+    @property
+    def lanes_per_row(self) -> int:
+        """Work-items per output row of a block GEMV and per head of decode attention: the setting,
+        else GPU_LANES on a GPU, which wants many threads per row (gemv_quant_wg.cl, attention_wg.cl),
+        and 1 on a CPU or an FPGA, where one work-item walks a row through one core's caches."""
+        lanes = self.lanes or (GPU_LANES if self.device.type & cl.device_type.GPU else 1)
+        if lanes & (lanes - 1) or not 1 <= lanes <= 256:
+            raise ValueError(f"OpenCL lanes per row must be a power of two from 1 to 256, got {lanes}")
+        return lanes
 
     def build(self, kernel_file: str, defines: dict[str, object] | None = None) -> cl.Program:
         """Build `kernels/<kernel_file>` (or load its prebuilt binary) with -D defines, cached."""
@@ -66,7 +78,7 @@ def _probe(device: cl.Device) -> str | None:
 
 
 def select_device(platform: str | None = None, device: str | None = None,
-                  binary_dir: str | None = None) -> DeviceContext:
+                  binary_dir: str | None = None, lanes: int = 0) -> DeviceContext:
     try:
         platforms = cl.get_platforms()
     except cl.Error as exc:
@@ -89,6 +101,7 @@ def select_device(platform: str | None = None, device: str | None = None,
                     continue
             ctx = cl.Context([dev])
             log.info("OpenCL device: %s", label)
-            return DeviceContext(dev, ctx, cl.CommandQueue(ctx), Path(binary_dir) if binary_dir else None)
+            return DeviceContext(dev, ctx, cl.CommandQueue(ctx), Path(binary_dir) if binary_dir else None,
+                                 lanes)
     wanted = f"platform~{platform!r} device~{device!r}"
     raise DeviceSelectionError(f"no usable OpenCL device matches {wanted}; present: {seen or 'none'}")

@@ -102,7 +102,8 @@ class OpenCLEngine:
 
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: DecodeSettings) -> "OpenCLEngine":
-        dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir)
+        dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir,
+                            settings.opencl_lanes)
         fmt = settings.weights_dtype
         if fmt == "auto":  # the checkpoint's own blocks when it has them: same values, a fifth of the bytes
             fmt = "gguf" if loaded.checkpoint.kind == "gguf" else "fp32"
@@ -177,8 +178,12 @@ class OpenCLEngine:
 
     def _build_kernels(self) -> None:
         c = self.cfg
-        self._p_attn = self.dev.build("attention.cl", {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads,
-                                                       "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim})
+        shape = {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim}
+        self._p_attn = self.dev.build("attention.cl", shape)
+        # a GPU's decode attention: a work-group per (row, head) instead of a work-item (attention_wg.cl)
+        self._attn_lanes = self.dev.lanes_per_row
+        self._p_attn_wg = (self.dev.build("attention_wg.cl", {**shape, "WG": self._attn_lanes})
+                           if self._attn_lanes > 1 else None)
         self._p_norm = self.dev.build("norm.cl")
         self._p_elem = self.dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
         self._layer_plans: dict[tuple[int, bool], tuple[Launch, list[list[Launch]]]] = {}
@@ -242,9 +247,15 @@ class OpenCLEngine:
             v_buf, v_base, v_stride = self._plane(li, 1, h)
             cache = (k_buf, k_base, k_stride, v_buf, v_base, v_stride, head_stride)
             if decode:
-                out.append(bind(self._p_attn, "rope_attention_decode", (n, span * group), self.b_qkv, self.b_slots,
-                                self.b_pos, self.rope_cs, np.int32(h), scale, *cache, self.b_attn,
-                                self.b_attn_sums, local_size=(1, 1)))
+                args = (self.b_qkv, self.b_slots, self.b_pos, self.rope_cs, np.int32(h), scale, *cache, self.b_attn,
+                        self.b_attn_sums)
+                if self._p_attn_wg is not None:
+                    lanes = self._attn_lanes
+                    out.append(bind(self._p_attn_wg, "rope_attention_decode_wg", (n * lanes, span * group), *args,
+                                    local_size=(lanes, 1)))
+                else:
+                    out.append(bind(self._p_attn, "rope_attention_decode", (n, span * group), *args,
+                                    local_size=(1, 1)))
                 continue
             out.append(bind(self._p_attn, "rope_store_kv", (n, span * (group + 1)), self.b_qkv, self.b_slots,
                             self.b_pos, self.rope_cs, np.int32(h), *cache))

@@ -70,11 +70,19 @@ class QuantMatrix(EnqueueOnce):
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
         self._dev = dev
         self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
+        self.lanes = dev.lanes_per_row  # 1: gemv_quant.cl, more: gemv_quant_wg.cl
 
     @property
     def needs_block_sums(self) -> bool:
-        """Q4_1 at one row reads the block sums of x (gemv_quant.cl): sum_b m_b * xsum_b."""
-        return self.fmt == "q4_1"
+        """Q4_1 at one row reads the block sums of x (gemv_quant.cl): sum_b m_b * xsum_b. The GPU
+        kernels dequantize d*q + m per weight and read none."""
+        return self.fmt == "q4_1" and self.lanes == 1
+
+    def _wg_program(self, norm_cols: int | None = None) -> cl.Program:
+        defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes}
+        if norm_cols is not None:
+            defines["NORM_COLS"] = norm_cols
+        return self._dev.build("gemv_quant_wg.cl", defines)
 
     def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False,
                   x_sums: cl.Buffer | None = None) -> Launch:
@@ -86,6 +94,10 @@ class QuantMatrix(EnqueueOnce):
             if self.needs_block_sums:
                 raise ValueError(f"{self.name}: a {self.fmt} GEMV needs the block sums of x (x_sums)")
             x_sums = x  # unread
+        if self.lanes > 1:
+            return bind(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, batch), self._d, self._m,
+                        self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),
+                        local_size=(self.lanes, 1))
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
@@ -93,6 +105,10 @@ class QuantMatrix(EnqueueOnce):
                        accumulate: bool = False) -> Launch:
         """y[r] (+)= sum_c W[r, c] rms_norm(x, norm_w)[c] for one row x [cols]: the norm computed by
         each work-group as the GEMV's prologue (gemv_quant_norm), one launch instead of two."""
+        if self.lanes > 1:
+            return bind(self._wg_program(self.cols), "gemv_quant_norm_wg", (self.rows * self.lanes,), self._d,
+                        self._m, self._q, x, norm_w, np.float32(eps), y, np.int32(self.rows),
+                        np.int32(bool(accumulate)), local_size=(self.lanes,))
         program = self._dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols})
         return bind(program, "gemv_quant_norm", (self.rows,), self._d, self._m, self._q, x, norm_w,
                     np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)))

@@ -13,6 +13,9 @@ class DecodeSettings(CommonSettings):
     opencl_platform: str | None = None  # substring of the platform name (e.g. "Portable", "Intel(R) FPGA")
     opencl_device: str | None = None  # substring of the device name
     opencl_binary_dir: str | None = None  # prebuilt programs (<kernel>.bin) for platforms that cannot compile
+    # work-items per output row of the block GEMVs and per head of decode attention: 0 picks by
+    # device type (32 on a GPU, 1 on a CPU or an FPGA)
+    opencl_lanes: int = Field(0, ge=0, le=256)
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values

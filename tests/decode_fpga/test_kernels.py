@@ -112,14 +112,16 @@ def _rope_ref(v, pos, inv_freq):
     return np.concatenate([a * c - b * s, b * c + a * s])
 
 
-@pytest.mark.parametrize("fused_decode", [False, True])
+@pytest.mark.parametrize("fused_decode", [0, 1, 4, 32], ids=["two-launches", "fused", "fused-wg4", "fused-wg32"])
 @pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12), (1, 32)])
 def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fused_decode):
     """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
     one launch covers every kv head; three: one launch per head, as the engine does.
     head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one; 32 also writes block sums.
     fused_decode: the last two rows (one per sequence, a decode step) go through
-    rope_attention_decode, which must store their K and V and attend as the two launches do."""
+    rope_attention_decode, which must store their K and V and attend as the two launches do: with
+    one work-item per (row, head) (fused_decode 1, attention.cl) or a work-group of that many lanes
+    (4: tiles of 4 positions, several dimensions per lane; 32: idle lanes; attention_wg.cl)."""
     n_heads, n_kv, ctx = 4, 2, 40
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
     lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
@@ -141,7 +143,11 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fuse
                                rtol=1e-6, atol=1e-6)
     span = n_kv if n_channels == 1 else 1
     rope_store, attention = cl.Kernel(prog, "rope_store_kv"), cl.Kernel(prog, "attention")
-    fused = cl.Kernel(prog, "rope_attention_decode")
+    fused, lanes = cl.Kernel(prog, "rope_attention_decode"), fused_decode
+    if lanes > 1:
+        prog_wg = cl_dev.build("attention_wg.cl", {"HEAD_DIM": head_dim, "GROUP": group, "Q_DIM": q_dim,
+                                                   "KV_DIM": kv_dim, "WG": lanes})
+        fused = cl.Kernel(prog_wg, "rope_attention_decode_wg")
     split = len(rows) - 2 if fused_decode else len(rows)
     phases = [(0, split, False), (split, len(rows), True)] if fused_decode else [(0, len(rows), False)]
     for start, end, decode in phases:
@@ -158,7 +164,7 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fuse
             args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs),
                     np.int64(lay.plane_elems))
             if decode:
-                fused(cl_dev.queue, (n, span * group), (1, 1), qkv_p, slots, pos, rope_cs, np.int32(h),
+                fused(cl_dev.queue, (n * lanes, span * group), (lanes, 1), qkv_p, slots, pos, rope_cs, np.int32(h),
                       np.float32(head_dim ** -0.5), *args, out_p, sums_p)
                 continue
             rope_store(cl_dev.queue, (n, span * (group + 1)), None, qkv_p, slots, pos, rope_cs, np.int32(h), *args)

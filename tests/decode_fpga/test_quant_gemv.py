@@ -27,6 +27,15 @@ def gguf_src(loaded_model):
     return GGUFBlocks.from_checkpoint(loaded_model.checkpoint)
 
 
+@pytest.fixture(scope="module", params=[1, 32], ids=["item-per-row", "lanes32"])
+def gemv_dev(cl_dev, request):
+    """The device with each block-GEMV kernel: one work-item per output row (gemv_quant.cl, a CPU's
+    or an FPGA's default) and 32 lanes per row (gemv_quant_wg.cl, a GPU's), whatever the device is."""
+    from services.decode_fpga.device import DeviceContext
+
+    return DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=request.param)
+
+
 def synthetic(qtype: str, rows: int, cols: int, seed: int = 0) -> BlockTensor:
     w = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
     return BlockTensor("w", qtype, rows, cols, quantize(w, QTYPES[qtype]).reshape(rows, -1))
@@ -50,19 +59,19 @@ def reference(t: BlockTensor, x: np.ndarray, y0: np.ndarray, accumulate: bool) -
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 @pytest.mark.parametrize("batch", [1, 2, 3])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_block_gemv_matches_gguf_dequantize(cl_dev, qtype, batch, accumulate):
+def test_block_gemv_matches_gguf_dequantize(gemv_dev, qtype, batch, accumulate):
     t = synthetic(qtype, 70, 96 + 32 * batch)  # odd block counts too
     rng = np.random.default_rng(batch)
     x = rng.normal(size=(batch, t.cols)).astype(np.float32)
     y0 = rng.normal(size=(batch, t.rows)).astype(np.float32)
-    got = run_gemv(cl_dev, t, x, y0, accumulate)
+    got = run_gemv(gemv_dev, t, x, y0, accumulate)
     ref = reference(t, x, y0, accumulate)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 @pytest.mark.parametrize("n_blocks", [1, 2, 3, 5, 6, 7, 18])
-def test_one_row_gemv_any_block_count(cl_dev, qtype, n_blocks):
+def test_one_row_gemv_any_block_count(gemv_dev, qtype, n_blocks):
     """One row takes the path with the scales out of the inner loop (and Q4_1's block sums):
     4 blocks at a time, then a tail of 1-3."""
     t = synthetic(qtype, 37, 32 * n_blocks, seed=n_blocks)
@@ -70,36 +79,64 @@ def test_one_row_gemv_any_block_count(cl_dev, qtype, n_blocks):
     x = rng.normal(size=(1, t.cols)).astype(np.float32)
     y0 = rng.normal(size=(1, t.rows)).astype(np.float32)
     ref = reference(t, x, y0, True)
-    np.testing.assert_allclose(run_gemv(cl_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(run_gemv(gemv_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemv_with_fused_rms_norm(cl_dev, qtype, accumulate):
-    """gemv_quant_norm (one decode row): y (+)= W rms_norm(x, w), the norm made by each work-group
-    in local memory; 200 rows, so several work-groups each make it."""
+def test_gemv_with_fused_rms_norm(gemv_dev, qtype, accumulate):
+    """gemv_quant_norm(_wg) (one decode row): y (+)= W rms_norm(x, w), the norm made by each
+    work-group in local memory; 200 rows, so several work-groups each make it."""
     t = synthetic(qtype, 200, 576, seed=4)
     rng = np.random.default_rng(4)
     x, w = rng.normal(size=576).astype(np.float32), rng.normal(size=576).astype(np.float32)
     y0 = rng.normal(size=200).astype(np.float32)
-    m = QuantMatrix(cl_dev, t)
-    yb = cl.Buffer(cl_dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=y0.copy())
-    xb, wb = (cl.Buffer(cl_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=a) for a in (x, w))
+    m = QuantMatrix(gemv_dev, t)
+    yb = cl.Buffer(gemv_dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=y0.copy())
+    xb, wb = (cl.Buffer(gemv_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=a) for a in (x, w))
     launch = m.bind_gemv_norm(xb, wb, 1e-5, yb, accumulate)
-    cl.enqueue_nd_range_kernel(cl_dev.queue, launch.kernel, launch.global_size, (40,))  # 5 work-groups
+    if m.lanes == 1:  # 5 work-groups of 40 rows, each making the norm
+        cl.enqueue_nd_range_kernel(gemv_dev.queue, launch.kernel, launch.global_size, (40,))
+    else:  # a work-group per row
+        launch.enqueue(gemv_dev.queue)
     got = np.empty(200, np.float32)
-    cl.enqueue_copy(cl_dev.queue, got, yb, is_blocking=True)
+    cl.enqueue_copy(gemv_dev.queue, got, yb, is_blocking=True)
     x64 = x.astype(np.float64)
     xn = x64 / np.sqrt((x64 ** 2).mean() + 1e-5) * w
     ref = reference(t, xn[None].astype(np.float32), y0[None], accumulate)[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("lanes", [3, 512])
+def test_lanes_must_be_a_power_of_two_up_to_256(cl_dev, lanes):
+    from services.decode_fpga.device import DeviceContext
+
+    dev = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=lanes)
+    with pytest.raises(ValueError, match="power of two"):
+        QuantMatrix(dev, synthetic("q4_1", 4, 64))
+
+
+def test_lanes_setting(monkeypatch):
+    from pydantic import ValidationError
+
+    from services.decode_fpga.settings import DecodeSettings
+
+    monkeypatch.setenv("HYBRIDSERVE_OPENCL_LANES", "64")
+    assert DecodeSettings().opencl_lanes == 64
+    monkeypatch.setenv("HYBRIDSERVE_OPENCL_LANES", "-1")
+    with pytest.raises(ValidationError):
+        DecodeSettings()
+
+
 def test_q4_1_gemv_without_block_sums_is_refused(cl_dev):
-    m = QuantMatrix(cl_dev, synthetic("q4_1", 4, 64))
+    """One work-item per row reads Q4_1's block sums of x; the lanes-per-row kernel needs none."""
+    from services.decode_fpga.device import DeviceContext
+
+    one, lanes = (DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=n) for n in (1, 32))
     x = cl.Buffer(cl_dev.context, MF.READ_WRITE, 64 * 4)
     with pytest.raises(ValueError, match="block sums"):
-        m.bind_gemv(x, x, 1)
+        QuantMatrix(one, synthetic("q4_1", 4, 64)).bind_gemv(x, x, 1)
+    assert not QuantMatrix(lanes, synthetic("q4_1", 4, 64)).needs_block_sums
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -143,6 +180,25 @@ def test_gguf_storage_greedy_identical_to_transformers(ocl_gguf_engine, ocl_engi
     assert ours == greedy(ocl_engine, prompt, n_new)  # and to the fp32 storage of the same weights
 
 
+@pytest.mark.slow
+def test_gpu_shaped_kernels_greedy_identical_to_transformers(loaded_model, cl_dev, hf_model, model_config):
+    """The engine on the kernels a GPU gets, 32 lanes per GEMV row and per attention head (here
+    forced onto this device): the same greedy tokens as transformers, a prefill of several rows and
+    one-row decode steps."""
+    from services.decode_fpga.device import DeviceContext
+    from tests.conftest import hf_greedy, random_prompt
+    from tests.decode_fpga.conftest import make_engine
+    from tests.decode_fpga.test_opencl_engine import greedy
+
+    dev = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
+    engine = make_engine(loaded_model, dev, weights_dtype="gguf", max_context=64, max_sequences=1,
+                         blocks=read_block_tensors(loaded_model.checkpoint, model_config))
+    assert engine.layers[0].gate_up.lanes == 32 and not engine.layers[0].down.needs_block_sums
+    assert engine._layers_plan(1, decode=True)[1][0][1].kernel.function_name == "rope_attention_decode_wg"
+    prompt = random_prompt(17, model_config.vocab_size, seed=12)
+    assert greedy(engine, prompt, 12) == hf_greedy(hf_model, prompt, 12)
+
+
 def test_gguf_reads_a_fraction_of_fp32s_bytes(ocl_gguf_engine, ocl_engine):
     assert ocl_gguf_engine.weights_nbytes < 0.3 * ocl_engine.weights_nbytes
 
@@ -158,33 +214,33 @@ def test_auto_storage_is_gguf_for_a_gguf_checkpoint(loaded_model):
 # ---- the block layer and the kernels in detail (gguf_blocks.py, quant_gemv.py, gemv_quant.cl) ----
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
-def test_kernel_weights_are_ggufs_bit_for_bit(cl_dev, qtype):
+def test_kernel_weights_are_ggufs_bit_for_bit(gemv_dev, qtype):
     """One-hot rows of x read the matrix back through the kernel: exactly gguf's values."""
     t = synthetic(qtype, 37, 160, seed=4)  # 5 blocks per row: the 4-block loop and its tail
     eye = np.eye(t.cols, dtype=np.float32)
-    got = run_gemv(cl_dev, t, eye, np.zeros((t.cols, t.rows), np.float32), False)
+    got = run_gemv(gemv_dev, t, eye, np.zeros((t.cols, t.rows), np.float32), False)
     np.testing.assert_array_equal(got.T, t.dequantize())
 
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 @pytest.mark.parametrize("batch", [5, 8, 16])
-def test_batched_gemv_past_one_tile(cl_dev, qtype, batch):
+def test_batched_gemv_past_one_tile(gemv_dev, qtype, batch):
     t = synthetic(qtype, 45, 576, seed=batch)
     rng = np.random.default_rng(batch)
     x = rng.normal(size=(batch, t.cols)).astype(np.float32)
     y0 = rng.normal(size=(batch, t.rows)).astype(np.float32)
     ref = reference(t, x, y0, True)
-    np.testing.assert_allclose(run_gemv(cl_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(run_gemv(gemv_dev, t, x, y0, True), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_lm_head_q8_0(cl_dev, blocks, batch):
+def test_lm_head_q8_0(gemv_dev, blocks, batch):
     """The real 49152x576 Q8_0 output matrix, batch 1 and 8."""
     t = blocks["token_embd.weight"]
     assert t.qtype == "q8_0"
     x = np.random.default_rng(batch).normal(size=(batch, t.cols)).astype(np.float32)
     ref = x.astype(np.float64) @ t.dequantize().astype(np.float64).T
-    got = run_gemv(cl_dev, t, x, np.zeros((batch, t.rows), np.float32), False)
+    got = run_gemv(gemv_dev, t, x, np.zeros((batch, t.rows), np.float32), False)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 

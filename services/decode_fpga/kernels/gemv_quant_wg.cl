@@ -1,0 +1,105 @@
+// GEMV straight from GGUF blocks for GPUs: one work-group of WG lanes per output element.
+// QFMT: 40 = Q4_0, 41 = Q4_1, 80 = Q8_0; the device layout is gemv_quant.cl's (quant_gemv.py).
+//
+// gemv_quant.cl gives each output row to one work-item, which is what a CPU wants (a row's
+// blocks stream through one core's caches) and what starves a GPU: a 576-row matrix is 576
+// threads, each walking its row alone (measured on an H100 through NVIDIA's OpenCL: 97 us for
+// the 576x1536 Q4_1 down projection, 0.9 GB/s). Here the lanes of a work-group split a row into
+// half-blocks of 16 weights (neighbouring lanes read neighbouring bytes), dequantize them to
+// gguf's values exactly as gemv_quant.cl does, and add their partial sums in local memory.
+// No block sums of x are read: each lane dequantizes d*q + m itself.
+
+#if QFMT == 80
+#define QBYTES 32
+#else
+#define QBYTES 16
+#endif
+
+// XAT(c): element c of the GEMV's input: x, or in gemv_quant_norm_wg's build (-DNORM_COLS)
+// RMSNorm(x) computed on the fly, with the expression of norm.cl's rms_norm
+#ifdef NORM_COLS
+#define XAT(c) (norm_w[(c)] * (x[(c)] * scale))
+#else
+#define XAT(c) (x[(c)])
+#endif
+
+// ACC += the 16 weights of half-block U of a row (block U / 2, half U % 2) times their inputs
+#define HALF_DOT(ACC, D, M, Q, U)                                                              \
+    do {                                                                                       \
+        const int b_ = (U) >> 1, h_ = (U) & 1;                                                 \
+        const float d_ = (D)[b_];                                                              \
+        const int c0_ = 32 * b_;                                                               \
+        if (QFMT == 80) {                                                                      \
+            __global const char *qc_ = (__global const char *)(Q) + QBYTES * b_ + 16 * h_;     \
+            for (int j_ = 0; j_ < 16; ++j_) ACC += (d_ * (float)qc_[j_]) * XAT(c0_ + 16 * h_ + j_); \
+        } else {                                                                               \
+            const float m_ = (QFMT == 41) ? vload_half(b_, (M)) : 0.0f;                        \
+            __global const uchar *qb_ = (Q) + QBYTES * b_ + 8 * h_;                            \
+            for (int j_ = 0; j_ < 8; ++j_) {                                                   \
+                const int lo_ = qb_[j_] & 0x0F, hi_ = qb_[j_] >> 4;                            \
+                const float wl_ = (QFMT == 40) ? d_ * (float)(lo_ - 8) : d_ * (float)lo_ + m_;  \
+                const float wh_ = (QFMT == 40) ? d_ * (float)(hi_ - 8) : d_ * (float)hi_ + m_;  \
+                ACC += wl_ * XAT(c0_ + 8 * h_ + j_);                                           \
+                ACC += wh_ * XAT(c0_ + 16 + 8 * h_ + j_);                                      \
+            }                                                                                  \
+        }                                                                                      \
+    } while (0)
+
+// the sum of part[0..WG) into part[0]; every lane must call it
+inline void reduce_local(__local float *part, const int lid)
+{
+    for (int s = WG / 2; s > 0; s >>= 1) {
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (lid < s) part[lid] += part[lid + s];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+#ifndef NORM_COLS
+// y[r, o] (+)= sum_c W[o, c] * x[r, c]; work-group (o, r), local size (WG, 1)
+__kernel void gemv_quant_wg(__global const float *d, __global const half *m, __global const uchar *q,
+                            __global const float *x_all, __global float *y, const int cols,
+                            const int out_rows, const int accumulate)
+{
+    __local float part[WG];
+    const int o = get_group_id(0), r = get_global_id(1), lid = get_local_id(0);
+    const int nb = cols / 32, nbp = (nb + 3) & ~3;
+    __global const float *x = x_all + (size_t)r * cols;
+    __global const float *drow = d + (size_t)o * nbp;
+    __global const half *mrow = m + (size_t)o * nbp;
+    __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
+    float acc = 0.0f;
+    for (int u = lid; u < 2 * nb; u += WG) HALF_DOT(acc, drow, mrow, qrow, u);
+    part[lid] = acc;
+    reduce_local(part, lid);
+    if (lid == 0) {
+        const size_t k = (size_t)r * out_rows + o;
+        y[k] = accumulate ? y[k] + part[0] : part[0];
+    }
+}
+#else
+// One row: y[o] (+)= sum_c W[o, c] * rms_norm(x, norm_w)[c], x: [NORM_COLS]; every work-group
+// reduces the sum of squares itself, so the norm needs no launch of its own
+__kernel void gemv_quant_norm_wg(__global const float *d, __global const half *m, __global const uchar *q,
+                                 __global const float *x, __global const float *norm_w, const float eps,
+                                 __global float *y, const int out_rows, const int accumulate)
+{
+    __local float part[WG];
+    const int o = get_group_id(0), lid = get_local_id(0);
+    float ss = 0.0f;
+    for (int c = lid; c < NORM_COLS; c += WG) ss = fma(x[c], x[c], ss);
+    part[lid] = ss;
+    reduce_local(part, lid);
+    const float scale = rsqrt(part[0] / NORM_COLS + eps);
+    barrier(CLK_LOCAL_MEM_FENCE);  // part[0] is read by all before it is overwritten
+    const int nb = NORM_COLS / 32, nbp = (nb + 3) & ~3;
+    __global const float *drow = d + (size_t)o * nbp;
+    __global const half *mrow = m + (size_t)o * nbp;
+    __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
+    float acc = 0.0f;
+    for (int u = lid; u < 2 * nb; u += WG) HALF_DOT(acc, drow, mrow, qrow, u);
+    part[lid] = acc;
+    reduce_local(part, lid);
+    if (lid == 0) y[o] = accumulate ? y[o] + part[0] : part[0];
+}
+#endif
