@@ -13,6 +13,8 @@ not hold them already (a greedy step leaves the next step's there). A decode
 step's plan fuses what it can, since PoCL charges a few µs per command: RoPE,
 the KV write and attention in one launch, and for one row the RMSNorm inside the
 block GEMVs that follow it (183 commands per token for SmolLM2, from 274).
+Kernels come in the device's shape: one work-item per output row or head on a
+CPU or an FPGA, a work-group of lanes on a GPU (DeviceContext.lanes_per_row).
 """
 from __future__ import annotations
 

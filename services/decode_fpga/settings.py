@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 
 from services.settings import CommonSettings
 
@@ -36,3 +36,10 @@ class DecodeSettings(CommonSettings):
     handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True
+
+    @field_validator("opencl_lanes")
+    @classmethod
+    def _lanes_power_of_two(cls, v: int) -> int:
+        if v and v & (v - 1):
+            raise ValueError(f"opencl_lanes must be 0 (by device type) or a power of two up to 256, got {v}")
+        return v

@@ -123,9 +123,10 @@ def test_lanes_setting(monkeypatch):
 
     monkeypatch.setenv("HYBRIDSERVE_OPENCL_LANES", "64")
     assert DecodeSettings().opencl_lanes == 64
-    monkeypatch.setenv("HYBRIDSERVE_OPENCL_LANES", "-1")
-    with pytest.raises(ValidationError):
-        DecodeSettings()
+    for bad in ("-1", "3", "512"):
+        monkeypatch.setenv("HYBRIDSERVE_OPENCL_LANES", bad)
+        with pytest.raises(ValidationError):
+            DecodeSettings()
 
 
 def test_q4_1_gemv_without_block_sums_is_refused(cl_dev):
