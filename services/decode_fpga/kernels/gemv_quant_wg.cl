@@ -55,6 +55,19 @@ inline void reduce_local(__local float *part, const int lid)
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
+// part[0] = sum_c W[O, c] * XAT(c) over a row of NB blocks, the lanes taking half-blocks in turn
+#define ROW_SUM_WG(O, NB)                                                                      \
+    do {                                                                                       \
+        const int nbp_ = ((NB) + 3) & ~3;                                                      \
+        __global const float *drow_ = d + (size_t)(O) * nbp_;                                  \
+        __global const half *mrow_ = m + (size_t)(O) * nbp_;                                   \
+        __global const uchar *qrow_ = q + (size_t)(O) * (NB) * QBYTES;                         \
+        float acc_ = 0.0f;                                                                     \
+        for (int u_ = lid; u_ < 2 * (NB); u_ += WG) HALF_DOT(acc_, drow_, mrow_, qrow_, u_);   \
+        part[lid] = acc_;                                                                      \
+        reduce_local(part, lid);                                                               \
+    } while (0)
+
 #ifndef NORM_COLS
 // y[r, o] (+)= sum_c W[o, c] * x[r, c]; work-group (o, r), local size (WG, 1)
 __kernel void gemv_quant_wg(__global const float *d, __global const half *m, __global const uchar *q,
@@ -63,15 +76,8 @@ __kernel void gemv_quant_wg(__global const float *d, __global const half *m, __g
 {
     __local float part[WG];
     const int o = get_group_id(0), r = get_global_id(1), lid = get_local_id(0);
-    const int nb = cols / 32, nbp = (nb + 3) & ~3;
     __global const float *x = x_all + (size_t)r * cols;
-    __global const float *drow = d + (size_t)o * nbp;
-    __global const half *mrow = m + (size_t)o * nbp;
-    __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
-    float acc = 0.0f;
-    for (int u = lid; u < 2 * nb; u += WG) HALF_DOT(acc, drow, mrow, qrow, u);
-    part[lid] = acc;
-    reduce_local(part, lid);
+    ROW_SUM_WG(o, cols / 32);
     if (lid == 0) {
         const size_t k = (size_t)r * out_rows + o;
         y[k] = accumulate ? y[k] + part[0] : part[0];
@@ -92,14 +98,7 @@ __kernel void gemv_quant_norm_wg(__global const float *d, __global const half *m
     reduce_local(part, lid);
     const float scale = rsqrt(part[0] / NORM_COLS + eps);
     barrier(CLK_LOCAL_MEM_FENCE);  // part[0] is read by all before it is overwritten
-    const int nb = NORM_COLS / 32, nbp = (nb + 3) & ~3;
-    __global const float *drow = d + (size_t)o * nbp;
-    __global const half *mrow = m + (size_t)o * nbp;
-    __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
-    float acc = 0.0f;
-    for (int u = lid; u < 2 * nb; u += WG) HALF_DOT(acc, drow, mrow, qrow, u);
-    part[lid] = acc;
-    reduce_local(part, lid);
+    ROW_SUM_WG(o, NORM_COLS / 32);
     if (lid == 0) y[o] = accumulate ? y[o] + part[0] : part[0];
 }
 #endif
