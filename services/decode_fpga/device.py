@@ -17,7 +17,10 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 _PROBE = "__kernel void probe(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
-GPU_LANES = 32  # work-items per output row / head on a GPU (kernels/*_wg.cl)
+# work-items per output row of a block GEMV / per head of decode attention on a GPU (kernels/*_wg.cl);
+# on an H100 the GEMVs were fastest at 32 (64 and 128: the same or slower), attention at 128
+# (30 -> 17 us a layer at 64 positions, 148 -> 64 us at 512)
+GPU_LANES, GPU_ATTENTION_LANES = 32, 128
 
 
 class DeviceSelectionError(RuntimeError):
@@ -32,7 +35,7 @@ class DeviceContext:
     context: cl.Context
     queue: cl.CommandQueue
     binary_dir: Path | None = None
-    lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row)
+    lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row, lanes_per_head)
     _programs: dict = field(default_factory=dict)
 
     @property
@@ -41,10 +44,19 @@ class DeviceContext:
 
     @property
     def lanes_per_row(self) -> int:
-        """Work-items per output row of a block GEMV and per head of decode attention: the setting,
-        else GPU_LANES on a GPU, which wants many threads per row (gemv_quant_wg.cl, attention_wg.cl),
-        and 1 on a CPU or an FPGA, where one work-item walks a row through one core's caches."""
-        lanes = self.lanes or (GPU_LANES if self.device.type & cl.device_type.GPU else 1)
+        """Work-items per output row of a block GEMV: the setting, else GPU_LANES on a GPU, which wants
+        many threads per row (gemv_quant_wg.cl), and 1 on a CPU or an FPGA, where one work-item walks a
+        row through one core's caches."""
+        return self._lanes(GPU_LANES)
+
+    @property
+    def lanes_per_head(self) -> int:
+        """Work-items per (row, head) of decode attention (attention_wg.cl when more than 1): the
+        setting, else GPU_ATTENTION_LANES on a GPU and 1 elsewhere."""
+        return self._lanes(GPU_ATTENTION_LANES)
+
+    def _lanes(self, gpu_default: int) -> int:
+        lanes = self.lanes or (gpu_default if self.device.type & cl.device_type.GPU else 1)
         if lanes & (lanes - 1) or not 1 <= lanes <= 256:
             raise ValueError(f"OpenCL lanes per row must be a power of two from 1 to 256, got {lanes}")
         return lanes

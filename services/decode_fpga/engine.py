@@ -14,7 +14,7 @@ step's plan fuses what it can, since PoCL charges a few µs per command: RoPE,
 the KV write and attention in one launch, and for one row the RMSNorm inside the
 block GEMVs that follow it (183 commands per token for SmolLM2, from 274).
 Kernels come in the device's shape: one work-item per output row or head on a
-CPU or an FPGA, a work-group of lanes on a GPU (DeviceContext.lanes_per_row).
+CPU or an FPGA, a work-group of lanes on a GPU (DeviceContext.lanes_per_row/_head).
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ class OpenCLEngine:
         shape = {"HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim}
         self._p_attn = self.dev.build("attention.cl", shape)
         # a GPU's decode attention: a work-group per (row, head) instead of a work-item (attention_wg.cl)
-        self._attn_lanes = self.dev.lanes_per_row
+        self._attn_lanes = self.dev.lanes_per_head
         self._p_attn_wg = (self.dev.build("attention_wg.cl", {**shape, "WG": self._attn_lanes})
                            if self._attn_lanes > 1 else None)
         self._p_norm = self.dev.build("norm.cl")

@@ -14,7 +14,7 @@ class DecodeSettings(CommonSettings):
     opencl_device: str | None = None  # substring of the device name
     opencl_binary_dir: str | None = None  # prebuilt programs (<kernel>.bin) for platforms that cannot compile
     # work-items per output row of the block GEMVs and per head of decode attention: 0 picks by
-    # device type (32 on a GPU, 1 on a CPU or an FPGA)
+    # device type (on a GPU 32 per GEMV row and 128 per head, 1 on a CPU or an FPGA)
     opencl_lanes: int = Field(0, ge=0, le=256)
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,

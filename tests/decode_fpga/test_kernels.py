@@ -112,7 +112,8 @@ def _rope_ref(v, pos, inv_freq):
     return np.concatenate([a * c - b * s, b * c + a * s])
 
 
-@pytest.mark.parametrize("fused_decode", [0, 1, 4, 32], ids=["two-launches", "fused", "fused-wg4", "fused-wg32"])
+@pytest.mark.parametrize("fused_decode", [0, 1, 4, 32, 128],
+                         ids=["two-launches", "fused", "fused-wg4", "fused-wg32", "fused-wg128"])
 @pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12), (1, 32)])
 def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fused_decode):
     """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
@@ -121,7 +122,7 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fuse
     fused_decode: the last two rows (one per sequence, a decode step) go through
     rope_attention_decode, which must store their K and V and attend as the two launches do: with
     one work-item per (row, head) (fused_decode 1, attention.cl) or a work-group of that many lanes
-    (4: tiles of 4 positions, several dimensions per lane; 32: idle lanes; attention_wg.cl)."""
+    (4: tiles of 4 positions, several dimensions per lane; 32, 128: idle lanes; attention_wg.cl)."""
     n_heads, n_kv, ctx = 4, 2, 40
     group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
     lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
