@@ -1,9 +1,11 @@
 """Weight matrices kept on the device as the checkpoint's GGUF blocks (a DeviceMatrix, see gemv.py).
 
 Q4_1 costs 20 bytes per 32 weights in the file (a fifth of fp32), 22 on the device
-(scales widened to fp32, see below), and the kernel (kernels/gemv_quant.cl)
-dequantizes in registers to exactly the values `gguf.quants.dequantize` gives,
-accumulating in fp32.
+(scales widened to fp32, see below), and the kernel dequantizes in registers to
+exactly the values `gguf.quants.dequantize` gives, accumulating in fp32: one
+work-item per output row on a CPU or an FPGA (kernels/gemv_quant.cl), a
+work-group of lanes per row on a GPU (kernels/gemv_quant_wg.cl; the device's
+`lanes_per_row`).
 
 At upload the blocks are split into three arrays, values unchanged: the scales
 (widened to fp32, exactly, so the one-row loop broadcasts them from memory),
