@@ -8,6 +8,7 @@ Platforms that cannot compile from source (FPGAs) load prebuilt binaries.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pyopencl as cl
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
+_INCLUDE = re.compile(r'^#include "(\w+\.h)"$', re.M)
 _PROBE = "__kernel void probe(__global float *x) { x[get_global_id(0)] *= 2.0f; }"
 # work-items per output row of a block GEMV / per head of decode attention on a GPU (kernels/*_wg.cl);
 # on an H100 the GEMVs were fastest at 32 (64 and 128: the same or slower), attention at 128
@@ -75,8 +77,14 @@ class DeviceContext:
             if not binary.is_file():
                 raise DeviceSelectionError(f"prebuilt program {binary} is missing (opencl_binary_dir is set)")
             return cl.Program(self.context, [self.device], [binary.read_bytes()]).build()
-        source = (KERNEL_DIR / kernel_file).read_text()
-        return cl.Program(self.context, source).build(options=list(opts))
+        return cl.Program(self.context, kernel_source(kernel_file)).build(options=list(opts))
+
+
+def kernel_source(kernel_file: str) -> str:
+    """`kernels/<kernel_file>` with its `#include "<name>.h"` lines replaced by those files from
+    kernels/: the program is built from one string, so no compiler needs an include path and a
+    compiler's cache keyed on the source sees a changed header."""
+    return _INCLUDE.sub(lambda mt: (KERNEL_DIR / mt.group(1)).read_text(), (KERNEL_DIR / kernel_file).read_text())
 
 
 def _probe(device: cl.Device) -> str | None:

@@ -11,31 +11,7 @@
 #define HALF (HEAD_DIM / 2)
 #define DPL ((HEAD_DIM + WG - 1) / WG)  // dimensions per lane in the V pass
 
-inline float reduce_max(__local float *red, const int lid, const float v)
-{
-    red[lid] = v;
-    for (int s = WG / 2; s > 0; s >>= 1) {
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (lid < s) red[lid] = fmax(red[lid], red[lid + s]);
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const float out = red[0];
-    barrier(CLK_LOCAL_MEM_FENCE);  // red is free again once every lane has read it
-    return out;
-}
-
-inline float reduce_sum(__local float *red, const int lid, const float v)
-{
-    red[lid] = v;
-    for (int s = WG / 2; s > 0; s >>= 1) {
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (lid < s) red[lid] += red[lid + s];
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const float out = red[0];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return out;
-}
+#include "wg_reduce.h"
 
 inline float dot_local(__local const float *q, __global const float *k)
 {

@@ -45,18 +45,11 @@
         }                                                                                      \
     } while (0)
 
-// the sum of part[0..WG) into part[0]; every lane must call it
-inline void reduce_local(__local float *part, const int lid)
-{
-    for (int s = WG / 2; s > 0; s >>= 1) {
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (lid < s) part[lid] += part[lid + s];
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-}
+#include "wg_reduce.h"
 
-// part[0] = sum_c W[O, c] * XAT(c) over a row of NB blocks, the lanes taking half-blocks in turn
-#define ROW_SUM_WG(O, NB)                                                                      \
+// ACC = sum_c W[O, c] * XAT(c) over a row of NB blocks, the lanes taking half-blocks in turn and
+// reducing through RED (WG floats of local memory); every lane gets the sum
+#define ROW_SUM_WG(ACC, O, NB, RED)                                                            \
     do {                                                                                       \
         const int nbp_ = ((NB) + 3) & ~3;                                                      \
         __global const float *drow_ = d + (size_t)(O) * nbp_;                                  \
@@ -64,8 +57,7 @@ inline void reduce_local(__local float *part, const int lid)
         __global const uchar *qrow_ = q + (size_t)(O) * (NB) * QBYTES;                         \
         float acc_ = 0.0f;                                                                     \
         for (int u_ = lid; u_ < 2 * (NB); u_ += WG) HALF_DOT(acc_, drow_, mrow_, qrow_, u_);   \
-        part[lid] = acc_;                                                                      \
-        reduce_local(part, lid);                                                               \
+        ACC = reduce_sum((RED), lid, acc_);                                                    \
     } while (0)
 
 #ifndef NORM_COLS
@@ -77,10 +69,11 @@ __kernel void gemv_quant_wg(__global const float *d, __global const half *m, __g
     __local float part[WG];
     const int o = get_group_id(0), r = get_global_id(1), lid = get_local_id(0);
     __global const float *x = x_all + (size_t)r * cols;
-    ROW_SUM_WG(o, cols / 32);
+    float sum;
+    ROW_SUM_WG(sum, o, cols / 32, part);
     if (lid == 0) {
         const size_t k = (size_t)r * out_rows + o;
-        y[k] = accumulate ? y[k] + part[0] : part[0];
+        y[k] = accumulate ? y[k] + sum : sum;
     }
 }
 #else
@@ -94,11 +87,9 @@ __kernel void gemv_quant_norm_wg(__global const float *d, __global const half *m
     const int o = get_group_id(0), lid = get_local_id(0);
     float ss = 0.0f;
     for (int c = lid; c < NORM_COLS; c += WG) ss = fma(x[c], x[c], ss);
-    part[lid] = ss;
-    reduce_local(part, lid);
-    const float scale = rsqrt(part[0] / NORM_COLS + eps);
-    barrier(CLK_LOCAL_MEM_FENCE);  // part[0] is read by all before it is overwritten
-    ROW_SUM_WG(o, NORM_COLS / 32);
-    if (lid == 0) y[o] = accumulate ? y[o] + part[0] : part[0];
+    const float scale = rsqrt(reduce_sum(part, lid, ss) / NORM_COLS + eps);
+    float sum;
+    ROW_SUM_WG(sum, o, NORM_COLS / 32, part);
+    if (lid == 0) y[o] = accumulate ? y[o] + sum : sum;
 }
 #endif
