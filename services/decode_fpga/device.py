@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pyopencl as cl
 
+from services.decode_fpga.settings import check_lanes
+
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
@@ -58,10 +60,7 @@ class DeviceContext:
         return self._lanes(GPU_ATTENTION_LANES)
 
     def _lanes(self, gpu_default: int) -> int:
-        lanes = self.lanes or (gpu_default if self.device.type & cl.device_type.GPU else 1)
-        if lanes & (lanes - 1) or not 1 <= lanes <= 256:
-            raise ValueError(f"OpenCL lanes per row must be a power of two from 1 to 256, got {lanes}")
-        return lanes
+        return check_lanes(self.lanes) or (gpu_default if self.device.type & cl.device_type.GPU else 1)
 
     def build(self, kernel_file: str, defines: dict[str, object] | None = None) -> cl.Program:
         """Build `kernels/<kernel_file>` (or load its prebuilt binary) with -D defines, cached."""

@@ -8,6 +8,14 @@ from pydantic import AliasChoices, Field, field_validator
 from services.settings import CommonSettings
 
 
+def check_lanes(lanes: int) -> int:
+    """lanes, when it is 0 (by device type) or a power of two up to 256; else ValueError."""
+    if lanes and (lanes & (lanes - 1) or not 1 <= lanes <= 256):
+        raise ValueError(f"OpenCL lanes per row must be 0 (by device type) or a power of two from 1 to 256, "
+                         f"got {lanes}")
+    return lanes
+
+
 class DecodeSettings(CommonSettings):
     # device
     opencl_platform: str | None = None  # substring of the platform name (e.g. "Portable", "Intel(R) FPGA")
@@ -15,7 +23,7 @@ class DecodeSettings(CommonSettings):
     opencl_binary_dir: str | None = None  # prebuilt programs (<kernel>.bin) for platforms that cannot compile
     # work-items per output row of the block GEMVs and per head of decode attention: 0 picks by
     # device type (on a GPU 32 per GEMV row and 128 per head, 1 on a CPU or an FPGA)
-    opencl_lanes: int = Field(0, ge=0, le=256)
+    opencl_lanes: int = 0
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values
@@ -39,7 +47,5 @@ class DecodeSettings(CommonSettings):
 
     @field_validator("opencl_lanes")
     @classmethod
-    def _lanes_power_of_two(cls, v: int) -> int:
-        if v and v & (v - 1):
-            raise ValueError(f"opencl_lanes must be 0 (by device type) or a power of two up to 256, got {v}")
-        return v
+    def _lanes(cls, v: int) -> int:
+        return check_lanes(v)
