@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyopencl as cl
 
+from services.decode_fpga.cpu_wake import CpuWakeLatency
 from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.kv_channels import ChannelLayout
@@ -71,7 +72,7 @@ class OpenCLEngine:
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dev: DeviceContext, weights_dtype: str = "fp32",
                  kv_channels: int = 1, max_context: int = 4096, max_sequences: int = 4,
-                 blocks: dict | None = None):
+                 blocks: dict | None = None, keep_cores_awake: bool = True):
         if cfg.hidden % 16 or cfg.intermediate % 16 or cfg.head_dim % 4:
             raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
         self.cfg, self.dev, self.weights_dtype = cfg, dev, weights_dtype
@@ -80,6 +81,8 @@ class OpenCLEngine:
         self.max_sequences = max_sequences
         self._lock = threading.RLock()
         self._free_slots = list(range(max_sequences))
+        # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
+        self._wake = CpuWakeLatency() if keep_cores_awake and dev.device.type & cl.device_type.CPU else None
         start = time.perf_counter()
         if weights_dtype == "gguf":
             if blocks is None:
@@ -115,7 +118,7 @@ class OpenCLEngine:
 
             blocks = read_block_tensors(loaded.checkpoint, loaded.config)
         return cls(loaded.config, loaded.weights, dev, fmt, settings.kv_channels, settings.max_context,
-                   settings.max_sequences, blocks)
+                   settings.max_sequences, blocks, settings.opencl_keep_cores_awake)
 
     # ---- set-up -----------------------------------------------------------
     def _vec(self, a: np.ndarray) -> cl.Buffer:
@@ -313,6 +316,10 @@ class OpenCLEngine:
                                             local_size=(ARGMAX_WG,))
         return self._argmax_launches[n]
 
+    def _keep_awake(self) -> None:
+        if self._wake is not None:
+            self._wake.touch()
+
     @staticmethod
     def _replay(queue: cl.CommandQueue, launches: list[Launch]) -> None:
         for launch in launches:
@@ -346,6 +353,7 @@ class OpenCLEngine:
         n = len(token_ids)
         assert seq.length == 0 and 0 < n <= seq.capacity, (seq.length, n, seq.capacity)
         with self._lock:
+            self._keep_awake()
             q, keep = self.dev.queue, []
             chunks = [(s, min(s + PREFILL_CHUNK, n)) for s in range(0, n, PREFILL_CHUNK)]
             for ci, (s, e) in enumerate(chunks):
@@ -375,6 +383,7 @@ class OpenCLEngine:
         assert len({s.slot for s in seqs}) == b, "a sequence appears twice in one decode step"
         for s in seqs:
             assert s.length < s.capacity, "sequence is full"
+        self._keep_awake()
         q = self.dev.queue
         self._enqueue_rows(tokens, [s.slot for s in seqs], [s.length for s in seqs], keep)
         embed, layers = self._layers_plan(b, decode=True)

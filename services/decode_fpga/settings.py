@@ -24,6 +24,9 @@ class DecodeSettings(CommonSettings):
     # work-items per output row of the block GEMVs and per head of decode attention: 0 picks by
     # device type (on a GPU 32 per GEMV row and 128 per head, 1 on a CPU or an FPGA)
     opencl_lanes: int = 0
+    # on a CPU device: hold a 0 µs PM QoS wake-up latency (/dev/cpu_dma_latency, needs root) while
+    # steps run, so cores poll instead of halting between kernels (cpu_wake.py)
+    opencl_keep_cores_awake: bool = True
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values

@@ -1,0 +1,87 @@
+"""The PM QoS wake-latency request a CPU OpenCL device's engine holds while it works (cpu_wake.py),
+read back from the kernel's own /dev/cpu_dma_latency."""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from services.decode_fpga.cpu_wake import PM_QOS_DEVICE, CpuWakeLatency
+
+
+def current_limit() -> int:
+    """The machine's current wake-latency limit in µs: the smallest request any process holds."""
+    with open(PM_QOS_DEVICE, "rb") as f:
+        return struct.unpack("i", f.read(4))[0]
+
+
+@pytest.fixture
+def pm_qos():
+    """The limit with no 0 µs request held (other engines of this session let theirs go 0.5 s after
+    their last step); skipped where the file cannot be written (not root)."""
+    if not os.access(PM_QOS_DEVICE, os.R_OK | os.W_OK):
+        pytest.skip(f"{PM_QOS_DEVICE} is not writable here (needs root)")
+    deadline = time.monotonic() + 3
+    while current_limit() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if current_limit() == 0:
+        pytest.skip("another process holds a 0 us request")
+    return current_limit()
+
+
+def test_held_while_touched_then_let_go(pm_qos):
+    wake = CpuWakeLatency(release_after_s=0.3)
+    wake.touch()
+    assert wake.held and current_limit() == 0
+    for _ in range(6):  # touched every 0.1 s for 0.6 s: longer than release_after_s, still held
+        time.sleep(0.1)
+        wake.touch()
+        assert current_limit() == 0
+    deadline = time.monotonic() + 3
+    while wake.held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not wake.held and current_limit() == pm_qos
+
+
+def test_release_withdraws_the_request_at_once(pm_qos):
+    wake = CpuWakeLatency(release_after_s=60)
+    wake.touch()
+    assert current_limit() == 0
+    wake.release()
+    assert not wake.held and current_limit() == pm_qos
+
+
+def test_without_the_device_file_the_engine_goes_on_and_says_why_once(tmp_path, caplog):
+    wake = CpuWakeLatency(path=str(tmp_path / "no" / "cpu_dma_latency"))
+    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.cpu_wake"):
+        wake.touch()
+        wake.touch()
+    assert not wake.held and "cpu_dma_latency" in wake.unavailable
+    warnings = [r for r in caplog.records if "awake" in r.getMessage()]
+    assert len(warnings) == 1 and "HYBRIDSERVE_OPENCL_KEEP_CORES_AWAKE" in warnings[0].getMessage()
+
+
+def test_a_decode_step_holds_it_on_a_cpu_device(ocl_gguf_engine, pm_qos):
+    eng = ocl_gguf_engine
+    assert isinstance(eng._wake, CpuWakeLatency)  # PoCL's device is a CPU
+    seq = eng.new_sequence(16)
+    try:
+        tok = int(np.argmax(eng.prefill(seq, [1, 2, 3])))
+        eng.decode_greedy([seq], [tok])
+        assert eng._wake.held and current_limit() == 0
+    finally:
+        eng.release(seq)
+        eng._wake.release()
+    assert current_limit() == pm_qos
+
+
+def test_setting(monkeypatch):
+    from services.decode_fpga.settings import DecodeSettings
+
+    assert DecodeSettings().opencl_keep_cores_awake is True
+    monkeypatch.setenv("HYBRIDSERVE_OPENCL_KEEP_CORES_AWAKE", "false")
+    assert DecodeSettings().opencl_keep_cores_awake is False
