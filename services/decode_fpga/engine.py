@@ -12,7 +12,8 @@ rows' token ids, slots and positions are uploaded, and only when the device does
 not hold them already (a greedy step leaves the next step's there). A decode
 step's plan fuses what it can, since PoCL charges a few µs per command: RoPE,
 the KV write and attention in one launch, and for one row the RMSNorm inside the
-block GEMVs that follow it (183 commands per token for SmolLM2, from 274).
+block GEMVs that follow it and SiLU inside the down projection (153 commands per
+token for SmolLM2, from 274).
 Kernels come in the device's shape: one work-item per output row or head on a
 CPU or an FPGA, a work-group of lanes on a GPU (DeviceContext.lanes_per_row/_head).
 """
@@ -235,11 +236,12 @@ class OpenCLEngine:
     def _bind_layer(self, li: int, n: int, decode: bool) -> list[Launch]:
         """The launches of layer li over n rows of b_x, in order. decode: every row is a different
         sequence (a decode step), so RoPE, the KV write and attention are one launch; with one row,
-        block-format matrices also normalize their own input (no rms_norm launches)."""
+        block-format matrices also normalize their own input (no rms_norm launches) and the down
+        projection makes its own activation (no silu_mul launch)."""
         c, layer = self.cfg, self.layers[li]
         group = c.n_heads // c.n_kv_heads
-        fuse_norm = decode and n == 1
-        out = self._normed_gemv(self.b_x, layer.attn_norm, layer.qkv, self.b_qkv, n, fuse_norm)
+        fuse = decode and n == 1  # prologues in the GEMVs: a work-group's prologue makes one row's input
+        out = self._normed_gemv(self.b_x, layer.attn_norm, layer.qkv, self.b_qkv, n, fuse)
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
         # one channel: every kv head's plane at a fixed stride, so one launch covers them all
         # (two commands per layer instead of 2 x n_kv_heads; PoCL charges per command)
@@ -269,7 +271,10 @@ class OpenCLEngine:
         if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
             out.append(layer.o.bind_block_sums(self.b_attn, self.b_attn_sums, n))
         out.append(layer.o.bind_gemv(self.b_attn, self.b_x, n, accumulate=True, x_sums=self.b_attn_sums))  # residual
-        out += self._normed_gemv(self.b_x, layer.ffn_norm, layer.gate_up, self.b_gu, n, fuse_norm)
+        out += self._normed_gemv(self.b_x, layer.ffn_norm, layer.gate_up, self.b_gu, n, fuse)
+        if fuse and getattr(layer.down, "fuses_silu", False):  # the activation in the GEMV's prologue
+            out.append(layer.down.bind_gemv_silu(self.b_gu, self.b_x, accumulate=True))
+            return out
         out += [bind(self._p_elem, "silu_mul", (n, _blocks(c.intermediate)), self.b_gu, self.b_act, self.b_act_sums,
                      np.int32(c.intermediate)),
                 layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True, x_sums=self.b_act_sums)]

@@ -115,6 +115,22 @@ class QuantMatrix(EnqueueOnce):
         return bind(program, "gemv_quant_norm", (self.rows,), self._d, self._m, self._q, x, norm_w,
                     np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)))
 
+    @property
+    def fuses_silu(self) -> bool:
+        """Whether bind_gemv_silu is offered: the one-work-item-per-row kernel (a CPU or an FPGA), on
+        whole 32-column blocks."""
+        return self.lanes == 1 and self.cols % 32 == 0
+
+    def bind_gemv_silu(self, gu: cl.Buffer, y: cl.Buffer, accumulate: bool = False) -> Launch:
+        """y[r] (+)= sum_c W[r, c] act[c], act = silu(gate) * up of one row gu = gate | up [2 cols]: the
+        activation computed by each work-group as the GEMV's prologue (gemv_quant_silu), the same values
+        silu_mul gives, one launch instead of two."""
+        if not self.fuses_silu:
+            raise ValueError(f"{self.name}: no fused SiLU GEMV with {self.lanes} lanes per row and {self.cols} columns")
+        program = self._dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[self.fmt], "SILU_COLS": self.cols})
+        return bind(program, "gemv_quant_silu", (self.rows,), self._d, self._m, self._q, gu, y, np.int32(self.rows),
+                    np.int32(bool(accumulate)))
+
     def bind_block_sums(self, x: cl.Buffer, x_sums: cl.Buffer, batch: int) -> Launch:
         """x_sums[b, k] = sum of x[b, 32 k : 32 k + 32], for an x whose producer does not write them."""
         return bind(self._program, "block_sums", (batch, self.cols // 32), x, x_sums, np.int32(self.cols))

@@ -107,6 +107,65 @@ def test_gemv_with_fused_rms_norm(gemv_dev, qtype, accumulate):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", sorted(QTYPES))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemv_with_fused_silu(cl_dev, qtype, accumulate):
+    """gemv_quant_silu (one decode row, one work-item per row): y (+)= W (silu(gate) * up), the
+    activation made by each work-group in local memory. Against numpy, and bit for bit against
+    the two launches it replaces (silu_mul, then the GEMV), whose outputs it must not change."""
+    ff, rows = 1536, 200
+    t = synthetic(qtype, rows, ff, seed=6)
+    rng = np.random.default_rng(6)
+    gu = rng.normal(size=2 * ff).astype(np.float32)
+    y0 = rng.normal(size=rows).astype(np.float32)
+    m = QuantMatrix(cl_dev, t)
+    assert m.fuses_silu
+    gub = cl.Buffer(cl_dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=gu)
+    yb = cl.Buffer(cl_dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=y0.copy())
+    launch = m.bind_gemv_silu(gub, yb, accumulate)
+    # 5 work-groups of 40 rows, each making the activation
+    cl.enqueue_nd_range_kernel(cl_dev.queue, launch.kernel, launch.global_size, (40,))
+    got = np.empty(rows, np.float32)
+    cl.enqueue_copy(cl_dev.queue, got, yb, is_blocking=True)
+    g = gu[:ff].astype(np.float64)
+    act = g / (1 + np.exp(-g)) * gu[ff:]
+    ref = reference(t, act[None].astype(np.float32), y0[None], accumulate)[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+    act_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, ff * 4)
+    sums_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, ff // 32 * 4)
+    y2 = cl.Buffer(cl_dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=y0.copy())
+    cl_dev.build("elementwise.cl", {"ARGMAX_WG": 256}).silu_mul(cl_dev.queue, (1, ff // 32), None, gub, act_b,
+                                                              sums_b, np.int32(ff))
+    m.bind_gemv(act_b, y2, 1, accumulate, x_sums=sums_b).enqueue(cl_dev.queue)
+    two_launches = np.empty(rows, np.float32)
+    cl.enqueue_copy(cl_dev.queue, two_launches, y2, is_blocking=True)
+    np.testing.assert_array_equal(got, two_launches)
+
+
+def test_fused_silu_is_offered_only_where_it_runs(cl_dev):
+    """The work-group-per-row (GPU) kernels and partial blocks keep the separate silu_mul."""
+    from services.decode_fpga.device import DeviceContext
+
+    gpu_shaped = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
+    m = QuantMatrix(gpu_shaped, synthetic("q4_1", 8, 64))
+    assert not m.fuses_silu
+    buf = cl.Buffer(cl_dev.context, MF.READ_WRITE, 1024)
+    with pytest.raises(ValueError, match="no fused SiLU"):
+        m.bind_gemv_silu(buf, buf)
+
+
+def test_one_row_decode_plan_fuses_silu_into_down(ocl_gguf_engine, loaded_model):
+    """A gguf decode step of one sequence has no silu_mul launch (5 per layer, +3), batches keep it."""
+    cfg = loaded_model.config
+    _, layers = ocl_gguf_engine._layers_plan(1, decode=True)
+    names = [la.kernel.function_name for layer in layers for la in layer]
+    assert "silu_mul" not in names and names.count("gemv_quant_silu") == cfg.n_layers
+    assert len(names) == 5 * cfg.n_layers
+    _, layers2 = ocl_gguf_engine._layers_plan(2, decode=True)
+    assert sum(la.kernel.function_name == "silu_mul" for layer in layers2 for la in layer) == cfg.n_layers
+
+
 @pytest.mark.parametrize("lanes", [3, 512])
 def test_lanes_must_be_a_power_of_two_up_to_256(cl_dev, lanes):
     from services.decode_fpga.device import DeviceContext

@@ -1,5 +1,7 @@
 // Small element-wise and reduction kernels of a decode step.
 
+#include "silu.h"
+
 // act[r, i] = silu(gu[r, i]) * gu[r, FF + i]   gu: [rows, 2 FF] (gate | up), act: [rows, FF]
 // Work-item (r, b) makes act[r, 32 b : 32 b + 32] (the last block may be short) and its sum,
 // act_sums[r, b]: the block sums a Q4_1 GEMV of one row reads (gemv_quant.cl).
@@ -10,8 +12,7 @@ __kernel void silu_mul(__global const float *gu, __global float *act, __global f
     float s = 0.0f;
     if (32 * b + 32 <= ff) {  // a whole block: 16-wide (exp is a vector routine on PoCL)
         for (int h = 2 * b; h < 2 * b + 2; ++h) {
-            const float16 gv = vload16(h, g);
-            const float16 a = gv / (1.0f + exp(-gv)) * vload16(h, u);
+            const float16 a = silu_mul16(vload16(h, g), vload16(h, u));
             vstore16(a, h, act + (size_t)r * ff);
             const float8 s8 = a.lo + a.hi;
             const float4 s4 = s8.lo + s8.hi;
