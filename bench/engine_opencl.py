@@ -1,8 +1,9 @@
 """The OpenCL engine: each kernel's achieved GB/s, and whole decode steps against memory bandwidth.
 
 Side by side in one run, interleaved round by round: OpenCL decode with fp32,
-fp16 and gguf (the checkpoint's blocks) weights at batch 1 and 8, the torch
-engine, transformers and llama.cpp (same GGUF file, same threads; installed by
+fp16 and gguf (the checkpoint's blocks) weights at batch 1 and 8, gguf at batch
+1 launch by launch (`gguf-launches`: no one-launch layers, cores free to halt),
+the torch engine, transformers and llama.cpp (same GGUF file, same threads; installed by
 `pip install '.[llamacpp]'`, which builds it from PyPI) at batch 1. Also how
 often fp16 and gguf greedy tokens differ from fp32 over 256 tokens.
 
@@ -222,6 +223,10 @@ def main() -> int:
     progress("building the engines (fp32, fp16), the torch engine and transformers")
     engines = {f: OpenCLEngine(cfg, loaded.weights, dev, weights_dtype=f, max_context=1024, max_sequences=8,
                                blocks=blocks) for f in ("fp32", "fp16", "gguf")}
+    # the same gguf step launch by launch, without the engine's CPU-device measures: what the one-launch
+    # layers (decode_layers.cl) and holding the cores awake (cpu_wake.py) are worth, side by side
+    launches = OpenCLEngine(cfg, loaded.weights, dev, weights_dtype="gguf", max_context=1024, max_sequences=8,
+                            blocks=blocks, layer_kernels=False, keep_cores_awake=False)
     torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
     ck = loaded.checkpoint
     hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
@@ -235,6 +240,7 @@ def main() -> int:
         for f, eng in engines.items():
             for batch in (1, 8):
                 runs.setdefault(f"opencl {f} b{batch}", []).append(decode_step_s(eng, batch, ctx, steps, rng))
+        runs.setdefault("opencl gguf-launches b1", []).append(decode_step_s(launches, 1, ctx, steps, rng))
         runs.setdefault("torch engine b1", []).append(decode_step_s(torch_engine, 1, ctx, steps, rng))
         runs.setdefault("transformers b1", []).append(hf_step_s(hf, ctx, steps, rng))
         if llm is not None:
@@ -251,7 +257,7 @@ def main() -> int:
         if name.startswith("llama"):  # the file's blocks as they are (ours widen the scales to fp32)
             weights = file_block_bytes
         else:
-            weights = engines[name.split()[1] if name.startswith("opencl") else "fp32"].weights_nbytes
+            weights = engines[name.split()[1].split("-")[0] if name.startswith("opencl") else "fp32"].weights_nbytes
         bytes_step = weights + batch * (ctx + steps / 2) * kv_bytes_per_token
         gbs = bytes_step / st["median"] / 1e9
         decode[name] = {**{k + "_s": v for k, v in st.items() if k != "n"}, "rounds": st["n"], "bytes_per_step": bytes_step,

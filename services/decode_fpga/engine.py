@@ -16,6 +16,13 @@ block GEMVs that follow it and SiLU inside the down projection (153 commands per
 token for SmolLM2, from 274).
 Kernels come in the device's shape: one work-item per output row or head on a
 CPU or an FPGA, a work-group of lanes on a GPU (DeviceContext.lanes_per_row/_head).
+
+On a CPU device with block-format (gguf) weights, a one-sequence step runs every
+layer in one launch (decode_layers.cl: one work-group per core, phases separated
+by barriers across work-groups; 4 commands per token, the same bits), the whole
+step enqueued behind a user event before it starts. If that launch's work-groups
+ever fail to run at once, the step is redone launch by launch and the engine
+stays there.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.kv_channels import ChannelLayout
 from services.decode_fpga.launch import Launch, bind
+from services.decode_fpga.packed_arrays import PackedArrays
+from services.decode_fpga.quant_gemv import QFMT_CODES, QuantMatrix, split_blocks
 from services.decode_fpga.settings import DecodeSettings
 from services.engine_api import EngineFull
 from services.model_config import ModelConfig
@@ -42,6 +51,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
 ARGMAX_WG = 256
+SYNC_LINE = 16  # decode_layers.cl's counters are SYNC_LINE ints apart (a cache line each)
 MF = cl.mem_flags
 
 
@@ -73,7 +83,7 @@ class OpenCLEngine:
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, dev: DeviceContext, weights_dtype: str = "fp32",
                  kv_channels: int = 1, max_context: int = 4096, max_sequences: int = 4,
-                 blocks: dict | None = None, keep_cores_awake: bool = True):
+                 blocks: dict | None = None, keep_cores_awake: bool = True, layer_kernels: bool = True):
         if cfg.hidden % 16 or cfg.intermediate % 16 or cfg.head_dim % 4:
             raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
         self.cfg, self.dev, self.weights_dtype = cfg, dev, weights_dtype
@@ -84,6 +94,12 @@ class OpenCLEngine:
         self._free_slots = list(range(max_sequences))
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
         self._wake = CpuWakeLatency() if keep_cores_awake and dev.device.type & cl.device_type.CPU else None
+        # a one-sequence decode step's layers as one launch on a CPU device (decode_layers.cl)
+        self._layer_kernels = bool(layer_kernels and dev.device.type & cl.device_type.CPU and dev.lanes_per_row == 1
+                                   and kv_channels == 1 and not (cfg.hidden % 32 or cfg.intermediate % 32
+                                                                 or cfg.q_dim % 32 or cfg.head_dim % 32))
+        self._layer_groups = dev.device.max_compute_units  # one work-group per worker thread
+        self._packed: PackedArrays | None = None  # every layer's weights in one buffer, when it runs
         start = time.perf_counter()
         if weights_dtype == "gguf":
             if blocks is None:
@@ -119,7 +135,7 @@ class OpenCLEngine:
 
             blocks = read_block_tensors(loaded.checkpoint, loaded.config)
         return cls(loaded.config, loaded.weights, dev, fmt, settings.kv_channels, settings.max_context,
-                   settings.max_sequences, blocks, settings.opencl_keep_cores_awake)
+                   settings.max_sequences, blocks, settings.opencl_keep_cores_awake, settings.opencl_layer_kernels)
 
     # ---- set-up -----------------------------------------------------------
     def _vec(self, a: np.ndarray) -> cl.Buffer:
@@ -155,26 +171,66 @@ class OpenCLEngine:
         self.weights_nbytes = sum(m.nbytes for m in mats) + self.lm_head.nbytes + (2 * c.n_layers + 1) * c.hidden * 4
 
     def _upload_block_weights(self, w: ModelWeights, blocks: dict) -> None:
-        """Layer matrices and the LM head as the checkpoint's GGUF blocks (quant_gemv.py)."""
+        """Layer matrices and the LM head as the checkpoint's GGUF blocks (quant_gemv.py); on a CPU
+        device whose layers all share one block format, packed into one buffer for decode_layers."""
         from services.decode_fpga.quant_gemv import upload_block_matrix
         from services.gguf_blocks import stack_rows
 
-        vec = self._vec
-
-        def mat(i, *names):
+        def tensor(i, *names):
             parts = [blocks[f"blk.{i}.{n}.weight"] for n in names]
             try:
-                return upload_block_matrix(self.dev, parts[0] if len(parts) == 1 else stack_rows(names[0], parts))
+                return parts[0] if len(parts) == 1 else stack_rows(names[0], parts)
             except ValueError as exc:  # mixed formats in one stack: keep that one exact, dense fp32
                 log.warning("layer %d %s: %s; storing it as fp32", i, names, exc)
-                return upload_dense_matrix(self.dev, np.concatenate([p.dequantize() for p in parts]), "fp32")
+                return np.concatenate([p.dequantize() for p in parts])
 
-        self.layers = [
-            _Layer(attn_norm=vec(lw.attn_norm), ffn_norm=vec(lw.ffn_norm),
-                   qkv=mat(i, "attn_q", "attn_k", "attn_v"), o=mat(i, "attn_output"),
-                   gate_up=mat(i, "ffn_gate", "ffn_up"), down=mat(i, "ffn_down"))
-            for i, lw in enumerate(w.layers)
-        ]
+        names = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+                 "down": ("ffn_down",)}
+        tensors = [{k: tensor(i, *n) for k, n in names.items()} for i in range(len(w.layers))]
+        fmts = {getattr(t, "qtype", None) for ts in tensors for t in ts.values()}
+        if self._layer_kernels and len(fmts) == 1 and fmts <= set(QFMT_CODES):
+            self.layers = self._pack_layers(w, tensors)
+            self._upload_lm_head(w, blocks)
+            return
+        vec = self._vec
+
+        def mat(t):
+            return upload_block_matrix(self.dev, t) if not isinstance(t, np.ndarray) else \
+                upload_dense_matrix(self.dev, t, "fp32")
+
+        self.layers = [_Layer(attn_norm=vec(lw.attn_norm), ffn_norm=vec(lw.ffn_norm),
+                              **{k: mat(t) for k, t in ts.items()}) for lw, ts in zip(w.layers, tensors)]
+        self._upload_lm_head(w, blocks)
+
+    def _pack_layers(self, w: ModelWeights, tensors: list[dict]) -> list[_Layer]:
+        """Every layer's norms and block arrays in one buffer (packed_arrays.py), in the order of
+        decode_layers.cl's table; the _Layer matrices are sub-buffers of the same memory."""
+        arrays, order = [], ("qkv", "o", "gate_up", "down")
+        for lw, ts in zip(w.layers, tensors):
+            arrays += [np.ascontiguousarray(lw.attn_norm, np.float32), np.ascontiguousarray(lw.ffn_norm, np.float32)]
+            for k in order:
+                d, m, q = split_blocks(ts[k])
+                arrays += [d, m if m is not None else d[:, :0], q]  # an empty stand-in where there are no minimums
+        self._packed = packed = PackedArrays(self.dev, arrays)
+        per = 2 + 3 * len(order)
+        table = np.array(packed.offsets, np.int64).reshape(len(w.layers), per)
+        if table.max() >= 2 ** 31:
+            raise ValueError("the packed layer weights exceed 2 GB; decode_layers indexes them with int")
+        self._layer_table = cl.Buffer(self.dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=table.astype(np.int32))
+        self._packed_fmt = tensors[0]["qkv"].qtype
+        layers = []
+        for li, ts in enumerate(tensors):
+            views = packed.views[li * per:(li + 1) * per]
+            mats = {}
+            for j, k in enumerate(order):
+                d_buf, m_buf, q_buf = views[2 + 3 * j:5 + 3 * j]
+                mats[k] = QuantMatrix(self.dev, ts[k], (d_buf, m_buf if ts[k].qtype == "q4_1" else None, q_buf))
+            layers.append(_Layer(attn_norm=views[0], ffn_norm=views[1], **mats))
+        return layers
+
+    def _upload_lm_head(self, w: ModelWeights, blocks: dict) -> None:
+        from services.decode_fpga.quant_gemv import upload_block_matrix
+
         self.lm_head = upload_block_matrix(self.dev, blocks.get("output.weight", blocks["token_embd.weight"]))
         if w.lm_head is w.embed and hasattr(self.lm_head, "enqueue_embed"):
             self.embed = self.lm_head  # tied: rows are looked up from the same blocks, gguf's values exactly
@@ -213,6 +269,8 @@ class OpenCLEngine:
         self.b_act_sums = buf(rows * _blocks(c.intermediate))
         self.b_logits = buf(self.max_sequences * c.vocab_size)
         self.b_last = buf(c.hidden)  # a prefill's last row, for its logits
+        # decode_layers' failure flag, barrier arrivals and each layer's two work counters
+        self.b_sync = buf(SYNC_LINE * (2 + 2 * c.n_layers), np.int32)
 
     # ---- the forward --------------------------------------------------------
     def _plane(self, layer: int, kv: int, head: int) -> tuple[cl.Buffer, np.int64, np.int64]:
@@ -280,6 +338,22 @@ class OpenCLEngine:
                 layer.down.bind_gemv(self.b_act, self.b_x, n, accumulate=True, x_sums=self.b_act_sums)]
         return out
 
+    def _decode_layers_launch(self) -> Launch:
+        """Every layer of a one-sequence decode step as one launch (decode_layers.cl)."""
+        c = self.cfg
+        program = self.dev.build("decode_layers.cl", {
+            "QFMT": QFMT_CODES[self._packed_fmt], "HIDDEN": c.hidden, "FF": c.intermediate,
+            "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
+            "XL": max(c.hidden, c.intermediate, c.q_dim)})
+        bases = np.array([[self._plane(li, kv, 0)[1] for kv in (0, 1)] for li in range(c.n_layers)], np.int64)
+        self._kv_bases = cl.Buffer(self.dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=bases)
+        slot_stride = self._plane(0, 0, 0)[2]
+        return bind(program, "decode_layers", (self._layer_groups,), self.b_x, self._packed.buffer,
+                    self._layer_table, self._kv_bases, np.int32(c.n_layers), np.float32(c.rms_eps), self.b_qkv,
+                    self.b_attn, self.b_attn_sums, self.b_gu, self.b_act, self.b_act_sums, self.b_slots,
+                    self.b_pos, self.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)), self._channels[0],
+                    np.int64(slot_stride), np.int64(self.kv.plane_elems), self.b_sync, local_size=(1,))
+
     def _normed_gemv(self, rows: cl.Buffer, norm_w: cl.Buffer, matrix: DeviceMatrix, y: cl.Buffer, n: int,
                      fuse: bool) -> list[Launch]:
         """y = matrix @ rms_norm(rows[0:n], norm_w): one launch when fuse (one row) and the matrix can
@@ -296,8 +370,13 @@ class OpenCLEngine:
         cached); decode: one row per sequence, else rows of one prompt."""
         plan = self._layer_plans.get((n, decode))
         if plan is None:
-            plan = (self.embed.bind_embed(self.b_tokens, self.b_x, n),
-                    [self._bind_layer(li, n, decode) for li in range(self.cfg.n_layers)])
+            if decode and n == 1 and self._layer_kernels and self._packed is not None:
+                # one launch for every layer, after its counters are zeroed (decode_layers.cl)
+                clear = bind(self._p_elem, "clear_ints", (SYNC_LINE * (2 + 2 * self.cfg.n_layers),), self.b_sync)
+                layers = [[clear, self._decode_layers_launch()]]
+            else:
+                layers = [self._bind_layer(li, n, decode) for li in range(self.cfg.n_layers)]
+            plan = (self.embed.bind_embed(self.b_tokens, self.b_x, n), layers)
             if cache:
                 self._layer_plans[(n, decode)] = plan
         return plan
@@ -382,7 +461,9 @@ class OpenCLEngine:
             seq.length = n
             return self._read_logits(1)[0]
 
-    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list) -> int:
+    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list, greedy: bool) -> np.ndarray | None:
+        """Enqueue a decode step (and, greedy, its picks), without waiting; returns the host array the
+        step's decode_layers failure flag is read into (see _drop_layer_kernels), else None."""
         b = len(seqs)
         assert b == len(tokens) and 0 < b <= self.max_sequences
         assert len({s.slot for s in seqs}) == b, "a sequence appears twice in one decode step"
@@ -392,30 +473,66 @@ class OpenCLEngine:
         q = self.dev.queue
         self._enqueue_rows(tokens, [s.slot for s in seqs], [s.length for s in seqs], keep)
         embed, layers = self._layers_plan(b, decode=True)
-        embed.enqueue(q)
+        gate = None
+        if layers[0][0].kernel.function_name == "clear_ints":
+            # decode_layers' work-groups spin at their barriers and hold every core: a host thread
+            # enqueuing while they run waits for a core, and the device for its next command. So the
+            # whole step is enqueued behind a gate first, and only then let go.
+            gate = cl.UserEvent(self.dev.context)
+            cl.enqueue_nd_range_kernel(q, embed.kernel, embed.global_size, embed.local_size, wait_for=[gate])
+        else:
+            embed.enqueue(q)
         for launches in layers:
             self._replay(q, launches)
         self._replay(q, self._logits_plan("rows", b))
+        if greedy:
+            self._rows_on_device = None  # until the picks are read: argmax_rows rewrites the rows
+            self._argmax_launch(b).enqueue(q)
+        failed = None
+        if gate is not None:
+            gate.set_status(cl.command_execution_status.COMPLETE)
+            # (PoCL's non-blocking read of a buffer waits while a user event holds the queue back)
+            failed = np.zeros(1, np.int32)
+            cl.enqueue_copy(q, failed, self.b_sync, is_blocking=False)
         for s in seqs:
             s.length += 1
-        return b
+        return failed
 
     def decode(self, seqs: list[OpenCLSequence], tokens: list[int]) -> np.ndarray:
         with self._lock:
             keep: list = []
-            return self._read_logits(self._enqueue_decode(seqs, tokens, keep))
+            failed = self._enqueue_decode(seqs, tokens, keep, greedy=False)
+            logits = self._read_logits(len(seqs))
+            if failed is not None and failed[0]:
+                self._drop_layer_kernels(seqs)
+                return self.decode(seqs, tokens)
+            return logits
 
     def decode_greedy(self, seqs: list[OpenCLSequence], tokens: list[int]) -> list[int]:
         with self._lock:
             keep: list = []
-            b = self._enqueue_decode(seqs, tokens, keep)
-            self._rows_on_device = None  # until the picks are read: argmax_rows rewrites the rows
-            self._argmax_launch(b).enqueue(self.dev.queue)
-            out = np.empty(b, np.int32)
+            failed = self._enqueue_decode(seqs, tokens, keep, greedy=True)
+            out = np.empty(len(seqs), np.int32)
             cl.enqueue_copy(self.dev.queue, out, self.b_tokens, is_blocking=True)  # the one wait of this step
+            if failed is not None and failed[0]:
+                self._drop_layer_kernels(seqs)
+                return self.decode_greedy(seqs, tokens)
             picks = out.tolist()
             self._rows_on_device = (tuple(picks), tuple(s.slot for s in seqs), tuple(s.length for s in seqs))
             return picks
+
+    def _drop_layer_kernels(self, seqs: list[OpenCLSequence]) -> None:
+        """A decode_layers launch gave up (its work-groups did not all run at once): its step is void.
+        From now on one-sequence steps run launch by launch; the caller redoes this one, so the
+        sequences go back a position and the rows are uploaded again (the KV written at that
+        position is rewritten with the same values)."""
+        log.warning("decode_layers' work-groups did not all run at once on %s; one-sequence decode steps "
+                    "run launch by launch from now on", self.device_name)
+        self._layer_kernels = False
+        self._layer_plans = {k: v for k, v in self._layer_plans.items() if not k[1]}
+        for s in seqs:
+            s.length -= 1
+        self._rows_on_device = None
 
     def import_kv_layer(self, seq: OpenCLSequence, layer: int, kv: np.ndarray) -> None:
         c = self.cfg

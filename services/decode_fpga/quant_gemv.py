@@ -57,7 +57,9 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
 class QuantMatrix(EnqueueOnce):
     """A [rows, cols] Q4_0/Q4_1/Q8_0 matrix resident on the device; implements DeviceMatrix."""
 
-    def __init__(self, dev: DeviceContext, t: BlockTensor):
+    def __init__(self, dev: DeviceContext, t: BlockTensor, buffers: tuple | None = None):
+        """buffers: the device copies of split_blocks(t)'s arrays (d, m or None, quants) where the caller
+        has placed them (packed_arrays.py); else each is uploaded into a buffer of its own."""
         if t.qtype not in QFMT_CODES:
             raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
         self.name, self.rows, self.cols, self.fmt = t.name, t.rows, t.cols, t.qtype
@@ -66,13 +68,19 @@ class QuantMatrix(EnqueueOnce):
         def up(a: np.ndarray) -> cl.Buffer:
             return cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a))
 
-        self._d = up(d)
-        self._m = up(m) if m is not None else self._d  # unread unless Q4_1
-        self._q = up(quants)
+        d_buf, m_buf, q_buf = buffers if buffers is not None else (up(d), up(m) if m is not None else None, up(quants))
+        self._d, self._q = d_buf, q_buf
+        self._m = m_buf if m_buf is not None else self._d  # unread unless Q4_1
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
         self._dev = dev
         self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
         self.lanes = dev.lanes_per_row  # 1: gemv_quant.cl, more: gemv_quant_wg.cl
+
+    @property
+    def device_arrays(self) -> tuple[cl.Buffer, cl.Buffer, cl.Buffer]:
+        """The scales, minimums (the scales again where the format has none) and quants, in the order
+        the kernels take them."""
+        return self._d, self._m, self._q
 
     @property
     def needs_block_sums(self) -> bool:

@@ -27,6 +27,9 @@ class DecodeSettings(CommonSettings):
     # on a CPU device: hold a 0 µs PM QoS wake-up latency (/dev/cpu_dma_latency, needs root) while
     # steps run, so cores poll instead of halting between kernels (cpu_wake.py)
     opencl_keep_cores_awake: bool = True
+    # on a CPU device with block-format weights: a one-sequence decode step's layers in one launch,
+    # its phases separated by barriers across work-groups (decode_layers.cl); false: five per layer
+    opencl_layer_kernels: bool = True
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values

@@ -30,3 +30,14 @@ def ocl_gguf_engine(loaded_model, cl_dev):
 
     blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
     return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4)
+
+
+@pytest.fixture(scope="session")
+def ocl_gguf_launches_engine(loaded_model, cl_dev):
+    """gguf storage with every decode step launch by launch (no decode_layers.cl): the reference the
+    one-launch layers are held to, bit for bit."""
+    from services.gguf_blocks import read_block_tensors
+
+    blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
+    return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4,
+                       layer_kernels=False)

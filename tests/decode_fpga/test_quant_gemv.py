@@ -155,14 +155,15 @@ def test_fused_silu_is_offered_only_where_it_runs(cl_dev):
         m.bind_gemv_silu(buf, buf)
 
 
-def test_one_row_decode_plan_fuses_silu_into_down(ocl_gguf_engine, loaded_model):
-    """A gguf decode step of one sequence has no silu_mul launch (5 per layer, +3), batches keep it."""
+def test_one_row_decode_plan_fuses_silu_into_down(ocl_gguf_launches_engine, loaded_model):
+    """Launch by launch, a gguf decode step of one sequence has no silu_mul launch (5 per layer),
+    batches keep it."""
     cfg = loaded_model.config
-    _, layers = ocl_gguf_engine._layers_plan(1, decode=True)
+    _, layers = ocl_gguf_launches_engine._layers_plan(1, decode=True)
     names = [la.kernel.function_name for layer in layers for la in layer]
     assert "silu_mul" not in names and names.count("gemv_quant_silu") == cfg.n_layers
     assert len(names) == 5 * cfg.n_layers
-    _, layers2 = ocl_gguf_engine._layers_plan(2, decode=True)
+    _, layers2 = ocl_gguf_launches_engine._layers_plan(2, decode=True)
     assert sum(la.kernel.function_name == "silu_mul" for layer in layers2 for la in layer) == cfg.n_layers
 
 

@@ -1,5 +1,5 @@
 // Decode attention of one query head, shared by attention.cl (a launch of its own) and
-// decode_layer.cl (a whole layer in one launch), which include this file; DeviceContext.build
+// decode_layers.cl (every layer in one launch), which include this file; DeviceContext.build
 // inlines it. Defines: HEAD_DIM, GROUP (query heads per kv head), Q_DIM, KV_DIM.
 
 #define HALF (HEAD_DIM / 2)

@@ -76,3 +76,9 @@ __kernel void argmax_rows(__global const float *logits, const int vocab, __globa
         pos[r] += 1;
     }
 }
+
+// a[i] = 0: decode_layers.cl's counters, before every step that runs it
+__kernel void clear_ints(__global int *a)
+{
+    a[get_global_id(0)] = 0;
+}

@@ -162,9 +162,11 @@ __kernel void block_sums(__global const float *x, __global float *xsum, const in
 #endif  // PROLOGUE_BUILD
 
 #ifdef NORM_COLS
+#include "norm_row.h"
+
 // One row (a decode step of one sequence): y (+)= W * rms_norm(x, norm_w), x: [NORM_COLS].
-// Every work-group first normalizes x into local memory (with the expression of norm.cl's
-// rms_norm) and sums its blocks, so the norm needs no launch of its own: PoCL charges ~4 us a
+// Every work-group first normalizes x into local memory (norm_row.h: the expression of
+// norm.cl's rms_norm) and sums its blocks, so the norm needs no launch of its own: PoCL charges ~4 us a
 // command, and a decode step had 61 rms_norm launches.
 __kernel void gemv_quant_norm(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *x, __global const float *norm_w, const float eps,
@@ -172,20 +174,7 @@ __kernel void gemv_quant_norm(__global const float *d, __global const half *m, _
 {
     __local float xn[NORM_COLS];
     __local float xsum[NORM_COLS / 32];
-    if (get_local_id(0) == 0) {
-        float4 ss = (float4)(0.0f);
-        for (int i = 0; i < NORM_COLS / 4; ++i) { const float4 v = vload4(i, x); ss = fma(v, v, ss); }
-        const float scale = rsqrt((ss.x + ss.y + ss.z + ss.w) / NORM_COLS + eps);
-        for (int b = 0; b < NORM_COLS / 32; ++b) {
-            float4 s4 = (float4)(0.0f);
-            for (int i = 8 * b; i < 8 * b + 8; ++i) {
-                const float4 v = vload4(i, norm_w) * (vload4(i, x) * scale);
-                vstore4(v, i, xn);
-                s4 += v;
-            }
-            xsum[b] = (s4.x + s4.y) + (s4.z + s4.w);
-        }
-    }
+    if (get_local_id(0) == 0) RMS_NORM_ROW(xn, xsum, x, norm_w, eps, NORM_COLS);
     barrier(CLK_LOCAL_MEM_FENCE);
     const int o = get_global_id(0);
     if (o >= out_rows) return;

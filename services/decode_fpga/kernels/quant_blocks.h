@@ -1,5 +1,5 @@
 // One row's dot product with a vector, straight from GGUF blocks (layout and arithmetic: see
-// gemv_quant.cl), shared by gemv_quant.cl and decode_layer.cl, which include this file;
+// gemv_quant.cl), shared by gemv_quant.cl and decode_layers.cl, which include this file;
 // DeviceContext.build inlines it. Defines: QFMT (40 Q4_0, 41 Q4_1, 80 Q8_0), and XAS, the
 // address space of the vector (__global or __local), before the include.
 

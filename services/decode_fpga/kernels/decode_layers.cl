@@ -1,0 +1,145 @@
+// Every layer of a one-sequence decode step in one launch, for a CPU device.
+//
+// On PoCL every command costs ~15 us beyond its work (the runtime's bookkeeping, both worker
+// threads waking and meeting at its end), and a layer was five commands. Here the launch has as
+// many work-groups as the device has compute units (PoCL's worker threads), one work-item
+// each, and the phases are separated by a barrier across work-groups: a counter in global
+// memory that every work-group increments and then spins on, ~0.3 us where a command boundary
+// costs ~15. A GEMV's rows are split into one contiguous range per work-group; heads and
+// activation blocks are taken one at a time from a shared counter.
+//
+// The weights of every layer live in one buffer (packed_arrays.py), at the byte offsets of
+// table[layer][0:14]: attn_norm, ffn_norm, then d, m, q of q|k|v, o, gate|up and down.
+//
+// Each layer's phases, each with the expression of the kernel it replaces, so the outputs are
+// those of the five launches a layer bit for bit:
+//   1. RMSNorm of x (norm_row.h, each work-group its own copy), then rows of q|k|v (ROW_DOT)
+//   2. per query head: RoPE, the KV write, attention (attend_decode, attention_decode.h)
+//   3. rows of the output projection, added into x
+//   4. RMSNorm of x, then rows of gate|up
+//   5. blocks of silu(gate) * up and their sums (silu.h)
+//   6. rows of the down projection, added into x
+//
+// Work-groups must all run at once: OpenCL does not promise it, PoCL's pthread device does when
+// there are no more work-groups than worker threads (each takes one). A barrier that waits past
+// SPIN_LIMIT polls sets sync[0] and every work-group returns; the host then redoes the step
+// launch by launch (engine.py).
+//
+// Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
+// KV_DIM, and XL = max(HIDDEN, FF, Q_DIM).
+// HIDDEN, FF, Q_DIM: multiples of 32.
+
+#define XAS __local
+#include "quant_blocks.h"
+#include "attention_decode.h"
+#include "norm_row.h"
+#include "silu.h"
+
+#define N_HEADS (Q_DIM / HEAD_DIM)
+#define QKV_ROWS (Q_DIM + 2 * KV_DIM)
+#define LINE 16  // ints per counter: each on a cache line of its own (spinning reads and claims)
+#define SPIN_LIMIT (1L << 28)  // polls of a barrier before it gives up (~0.3-1 s)
+
+// sync[0]: set when a barrier gave up; sync[LINE]: arrivals at barriers; sync[LINE (2 + 2 l)]
+// and sync[LINE (3 + 2 l)]: heads and activation blocks taken in layer l. The host zeroes them
+// before every step (clear_ints, elementwise.cl).
+#define FAILED(sync) ((volatile __global int *)(sync))
+
+// Every work-group has arrived here for the n-th time; false when one gave up waiting.
+inline bool all_arrived(__global int *sync, const int n)
+{
+    volatile __global int *arrivals = (volatile __global int *)(sync + LINE);
+    const int target = n * (int)get_num_groups(0);
+    mem_fence(CLK_GLOBAL_MEM_FENCE);  // this work-group's writes before its arrival
+    atomic_inc(arrivals);
+    for (long spins = 0; *arrivals < target; ++spins) {
+        if (spins > SPIN_LIMIT || *FAILED(sync)) {
+            atomic_xchg(FAILED(sync), 1);
+            return false;
+        }
+    }
+    mem_fence(CLK_GLOBAL_MEM_FENCE);  // the others' writes after their arrivals
+    return true;
+}
+
+// Y[o] (+)= row o of the [ROWS, COLS] matrix (D, M, Q) . XV (XSV: its block sums), for this
+// work-group's share of the rows: a contiguous range, so each core streams its part of the
+// matrix in order (rows dealt out in chunks from a counter measured 30% slower: the hardware
+// prefetchers restart at every chunk)
+#define GEMV_ROWS(ROWS, COLS, D, M, Q, XV, XSV, Y, ACCUMULATE)                                     \
+    do {                                                                                         \
+        const int nb_ = (COLS) / 32, nbp_ = (nb_ + 3) & ~3;                                      \
+        const int g_ = get_group_id(0), ng_ = get_num_groups(0);                                 \
+        const int end_ = (int)(((long)(ROWS) * (g_ + 1)) / ng_);                                 \
+        for (int o = (int)(((long)(ROWS) * g_) / ng_); o < end_; ++o) {                          \
+            float acc_;                                                                          \
+            ROW_DOT(acc_, (D) + (size_t)o * nbp_, (M) + (size_t)o * nbp_,                        \
+                    (Q) + (size_t)o * nb_ * QBYTES, (XV), (XSV), nb_);                           \
+            (Y)[o] = (ACCUMULATE) ? (Y)[o] + acc_ : acc_;                                        \
+        }                                                                                        \
+    } while (0)
+
+#define F32(k) ((__global const float *)(w + tab[k]))
+#define F16(k) ((__global const half *)(w + tab[k]))
+#define U8(k) (w + tab[k])
+
+__kernel void decode_layers(__global float *x, __global const uchar *w, __global const int *table,
+                            __global const long *kv_bases, const int n_layers, const float eps,
+                            __global float *qkv, __global float *attn, __global float *attn_sums,
+                            __global float *gu, __global float *act, __global float *act_sums,
+                            __global const int *slots, __global const int *pos, __global const float *rope_cs,
+                            const float scale, __global float *kv_chan, const long slot_stride,
+                            const long head_stride, __global int *sync)
+{
+    __local float xl[XL], xsl[XL / 32];  // the current phase's input vector and its block sums
+    const int slot = slots[0], p = pos[0];
+    int n = 0;  // barriers passed
+    for (int layer = 0; layer < n_layers; ++layer) {
+        __global const int *tab = table + 14 * layer;
+        __global int *heads_taken = sync + LINE * (2 + 2 * layer), *blocks_taken = sync + LINE * (3 + 2 * layer);
+        if (layer > 0 && !all_arrived(sync, ++n)) return;  // the last layer's residual is complete
+
+        // 1. attention RMSNorm, q|k|v
+        RMS_NORM_ROW(xl, xsl, x, F32(0), eps, HIDDEN);
+        GEMV_ROWS(QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), xl, xsl, qkv, 0);
+        if (!all_arrived(sync, ++n)) return;
+
+        // 2. RoPE, the KV write and attention, a query head at a time
+        for (int h = atomic_inc(heads_taken); h < N_HEADS; h = atomic_inc(heads_taken)) {
+            const int kv_head = h / GROUP;
+            attend_decode(qkv, 0, kv_head, h % GROUP, p, rope_cs, scale,
+                          kv_chan + kv_bases[2 * layer] + kv_head * head_stride + slot * slot_stride,
+                          kv_chan + kv_bases[2 * layer + 1] + kv_head * head_stride + slot * slot_stride,
+                          attn, attn_sums);
+        }
+        if (!all_arrived(sync, ++n)) return;
+
+        // 3. the output projection into the residual
+        for (int i = 0; i < Q_DIM; ++i) xl[i] = attn[i];
+        for (int b = 0; b < Q_DIM / 32; ++b) xsl[b] = attn_sums[b];
+        GEMV_ROWS(HIDDEN, Q_DIM, F32(5), F16(6), U8(7), xl, xsl, x, 1);
+        if (!all_arrived(sync, ++n)) return;
+
+        // 4. MLP RMSNorm, gate|up
+        RMS_NORM_ROW(xl, xsl, x, F32(1), eps, HIDDEN);
+        GEMV_ROWS(2 * FF, HIDDEN, F32(8), F16(9), U8(10), xl, xsl, gu, 0);
+        if (!all_arrived(sync, ++n)) return;
+
+        // 5. silu(gate) * up, a 32-block at a time, its sum in silu_mul's order
+        for (int b = atomic_inc(blocks_taken); b < FF / 32; b = atomic_inc(blocks_taken)) {
+            float s = 0.0f;
+            for (int hb = 2 * b; hb < 2 * b + 2; ++hb) {
+                const float16 a = silu_mul16(vload16(hb, gu), vload16(hb, gu + FF));
+                vstore16(a, hb, act);
+                s += hsum16(a);
+            }
+            act_sums[b] = s;
+        }
+        if (!all_arrived(sync, ++n)) return;
+
+        // 6. the down projection into the residual
+        for (int i = 0; i < FF; ++i) xl[i] = act[i];
+        for (int b = 0; b < FF / 32; ++b) xsl[b] = act_sums[b];
+        GEMV_ROWS(HIDDEN, FF, F32(11), F16(12), U8(13), xl, xsl, x, 1);
+    }
+}
