@@ -461,7 +461,8 @@ class OpenCLEngine:
             seq.length = n
             return self._read_logits(1)[0]
 
-    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list, greedy: bool) -> np.ndarray | None:
+    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list,
+                        greedy: bool) -> np.ndarray | None:
         """Enqueue a decode step (and, greedy, its picks), without waiting; returns the host array the
         step's decode_layers failure flag is read into (see _drop_layer_kernels), else None."""
         b = len(seqs)
@@ -479,19 +480,20 @@ class OpenCLEngine:
             # enqueuing while they run waits for a core, and the device for its next command. So the
             # whole step is enqueued behind a gate first, and only then let go.
             gate = cl.UserEvent(self.dev.context)
-            cl.enqueue_nd_range_kernel(q, embed.kernel, embed.global_size, embed.local_size, wait_for=[gate])
-        else:
-            embed.enqueue(q)
-        for launches in layers:
-            self._replay(q, launches)
-        self._replay(q, self._logits_plan("rows", b))
-        if greedy:
-            self._rows_on_device = None  # until the picks are read: argmax_rows rewrites the rows
-            self._argmax_launch(b).enqueue(q)
+        try:
+            cl.enqueue_nd_range_kernel(q, embed.kernel, embed.global_size, embed.local_size,
+                                       wait_for=[gate] if gate is not None else None)
+            for launches in layers:
+                self._replay(q, launches)
+            self._replay(q, self._logits_plan("rows", b))
+            if greedy:
+                self._rows_on_device = None  # until the picks are read: argmax_rows rewrites the rows
+                self._argmax_launch(b).enqueue(q)
+        finally:  # whatever happened, the queue must not stay held back
+            if gate is not None:
+                gate.set_status(cl.command_execution_status.COMPLETE)
         failed = None
-        if gate is not None:
-            gate.set_status(cl.command_execution_status.COMPLETE)
-            # (PoCL's non-blocking read of a buffer waits while a user event holds the queue back)
+        if gate is not None:  # (PoCL's non-blocking read of a buffer waits while a user event holds the queue)
             failed = np.zeros(1, np.int32)
             cl.enqueue_copy(q, failed, self.b_sync, is_blocking=False)
         for s in seqs:
