@@ -68,15 +68,10 @@ inline bool all_arrived(__global int *sync, const int n)
 // prefetchers restart at every chunk)
 #define GEMV_ROWS(ROWS, COLS, D, M, Q, XV, XSV, Y, ACCUMULATE)                                     \
     do {                                                                                         \
-        const int nb_ = (COLS) / 32, nbp_ = (nb_ + 3) & ~3;                                      \
         const int g_ = get_group_id(0), ng_ = get_num_groups(0);                                 \
         const int end_ = (int)(((long)(ROWS) * (g_ + 1)) / ng_);                                 \
-        for (int o = (int)(((long)(ROWS) * g_) / ng_); o < end_; ++o) {                          \
-            float acc_;                                                                          \
-            ROW_DOT(acc_, (D) + (size_t)o * nbp_, (M) + (size_t)o * nbp_,                        \
-                    (Q) + (size_t)o * nb_ * QBYTES, (XV), (XSV), nb_);                           \
-            (Y)[o] = (ACCUMULATE) ? (Y)[o] + acc_ : acc_;                                        \
-        }                                                                                        \
+        for (int o = (int)(((long)(ROWS) * g_) / ng_); o < end_; ++o)                            \
+            GEMV_ROW(o, (D), (M), (Q), (XV), (XSV), (COLS), (Y), (ACCUMULATE));                  \
     } while (0)
 
 #define F32(k) ((__global const float *)(w + tab[k]))
@@ -126,15 +121,8 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
         if (!all_arrived(sync, ++n)) return;
 
         // 5. silu(gate) * up, a 32-block at a time, its sum in silu_mul's order
-        for (int b = atomic_inc(blocks_taken); b < FF / 32; b = atomic_inc(blocks_taken)) {
-            float s = 0.0f;
-            for (int hb = 2 * b; hb < 2 * b + 2; ++hb) {
-                const float16 a = silu_mul16(vload16(hb, gu), vload16(hb, gu + FF));
-                vstore16(a, hb, act);
-                s += hsum16(a);
-            }
-            act_sums[b] = s;
-        }
+        for (int b = atomic_inc(blocks_taken); b < FF / 32; b = atomic_inc(blocks_taken))
+            SILU_MUL_BLOCK(act_sums[b], gu, gu + FF, b, act);
         if (!all_arrived(sync, ++n)) return;
 
         // 6. the down projection into the residual

@@ -11,13 +11,7 @@ __kernel void silu_mul(__global const float *gu, __global float *act, __global f
     __global const float *g = gu + (size_t)r * 2 * ff, *u = g + ff;
     float s = 0.0f;
     if (32 * b + 32 <= ff) {  // a whole block: 16-wide (exp is a vector routine on PoCL)
-        for (int h = 2 * b; h < 2 * b + 2; ++h) {
-            const float16 a = silu_mul16(vload16(h, g), vload16(h, u));
-            vstore16(a, h, act + (size_t)r * ff);
-            const float8 s8 = a.lo + a.hi;
-            const float4 s4 = s8.lo + s8.hi;
-            s += (s4.x + s4.y) + (s4.z + s4.w);
-        }
+        SILU_MUL_BLOCK(s, g, u, b, act + (size_t)r * ff);
     } else {
         for (int i = 32 * b; i < ff; ++i) {
             const float a = g[i] / (1.0f + exp(-g[i])) * u[i];

@@ -177,11 +177,7 @@ __kernel void gemv_quant_norm(__global const float *d, __global const half *m, _
     if (get_local_id(0) == 0) RMS_NORM_ROW(xn, xsum, x, norm_w, eps, NORM_COLS);
     barrier(CLK_LOCAL_MEM_FENCE);
     const int o = get_global_id(0);
-    if (o >= out_rows) return;
-    const int nb = NORM_COLS / 32, nbp = (nb + 3) & ~3;
-    float acc;
-    ROW_DOT(acc, d + (size_t)o * nbp, m + (size_t)o * nbp, q + (size_t)o * nb * QBYTES, xn, xsum, nb);
-    y[o] = accumulate ? y[o] + acc : acc;
+    if (o < out_rows) GEMV_ROW(o, d, m, q, xn, xsum, NORM_COLS, y, accumulate);
 }
 #endif
 
@@ -199,22 +195,10 @@ __kernel void gemv_quant_silu(__global const float *d, __global const half *m, _
     __local float act[SILU_COLS];
     __local float xsum[SILU_COLS / 32];
     if (get_local_id(0) == 0) {
-        for (int b = 0; b < SILU_COLS / 32; ++b) {
-            float s = 0.0f;
-            for (int h = 2 * b; h < 2 * b + 2; ++h) {  // the sum in silu_mul's order
-                const float16 a = silu_mul16(vload16(h, gu), vload16(h, gu + SILU_COLS));
-                vstore16(a, h, act);
-                s += hsum16(a);
-            }
-            xsum[b] = s;
-        }
+        for (int b = 0; b < SILU_COLS / 32; ++b) SILU_MUL_BLOCK(xsum[b], gu, gu + SILU_COLS, b, act);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     const int o = get_global_id(0);
-    if (o >= out_rows) return;
-    const int nb = SILU_COLS / 32, nbp = (nb + 3) & ~3;
-    float acc;
-    ROW_DOT(acc, d + (size_t)o * nbp, m + (size_t)o * nbp, q + (size_t)o * nb * QBYTES, act, xsum, nb);
-    y[o] = accumulate ? y[o] + acc : acc;
+    if (o < out_rows) GEMV_ROW(o, d, m, q, act, xsum, SILU_COLS, y, accumulate);
 }
 #endif

@@ -64,3 +64,14 @@ inline float16 block_dot(__global const uchar *q, const int b, XAS const float *
             }                                                                                  \
         }                                                                                      \
     } while (0)
+
+// Y[O] (+)= row O of the [rows, COLS] matrix (D, M, Q) . X (XSUM: its block sums): one output of
+// the one-row kernels (gemv_quant.cl's prologue builds, decode_layers.cl). COLS % 32 == 0.
+#define GEMV_ROW(O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)                                     \
+    do {                                                                                       \
+        const int nb_o_ = (COLS) / 32, nbp_o_ = (nb_o_ + 3) & ~3;                              \
+        float acc_o_;                                                                          \
+        ROW_DOT(acc_o_, (D) + (size_t)(O) * nbp_o_, (M) + (size_t)(O) * nbp_o_,                \
+                (Q) + (size_t)(O) * nb_o_ * QBYTES, (X), (XSUM), nb_o_);                       \
+        (Y)[O] = (ACCUMULATE) ? (Y)[O] + acc_o_ : acc_o_;                                      \
+    } while (0)
