@@ -201,3 +201,22 @@ def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fuse
     if head_dim % 32 == 0:
         np.testing.assert_allclose(read(cl_dev, sums_b, (len(rows), q_dim // 32)), block_sums_ref(got),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_every_kernel_file_is_shipped_and_every_include_exists():
+    """A non-editable install (deploy/Dockerfile) gets kernels/ through pyproject's package-data:
+    every .cl and every header they include must match its globs, or the image cannot build them."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from services.decode_fpga.device import KERNEL_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "services.decode_fpga"]
+    files = sorted(p.name for p in KERNEL_DIR.iterdir() if p.suffix in (".cl", ".h"))
+    assert [f for f in files if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
+    included = {m for f in files for m in re.findall(r'^#include "(\w+\.h)"$', (KERNEL_DIR / f).read_text(), re.M)}
+    assert included and included <= set(files)
