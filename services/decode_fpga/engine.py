@@ -40,7 +40,7 @@ from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.kv_channels import ChannelLayout
 from services.decode_fpga.launch import Launch, bind
 from services.decode_fpga.packed_arrays import PackedArrays
-from services.decode_fpga.quant_gemv import QFMT_CODES, QuantMatrix, split_blocks
+from services.decode_fpga.quant_gemv import QFMT_CODES, QuantMatrix, split_blocks, upload_block_matrix
 from services.decode_fpga.settings import DecodeSettings
 from services.engine_api import EngineFull
 from services.model_config import ModelConfig
@@ -173,7 +173,6 @@ class OpenCLEngine:
     def _upload_block_weights(self, w: ModelWeights, blocks: dict) -> None:
         """Layer matrices and the LM head as the checkpoint's GGUF blocks (quant_gemv.py); on a CPU
         device whose layers all share one block format, packed into one buffer for decode_layers."""
-        from services.decode_fpga.quant_gemv import upload_block_matrix
         from services.gguf_blocks import stack_rows
 
         def tensor(i, *names):
@@ -206,10 +205,11 @@ class OpenCLEngine:
         """Every layer's norms and block arrays in one buffer (packed_arrays.py), in the order of
         decode_layers.cl's table; the _Layer matrices are sub-buffers of the same memory."""
         arrays, order = [], ("qkv", "o", "gate_up", "down")
-        for lw, ts in zip(w.layers, tensors):
+        splits = [{k: split_blocks(ts[k]) for k in order} for ts in tensors]  # once: packed, then measured
+        for lw, split in zip(w.layers, splits):
             arrays += [np.ascontiguousarray(lw.attn_norm, np.float32), np.ascontiguousarray(lw.ffn_norm, np.float32)]
             for k in order:
-                d, m, q = split_blocks(ts[k])
+                d, m, q = split[k]
                 arrays += [d, m if m is not None else d[:, :0], q]  # an empty stand-in where there are no minimums
         self._packed = packed = PackedArrays(self.dev, arrays)
         per = 2 + 3 * len(order)
@@ -224,13 +224,12 @@ class OpenCLEngine:
             mats = {}
             for j, k in enumerate(order):
                 d_buf, m_buf, q_buf = views[2 + 3 * j:5 + 3 * j]
-                mats[k] = QuantMatrix(self.dev, ts[k], (d_buf, m_buf if ts[k].qtype == "q4_1" else None, q_buf))
+                mats[k] = QuantMatrix(self.dev, ts[k], (d_buf, m_buf if ts[k].qtype == "q4_1" else None, q_buf),
+                                      split=splits[li][k])
             layers.append(_Layer(attn_norm=views[0], ffn_norm=views[1], **mats))
         return layers
 
     def _upload_lm_head(self, w: ModelWeights, blocks: dict) -> None:
-        from services.decode_fpga.quant_gemv import upload_block_matrix
-
         self.lm_head = upload_block_matrix(self.dev, blocks.get("output.weight", blocks["token_embd.weight"]))
         if w.lm_head is w.embed and hasattr(self.lm_head, "enqueue_embed"):
             self.embed = self.lm_head  # tied: rows are looked up from the same blocks, gguf's values exactly
@@ -344,7 +343,7 @@ class OpenCLEngine:
         program = self.dev.build("decode_layers.cl", {
             "QFMT": QFMT_CODES[self._packed_fmt], "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim)})
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE})
         bases = np.array([[self._plane(li, kv, 0)[1] for kv in (0, 1)] for li in range(c.n_layers)], np.int64)
         self._kv_bases = cl.Buffer(self.dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=bases)
         slot_stride = self._plane(0, 0, 0)[2]

@@ -57,13 +57,14 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
 class QuantMatrix(EnqueueOnce):
     """A [rows, cols] Q4_0/Q4_1/Q8_0 matrix resident on the device; implements DeviceMatrix."""
 
-    def __init__(self, dev: DeviceContext, t: BlockTensor, buffers: tuple | None = None):
+    def __init__(self, dev: DeviceContext, t: BlockTensor, buffers: tuple | None = None, split: tuple | None = None):
         """buffers: the device copies of split_blocks(t)'s arrays (d, m or None, quants) where the caller
-        has placed them (packed_arrays.py); else each is uploaded into a buffer of its own."""
+        has placed them (packed_arrays.py); else each is uploaded into a buffer of its own. split: those
+        arrays, when the caller has them already."""
         if t.qtype not in QFMT_CODES:
             raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
         self.name, self.rows, self.cols, self.fmt = t.name, t.rows, t.cols, t.qtype
-        d, m, quants = split_blocks(t)
+        d, m, quants = split if split is not None else split_blocks(t)
 
         def up(a: np.ndarray) -> cl.Buffer:
             return cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a))

@@ -207,16 +207,15 @@ def test_every_kernel_file_is_shipped_and_every_include_exists():
     """A non-editable install (deploy/Dockerfile) gets kernels/ through pyproject's package-data:
     every .cl and every header they include must match its globs, or the image cannot build them."""
     import fnmatch
-    import re
     import tomllib
     from pathlib import Path
 
-    from services.decode_fpga.device import KERNEL_DIR
+    from services.decode_fpga.device import _INCLUDE, KERNEL_DIR
 
     root = Path(__file__).resolve().parents[2]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
         "services.decode_fpga"]
     files = sorted(p.name for p in KERNEL_DIR.iterdir() if p.suffix in (".cl", ".h"))
     assert [f for f in files if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
-    included = {m for f in files for m in re.findall(r'^#include "(\w+\.h)"$', (KERNEL_DIR / f).read_text(), re.M)}
+    included = {m for f in files for m in _INCLUDE.findall((KERNEL_DIR / f).read_text())}
     assert included and included <= set(files)

@@ -26,7 +26,8 @@
 // launch by launch (engine.py).
 //
 // Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
-// KV_DIM, and XL = max(HIDDEN, FF, Q_DIM).
+// KV_DIM, XL = max(HIDDEN, FF, Q_DIM), and LINE: ints between two counters of sync, each on a
+// cache line of its own (spinning reads and claims), the host's SYNC_LINE.
 // HIDDEN, FF, Q_DIM: multiples of 32.
 
 #define XAS __local
@@ -37,7 +38,6 @@
 
 #define N_HEADS (Q_DIM / HEAD_DIM)
 #define QKV_ROWS (Q_DIM + 2 * KV_DIM)
-#define LINE 16  // ints per counter: each on a cache line of its own (spinning reads and claims)
 #define SPIN_LIMIT (1L << 28)  // polls of a barrier before it gives up (~0.3-1 s)
 
 // sync[0]: set when a barrier gave up; sync[LINE]: arrivals at barriers; sync[LINE (2 + 2 l)]
