@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.model_loading import load_model  # noqa: E402
+from services.model.loading import load_model  # noqa: E402
 from services.prefill_gpu.engine import TorchEngine  # noqa: E402
 
 

@@ -45,9 +45,9 @@ def main() -> int:
     import grpc
 
     from cuda_check import smollm2_shaped_checkpoint
-    from services.kv_arena import ArenaReader, SlotHeader
-    from services.kv_handoff import KVReceiver
-    from services.model_loading import load_model
+    from services.kv.arena import ArenaReader, SlotHeader
+    from services.kv.handoff import KVReceiver
+    from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
     from services.rpc.hybridserve.v1 import engine_pb2 as pb
     from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc

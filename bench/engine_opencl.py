@@ -39,7 +39,7 @@ def time_enqueued(dev, enqueue, reps: int) -> float:
 def block_kernel_lines(dev, cfg, blocks) -> list[dict]:
     """GEMV straight from the checkpoint's GGUF blocks (the real tensors, all 30 layers)."""
     from services.decode_fpga.quant_gemv import upload_block_matrix
-    from services.gguf_blocks import stack_rows
+    from services.model.gguf_blocks import stack_rows
 
     b = lambda i, n: blocks[f"blk.{i}.{n}.weight"]  # noqa: E731
     groups = {"qkv": [stack_rows("qkv", [b(i, "attn_q"), b(i, "attn_k"), b(i, "attn_v")]) for i in range(cfg.n_layers)],
@@ -185,8 +185,8 @@ def llama_step_s(llm, ctx: int, steps: int, rng) -> float:
 
 
 def divergence(a, b, prompt, n: int) -> dict:
-    from services.generation import Generation
-    from services.sampling import SamplingParams
+    from services.engine.generation import Generation
+    from services.engine.sampling import SamplingParams
 
     p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     ta = [e.token for e in Generation(a, prompt, p, 8192)]
@@ -208,7 +208,7 @@ def main() -> int:
 
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
-    from services.model_loading import load_model
+    from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
 
     loaded = load_model()
@@ -216,7 +216,7 @@ def main() -> int:
     dev = select_device()
     progress(f"kernels on {dev.name}")
     kernels = kernel_lines(dev, cfg)
-    from services.gguf_blocks import read_block_tensors
+    from services.model.gguf_blocks import read_block_tensors
 
     blocks = read_block_tensors(loaded.checkpoint, cfg)
     kernels += block_kernel_lines(dev, cfg, blocks)

@@ -107,7 +107,7 @@ def main() -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from services.model_loading import load_model
+    from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
 
     progress("loading the model twice: ours and transformers'")

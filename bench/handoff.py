@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 
 def copy_gbs(nbytes: int, reps: int = 7) -> dict:
     """GB/s of writing one prompt's KV into an arena slot vs into private memory (memcpy)."""
-    from services.kv_arena import Arena
+    from services.kv.arena import Arena
 
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     arena = Arena(nbytes + (1 << 20))

@@ -45,7 +45,7 @@ def synthetic(qtype: str, rows: int, cols: int, seed: int):
     import gguf
     from gguf.quants import quantize
 
-    from services.gguf_blocks import BlockTensor
+    from services.model.gguf_blocks import BlockTensor
 
     w = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32) * 0.05
     raw = quantize(w, gguf.GGMLQuantizationType[qtype.upper()]).reshape(rows, -1)
@@ -87,12 +87,12 @@ def main() -> int:
     args = ap.parse_args()
     runs = 3 if args.quick else args.runs
 
-    from services.checkpoint import locate
+    from services.model.checkpoint import locate
     from services.decode_fpga.device import select_device
     from services.decode_fpga.gemv import upload_dense_matrix
     from services.decode_fpga.quant_gemv import QuantMatrix
-    from services.gguf_blocks import GGUFBlocks
-    from services.model_config import read_config
+    from services.model.gguf_blocks import GGUFBlocks
+    from services.model.config import read_config
 
     ckpt = locate()
     cfg = read_config(ckpt)

@@ -102,7 +102,7 @@ def transformers_baseline(cells, reps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.checkpoint import locate
+    from services.model.checkpoint import locate
 
     ck = locate(None)
     model = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32)

@@ -41,10 +41,10 @@ def _build_engine(args, loaded):
 
 
 def _generate(args) -> int:
-    from services.generation import Generation
-    from services.model_loading import load_model
-    from services.sampling import SamplingParams
-    from services.tokenizer import chat_prompt_ids, load_tokenizer
+    from services.engine.generation import Generation
+    from services.model.loading import load_model
+    from services.engine.sampling import SamplingParams
+    from services.model.tokenizer import chat_prompt_ids, load_tokenizer
 
     loaded = load_model(args.model or CommonSettings().model)
     tok = load_tokenizer(loaded.checkpoint)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=CommonSettings().log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from services.checkpoint import CheckpointError
+    from services.model.checkpoint import CheckpointError
 
     try:
         return args.func(args)

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def loaded_model():
-    from services.model_loading import load_model
+    from services.model.loading import load_model
 
     return load_model()
 
@@ -28,7 +28,7 @@ def model_config(loaded_model):
 
 @pytest.fixture(scope="session")
 def tokenizer(loaded_model):
-    from services.tokenizer import load_tokenizer
+    from services.model.tokenizer import load_tokenizer
 
     return load_tokenizer(loaded_model.checkpoint)
 

@@ -13,8 +13,8 @@ def main() -> int:
                         format="%(asctime)s %(levelname)s decode_fpga %(name)s: %(message)s")
     from services.decode_fpga.engine import OpenCLEngine
     from services.decode_fpga.server import DecodeServicer
-    from services.engine_service import serve
-    from services.model_loading import load_model
+    from services.engine.service import serve
+    from services.model.loading import load_model
 
     log = logging.getLogger("services.decode_fpga")
     log.info("loading the model")

@@ -42,10 +42,10 @@ from services.decode_fpga.launch import Launch, bind
 from services.decode_fpga.packed_arrays import PackedArrays
 from services.decode_fpga.quant_gemv import QFMT_CODES, QuantMatrix, split_blocks, upload_block_matrix
 from services.decode_fpga.settings import DecodeSettings
-from services.engine_api import EngineFull
-from services.model_config import ModelConfig
-from services.model_loading import LoadedModel
-from services.weights import ModelWeights
+from services.engine.api import EngineFull
+from services.model.config import ModelConfig
+from services.model.loading import LoadedModel
+from services.model.weights import ModelWeights
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class OpenCLEngine:
             fmt = "gguf" if loaded.checkpoint.kind == "gguf" else "fp32"
         blocks = None
         if fmt == "gguf":
-            from services.gguf_blocks import read_block_tensors
+            from services.model.gguf_blocks import read_block_tensors
 
             blocks = read_block_tensors(loaded.checkpoint, loaded.config)
         return cls(loaded.config, loaded.weights, dev, fmt, settings.kv_channels, settings.max_context,
@@ -173,7 +173,7 @@ class OpenCLEngine:
     def _upload_block_weights(self, w: ModelWeights, blocks: dict) -> None:
         """Layer matrices and the LM head as the checkpoint's GGUF blocks (quant_gemv.py); on a CPU
         device whose layers all share one block format, packed into one buffer for decode_layers."""
-        from services.gguf_blocks import stack_rows
+        from services.model.gguf_blocks import stack_rows
 
         def tensor(i, *names):
             parts = [blocks[f"blk.{i}.{n}.weight"] for n in names]

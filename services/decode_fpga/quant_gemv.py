@@ -26,7 +26,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
 from services.decode_fpga.launch import Launch, bind
-from services.gguf_blocks import BlockTensor, GGUFBlocks
+from services.model.gguf_blocks import BlockTensor, GGUFBlocks
 
 QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80}
 MF = cl.mem_flags

@@ -12,13 +12,13 @@ import threading
 
 import grpc
 
-from services import metrics_engine as m
-from services.engine_service import EngineServicer
-from services.kv_arena import ArenaReader, SlotHeader
-from services.kv_handoff import KVReceiver
+from services.engine import metrics as m
+from services.engine.service import EngineServicer
+from services.kv.arena import ArenaReader, SlotHeader
+from services.kv.handoff import KVReceiver
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
-from services.sampling import Sampler
+from services.engine.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,8 @@ class DecodeServicer(EngineServicer):
         """Exposed hand-off time for a few prompt lengths, measured now if prefill_gpu answers."""
         import numpy as np
 
-        from services.generation import Generation
-        from services.sampling import SamplingParams
+        from services.engine.generation import Generation
+        from services.engine.sampling import SamplingParams
 
         out = []
         rng = np.random.default_rng(1)

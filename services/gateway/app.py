@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.checkpoint import locate
+from services.model.checkpoint import locate
 from services.gateway import metrics as m
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.engine_client import ENGINE_NAMES, MODE_PROTO, SERVED_BY, EngineClients
@@ -30,7 +30,7 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
 from services.gateway.stops import StopMatcher
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
-from services.tokenizer import chat_prompt_ids, load_tokenizer
+from services.model.tokenizer import chat_prompt_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ def main() -> int:
     settings = PrefillSettings()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s prefill_gpu %(name)s: %(message)s")
-    from services.engine_service import serve
-    from services.kv_arena import Arena
-    from services.model_loading import load_model
+    from services.engine.service import serve
+    from services.kv.arena import Arena
+    from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
     from services.prefill_gpu.server import PrefillServicer
 

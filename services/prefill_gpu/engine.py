@@ -6,9 +6,9 @@ import logging
 import numpy as np
 import torch
 
-from services.model_config import ModelConfig
+from services.model.config import ModelConfig
 from services.prefill_gpu.model import LlamaTorch, TorchSequence
-from services.weights import ModelWeights
+from services.model.weights import ModelWeights
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from services.model_config import ModelConfig
-from services.weights import ModelWeights
+from services.model.config import ModelConfig
+from services.model.weights import ModelWeights
 
 
 @dataclass

@@ -8,13 +8,13 @@ import time
 
 import grpc
 
-from services import metrics_engine as m
-from services.engine_service import Admission, EngineServicer, QueueFull, RequestAborted, sampling_from_proto
-from services.kv_arena import Arena, ArenaFull, SlotHeader
-from services.kv_handoff import KVSender
-from services.kv_layout import WireLayout
+from services.engine import metrics as m
+from services.engine.service import Admission, EngineServicer, QueueFull, RequestAborted, sampling_from_proto
+from services.kv.arena import Arena, ArenaFull, SlotHeader
+from services.kv.handoff import KVSender
+from services.kv.layout import WireLayout
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
-from services.sampling import Sampler
+from services.engine.sampling import Sampler
 
 log = logging.getLogger(__name__)
 

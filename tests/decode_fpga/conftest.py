@@ -26,7 +26,7 @@ def ocl_engine(loaded_model, cl_dev):
 @pytest.fixture(scope="session")
 def ocl_gguf_engine(loaded_model, cl_dev):
     """The checkpoint's own Q4_1/Q8_0 blocks on the device: the default for GGUF checkpoints."""
-    from services.gguf_blocks import read_block_tensors
+    from services.model.gguf_blocks import read_block_tensors
 
     blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
     return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4)
@@ -36,7 +36,7 @@ def ocl_gguf_engine(loaded_model, cl_dev):
 def ocl_gguf_launches_engine(loaded_model, cl_dev):
     """gguf storage with every decode step launch by launch (no decode_layers.cl): the reference the
     one-launch layers are held to, bit for bit."""
-    from services.gguf_blocks import read_block_tensors
+    from services.model.gguf_blocks import read_block_tensors
 
     blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
     return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4,

@@ -60,7 +60,7 @@ def test_work_groups_that_cannot_all_run_fall_back_launch_by_launch(loaded_model
                                                                      model_config, caplog):
     """More work-groups than PoCL has threads: the first barrier waits in vain, gives up, and the engine
     redoes the step launch by launch, with the right tokens, and stays on launches."""
-    from services.gguf_blocks import read_block_tensors
+    from services.model.gguf_blocks import read_block_tensors
     from tests.conftest import random_prompt
 
     engine = make_engine(loaded_model, cl_dev, weights_dtype="gguf", max_context=64, max_sequences=1,

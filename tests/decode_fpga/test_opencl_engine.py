@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from services.decode_fpga.engine import EngineFull
-from services.generation import Generation
-from services.sampling import SamplingParams
+from services.engine.generation import Generation
+from services.engine.sampling import SamplingParams
 from tests.conftest import hf_greedy, random_prompt
 from tests.decode_fpga.conftest import make_engine
 

@@ -8,7 +8,7 @@ import pytest
 from gguf.quants import dequantize, quantize
 
 from services.decode_fpga.quant_gemv import QuantMatrix
-from services.gguf_blocks import BlockTensor, read_block_tensors, stack_rows
+from services.model.gguf_blocks import BlockTensor, read_block_tensors, stack_rows
 
 QTYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
           "q8_0": gguf.GGMLQuantizationType.Q8_0}
@@ -22,7 +22,7 @@ def blocks(loaded_model):
 
 @pytest.fixture(scope="module")
 def gguf_src(loaded_model):
-    from services.gguf_blocks import GGUFBlocks
+    from services.model.gguf_blocks import GGUFBlocks
 
     return GGUFBlocks.from_checkpoint(loaded_model.checkpoint)
 
@@ -339,7 +339,7 @@ def test_layer_blocks_unpermuted_and_stacked(loaded_model, gguf_src):
 
 
 def test_embedding_rows_dequantize_as_gguf(blocks, loaded_model):
-    from services.gguf_blocks import dequantize_rows
+    from services.model.gguf_blocks import dequantize_rows
 
     ids = np.array([0, 2, 17, 49151, 17])
     np.testing.assert_array_equal(dequantize_rows(blocks["token_embd.weight"], ids), loaded_model.weights.embed[ids])
@@ -375,7 +375,7 @@ def test_dense_gguf_tensors_go_dense(cl_dev):
 
 
 def test_unsupported_and_malformed_blocks_are_refused():
-    from services.checkpoint import CheckpointError
+    from services.model.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="expected uint8"):
         BlockTensor("w", "q4_1", 4, 64, np.zeros((4, 39), np.uint8))
@@ -385,8 +385,8 @@ def test_unsupported_and_malformed_blocks_are_refused():
 
 def test_types_without_a_kernel_fall_back_to_exact_f32(tmp_path):
     """A Q5_0 tensor (no kernel here) comes back dense with gguf's values, or is refused."""
-    from services.checkpoint import CheckpointError
-    from services.gguf_blocks import GGUFBlocks
+    from services.model.checkpoint import CheckpointError
+    from services.model.gguf_blocks import GGUFBlocks
 
     w = np.random.default_rng(1).normal(size=(4, 256)).astype(np.float32)
     q5 = quantize(w, gguf.GGMLQuantizationType.Q5_0)

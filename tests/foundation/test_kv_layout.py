@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.kv_layout import WireLayout
+from services.kv.layout import WireLayout
 
 
 def test_layer_views_round_trip(model_config):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.checkpoint import CheckpointError, locate
-from services.model_config import read_config
-from services.model_loading import load_model
+from services.model.checkpoint import CheckpointError, locate
+from services.model.config import read_config
+from services.model.loading import load_model
 
 
 def test_default_checkpoint_is_smollm2(model_config):

@@ -1,7 +1,7 @@
 """The engines' start-up profile cache: reused while nothing changed, rerun when the code changes."""
 import json
 
-from services.profile_sweep import cached_sweep, code_fingerprint
+from services.engine.profile_sweep import cached_sweep, code_fingerprint
 
 
 def test_sweep_runs_once_then_comes_from_the_cache(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.sampling import Sampler, SamplingParams
+from services.engine.sampling import Sampler, SamplingParams
 
 
 def test_greedy_takes_first_max():

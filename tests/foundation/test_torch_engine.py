@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.generation import Generation, PromptTooLong
-from services.sampling import SamplingParams
+from services.engine.generation import Generation, PromptTooLong
+from services.engine.sampling import SamplingParams
 from tests.conftest import hf_greedy, random_prompt
 
 ATOL = 1e-3
@@ -44,7 +44,7 @@ def test_greedy_64_tokens_identical_to_transformers_generate(torch_engine, hf_mo
 
 
 def test_chat_prompt_greedy_identical_to_transformers(torch_engine, hf_model, tokenizer):
-    from services.tokenizer import chat_prompt_ids
+    from services.model.tokenizer import chat_prompt_ids
 
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
     assert _greedy(torch_engine, prompt, 24) == hf_greedy(hf_model, prompt, 24)

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from services.kv_arena import ALIGN, Arena, ArenaFull, ArenaReader, HeaderMismatch, SlotHeader
-from services.kv_handoff import HandoffState, KVReceiver
+from services.kv.arena import ALIGN, Arena, ArenaFull, ArenaReader, HeaderMismatch, SlotHeader
+from services.kv.handoff import HandoffState, KVReceiver
 
 HEADER = SlotHeader("fp32", 30, 3, 64, 17, "SmolLM2-135M-Instruct.Q4_1")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.checkpoint import Checkpoint, CheckpointError
+from services.model.checkpoint import Checkpoint, CheckpointError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

@@ -60,7 +60,7 @@ def _warm_up(engine) -> None:
 def code_fingerprint(root: Path | None = None) -> str:
     """A short hash of the engines' code (every .py and .cl under services/): a cached profile
     measured with other kernels would mislead the router, so a code change reruns the sweep."""
-    root = root or Path(__file__).parent
+    root = root or Path(__file__).parents[1]
     h = hashlib.sha1()
     for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cl") and "__pycache__" not in p.parts):
         h.update(str(path.relative_to(root)).encode())

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from services.kv_arena import Arena, ArenaReader, HeaderMismatch, Slot, SlotHeader
-from services.kv_layout import WireLayout
+from services.kv.arena import Arena, ArenaReader, HeaderMismatch, Slot, SlotHeader
+from services.kv.layout import WireLayout
 
 
 class HandoffState(enum.Enum):

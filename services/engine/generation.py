@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from services.engine_api import Engine
-from services.request_state import RequestState, finish_reason, state_after_token
-from services.sampling import Sampler, SamplingParams
+from services.engine.api import Engine
+from services.engine.request_state import RequestState, finish_reason, state_after_token
+from services.engine.sampling import Sampler, SamplingParams
 
 
 class PromptTooLong(ValueError):

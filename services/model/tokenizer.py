@@ -5,7 +5,7 @@ import logging
 import os
 import time
 
-from services.checkpoint import Checkpoint, CheckpointError
+from services.model.checkpoint import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
 

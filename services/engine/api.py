@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from services.model_config import ModelConfig
+from services.model.config import ModelConfig
 
 
 class EngineFull(RuntimeError):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.checkpoint import Checkpoint, CheckpointError
-from services.model_config import ModelConfig
+from services.model.checkpoint import Checkpoint, CheckpointError
+from services.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

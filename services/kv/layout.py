@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.model_config import ModelConfig
+from services.model.config import ModelConfig
 
 WIRE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
 

@@ -6,7 +6,7 @@ values `gguf.quants.dequantize` (and so `transformers`) produces.
 
 A `BlockTensor` is [rows, cols] in GGML's row-major block order: `raw` is uint8
 [rows, bytes_per_row], each row is cols/block_size blocks. Q and K rows are
-un-permuted to Hugging Face's rotary order like `services.weights` does for the
+un-permuted to Hugging Face's rotary order like `services.model.weights` does for the
 dense weights (that only reorders rows, so it applies to block rows as they are).
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.checkpoint import Checkpoint, CheckpointError
-from services.model_config import ModelConfig
-from services.weights import unpermute_rope_rows
+from services.model.checkpoint import Checkpoint, CheckpointError
+from services.model.config import ModelConfig
+from services.model.weights import unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from services import metrics_engine as m
-from services.engine_api import EngineFull
-from services.generation import Generation, PromptTooLong, TokenEvent
-from services.kv_arena import ArenaFull, HeaderMismatch
-from services.profile_sweep import cached_sweep, code_fingerprint, run_sweep
+from services.engine import metrics as m
+from services.engine.api import EngineFull
+from services.engine.generation import Generation, PromptTooLong, TokenEvent
+from services.kv.arena import ArenaFull, HeaderMismatch
+from services.engine.profile_sweep import cached_sweep, code_fingerprint, run_sweep
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
-from services.sampling import SamplingParams
+from services.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

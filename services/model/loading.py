@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.checkpoint import Checkpoint, locate
-from services.model_config import ModelConfig, read_config
-from services.weights import ModelWeights, load_weights
+from services.model.checkpoint import Checkpoint, locate
+from services.model.config import ModelConfig, read_config
+from services.model.weights import ModelWeights, load_weights
 
 
 @dataclass(frozen=True)
