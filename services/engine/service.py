@@ -25,14 +25,12 @@ from services.engine.api import EngineFull
 from services.engine.generation import Generation, PromptTooLong, TokenEvent
 from services.kv.arena import ArenaFull, HeaderMismatch
 from services.engine.profile_sweep import cached_sweep, code_fingerprint, run_sweep
+from services.modes import mode_name_of_proto
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from services.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-MODE_NAMES = {pb.MODE_GPU: "gpu", pb.MODE_FPGA: "fpga", pb.MODE_HYBRID: "hybrid"}
-
 
 class RequestAborted(Exception):
     """The client went away while the request waited."""
@@ -103,8 +101,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         mode = request.mode or self.default_mode
         if mode not in self.modes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{self.device_label} engine does not serve mode {MODE_NAMES.get(mode, mode)}; "
-                          f"it serves {sorted(self.modes.values())}")
+                          f"{self.device_label} engine does not serve mode {mode_name_of_proto(mode)}; "
+                          f"it serves {sorted(mode_name_of_proto(m) for m in self.modes)}")
         params = sampling_from_proto(request.sampling, context)
         prompt = list(request.prompt_token_ids)
         try:
@@ -130,7 +128,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                             continue
                         timings.prefill_s = timings.prefill_s or gen.timings.prefill_s
                         timings.decode_s, timings.generated_tokens = gen.timings.decode_s, n
-                        self._observe(MODE_NAMES[mode], timings)
+                        self._observe(mode_name_of_proto(mode), timings)
                         status = "ok"
                         yield pb.GenerateResponse(token_ids=[ev.token], finish_reason=ev.finish_reason, timings=timings)
                 finally:

@@ -23,9 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.model.checkpoint import locate
 from services.gateway import metrics as m
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.engine_client import ENGINE_NAMES, MODE_PROTO, SERVED_BY, EngineClients
+from services.gateway.engine_client import EngineClients
 from services.gateway.errors import APIError, error_response, install
-from services.gateway.router import ENGINES_OF_MODE, MODES, Decision, Router, samples_from_timings
+from services.gateway.router import Decision, Router, samples_from_timings
+from services.modes import ENGINE_NAMES, MODE_NAMES, MODES
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.settings import GatewaySettings
 from services.gateway.stops import StopMatcher
@@ -165,15 +166,15 @@ def _wants_profile(clients: EngineClients, engine: str) -> bool:
 
 # ---- routing -------------------------------------------------------------------------
 def _fits(st: State, mode: str, n_total: int) -> bool:
-    return all(n_total <= st.clients.context_of(e) for e in ENGINES_OF_MODE[mode])
+    return all(n_total <= st.clients.context_of(e) for e in MODES[mode].engines)
 
 
 def _decide(st: State, n_in: int, max_tokens: int, forced: str | None) -> Decision:
     clients, total = st.clients, n_in + max_tokens
-    up = [mode for mode in MODES if all(clients.up[e] for e in ENGINES_OF_MODE[mode])]
+    up = [mode for mode in MODE_NAMES if all(clients.up[e] for e in MODES[mode].engines)]
     if forced is not None:
         if forced not in up:
-            down = [ENGINE_NAMES[e] for e in ENGINES_OF_MODE[forced] if not clients.up[e]]
+            down = [ENGINE_NAMES[e] for e in MODES[forced].engines if not clients.up[e]]
             raise APIError(503, f"mode {forced} needs {', '.join(down)}, which is down", "mode", "engine_unavailable")
         if not _fits(st, forced, total):
             raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window of "
@@ -183,11 +184,11 @@ def _decide(st: State, n_in: int, max_tokens: int, forced: str | None) -> Decisi
         raise APIError(503, "no engine is up to serve this request", code="engine_unavailable")
     fitting = [mode for mode in up if _fits(st, mode, total)]
     if not fitting:
-        window = max(min(clients.context_of(e) for e in ENGINES_OF_MODE[mode]) for mode in up)
+        window = max(min(clients.context_of(e) for e in MODES[mode].engines) for mode in up)
         raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window of "
                             f"{window} tokens", "max_tokens", "context_length_exceeded")
     d = st.router.choose(n_in, max_tokens, available=fitting)
-    if len(up) < len(MODES) and d.reason == "auto":
+    if len(up) < len(MODE_NAMES) and d.reason == "auto":
         d = Decision(d.mode, "fallback", d.estimates)
     return d
 
@@ -203,14 +204,14 @@ async def _start(st: State, body, prompt_ids: list[int], max_tokens: int):
         d = _decide(st, len(prompt_ids), max_tokens, forced)
         if attempt == 1 and d.reason == "auto":
             d = Decision(d.mode, "fallback", d.estimates)
-        call = st.clients.stubs[SERVED_BY[d.mode]].Generate(
+        call = st.clients.stubs[MODES[d.mode].served_by].Generate(
             pb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling,
-                               mode=MODE_PROTO[d.mode]), timeout=timeout)
+                               mode=MODES[d.mode].proto), timeout=timeout)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE and forced is None and attempt == 0:
-                for e in ENGINES_OF_MODE[d.mode]:
+                for e in MODES[d.mode].engines:
                     await st.clients.check(e)  # find out which one is gone, then route again
                 continue
             err = _api_error(exc, d.mode)

@@ -7,14 +7,12 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.modes import ENGINE_NAMES
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-ENGINE_NAMES = {"gpu": "prefill_gpu", "fpga": "decode_fpga"}
-MODE_PROTO = {"gpu": pb.MODE_GPU, "fpga": pb.MODE_FPGA, "hybrid": pb.MODE_HYBRID}
-SERVED_BY = {"gpu": "gpu", "fpga": "fpga", "hybrid": "fpga"}  # whose Generate runs each mode
 
 
 class EngineClients:

@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MODES = ("gpu", "fpga", "hybrid")
-PREFILL_DEVICE = {"gpu": "gpu", "fpga": "fpga", "hybrid": "gpu"}
-DECODE_DEVICE = {"gpu": "gpu", "fpga": "fpga", "hybrid": "fpga"}
-ENGINES_OF_MODE = {"gpu": ("gpu",), "fpga": ("fpga",), "hybrid": ("gpu", "fpga")}
+from services.modes import MODE_NAMES, MODES
+
 
 
 @dataclass(frozen=True)
@@ -73,13 +71,13 @@ class CostModel:
         return m
 
     def can_estimate(self, mode: str) -> bool:
-        ok = PREFILL_DEVICE[mode] in self.prefill and DECODE_DEVICE[mode] in self.decode
+        ok = MODES[mode].prefill_engine in self.prefill and MODES[mode].decode_engine in self.decode
         return ok and (mode != "hybrid" or self.handoff is not None)
 
     def estimate(self, mode: str, n_in: int, n_out: int) -> float:
-        p = self.prefill[PREFILL_DEVICE[mode]]
+        p = self.prefill[MODES[mode].prefill_engine]
         t = float(np.dot(p, [1.0, n_in, n_in ** 2][: len(p)]))
-        d = self.decode[DECODE_DEVICE[mode]]
+        d = self.decode[MODES[mode].decode_engine]
         t += n_out * float(np.dot(d, [1.0, n_in + n_out / 2][: len(d)]))
         if mode == "hybrid":
             t += float(np.dot(self.handoff, [1.0, n_in][: len(self.handoff)]))
@@ -117,33 +115,33 @@ class Router:
     # ---- queueing -------------------------------------------------------------------
     def started(self, mode: str) -> None:
         with self._lock:
-            for e in ENGINES_OF_MODE[mode]:
+            for e in MODES[mode].engines:
                 self._busy[e] += 1
 
     def finished(self, mode: str, seconds: float) -> None:
         with self._lock:
-            for e in ENGINES_OF_MODE[mode]:
+            for e in MODES[mode].engines:
                 self._busy[e] = max(0, self._busy[e] - 1)
                 self._mean_latency[e] = seconds if not self._mean_latency[e] else \
                     0.8 * self._mean_latency[e] + 0.2 * seconds
 
     def queueing(self, mode: str) -> float:
-        return max(self._busy[e] * self._mean_latency[e] / max(1, self.concurrency[e]) for e in ENGINES_OF_MODE[mode])
+        return max(self._busy[e] * self._mean_latency[e] / max(1, self.concurrency[e]) for e in MODES[mode].engines)
 
     # ---- decisions ------------------------------------------------------------------
-    def estimates(self, n_in: int, n_out: int, modes=MODES) -> dict[str, float]:
+    def estimates(self, n_in: int, n_out: int, modes=MODE_NAMES) -> dict[str, float]:
         model = self.model
         return {m: model.estimate(m, n_in, n_out) + self.queueing(m) for m in modes if model.can_estimate(m)}
 
-    def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODES) -> Decision:
+    def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
-        available = [m for m in MODES if m in available]
+        available = [m for m in MODE_NAMES if m in available]
         est = self.estimates(n_in, n_out, available)
         if forced is not None:
             return Decision(forced, "forced", est)
         if not available:
             raise LookupError("no engine is able to serve this request")
-        reason = "auto" if len(available) == len(MODES) else "fallback"
+        reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
         if not est:  # not calibrated yet: the one device that does both stages fastest by design
             return Decision("hybrid" if "hybrid" in available else available[0], reason, est)
         return Decision(min(est, key=est.get), reason, est)
@@ -151,9 +149,9 @@ class Router:
 
 def samples_from_timings(mode: str, n_in: int, t: dict) -> list[dict]:
     """A finished request's timings as calibration samples."""
-    out = [{"stage": "prefill", "device": PREFILL_DEVICE[mode], "n_in": n_in, "seconds": t["prefill_s"]}]
+    out = [{"stage": "prefill", "device": MODES[mode].prefill_engine, "n_in": n_in, "seconds": t["prefill_s"]}]
     if t.get("decode_tokens"):
-        out.append({"stage": "decode", "device": DECODE_DEVICE[mode], "n_in": n_in, "n_out": t["decode_tokens"],
+        out.append({"stage": "decode", "device": MODES[mode].decode_engine, "n_in": n_in, "n_out": t["decode_tokens"],
                     "seconds": t["decode_s"]})
     if mode == "hybrid":
         out.append({"stage": "handoff", "n_in": n_in, "seconds": t["handoff_exposed_s"]})

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from services.gateway.router import MODES, Router, samples_from_timings
+from services.gateway.router import Router, samples_from_timings
+from services.modes import MODE_NAMES as MODES
 
 # the truth: seconds as functions of prompt and output length
 PREFILL = {"gpu": lambda n: 0.02 + 0.0015 * n, "fpga": lambda n: 0.01 + 0.012 * n}
