@@ -1,0 +1,189 @@
+"""Does `auto` pick the fastest mode on a fresh, busy machine? The router issue's measurement.
+
+A new user's first start: an empty profile cache and a CPU hog running while the engines
+calibrate. Then, through the OpenAI API with streaming:
+
+1. cold: the first requests after the start, in `auto` only (nothing else has taught the router);
+2. warm: the same fixed-seed requests in every forced mode and `auto`, interleaved request by
+   request so the machine's noise falls on all modes alike;
+3. load: closed-loop clients (1 and 8) sending a fixed-seed mix, each mode in turn.
+
+Regret of a request = auto's end-to-end time / the fastest forced mode's for the same request.
+It prints tables, writes bench/results/router_fresh.json and a plot.
+
+    python bench/router_fresh.py [--requests 20] [--clients 1,8] [--no-hog] [--url URL]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from _common import RESULTS, progress, table, write_json
+from suite import FORCED, MODES, one_request, percentile, warm_up
+
+import httpx  # noqa: E402
+
+PROMPT_RANGE = (30, 400)  # prompt tokens, as the issue's load
+OUTPUT_RANGE = (64, 192)  # output tokens
+
+
+def workload(n: int, seed: int) -> list[tuple[int, int, int]]:
+    """n requests as (prompt tokens, output tokens, prompt seed), fixed by `seed`."""
+    rng = random.Random(seed)
+    return [(rng.randint(*PROMPT_RANGE), rng.randint(*OUTPUT_RANGE), seed * 1000 + i) for i in range(n)]
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+class CpuHog:
+    """One busy process per core, as a compile running beside the first start would be."""
+
+    def __init__(self, procs: int):
+        self.stop = multiprocessing.Event()
+        self.procs = [multiprocessing.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(procs)]
+
+    def __enter__(self):
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)
+
+
+def run_requests(url, model, headers, reqs, mode) -> list[dict]:
+    return [one_request(url, model, headers, n_in, n_out, mode, seed) for n_in, n_out, seed in reqs]
+
+
+def regret(auto: list[dict], forced: dict[str, list[dict]]) -> dict:
+    ratios = [a["e2e"] / min(forced[m][i]["e2e"] for m in FORCED) for i, a in enumerate(auto)]
+    picked_best = [a["ran"] == min(FORCED, key=lambda m: forced[m][i]["e2e"]) for i, a in enumerate(auto)]
+    total = sum(a["e2e"] for a in auto) / sum(min(forced[m][i]["e2e"] for m in FORCED) for i in range(len(auto)))
+    return {"median": statistics.median(ratios), "max": max(ratios), "total_time_ratio": total,
+            "picked_fastest_share": sum(picked_best) / len(picked_best), "per_request": ratios,
+            "modes_picked": [a["ran"] for a in auto]}
+
+
+def load(url, model, headers, clients: int, per_client: int, seed: int) -> dict:
+    """Each mode in turn: `clients` closed-loop streaming clients over the same fixed mix."""
+    out = {}
+    for mode in MODES:
+        reqs = workload(clients * per_client, seed)
+        lock, ttft, itl, tokens, picked = threading.Lock(), [], [], [0], []
+
+        def client(c: int) -> None:
+            for n_in, n_out, s in reqs[c::clients]:
+                r = one_request(url, model, headers, n_in, n_out, mode, s)
+                with lock:
+                    ttft.append(r["ttft"])
+                    itl.extend(r["itl"])
+                    tokens[0] += r["tokens"]
+                    picked.append(r["ran"])
+
+        progress(f"load: {mode}, {clients} clients x {per_client}")
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(client, range(clients)))
+        wall = time.perf_counter() - t0
+        out[mode] = {"tokens_per_s": tokens[0] / wall, "wall_s": wall, "tokens": tokens[0],
+                     "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+                     "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
+                     "modes_picked": {m: picked.count(m) for m in FORCED if picked.count(m)}}
+    return out
+
+
+def plot(path: Path, cold: dict, warm: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(range(1, len(cold["per_request"]) + 1), cold["per_request"], "o-", label="cold (first requests)")
+    ax.plot(range(1, len(warm["per_request"]) + 1), warm["per_request"], "s-", label="warm")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("request")
+    ax.set_ylabel("auto e2e / fastest forced e2e")
+    ax.set_title("router regret after a fresh start on a busy machine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=20, help="cold and warm requests (default 20)")
+    ap.add_argument("--clients", default="1,8", help="load runs' client counts")
+    ap.add_argument("--per-client", type=int, default=3)
+    ap.add_argument("--no-hog", action="store_true", help="start on an idle machine")
+    ap.add_argument("--url", help="a running gateway (then nothing is started and the cache is not fresh)")
+    ap.add_argument("--api-key")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    out = Path(args.out)
+    stack = None
+    url = args.url
+    started = time.perf_counter()
+    if not url:
+        from _stack import start_stack
+
+        cache = tempfile.mkdtemp(prefix="hybridserve-profile-")  # a fresh clone's empty cache
+        hog = CpuHog(0 if args.no_hog else os.cpu_count() or 2)
+        with hog:
+            stack = start_stack(out / "router_fresh_stack.log", {"HYBRIDSERVE_PROFILE_CACHE": cache})
+            url = stack.url
+            model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+            warm_up(url, model, headers, "hybrid")  # the hog runs through the engines' calibration
+    start_s = time.perf_counter() - started
+    try:
+        model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        reqs = workload(args.requests, seed=15)
+        progress(f"cold: {len(reqs)} auto requests")
+        cold_auto = run_requests(url, model, headers, reqs, "auto")
+        progress("warm: every mode, interleaved request by request")
+        warm_runs = {m: [] for m in MODES}
+        for i, req in enumerate(reqs):
+            for m in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:
+                warm_runs[m].append(run_requests(url, model, headers, [req], m)[0])
+        cold = regret(cold_auto, warm_runs)
+        warm = regret(warm_runs["auto"], warm_runs)
+        loads = {c: load(url, model, headers, int(c), args.per_client, seed=16) for c in args.clients.split(",")}
+        debug = httpx.get(url + "/debug/router", headers=headers, timeout=30)
+    finally:
+        if stack:
+            stack.stop()
+    print(table(["requests", "median regret", "max", "total time ratio", "picked fastest"],
+                [[name, r["median"], r["max"], r["total_time_ratio"], f"{r['picked_fastest_share']:.0%}"]
+                 for name, r in (("cold", cold), ("warm", warm))]))
+    for c, res in loads.items():
+        best = max(res[m]["tokens_per_s"] for m in FORCED)
+        print(f"\n{c} client(s): auto / best forced tokens/s = {res['auto']['tokens_per_s'] / best:.3f}")
+        print(table(["mode", "tokens/s", "ITL p50 ms", "TTFT p50 s", "TTFT p99 s"],
+                    [[m, r["tokens_per_s"], 1e3 * (r["itl_p50"] or 0), r["ttft_p50"], r["ttft_p99"]]
+                     for m, r in res.items()]))
+    write_json("router_fresh", {"start_s": start_s, "hog": not args.no_hog and not args.url,
+                                "cold": cold, "warm": warm, "load": loads,
+                                "router": debug.json() if debug.status_code == 200 else None,
+                                "command": " ".join(["python", "bench/router_fresh.py", *sys.argv[1:]])}, out)
+    plot(out / "router_fresh.png", cold, warm)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
