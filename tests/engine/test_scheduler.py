@@ -155,6 +155,18 @@ def test_the_newest_request_is_preempted_when_blocks_run_out():
     assert s.running[0].num_cached_tokens == 4
 
 
+def test_a_decode_that_is_itself_the_newest_gives_way_and_older_decodes_still_run():
+    s = make_scheduler(num_blocks=5)
+    s.add(make_seq(1, 8))
+    s.add(make_seq(2, 8))
+    step(s)  # both hold 9 tokens: each decode needs a third block, and one is left
+    out = s.schedule()
+    assert layout(out) == ([(1, 8, 1, True)], []) and out.preempted == (2,)
+    assert out.decodes[0].block_table == (0, 1, 4)
+    assert [b.ref_count for b in s.block_manager.blocks] == [1, 1, 0, 0, 1]
+    assert [seq.seq_id for seq in s.waiting] == [2] and s.num_preemptions == 1
+
+
 def test_a_sequence_stops_on_a_stop_token_and_frees_its_blocks():
     s = make_scheduler()
     s.add(make_seq(1, 5, max_tokens=10, stop_token_ids=frozenset({2})))
