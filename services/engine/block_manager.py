@@ -1,0 +1,211 @@
+"""Paged KV bookkeeping: fixed-size blocks, a free list, block tables, reference counts, prefix caching.
+
+Pure Python (no torch, no OpenCL): it hands out block ids; the engines own the
+memory those ids index. A sequence's block table lists the blocks holding its
+positions in order: position p lives in slot p % block_size of block
+table[p // block_size].
+
+Prefix caching: once every token of a full block has its KV computed, the block
+is registered under a hash of (its parent block's hash, its tokens). A new
+sequence walks its prompt block by block and reuses the longest chain of
+registered blocks. A hit is checked against the tokens kept with the block and
+against the parent block it was computed after, so a hash collision can cost a
+hit but never reuse the wrong KV. Blocks nobody references stay registered
+(evictable) until the free list runs dry; then the least recently released one
+is evicted first. A referenced block is never evicted.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Sequence
+
+KV_TENSORS = 2  # K and V
+
+
+def blocks_for_budget(budget_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int,
+                      dtype_bytes: int, block_size: int) -> int:
+    """How many KV blocks of `block_size` tokens (K and V, every layer) fit in `budget_bytes`."""
+    dims = (n_layers, n_kv_heads, head_dim, dtype_bytes, block_size)
+    if budget_bytes < 0 or min(dims) < 1:
+        raise ValueError(f"need budget_bytes >= 0 and positive sizes, got {budget_bytes}, {dims}")
+    bytes_per_block = KV_TENSORS * n_layers * n_kv_heads * head_dim * dtype_bytes * block_size
+    return budget_bytes // bytes_per_block
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: its parent's key (b"" for the first block) and its tokens."""
+    h = hashlib.blake2b(parent_hash, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set while the block is registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # the tokens it caches, checked on every hit
+    parent_id: int | None = None  # the block it was computed after (None: first block)
+
+    def forget(self) -> None:
+        self.hash, self.token_ids, self.parent_id = None, (), None
+
+
+class BlockManager:
+    """Owns every block id and each sequence's block table (keyed by seq_id)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, holding nothing cached
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached, LRU first
+        self._cache: dict[bytes, int] = {}  # hash -> block id
+        self._tables: dict[int, list[int]] = {}
+        self._hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading computed full blocks
+        self.num_queried_tokens = 0  # prompt tokens looked up in the cache, for the hit ratio
+        self.num_hit_tokens = 0
+
+    # ---- capacity --------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation may take: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence (cached but unreferenced ones count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return list(self._tables[seq_id])
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    # ---- a new sequence --------------------------------------------------------------------
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        hits = self._cached_prefix(token_ids)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # evictable now, taken then
+        fresh = self.blocks_needed(len(token_ids)) - len(hits)
+        return fresh + revived <= self.num_free_blocks
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Give `seq_id` blocks for all of `token_ids`; return num_cached_tokens (KV already there)."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already holds blocks")
+        if not token_ids:
+            raise ValueError("cannot allocate for an empty sequence")
+        if not self.can_allocate(token_ids):
+            raise RuntimeError(f"not enough free blocks for {len(token_ids)} tokens")
+        hits = self._cached_prefix(token_ids)
+        for block_id in hits:  # take the hits first, so the fresh blocks below cannot evict them
+            self._ref(block_id)
+        table = hits + [self._take_free() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        self._tables[seq_id] = table
+        self._hashes[seq_id] = [self.blocks[b].hash for b in hits]
+        num_cached_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += len(token_ids)
+        self.num_hit_tokens += num_cached_tokens
+        return num_cached_tokens
+
+    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest verified cached prefix. It stops short of the last token,
+        whose logits the engine needs, so at most len-1 tokens come from the cache."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, parent_hash, parent_id, hits = self.block_size, b"", None, []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent_hash = hash_block(parent_hash, tokens)
+            block_id = self._cache.get(parent_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_id != parent_id:
+                break  # a hash collision: same key, other content
+            hits.append(block_id)
+            parent_id = block_id
+        return hits
+
+    # ---- a growing sequence ----------------------------------------------------------------
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether `seq_id` can grow to hold `num_tokens` positions."""
+        return self._blocks_short(seq_id, num_tokens) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: int, num_tokens: int) -> None:
+        """Grow `seq_id`'s table to hold `num_tokens` positions (a decode: its newest token)."""
+        short = self._blocks_short(seq_id, num_tokens)
+        if short > self.num_free_blocks:
+            raise RuntimeError(f"not enough free blocks to grow sequence {seq_id} to {num_tokens} tokens")
+        self._tables[seq_id].extend(self._take_free() for _ in range(short))
+
+    def _blocks_short(self, seq_id: int, num_tokens: int) -> int:
+        return max(0, self.blocks_needed(num_tokens) - len(self._tables[seq_id]))
+
+    def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the blocks of `seq_id` that the first `num_computed_tokens` tokens fill.
+        Call it after the engine computed them, never before: a hit must find the KV there."""
+        if not self.enable_prefix_caching:
+            return
+        table, hashes, bs = self._tables[seq_id], self._hashes[seq_id], self.block_size
+        if num_computed_tokens > len(table) * bs:
+            raise ValueError(f"sequence {seq_id} holds {len(table)} blocks, not {num_computed_tokens} tokens")
+        for i in range(len(hashes), num_computed_tokens // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = hash_block(hashes[-1] if hashes else b"", tokens)
+            hashes.append(key)
+            block = self.blocks[table[i]]
+            if key in self._cache:
+                # someone computed the same (or a colliding) block first; keep theirs. This block's
+                # children then name this block as parent, so they are not found via theirs: a lost
+                # hit, never a wrong one.
+                continue
+            block.hash, block.token_ids = key, tokens
+            block.parent_id = table[i - 1] if i else None
+            self._cache[key] = block.block_id
+
+    # ---- release ---------------------------------------------------------------------------
+    def free(self, seq_id: int) -> list[int]:
+        """Drop `seq_id`'s references; return its block table as it was."""
+        table = self._tables.pop(seq_id)
+        del self._hashes[seq_id]
+        # last block first: a prompt's tail is then evicted before its head, which more
+        # sequences are likely to share
+        for block_id in reversed(table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.hash is None:
+                self._free.append(block_id)
+            else:
+                self._evictable[block_id] = None
+        return table
+
+    # ---- internals -------------------------------------------------------------------------
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently released
+            block = self.blocks[block_id]
+            del self._cache[block.hash]
+            block.forget()
+        self.blocks[block_id].ref_count = 1
+        return block_id

@@ -1,0 +1,315 @@
+"""Continuous batching: which sequences an engine step computes, how many tokens each, in which blocks.
+
+Pure Python (no torch, no OpenCL). One engine loop owns the device and runs
+
+    batch = scheduler.schedule()            # SchedulerOutput
+    sampled = engine.step(batch)            # {seq_id: token} for each chunk with samples=True
+    finished = scheduler.update(batch, sampled)
+
+calling add() and abort() only between steps, and update() after every
+schedule(), even one whose output is_empty. Each step takes every running
+decode (one token each) and then prefill chunks up to max_num_batched_tokens,
+so a long prompt is split across steps and never stalls the running streams.
+A waiting sequence is admitted (oldest first) only when the blocks for all its
+tokens fit. When a decode needs a block and none is left, the newest running
+sequence is preempted: its blocks are freed and it goes back to the head of
+the waiting queue, to be prefilled again (prompt + tokens generated so far).
+
+What engine.step(batch) must do for each ScheduledChunk c of batch.chunks
+(decodes and prefills in one device call where it can):
+  * compute positions [c.start, c.start + c.num_tokens) of sequence c.seq_id from
+    c.token_ids, attending to every position before them;
+  * read and write K/V through c.block_table: position p lives in slot
+    p % block_size of block c.block_table[p // block_size] (the table may hold
+    more blocks than this step touches);
+  * if c.samples, sample one token from the last position's logits with
+    c.sampling_params and return it under c.seq_id.
+The engine keeps no per-sequence KV state of its own; batch.preempted lists
+sequences whose blocks were taken away (drop any other per-sequence state).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from services.engine.block_manager import BlockManager
+from services.engine.request_state import RequestState, state_after_token
+
+
+class RequestTooLarge(ValueError):
+    """The request can never run: no room in the context window, or more KV blocks than exist."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # from blocks_for_budget(...) over the KV memory budget
+    block_size: int = 16
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens computed per step, decodes included
+    max_model_len: int = 2048  # context window: prompt + generated tokens
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_blocks >= 1": self.num_blocks >= 1,
+            "block_size >= 1": self.block_size >= 1,
+            "max_num_seqs >= 1": self.max_num_seqs >= 1,
+            "max_num_batched_tokens >= block_size": self.max_num_batched_tokens >= self.block_size,
+            # every running decode fits in one step
+            "max_num_batched_tokens >= max_num_seqs": self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_model_len >= 2": self.max_model_len >= 2,
+        }
+        failed = [rule for rule, ok in checks.items() if not ok]
+        if failed:
+            raise ValueError(f"invalid scheduler config {self}: need {', '.join(failed)}")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it: token_ids = prompt + generated tokens."""
+
+    seq_id: int
+    token_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # EOS included unless the request ignores it
+    sampling_params: Any = None  # opaque here; travels to the engine with each chunk
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0  # positions whose KV is in the blocks
+    num_cached_tokens: int = 0  # of those, how many the prefix cache gave at the last admission
+    status: RequestState = RequestState.WAITING
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        if not self.token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Positions [start, start + num_tokens) of one sequence, computed this step."""
+
+    seq_id: int
+    start: int  # the sequence's num_computed_tokens when scheduled
+    token_ids: tuple[int, ...]  # the tokens at those positions; a decode has one
+    block_table: tuple[int, ...]  # block ids; position p is in block_table[p // block_size]
+    samples: bool  # the chunk ends at the sequence's last token: sample the next one
+    sampling_params: Any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One engine step. Decodes come first, oldest sequence first."""
+
+    decodes: tuple[ScheduledChunk, ...]
+    prefills: tuple[ScheduledChunk, ...]  # prompt chunks, or a preempted sequence's recompute
+    preempted: tuple[int, ...]  # seq ids whose blocks were freed this step
+
+    @property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    """Waiting and running queues over one BlockManager; the step protocol is in the module docstring."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: newest last
+        self.num_preemptions = 0
+        self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence
+        self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+
+    # ---- metrics ---------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        bm = self.block_manager
+        return bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # ---- requests join and leave (between steps) -------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        if seq.status is not RequestState.WAITING or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} is not new: {seq.status}")
+        limit = self.config.max_model_len
+        if seq.num_tokens >= limit:
+            raise RequestTooLarge(f"prompt of {seq.num_tokens} tokens leaves no room in the {limit}-token context")
+        # the KV it may hold at most: every token but the last one generated
+        max_kv_tokens = min(seq.num_tokens + seq.max_tokens, limit) - 1
+        if self.block_manager.blocks_needed(max_kv_tokens) > self.config.num_blocks:
+            raise RequestTooLarge(f"{max_kv_tokens} tokens of KV exceed the {self.config.num_blocks}-block cache")
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a waiting or running sequence and free its blocks; None if it is not here."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is RequestState.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.block_manager.free(seq_id)
+        seq.status = RequestState.FINISHED_ABORTED
+        return seq
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update() of the previous step")
+        preempted: list[int] = []
+        decodes = self._schedule_decodes(preempted)
+        budget = self.config.max_num_batched_tokens - len(decodes)
+        prefills, budget = self._schedule_running_prefills(budget)
+        if not preempted:  # blocks ran short this step: admitting more would only thrash
+            prefills += self._admit_waiting(budget)
+        self._in_flight = SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
+        return self._in_flight
+
+    def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
+        """Record the step's computed tokens and sampled ones; return the sequences it finished."""
+        if output is not self._in_flight:
+            raise ValueError("update() needs the output of the latest schedule()")
+        self._in_flight = None
+        finished = []
+        for chunk in output.chunks:
+            seq = self._seqs.get(chunk.seq_id)
+            if seq is None or seq.status is RequestState.WAITING:
+                continue  # aborted (and maybe added anew) since schedule(); its blocks are already free
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if not chunk.samples:
+                continue
+            if chunk.seq_id not in sampled_tokens:
+                raise ValueError(f"the engine sampled no token for sequence {chunk.seq_id}")
+            self._append_token(seq, sampled_tokens[chunk.seq_id])
+            if seq.status.finished:
+                self._finish(seq)
+                finished.append(seq)
+        return finished
+
+    # ---- internals -------------------------------------------------------------------------
+    def _schedule_decodes(self, preempted: list[int]) -> list[ScheduledChunk]:
+        chunks, i = [], 0
+        while i < len(self.running):  # preemption shortens the list from its end
+            seq = self.running[i]
+            if seq.status is RequestState.DECODING and self._make_room(seq, preempted):
+                self.block_manager.append_slots(seq.seq_id, seq.num_tokens)
+                chunks.append(self._chunk(seq, 1))
+            i += 1
+        return chunks
+
+    def _make_room(self, seq: Sequence, preempted: list[int]) -> bool:
+        """Preempt the newest running sequences until `seq` can hold its newest token.
+        False when `seq` itself had to go."""
+        while not self.block_manager.can_append(seq.seq_id, seq.num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_running_prefills(self, budget: int) -> tuple[list[ScheduledChunk], int]:
+        chunks = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.status is RequestState.PREFILLING:
+                chunks.append(self._chunk(seq, min(seq.num_uncomputed_tokens, budget)))
+                budget -= chunks[-1].num_tokens
+        return chunks, budget
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        chunks, bm = [], self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq.token_ids):
+                break  # first come, first served: no overtaking the head
+            self.waiting.popleft()
+            seq.num_cached_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = RequestState.PREFILLING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, min(seq.num_uncomputed_tokens, budget)))
+            budget -= chunks[-1].num_tokens
+        return chunks
+
+    def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(
+            seq_id=seq.seq_id,
+            start=start,
+            token_ids=tuple(seq.token_ids[start:start + num_tokens]),
+            block_table=tuple(self.block_manager.block_table(seq.seq_id)),
+            samples=start + num_tokens == seq.num_tokens,
+            sampling_params=seq.sampling_params,
+        )
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        context_left = self.config.max_model_len - seq.num_tokens
+        seq.status = state_after_token(token, seq.num_generated, seq.max_tokens, seq.stop_token_ids, context_left)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = RequestState.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        del self._seqs[seq.seq_id]
