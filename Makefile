@@ -47,6 +47,8 @@ bench: $(STAMP) system-deps
 	  if [ -f bench/$$b.py ]; then $(PY) bench/$$b.py || exit $$?; else echo "bench/$$b.py is not here; skipped"; fi; \
 	done
 	$(PY) bench/suite.py
+	$(PY) bench/router_fresh.py
+	@if [ -f bench/serve.py ]; then $(PY) bench/serve.py --start-stack; fi
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iservices/rpc=proto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO)
