@@ -31,10 +31,14 @@ class Service(Process):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "Service":
+    def launch_env(self) -> dict[str, str]:
+        """The variables it starts with: the harness's (ports, no profiling at start), then the test's."""
         settings = _settings_class(self.module)
         own = {"port": self.port, "metrics_port": self.metrics_port, "profile_at_start": "false"}
-        self.env = {**{settings.env_name(f): str(v) for f, v in own.items() if f in settings.model_fields}, **self.env}
+        return {**{settings.env_name(f): str(v) for f, v in own.items() if f in settings.model_fields}, **self.env}
+
+    def start(self) -> "Service":
+        self.env = self.launch_env()
         super().start()
         return self
 
