@@ -60,7 +60,8 @@ def test_the_gateway_port_keeps_its_old_attribute_for_now():
 # ---- old names ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls, old, field, value, new", [
     (PrefillSettings, "HYBRIDSERVE_PORT", "port", 1234, "HYBRIDSERVE_PREFILL_PORT"),
-    (PrefillSettings, "HYBRIDSERVE_MAX_CONCURRENCY", "max_concurrency", 1, "HYBRIDSERVE_PREFILL_GENERATE_MAX_CONCURRENCY"),
+    (PrefillSettings, "HYBRIDSERVE_MAX_CONCURRENCY", "max_concurrency", 1,
+     "HYBRIDSERVE_PREFILL_GENERATE_MAX_CONCURRENCY"),
     (PrefillSettings, "HYBRIDSERVE_PREFILL_MAX_CONCURRENCY", "prefill_max_concurrency", 3,
      "HYBRIDSERVE_PREFILL_HANDOFF_MAX_CONCURRENCY"),
     (DecodeSettings, "HYBRIDSERVE_WEIGHTS_DTYPE", "weights_dtype", "fp16", "HYBRIDSERVE_DECODE_WEIGHTS_DTYPE"),
