@@ -102,7 +102,8 @@ def _bench(args) -> int:
 def _add_services(sub) -> None:
     for name, module, what in (("prefill", "services.prefill_gpu.__main__", "the prefill_gpu service (PyTorch)"),
                                ("decode", "services.decode_fpga.__main__", "the decode_fpga service (OpenCL)")):
-        p = sub.add_parser(name, help=f"run {what}; settings from HYBRIDSERVE_* variables")
+        p = sub.add_parser(name, help=f"run {what}; settings from HYBRIDSERVE_{name.upper()}_* and the shared "
+                                      "HYBRIDSERVE_* variables")
         p.set_defaults(func=_service(module))
     sub.add_parser("gateway", help="run the OpenAI-compatible gateway").set_defaults(
         func=_service("services.gateway.__main__"))
@@ -123,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         args.bench_args = rest  # everything after `bench` belongs to the suite
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=CommonSettings().log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.model.checkpoint import CheckpointError
 
     try:
+        # inside: a mistyped HYBRIDSERVE_ variable is a one-line error, not a traceback
+        logging.basicConfig(level=CommonSettings().log_level, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except (CheckpointError, ValueError) as exc:
         print(f"hybridserve: error: {exc}", file=sys.stderr)

@@ -15,21 +15,33 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import ClassVar
 
-from pydantic import SecretStr
-
+from services.decode_fpga.settings import DecodeSettings
+from services.gateway.settings import GatewaySettings
+from services.prefill_gpu.settings import PrefillSettings
 from services.settings import CommonSettings
 
+# the fields `up` always chooses per child itself; their old shared names (HYBRIDSERVE_PORT, ...)
+# never reached a child from `up`, so they do not count here either
+_CHOSEN_PER_CHILD = ("port", "metrics_port", "prefill_address", "decode_address")
 
-class StackSettings(CommonSettings):
+
+class UpSettings(CommonSettings):
+    """`hybridserve up`'s own settings; the children's ports are their own (HYBRIDSERVE_PREFILL_PORT, ...)."""
+
+    service: ClassVar[str] = "hybridserve up"
+    own_prefix: ClassVar[str] = "HYBRIDSERVE_UP_"
+
     host: str = "127.0.0.1"
-    gateway_port: int = 8000
-    prefill_port: int = 50061
-    prefill_metrics_port: int = 9101
-    decode_port: int = 50062
-    decode_metrics_port: int = 9102
     startup_timeout_s: float = 900.0
-    api_key: SecretStr | None = None  # the gateway's, to ask it which model it serves
+
+
+def _children_environment() -> dict[str, str]:
+    """The environment every child starts from: ours, less the old names `up` overrides per child."""
+    overridden = {old for cls in (PrefillSettings, DecodeSettings, GatewaySettings)
+                  for old, field in cls.old_env_names().items() if field in _CHOSEN_PER_CHILD}
+    return {k: v for k, v in os.environ.items() if k.upper() not in overridden}
 
 
 def _relay(name: str, proc: subprocess.Popen, quiet_after: threading.Event) -> None:
@@ -51,32 +63,35 @@ def _healthy(url: str) -> bool:
 
 
 def up() -> int:
-    s = StackSettings()
-    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base = _children_environment()
+    # read here as each child will, so a typo stops `up` before anything starts
+    s, prefill, decode, gateway = (cls.from_environ(base) for cls in (UpSettings, PrefillSettings, DecodeSettings,
+                                                                    GatewaySettings))
+    base["PYTHONUNBUFFERED"] = "1"
+    pin = lambda cls, **values: {cls.env_name(k): v for k, v in values.items()}  # noqa: E731
     children = {
-        "prefill_gpu": ("services.prefill_gpu", {"HYBRIDSERVE_PORT": s.prefill_port,
-                                                 "HYBRIDSERVE_METRICS_PORT": s.prefill_metrics_port}),
-        "decode_fpga": ("services.decode_fpga", {"HYBRIDSERVE_PORT": s.decode_port,
-                                                 "HYBRIDSERVE_METRICS_PORT": s.decode_metrics_port,
-                                                 "HYBRIDSERVE_PREFILL_ADDRESS": f"{s.host}:{s.prefill_port}"}),
-        "gateway": ("services.gateway", {"HYBRIDSERVE_PREFILL_ADDRESS": f"{s.host}:{s.prefill_port}",
-                                         "HYBRIDSERVE_DECODE_ADDRESS": f"{s.host}:{s.decode_port}",
-                                         "HYBRIDSERVE_GATEWAY_PORT": s.gateway_port}),
+        "prefill_gpu": ("services.prefill_gpu", pin(PrefillSettings, port=prefill.port,
+                                                    metrics_port=prefill.metrics_port)),
+        "decode_fpga": ("services.decode_fpga", pin(DecodeSettings, port=decode.port, metrics_port=decode.metrics_port,
+                                                    prefill_address=f"{s.host}:{prefill.port}")),
+        "gateway": ("services.gateway", pin(GatewaySettings, port=gateway.port,
+                                            prefill_address=f"{s.host}:{prefill.port}",
+                                            decode_address=f"{s.host}:{decode.port}")),
     }
     quiet = threading.Event()
     procs: dict[str, subprocess.Popen] = {}
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"starting the stack on {s.host}: prefill_gpu :{s.prefill_port}, decode_fpga :{s.decode_port}, "
-          f"gateway :{s.gateway_port} (first start profiles each engine; later starts use the cache)", flush=True)
+    print(f"starting the stack on {s.host}: prefill_gpu :{prefill.port}, decode_fpga :{decode.port}, "
+          f"gateway :{gateway.port} (first start profiles each engine; later starts use the cache)", flush=True)
     try:
         for name, (module, env) in children.items():
-            env = {**base, "HYBRIDSERVE_HOST": s.host, **{k: str(v) for k, v in env.items()}}
+            env = {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in env.items()}}
             procs[name] = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, start_new_session=True)
             threading.Thread(target=_relay, args=(name, procs[name], quiet), daemon=True).start()
-        url = f"http://{s.host}:{s.gateway_port}"
+        url = f"http://{s.host}:{gateway.port}"
         deadline = time.monotonic() + s.startup_timeout_s
         while not _healthy(url + "/health"):
             dead = [n for n, p in procs.items() if p.poll() is not None]
@@ -86,10 +101,11 @@ def up() -> int:
                 return 1
             time.sleep(0.5)
         quiet.set()
-        auth = {"Authorization": f"Bearer {s.api_key.get_secret_value()}"} if s.api_key else {}
+        key = gateway.api_key
+        auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
         with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
             model = json.load(r)["data"][0]["id"]
-        key_header = "-H 'Authorization: Bearer $HYBRIDSERVE_API_KEY' " if s.api_key else ""
+        key_header = f"-H 'Authorization: Bearer ${GatewaySettings.env_name('api_key')}' " if key else ""
         print(f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics)\n"
               f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "

@@ -1,9 +1,9 @@
-"""Settings of the OpenCL (decode_fpga) engine and its service; HYBRIDSERVE_* variables."""
+"""Settings of the OpenCL (decode_fpga) engine and its service: HYBRIDSERVE_DECODE_* variables, plus the shared ones."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import field_validator
 
 from services.settings import CommonSettings
 
@@ -17,6 +17,9 @@ def check_lanes(lanes: int) -> int:
 
 
 class DecodeSettings(CommonSettings):
+    service: ClassVar[str] = "decode_fpga"
+    own_prefix: ClassVar[str] = "HYBRIDSERVE_DECODE_"
+
     # device
     opencl_platform: str | None = None  # substring of the platform name (e.g. "Portable", "Intel(R) FPGA")
     opencl_device: str | None = None  # substring of the device name
@@ -33,10 +36,7 @@ class DecodeSettings(CommonSettings):
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values
-    # HYBRIDSERVE_DECODE_WEIGHTS_DTYPE is the name the decode engine's issue gives; both are read
-    weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = Field(
-        "auto", validation_alias=AliasChoices("HYBRIDSERVE_DECODE_WEIGHTS_DTYPE", "HYBRIDSERVE_WEIGHTS_DTYPE",
-                                              "weights_dtype"))
+    weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = "auto"
     kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
     max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
     max_sequences: int = 4  # sequence slots resident on the device

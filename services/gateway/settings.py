@@ -1,5 +1,7 @@
-"""Settings of the gateway; HYBRIDSERVE_* variables."""
+"""Settings of the gateway: HYBRIDSERVE_GATEWAY_* variables, plus the shared ones."""
 from __future__ import annotations
+
+from typing import ClassVar
 
 from pydantic import SecretStr, field_validator
 
@@ -7,8 +9,12 @@ from services.settings import CommonSettings
 
 
 class GatewaySettings(CommonSettings):
+    service: ClassVar[str] = "gateway"
+    own_prefix: ClassVar[str] = "HYBRIDSERVE_GATEWAY_"
+    old_field_names: ClassVar[dict[str, str]] = {"port": "gateway_port"}  # HYBRIDSERVE_GATEWAY_PORT either way
+
     host: str = "127.0.0.1"
-    gateway_port: int = 8000
+    port: int = 8000
     prefill_address: str = "127.0.0.1:50061"
     decode_address: str = "127.0.0.1:50062"
     api_key: SecretStr | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
@@ -22,5 +28,10 @@ class GatewaySettings(CommonSettings):
     @field_validator("api_key", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
-        # compose passes HYBRIDSERVE_API_KEY= when none is set: that means "no key", not "the empty key"
+        # compose passes HYBRIDSERVE_GATEWAY_API_KEY= when none is set: that means "no key", not "the empty key"
         return None if v in ("", None) else v
+
+    @property
+    def gateway_port(self) -> int:
+        """The field's name before it became `port`; for callers not yet moved (gateway/__main__.py)."""
+        return self.port

@@ -1,12 +1,20 @@
-"""Settings of the prefill_gpu service; HYBRIDSERVE_* variables."""
+"""Settings of the prefill_gpu service: HYBRIDSERVE_PREFILL_* variables, plus the shared ones."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from services.settings import CommonSettings
 
 
 class PrefillSettings(CommonSettings):
+    service: ClassVar[str] = "prefill_gpu"
+    own_prefix: ClassVar[str] = "HYBRIDSERVE_PREFILL_"
+    # two RPCs, two admissions: Generate (gpu mode) and Prefill (the hybrid hand-off). The variables say
+    # which; HYBRIDSERVE_PREFILL_MAX_CONCURRENCY was the hand-off's and stays so while old names work
+    variable_names: ClassVar[dict[str, str]] = {
+        "max_concurrency": "generate_max_concurrency", "queue_depth": "generate_queue_depth",
+        "prefill_max_concurrency": "handoff_max_concurrency", "prefill_queue_depth": "handoff_queue_depth"}
+
     host: str = "127.0.0.1"
     port: int = 50061
     metrics_port: int = 9101

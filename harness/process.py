@@ -1,0 +1,93 @@
+"""A child process on loopback: a free port for it, start it, wait until a probe passes, stop it."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS's choice)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    """A probe: `url` answers 200."""
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+    return probe
+
+
+def grpc_serving(address: str) -> Callable[[], bool]:
+    """A probe: the gRPC health service at `address` says SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def probe() -> bool:
+        with grpc.insecure_channel(address) as ch:
+            try:
+                status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError:
+                return False
+        return status == health_pb2.HealthCheckResponse.SERVING
+    return probe
+
+
+class Process:
+    """`python -m <module> [args]` from the repository root, stdout and stderr into `log_path`.
+
+    Runs in its own process group, so stopping it also stops anything it started.
+    """
+
+    def __init__(self, module: str, env: dict[str, str], log_path: Path, args: tuple[str, ...] = ()):
+        self.module, self.env, self.log_path, self.args = module, env, Path(log_path), args
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self) -> "Process":
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT,
+                                     env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_until(self, probe: Callable[[], bool], timeout: float, what: str, interval: float = 0.3) -> None:
+        """Poll `probe` until it passes; RuntimeError if the process exits first, TimeoutError past `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.proc.returncode} before {what}:\n"
+                                   f"{self.log_tail()}")
+            if probe():
+                return
+            time.sleep(interval)
+        raise TimeoutError(f"{self.module}: not {what} after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        """`sig`, then SIGKILL to the whole group if it has not exited within `timeout`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()

@@ -1,0 +1,45 @@
+"""The process harness itself, on stdlib children (no model): ports, readiness, exits, stopping."""
+from __future__ import annotations
+
+import signal
+import socket
+
+import pytest
+
+from harness.process import Process, free_port, http_ok
+from harness.services import Service
+
+
+def test_a_free_port_can_be_bound():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_wait_until_returns_once_the_probe_passes_and_stop_ends_the_process(tmp_path):
+    port = free_port()
+    server = Process("http.server", {}, tmp_path / "http.log", args=(str(port), "--bind", "127.0.0.1")).start()
+    try:
+        server.wait_until(http_ok(f"http://127.0.0.1:{port}/"), timeout=60, what="serving")
+    finally:
+        server.stop(signal.SIGTERM, timeout=10)
+    assert server.proc.returncode is not None
+    assert not http_ok(f"http://127.0.0.1:{port}/")()
+
+
+def test_a_process_that_exits_while_waited_for_is_an_error_with_its_log(tmp_path):
+    dead = Process("json.tool", {}, tmp_path / "dead.log", args=("/no/such/file.json",)).start()
+    with pytest.raises(RuntimeError, match="json.tool exited with 2 before serving") as err:
+        dead.wait_until(lambda: False, timeout=60, what="serving")
+    assert "No such file" in str(err.value)
+
+
+def test_a_service_is_given_its_own_port_variables(tmp_path):
+    svc = Service("services.decode_fpga", {"HYBRIDSERVE_DECODE_KV_CHANNELS": "2"}, tmp_path / "d.log")
+    env = svc.launch_env()
+    assert env["HYBRIDSERVE_DECODE_PORT"] == str(svc.port) and svc.address == f"127.0.0.1:{svc.port}"
+    assert env["HYBRIDSERVE_DECODE_METRICS_PORT"] == str(svc.metrics_port)
+    assert env["HYBRIDSERVE_PROFILE_AT_START"] == "false"
+    assert env["HYBRIDSERVE_DECODE_KV_CHANNELS"] == "2"
+    gateway = Service("services.gateway", {}, tmp_path / "g.log").launch_env()
+    assert gateway == {"HYBRIDSERVE_GATEWAY_PORT": gateway["HYBRIDSERVE_GATEWAY_PORT"]}  # it has no metrics port
