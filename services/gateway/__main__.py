@@ -14,7 +14,7 @@ def main() -> int:
     settings = GatewaySettings()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.gateway_port,
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level.lower(), timeout_graceful_shutdown=10)
     return 0
 

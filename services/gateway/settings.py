@@ -30,8 +30,3 @@ class GatewaySettings(CommonSettings):
     def _empty_is_none(cls, v):
         # compose passes HYBRIDSERVE_GATEWAY_API_KEY= when none is set: that means "no key", not "the empty key"
         return None if v in ("", None) else v
-
-    @property
-    def gateway_port(self) -> int:
-        """The field's name before it became `port`; for callers not yet moved (gateway/__main__.py)."""
-        return self.port

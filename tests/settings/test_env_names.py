@@ -53,8 +53,8 @@ def test_the_environment_itself_is_read(monkeypatch):
     assert DecodeSettings.from_environ({}).max_sequences == 4  # an explicit environment replaces it
 
 
-def test_the_gateway_port_keeps_its_old_attribute_for_now():
-    assert GatewaySettings.from_environ({"HYBRIDSERVE_GATEWAY_PORT": "8124"}).gateway_port == 8124
+def test_the_gateway_port_is_read_as_port():
+    assert GatewaySettings.from_environ({"HYBRIDSERVE_GATEWAY_PORT": "8124"}).port == 8124
 
 
 # ---- old names ----------------------------------------------------------------------------------------
