@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import API_KEY, MODEL
+from tests.gateway.conftest import MODEL
 
 
 @pytest.mark.slow
