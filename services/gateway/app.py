@@ -117,7 +117,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             vocab = len(st.tokenizer)
             if max(prompt_ids) >= vocab:
                 raise APIError(400, f"token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
-        return await _serve(st, request, body, prompt_ids, body.max_tokens or 16, chat=False)
+        return await _respond(st, request, body, prompt_ids, body.max_tokens or 16, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request, st: State = Depends(state)):
@@ -126,7 +126,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                     for msg in body.messages]
         prompt_ids = chat_prompt_ids(st.tokenizer, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
-        return await _serve(st, request, body, prompt_ids, max_tokens, chat=True)
+        return await _respond(st, request, body, prompt_ids, max_tokens, chat=True)
 
     return app
 
@@ -137,7 +137,7 @@ def _check_model(st: State, model: str) -> None:
                        "model_not_found")
 
 
-async def _serve(st: State, request: Request, body: CompletionRequest | ChatCompletionRequest,
+async def _respond(st: State, request: Request, body: CompletionRequest | ChatCompletionRequest,
                  prompt_ids: list[int], max_tokens: int, chat: bool) -> Response:
     """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream."""
     started = time.perf_counter()

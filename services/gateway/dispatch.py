@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
 from services.gateway import metrics as m
 from services.gateway.errors import APIError, engine_error
 from services.gateway.router import Decision, Router
+from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.modes import AUTO, ENGINE_NAMES, MODES
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
@@ -47,7 +49,8 @@ class EngineRequest:
     timeout_s: float
 
     @classmethod
-    def of(cls, body, request_id: str, prompt_ids: list[int], max_tokens: int, max_timeout_s: float):
+    def of(cls, body: CompletionRequest | ChatCompletionRequest, request_id: str, prompt_ids: list[int],
+           max_tokens: int, max_timeout_s: float) -> "EngineRequest":
         """From a validated completion or chat body; its own `timeout` may only shorten the gateway's."""
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      top_k=body.top_k, ignore_eos=body.ignore_eos,
@@ -81,10 +84,22 @@ class EngineStream:
         self._call.cancel()
 
 
-class Dispatcher:
-    """`clients`: an EngineClients (up, context_of, check, generate); `router`: picks among candidates."""
+class Engines(Protocol):
+    """What the dispatcher needs of engine_client.EngineClients (tests pass a fake)."""
 
-    def __init__(self, clients, router: Router):
+    up: dict[str, bool]  # engine -> up at the last health check
+
+    def context_of(self, engine: str) -> int: ...
+
+    async def check(self, engine: str) -> bool: ...
+
+    def generate(self, engine: str, request: pb.GenerateRequest, timeout: float): ...
+
+
+class Dispatcher:
+    """Routes with `router` among the modes `clients` can serve; opens the call on the right engine."""
+
+    def __init__(self, clients: Engines, router: Router):
         self.clients, self.router = clients, router
 
     def route(self, n_in: int, max_tokens: int, forced: str | None, attempt: int = 0) -> Decision:
