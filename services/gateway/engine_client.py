@@ -1,4 +1,7 @@
-"""The gateway's view of the two engines: async gRPC stubs, health, Info and Profile."""
+"""The gateway's view of the two engines: async gRPC channels, health, Info, Profile and Generate.
+
+Engines are keyed "gpu" (prefill_gpu) and "fpga" (decode_fpga), as in services/modes.py.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -7,21 +10,20 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.modes import ENGINE_NAMES
+from services.modes import ENGINE_NAMES, ENGINES
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 
-
 class EngineClients:
     def __init__(self, prefill_address: str, decode_address: str):
-        self.channels = {"gpu": grpc.aio.insecure_channel(prefill_address),
-                         "fpga": grpc.aio.insecure_channel(decode_address)}
-        self.stubs = {k: pb_grpc.EngineStub(ch) for k, ch in self.channels.items()}
-        self._health = {k: health_pb2_grpc.HealthStub(ch) for k, ch in self.channels.items()}
-        self.up = {"gpu": False, "fpga": False}
+        addresses = {"gpu": prefill_address, "fpga": decode_address}
+        self.channels = {e: grpc.aio.insecure_channel(addresses[e]) for e in ENGINES}
+        self.stubs = {e: pb_grpc.EngineStub(ch) for e, ch in self.channels.items()}
+        self._health = {e: health_pb2_grpc.HealthStub(ch) for e, ch in self.channels.items()}
+        self.up = {e: False for e in ENGINES}  # as of the last health check
         self.info: dict[str, pb.InfoResponse] = {}
         self.profiles: dict[str, list[dict]] = {}
 
@@ -42,11 +44,6 @@ class EngineClients:
         await asyncio.gather(*(self.check(e) for e in self.up))
         return dict(self.up)
 
-    def mark_down(self, engine: str) -> None:
-        if self.up[engine]:
-            log.warning("%s marked down after a failed call", ENGINE_NAMES[engine])
-        self.up[engine] = False
-
     async def fetch_profile(self, engine: str) -> list[dict] | None:
         try:
             reply = await self.stubs[engine].Profile(pb.ProfileRequest(), timeout=600.0)
@@ -57,6 +54,10 @@ class EngineClients:
                    for s in reply.samples]
         self.profiles[engine] = samples
         return samples
+
+    def generate(self, engine: str, request: pb.GenerateRequest, timeout: float):
+        """Open a Generate call (server streaming): `await call.read()` per message, `call.cancel()`."""
+        return self.stubs[engine].Generate(request, timeout=timeout)
 
     def context_of(self, engine: str) -> int:
         info = self.info.get(engine)

@@ -1,23 +1,33 @@
 """Errors at the edge, in OpenAI's JSON shape with exact status codes.
 
-`{"error": {"message", "type", "param", "code"}}`. FastAPI's 422 validation
-bodies become 400s; unknown routes and methods become 404/405 in the same shape;
+`{"error": {"message", "type", "param", "code"}}` (openai_format.ErrorBody), for every error a
+client sees: raised before a response starts, or sent as the last event of a stream. FastAPI's
+422 validation bodies become 400s; unknown routes and methods become 404/405 in the same shape;
 an unexpected exception is a 500 that names no internals.
+
+An engine's gRPC status becomes an HTTP status in one table, `ENGINE_FAILURES`. The client gets
+a fixed message per status; the engine's own text (exception messages, shared-memory names,
+offsets) goes to the gateway's log with the request id. Only for 400s is the engine's message
+kept: it is about the client's own input.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.openai_format import ErrorBody, ErrorDetail
+
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable_error", 504: "timeout_error"}
+          500: "server_error", 502: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -25,16 +35,55 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
+    def body(self) -> ErrorBody:
+        return error_body(self.status, self.message, self.param, self.code)
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorBody:
+    return ErrorBody(error=ErrorDetail(message=message, type=_TYPES.get(status, "api_error"), param=param, code=code))
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status, headers=headers)
 
 
+# ---- engine failures ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineFailure:
+    status: int
+    code: str
+    message: str | None  # None: pass the engine's message on (400s: it is about the client's input)
+
+
+_ENGINE_FAILED = EngineFailure(500, "engine_error", "the engine failed while serving the request")
+
+ENGINE_FAILURES: dict[grpc.StatusCode, EngineFailure] = {
+    grpc.StatusCode.INVALID_ARGUMENT: EngineFailure(400, "invalid_value", None),
+    grpc.StatusCode.OUT_OF_RANGE: EngineFailure(400, "context_length_exceeded", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: EngineFailure(429, "engine_overloaded",
+                                                      "the engine is at capacity; retry later"),
+    grpc.StatusCode.INTERNAL: _ENGINE_FAILED,
+    grpc.StatusCode.UNKNOWN: _ENGINE_FAILED,  # what grpc answers for an exception the engine did not catch
+    grpc.StatusCode.FAILED_PRECONDITION: EngineFailure(502, "engine_error",
+                                                       "the engines could not agree on the request's KV hand-off"),
+    grpc.StatusCode.UNAVAILABLE: EngineFailure(503, "engine_unavailable",
+                                               "an engine this request needs is unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: EngineFailure(504, "timeout", "the request did not finish within its timeout"),
+}
+_UNEXPECTED = EngineFailure(502, "engine_error", "the engine ended the request with an unexpected error")
+
+
+def engine_error(exc: grpc.aio.AioRpcError, mode: str, request_id: str) -> APIError:
+    """The client's error for an engine call that failed; the details go to the log, not the client."""
+    failure = ENGINE_FAILURES.get(exc.code(), _UNEXPECTED)
+    level = logging.INFO if failure.status < 500 else logging.WARNING
+    log.log(level, "request %s (%s mode): the engine answered %s: %s", request_id, mode, exc.code().name,
+            exc.details())
+    return APIError(failure.status, failure.message or exc.details() or exc.code().name.lower(), code=failure.code)
+
+
+# ---- the app's handlers -------------------------------------------------------------------
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):

@@ -5,7 +5,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Mode = Literal["auto", "gpu", "fpga", "hybrid"]
+from services.modes import AUTO, MODE_NAMES
+
+ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +28,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None
-    mode: Mode = "auto"  # extension: force a mode
+    mode: ModeName = AUTO  # extension: force a mode
     ignore_eos: bool = False  # extension, for benchmarks
     timeout: float | None = Field(None, gt=0)  # extension: seconds before 504
 

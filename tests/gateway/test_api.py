@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,12 +9,12 @@ import httpx
 import openai
 import pytest
 
+from services.modes import MODE_NAMES
 from tests.gateway.conftest import API_KEY, MODEL
 
 # every test here talks to the real stack (three processes, model forwards)
 pytestmark = pytest.mark.slow
 
-MODES = ("gpu", "fpga", "hybrid")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -26,7 +25,7 @@ def complete(client, mode, prompt="The capital of France is", max_tokens=10, **k
 
 def test_completions_identical_across_modes_with_usage_and_decision(client):
     texts = {}
-    for mode in MODES:
+    for mode in MODE_NAMES:
         r = complete(client, mode)
         ext = r.model_extra["hybridserve"]
         assert (ext["mode"], ext["reason"]) == (mode, "forced")
@@ -37,7 +36,7 @@ def test_completions_identical_across_modes_with_usage_and_decision(client):
 
 
 def test_streamed_completions_and_chat_equal_unstreamed(client):
-    for mode in MODES:
+    for mode in MODE_NAMES:
         whole = complete(client, mode, max_tokens=8).choices[0].text
         chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                                                 temperature=0, stream=True, extra_body={"mode": mode}))
@@ -45,7 +44,7 @@ def test_streamed_completions_and_chat_equal_unstreamed(client):
         assert chunks[-1].choices[0].finish_reason == "length"
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = {m: client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0,
-                                              extra_body={"mode": m}).choices[0].message.content for m in MODES}
+                                              extra_body={"mode": m}).choices[0].message.content for m in MODE_NAMES}
     assert len(set(chat.values())) == 1 and "Paris" in chat["gpu"]
     stream = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}, extra_body={"mode": "hybrid"}))
@@ -73,7 +72,7 @@ def test_auto_mode_follows_the_calibrated_router(client):
     for prompt_len, n_out in ((4, 24), (600, 4)):
         r = complete(client, "auto", prompt=[300 + i for i in range(prompt_len)], max_tokens=n_out)
         ext = r.model_extra["hybridserve"]
-        assert ext["reason"] == "auto" and set(ext["estimates"]) == set(MODES)
+        assert ext["reason"] == "auto" and set(ext["estimates"]) == set(MODE_NAMES)
         assert ext["mode"] == min(ext["estimates"], key=ext["estimates"].get)
         assert ext["timings"]["prefill_s"] > 0
 
@@ -124,6 +123,21 @@ def test_deadline_is_504(client):
     with pytest.raises(openai.APIStatusError) as err:
         complete(client, "fpga", max_tokens=200, extra={"timeout": 0.3, "ignore_eos": True})
     assert err.value.status_code == 504 and err.value.body["code"] == "timeout"
+
+
+def test_deadline_mid_stream_ends_the_stream_with_an_openai_error_event(stack):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": True,
+            "mode": "fpga", "ignore_eos": True, "timeout": 3.0}
+    with httpx.stream("POST", stack["url"] + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        if r.status_code == 504:  # a machine so busy that no token came within the deadline: a unary error
+            r.read()
+            assert r.json()["error"]["code"] == "timeout"
+            return
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in events and len(events) >= 2  # some text, then the error instead of [DONE]
+    assert json.loads(events[-1]) == {"error": {"message": "the request did not finish within its timeout",
+                                                "type": "timeout_error", "param": None, "code": "timeout"}}
 
 
 def test_engine_queue_full_is_429(client):

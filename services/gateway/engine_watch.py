@@ -1,0 +1,30 @@
+"""Keeps the gateway's picture of the engines fresh while it runs: a health check of each engine
+every interval, and each engine's Profile (its start-up timing sweep) into the router once it is up.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from services.gateway.engine_client import EngineClients
+from services.gateway.router import Router
+
+
+async def watch_engines(clients: EngineClients, router: Router, file_samples: list[dict], interval_s: float) -> None:
+    """Runs until cancelled. `file_samples`: calibration from a file, kept under the engines' own."""
+    while True:
+        await clients.check_all()
+        for engine, up in clients.up.items():
+            if up and wants_profile(clients, engine):
+                if await clients.fetch_profile(engine) is not None:
+                    router.set_base_samples(file_samples + [s for p in clients.profiles.values() for s in p])
+                    info = clients.info.get(engine)
+                    router.concurrency[engine] = max(1, info.max_concurrency if info else 1)
+        await asyncio.sleep(interval_s)
+
+
+def wants_profile(clients: EngineClients, engine: str) -> bool:
+    """No profile yet, or decode_fpga's lacks the hand-off samples it can only measure with prefill_gpu up."""
+    have = clients.profiles.get(engine)
+    if have is None:
+        return True
+    return engine == "fpga" and clients.up["gpu"] and not any(s["stage"] == "handoff" for s in have)

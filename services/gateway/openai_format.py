@@ -1,0 +1,208 @@
+"""What the gateway answers, as pydantic models: OpenAI's completion and chat completion objects,
+their stream chunks, usage, the model list, the error body, and our `hybridserve` extension.
+
+Every byte of JSON a client gets is one of these models' `model_dump_json()`; no route builds a
+dict by hand. Field order follows OpenAI's documents, so the JSON reads like theirs.
+
+Streams (server-sent events), one request:
+
+    chat:        role chunk, text chunks, finish chunk (+ hybridserve), [usage chunk], [DONE]
+    completion:  text chunks, finish chunk (+ hybridserve), [usage chunk], [DONE]
+
+An absent `usage` or `hybridserve` on a chunk is left out of the JSON, not sent as null;
+`finish_reason` and `logprobs` are always there (null until the end), as OpenAI sends them.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, model_serializer
+
+
+class _LeavesOutNone(BaseModel):
+    """Drops the fields named in `_omit_if_none` from the JSON while they are None."""
+
+    _omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _leave_out_none(self, handler):
+        data = handler(self)
+        for name in self._omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+# ---- parts --------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, n_in: int, n_out: int) -> "Usage":
+        return cls(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+
+
+class Timings(BaseModel):
+    """Where the request's time went, in seconds (bytes for the hand-off); engine-measured but e2e_s."""
+
+    queue_s: float
+    prefill_s: float
+    handoff_total_s: float
+    handoff_exposed_s: float
+    decode_s: float
+    decode_tokens: int  # tokens after the first (the first comes out of prefill)
+    handoff_bytes: int
+    e2e_s: float  # as the gateway saw it
+
+
+class Hybridserve(BaseModel):
+    """The `hybridserve` object on a response: which mode served it, why, and what it cost."""
+
+    mode: str
+    reason: str  # "auto" | "forced" | "fallback"
+    estimates: dict[str, float]  # the router's seconds per mode it considered
+    timings: Timings
+
+
+# ---- unary responses ------------------------------------------------------------------
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    hybridserve: Hybridserve
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    hybridserve: Hybridserve
+
+
+# ---- stream chunks --------------------------------------------------------------------
+class CompletionChunk(_LeavesOutNone):
+    _omit_if_none = ("usage", "hybridserve")
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"  # OpenAI streams completions under this name too
+    created: int
+    model: str
+    choices: list[CompletionChoice]  # empty on the usage chunk
+    usage: Usage | None = None
+    hybridserve: Hybridserve | None = None
+
+
+class Delta(_LeavesOutNone):
+    _omit_if_none = ("role", "content")
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_LeavesOutNone):
+    _omit_if_none = ("usage", "hybridserve")
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]  # empty on the usage chunk
+    usage: Usage | None = None
+    hybridserve: Hybridserve | None = None
+
+
+class ChunkWriter:
+    """The chunks of one stream: same id, creation time and model on each; chat or completion shape."""
+
+    def __init__(self, request_id: str, model: str, created: int, chat: bool):
+        self.chat = chat
+        self._head = {"id": request_id, "created": created, "model": model}
+
+    def role(self) -> ChatCompletionChunk:
+        """Chat streams open with the assistant's role and no text."""
+        return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+
+    def text(self, text: str) -> ChatCompletionChunk | CompletionChunk:
+        if self.chat:
+            return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(content=text))])
+        return CompletionChunk(**self._head, choices=[CompletionChoice(text=text, finish_reason=None)])
+
+    def finish(self, finish_reason: str, extension: Hybridserve) -> ChatCompletionChunk | CompletionChunk:
+        """The last chunk with a choice: no new text, the finish reason and the `hybridserve` object."""
+        if self.chat:
+            choice = ChatChunkChoice(delta=Delta(), finish_reason=finish_reason)
+            return ChatCompletionChunk(**self._head, choices=[choice], hybridserve=extension)
+        return CompletionChunk(**self._head, choices=[CompletionChoice(text="", finish_reason=finish_reason)],
+                               hybridserve=extension)
+
+    def usage(self, usage: Usage) -> ChatCompletionChunk | CompletionChunk:
+        """Sent after the finish chunk when the request asked for `stream_options.include_usage`."""
+        return (ChatCompletionChunk if self.chat else CompletionChunk)(**self._head, choices=[], usage=usage)
+
+
+def sse(event: BaseModel) -> str:
+    """One server-sent event carrying a model's JSON."""
+    return f"data: {event.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# ---- other bodies ---------------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "hybridserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """`{"error": {...}}`: every error, unary or in a stream (errors.py fills it in)."""
+
+    error: ErrorDetail

@@ -1,0 +1,263 @@
+"""The dispatcher's decisions (route, retry, fallback, errors) against a fake engine client.
+
+A fake stands in for the engines here because the real path (real gRPC to real engines) runs in
+test_api.py and test_zz_engine_failure.py; these pin down each decision on its own, fast.
+The router is the real one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from services.gateway.dispatch import MAX_ATTEMPTS, Dispatcher, EngineRequest
+from services.gateway.errors import APIError
+from services.gateway.router import Router
+from services.gateway.schemas import CompletionRequest
+from services.modes import MODES
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+
+LEAK = "arena /hybridserve-kv-1234 offset 8192: Traceback (most recent call last)"
+
+
+def rpc_error(code: grpc.StatusCode, details: str = LEAK) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def token(t: int, finish: str = "") -> pb.GenerateResponse:
+    return pb.GenerateResponse(token_ids=[t], finish_reason=finish)
+
+
+class FakeCall:
+    """A Generate call that plays back a script: messages, then EOF; an exception in it is raised."""
+
+    def __init__(self, script):
+        self.script, self.cancelled = list(script), False
+
+    async def read(self):
+        if not self.script:
+            return grpc.aio.EOF
+        item = self.script.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeEngines:
+    """What the dispatcher uses of EngineClients. `alive`: what a health check would find."""
+
+    def __init__(self, up=("gpu", "fpga"), context=2048, scripts=None):
+        self.up = {e: e in up for e in ("gpu", "fpga")}
+        self.alive = dict(self.up)
+        self.context = {"gpu": context, "fpga": context}
+        self.scripts = {e: list(s) for e, s in (scripts or {}).items()}  # engine -> [script per call]
+        self.calls: list[tuple[str, pb.GenerateRequest, float, FakeCall]] = []
+        self.checked: list[str] = []
+
+    def context_of(self, engine):
+        return self.context[engine]
+
+    async def check(self, engine):
+        self.checked.append(engine)
+        self.up[engine] = self.alive[engine]
+        return self.up[engine]
+
+    def generate(self, engine, request, timeout):
+        call = FakeCall(self.scripts[engine].pop(0) if self.scripts.get(engine) else [token(1, "length")])
+        self.calls.append((engine, request, timeout, call))
+        return call
+
+
+def request(mode="auto", prompt_len=5, max_tokens=4, **extra) -> EngineRequest:
+    body = CompletionRequest(model="m", prompt=list(range(1, prompt_len + 1)), max_tokens=max_tokens, mode=mode,
+                             **extra)
+    return EngineRequest.of(body, "cmpl-test", list(body.prompt), max_tokens, max_timeout_s=600.0)
+
+
+def open_stream(engines: FakeEngines, req: EngineRequest):
+    return asyncio.run(Dispatcher(engines, Router()).open(req))
+
+
+def open_error(engines: FakeEngines, req: EngineRequest) -> APIError:
+    with pytest.raises(APIError) as err:
+        open_stream(engines, req)
+    return err.value
+
+
+# ---- routing ------------------------------------------------------------------------------
+def test_every_mode_up_is_auto_and_the_request_goes_to_the_engine_serving_the_mode():
+    engines = FakeEngines()
+    stream = open_stream(engines, request(temperature=0.5, seed=7))
+    # an uncalibrated router picks hybrid, which decode_fpga serves
+    assert (stream.decision.mode, stream.decision.reason) == ("hybrid", "auto")
+    [(engine, sent, timeout, _)] = engines.calls
+    assert engine == "fpga" and sent.mode == pb.MODE_HYBRID and sent.request_id == "cmpl-test"
+    assert list(sent.prompt_token_ids) == [1, 2, 3, 4, 5] and timeout == 600.0
+    assert (sent.sampling.max_tokens, sent.sampling.seed) == (4, 7)
+    assert sent.sampling.temperature == pytest.approx(0.5)
+    assert stream.first.token_ids == [1]
+
+
+@pytest.mark.parametrize("mode,engine,proto", [(m.name, m.served_by, m.proto) for m in MODES.values()])
+def test_a_forced_mode_is_sent_as_is(mode, engine, proto):
+    engines = FakeEngines()
+    stream = open_stream(engines, request(mode))
+    assert (stream.decision.mode, stream.decision.reason) == (mode, "forced")
+    assert [(e, r.mode) for e, r, _, _ in engines.calls] == [(engine, proto)]
+
+
+def test_an_engine_down_is_a_fallback_to_the_modes_left():
+    engines = FakeEngines(up=("gpu",))
+    stream = open_stream(engines, request())
+    assert (stream.decision.mode, stream.decision.reason) == ("gpu", "fallback")
+    assert set(stream.decision.estimates) <= {"gpu"}
+
+
+def test_a_window_too_small_for_one_mode_is_a_fallback_to_the_others():
+    engines = FakeEngines()
+    engines.context["fpga"] = 8  # fpga and hybrid both need decode_fpga's window
+    stream = open_stream(engines, request(prompt_len=5, max_tokens=4))
+    assert (stream.decision.mode, stream.decision.reason) == ("gpu", "fallback")
+
+
+def test_a_forced_mode_whose_engine_is_down_is_503_naming_it():
+    engines = FakeEngines(up=("gpu",))
+    err = open_error(engines, request("hybrid"))
+    assert (err.status, err.code, err.param) == (503, "engine_unavailable", "mode")
+    assert "decode_fpga" in err.message and not engines.calls
+
+
+def test_nothing_up_is_503_and_nothing_fitting_is_400():
+    err = open_error(FakeEngines(up=()), request())
+    assert (err.status, err.code) == (503, "engine_unavailable")
+    err = open_error(FakeEngines(context=8), request(prompt_len=5, max_tokens=4))
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "max_tokens")
+    assert "8 tokens" in err.message
+    err = open_error(FakeEngines(context=8), request("gpu", prompt_len=5, max_tokens=4))
+    assert (err.status, err.code) == (400, "context_length_exceeded")
+
+
+def test_the_request_timeout_only_shortens():
+    engines = FakeEngines()
+    open_stream(engines, request(timeout=2.5))
+    open_stream(engines, request(timeout=9999))
+    assert [t for _, _, t, _ in engines.calls] == [2.5, 600.0]
+
+
+# ---- retry and fallback -------------------------------------------------------------------
+def test_unavailable_before_the_first_token_checks_health_and_routes_again():
+    engines = FakeEngines(scripts={"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    engines.alive["fpga"] = False  # the health check finds decode_fpga gone
+    stream = open_stream(engines, request())
+    assert [e for e, *_ in engines.calls] == ["fpga", "gpu"]
+    assert sorted(engines.checked) == ["fpga", "gpu"]  # the engines of the mode that failed (hybrid)
+    assert (stream.decision.mode, stream.decision.reason) == ("gpu", "fallback")
+    assert engines.calls[0][1].request_id == engines.calls[1][1].request_id == "cmpl-test"
+
+
+def test_a_retry_is_a_fallback_even_when_every_engine_is_back_up():
+    engines = FakeEngines(scripts={"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    stream = open_stream(engines, request())
+    assert [e for e, *_ in engines.calls] == ["fpga", "fpga"]
+    assert (stream.decision.mode, stream.decision.reason) == ("hybrid", "fallback")
+
+
+def test_retries_stop_after_max_attempts_with_503():
+    down = [[rpc_error(grpc.StatusCode.UNAVAILABLE)]] * (MAX_ATTEMPTS + 1)
+    engines = FakeEngines(scripts={"fpga": down, "gpu": down})
+    err = open_error(engines, request())
+    assert len(engines.calls) == MAX_ATTEMPTS
+    assert (err.status, err.code) == (503, "engine_unavailable") and LEAK not in err.message
+
+
+def test_a_forced_mode_is_not_retried():
+    engines = FakeEngines(scripts={"gpu": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    err = open_error(engines, request("gpu"))
+    assert err.status == 503 and len(engines.calls) == 1 and not engines.checked
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT])
+def test_other_failures_are_not_retried(code):
+    engines = FakeEngines(scripts={"fpga": [[rpc_error(code)]]})
+    open_error(engines, request())
+    assert len(engines.calls) == 1 and not engines.checked
+
+
+def test_a_call_that_ends_without_a_token_is_502():
+    engines = FakeEngines(scripts={"fpga": [[]]})
+    err = open_error(engines, request())
+    assert (err.status, err.code) == (502, "engine_error") and len(engines.calls) == 1
+
+
+# ---- after the first token ----------------------------------------------------------------
+def test_after_the_first_token_messages_flow_and_failures_become_api_errors():
+    script = [token(1), token(2), rpc_error(grpc.StatusCode.INTERNAL)]
+    engines = FakeEngines(scripts={"fpga": [script]})
+
+    async def run():
+        stream = await Dispatcher(engines, Router()).open(request())
+        second = await stream.read()
+        with pytest.raises(APIError) as err:
+            await stream.read()
+        stream.cancel()
+        return second, err.value
+
+    second, err = asyncio.run(run())
+    assert second.token_ids == [2] and len(engines.calls) == 1  # no retry once tokens flowed
+    assert (err.status, err.message) == (500, "the engine failed while serving the request")
+    assert engines.calls[0][3].cancelled
+
+
+def test_an_early_end_of_the_stream_is_502():
+    engines = FakeEngines(scripts={"fpga": [[token(1)]]})
+
+    async def run():
+        stream = await Dispatcher(engines, Router()).open(request())
+        with pytest.raises(APIError) as err:
+            await stream.read()
+        return err.value
+
+    err = asyncio.run(run())
+    assert (err.status, err.code) == (502, "engine_error")
+
+
+# ---- the status table ---------------------------------------------------------------------
+FIXED = [
+    (grpc.StatusCode.INTERNAL, 500, "server_error", "engine_error", "the engine failed while serving the request"),
+    (grpc.StatusCode.UNKNOWN, 500, "server_error", "engine_error", "the engine failed while serving the request"),
+    (grpc.StatusCode.FAILED_PRECONDITION, 502, "server_error", "engine_error",
+     "the engines could not agree on the request's KV hand-off"),
+    (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error", "engine_unavailable",
+     "an engine this request needs is unavailable"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "engine_overloaded",
+     "the engine is at capacity; retry later"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error", "timeout",
+     "the request did not finish within its timeout"),
+    (grpc.StatusCode.ABORTED, 502, "server_error", "engine_error",
+     "the engine ended the request with an unexpected error"),
+]
+
+
+@pytest.mark.parametrize("code,status,kind,err_code,message", FIXED, ids=[f[0].name for f in FIXED])
+def test_engine_failures_reach_the_client_as_fixed_messages_and_the_log_gets_the_details(
+        code, status, kind, err_code, message, caplog):
+    engines = FakeEngines(scripts={"gpu": [[rpc_error(code)]]})
+    with caplog.at_level(logging.INFO, logger="services.gateway.errors"):
+        err = open_error(engines, request("gpu"))
+    assert (err.status, err.code, err.message) == (status, err_code, message)
+    assert err.body().model_dump() == {"error": {"message": message, "type": kind, "param": None, "code": err_code}}
+    assert any("cmpl-test" in r.getMessage() and LEAK in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("code,err_code", [(grpc.StatusCode.INVALID_ARGUMENT, "invalid_value"),
+                                           (grpc.StatusCode.OUT_OF_RANGE, "context_length_exceeded")])
+def test_a_400_keeps_the_engines_message_about_the_input(code, err_code):
+    engines = FakeEngines(scripts={"gpu": [[rpc_error(code, "prompt of 3000 tokens exceeds 2048")]]})
+    err = open_error(engines, request("gpu"))
+    assert (err.status, err.code, err.message) == (400, err_code, "prompt of 3000 tokens exceeds 2048")
