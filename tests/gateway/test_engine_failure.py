@@ -42,7 +42,13 @@ def test_killing_decode_fpga_falls_back_to_gpu(own_stack):
     client = openai.OpenAI(base_url=own_stack["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = own_stack["model"]
     own_stack["decode"].stop(sig=signal.SIGKILL)
-    time.sleep(0.5)
+    # the gateway's health loop notices within its interval; until then an auto request may still
+    # pick gpu on its own merits ("auto"), which says nothing about the fallback (the dispatcher's
+    # retry on a failed call is covered by test_dispatch.py)
+    deadline = time.monotonic() + 30
+    while httpx.get(own_stack["url"] + "/health").json()["engines"]["decode_fpga"] != "down":
+        assert time.monotonic() < deadline, "the gateway did not notice decode_fpga's death in 30 s"
+        time.sleep(0.2)
     r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
     ext = r.model_extra["hybridserve"]
     assert (ext["mode"], ext["reason"]) == ("gpu", "fallback")
