@@ -10,12 +10,14 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   samples dominate as soon as they exist, so a profile 50x off is corrected by the first
   request that runs the stage (a hybrid request teaches gpu prefill, the hand-off and
   fpga decode);
-* exploration: a bounded share of auto requests (credit: one to start, +share per auto
-  request, capped at one) runs a mode that is not the cheapest, to confirm stages no
-  request has measured yet or whose last measurement is stale. A stage not yet confirmed
-  does not count in the exploration guard (its estimate is the unverified profile); a
-  confirmed mode is explored only while its estimate is within `explore_limit` x the best.
-  Never for a forced mode; the Decision says "explore";
+* exploration: an auto request may run a mode that is not the cheapest, (a) once per stage
+  that no request has measured yet (at most 5 stages: a cold start learns the stages of
+  every mode within a few requests), (b) to refresh a stage not measured for `stale_after`
+  auto decisions, from a credit of `explore_share` per auto request (so at most that share).
+  A request explores only where it measures something (a one-token request no decode). A
+  stage not yet confirmed does not count in the guard (its estimate is the unverified
+  profile); otherwise a mode is explored only within `explore_limit` x the best estimate.
+  Never for a forced mode, never with explore_share=0; the Decision says "explore";
 * queueing: the requests already on each engine x that engine's measured service time
   (its own stage seconds, not the end-to-end time) / its concurrency.
 
@@ -70,7 +72,7 @@ class Router:
         self._service = {e: 0.0 for e in ENGINES}  # mean seconds of the engine's own stages per request
         self.concurrency = {e: 1 for e in ENGINES}
         self._share, self._limit, self._stale_after = explore_share, explore_limit, stale_after
-        self._credit = 1.0 if explore_share > 0 else 0.0  # the first unconfirmed stage is explored at once
+        self._credit = 0.0  # for refreshing stale stages; confirming a never-measured stage needs none
         self._auto, self._explored = 0, 0
         self._last_seen: dict[StageKey, int] = {}  # auto-decision count when a stage was last measured
 
@@ -166,30 +168,41 @@ class Router:
                 return Decision("hybrid" if "hybrid" in available else available[0], reason, est)
             best = min(est, key=est.get)
             self._auto += 1
+            if self._share <= 0:
+                return Decision(best, reason, est)
             self._credit = min(1.0, self._credit + self._share)
-            explore = self._exploration(est, best, n_in, n_out) if self._credit >= 1.0 else None
+            explore = self._exploration(est, best, n_in, n_out, stale_ok=self._credit >= 1.0)
             if explore is None:
                 return Decision(best, reason, est)
-            self._credit -= 1.0
+            mode, confirms_new = explore
+            if not confirms_new:
+                self._credit -= 1.0
             self._explored += 1
-            return Decision(explore, "explore", est)
+            return Decision(mode, "explore", est)
 
-    def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int) -> str | None:
-        """The mode worth running instead of `best` to refresh its stages, or None."""
+    def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
+                     stale_ok: bool) -> tuple[str, bool] | None:
+        """(mode, whether it measures a stage never measured) worth running instead of `best`, or None."""
         candidates = []
         for mode in est:
             if mode == best:
                 continue
             keys = CostModel.stage_keys(mode)
             unconfirmed = [k for k in keys if k not in self._last_seen]
-            stale = max((self._auto - self._last_seen[k] for k in keys if k in self._last_seen), default=0)
-            if not unconfirmed and stale < self._stale_after:
+            # what this request would measure: a one-token request reports no decode step
+            teaches = [k for k in keys if k[0] != "decode" or n_out >= 2]
+            new = [k for k in teaches if k not in self._last_seen]
+            stale = max((self._auto - self._last_seen[k] for k in teaches if k in self._last_seen), default=0)
+            if not new and not (stale_ok and stale >= self._stale_after):
                 continue
             # an unconfirmed stage's estimate is only the profile's word: it does not count against exploring
             trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out) for k in unconfirmed)
             if trusted <= self._limit * est[best]:
-                candidates.append((-len(unconfirmed), -stale, est[mode], mode))
-        return min(candidates)[-1] if candidates else None
+                candidates.append((-len(new), -stale, est[mode], mode))
+        if not candidates:
+            return None
+        chosen = min(candidates)
+        return chosen[-1], chosen[0] < 0
 
     # ---- what the router believes, for /debug/router ----------------------------------
     def snapshot(self) -> dict:

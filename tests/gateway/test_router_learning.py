@@ -77,9 +77,22 @@ def test_exploration_is_a_bounded_share_and_never_forced_or_far_off():
                 assert d.estimates[d.mode] <= 3 * min(d.estimates.values())
         else:
             assert d.mode == min(d.estimates, key=d.estimates.get)
-    assert 1 <= len(explored) <= 1 + 0.05 * n
+    assert 1 <= len(explored) <= 5 + 0.05 * n  # once per never-measured stage (5 stages), then the share
     assert {d.mode for d in explored} >= {"gpu", "fpga"}  # stale stages do get refreshed
     assert all(serve(router, 64, 64, forced="fpga").reason == "forced" for _ in range(100))
+
+
+def test_one_token_requests_do_not_spend_exploration_on_a_decode_they_cannot_measure():
+    router = Router(wrong_profile())
+    # e.g. a client polling with max_tokens=1 until the router is calibrated: the hand-off and both
+    # prefills get measured (two explorations), no decode is, and none is pretended
+    polls = [serve(router, 8, 1).reason for _ in range(5)]
+    assert polls.count("explore") == 2 and "decode/fpga" not in router.snapshot()["corrections"]
+    for n_in, n_out in LOAD[:5]:
+        serve(router, n_in, n_out)
+    assert "decode/fpga" in router.snapshot()["corrections"]
+    est = router.estimates(250, 160)
+    assert min(est, key=est.get) == best(250, 160)
 
 
 def test_a_hybrid_request_teaches_gpu_prefill_handoff_and_fpga_decode():
