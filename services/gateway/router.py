@@ -102,15 +102,17 @@ class Router:
                     self._log_corr[key] = self._ewma(key, self._log_corr.get(key), s)
             for e, seconds in per_engine.items():
                 self._service[e] = seconds if not self._service[e] else 0.8 * self._service[e] + 0.2 * seconds
+            # stages no profile measured are fitted from online samples: at once, then every few requests
             self._since_fit += 1
-            missing = any(k not in self.model.stages for k in self._online)
-            if missing or self._since_fit >= self._refit_every:
+            unprofiled = [k for k in self._online if k not in self._profiled]
+            if any(k not in self.model.stages for k in unprofiled) or \
+                    (unprofiled and self._since_fit >= self._refit_every):
                 self._refit()
 
     def _refit(self) -> None:
         """Base = the profiles, plus online samples for the stages no profile measured."""
-        profiled = {stage_key(s) for s in self._base}
-        extra = [s for key, q in self._online.items() if key not in profiled for s in q]
+        self._profiled = {stage_key(s) for s in self._base}
+        extra = [s for key, q in self._online.items() if key not in self._profiled for s in q]
         self.model = CostModel.fit(self._base + extra)
         self._since_fit = 0
         self._log_corr = {}

@@ -183,3 +183,12 @@ def test_one_outlier_repeat_does_not_bend_the_fit():
     spiked = fit_stage("prefill", pts + [{"stage": "prefill", "device": "gpu", "n_in": 16, "seconds": 5.0}])
     for n in (16, 64, 256, 1024):
         assert abs(spiked.predict(n) / clean.predict(n) - 1) < 1e-6
+
+
+def test_a_stage_no_profile_measured_is_learnt_from_requests():
+    """decode_fpga profiled while prefill_gpu was down: no hand-off samples, so no hybrid estimate at first."""
+    router = Router([s for s in synthetic_samples() if s["stage"] != "handoff"], explore_share=0)
+    assert "hybrid" not in router.estimates(128, 64)
+    serve(router, 128, 64, forced="hybrid")
+    est = router.estimates(128, 64)
+    assert abs(est["hybrid"] / truth("hybrid", 128, 64) - 1) < 0.01
