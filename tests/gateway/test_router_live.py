@@ -30,7 +30,7 @@ def profile_of(service: Service) -> list[dict]:
 def plant_wrong_profile(tmp_path, decode: Service) -> None:
     """decode_fpga's own profile, with every decode time 50x, where its next start will read it."""
     samples = profile_of(decode)  # measures (and caches, on a quiet machine) under its real key
-    key = re.search(r"running the start-up sweep \((.+?)\)", decode.log_path.read_text()).group(1)
+    key = re.search(r"running the start-up sweep \((.+)\)$", decode.log_path.read_text(), re.M).group(1)
     wrong = [dict(s, seconds=50 * s["seconds"]) if s["stage"] == "decode" else s
              for s in samples if s["stage"] != "handoff"]
     cache_path(str(tmp_path / "profile"), key).write_text(json.dumps(wrong))
