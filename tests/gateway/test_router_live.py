@@ -27,13 +27,19 @@ def profile_of(service: Service) -> list[dict]:
             for s in reply.samples]
 
 
-def plant_wrong_profile(tmp_path, decode: Service) -> None:
+def plant_wrong_profile(tmp_path, decode: Service) -> list[dict]:
     """decode_fpga's own profile, with every decode time 50x, where its next start will read it."""
     samples = profile_of(decode)  # measures (and caches, on a quiet machine) under its real key
     key = re.search(r"running the start-up sweep \((.+)\)$", decode.log_path.read_text(), re.M).group(1)
     wrong = [dict(s, seconds=50 * s["seconds"]) if s["stage"] == "decode" else s
              for s in samples if s["stage"] != "handoff"]
     cache_path(str(tmp_path / "profile"), key).write_text(json.dumps(wrong))
+    return wrong
+
+
+def same_samples(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x["stage"] == y["stage"] and abs(x["seconds"] / y["seconds"] - 1) < 1e-5
+                                    for x, y in zip(a, b))
 
 
 def complete(url: str, mode: str) -> dict:
@@ -51,15 +57,19 @@ def test_a_50x_wrong_cached_profile_is_corrected_within_ten_requests(tmp_path):
     try:
         prefill.wait_healthy(timeout=420)
         decode.wait_healthy(timeout=420)
-        plant_wrong_profile(tmp_path, decode)
+        wrong = plant_wrong_profile(tmp_path, decode)
         decode.stop()
         decode = Service("services.decode_fpga", {**decode.env}, tmp_path / "decode_again.log").start()
         decode.wait_healthy(timeout=420)
+        # served as planted, unless a start-up probe caught it (then the router starts right)
+        planted = same_samples([s for s in profile_of(decode) if s["stage"] != "handoff"], wrong)
         gateway = start_gateway(tmp_path, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY})
         wait_http_ok(gateway)
         url = f"http://127.0.0.1:{gateway.port}"
         wait_calibrated(url)
         auto = [complete(url, "auto") for _ in range(10)]
+        if planted:  # the wrong profile did reach the router: at first it thought hybrid far slower than gpu
+            assert auto[0]["estimates"]["hybrid"] > 2 * auto[0]["estimates"]["gpu"], auto[0]
         forced = {m: statistics.median(complete(url, m)["timings"]["e2e_s"] for _ in range(3))
                   for m in ("gpu", "fpga", "hybrid")}
         fastest = min(forced, key=forced.get)
