@@ -74,6 +74,27 @@ def one_request(url: str, model: str, headers: dict, n_in: int, n_out: int, mode
             "tokens": (usage or {}).get("completion_tokens", 0)}
 
 
+def cold_auto(url: str, model: str, headers: dict, grid: list[tuple[int, int]], n: int) -> list[dict]:
+    """The first `n` requests after a fresh start, all auto, cycling over the grid's cells (short
+    outputs first): what a new user's router does before it has learnt anything."""
+    cells = sorted(grid, key=lambda c: (c[1] >= LONG_OUTPUT, c))
+    out = []
+    for k in range(n):
+        n_in, n_out = cells[k % len(cells)]
+        progress(f"cold start: auto request {k + 1}/{n} ({n_in}x{n_out})")
+        r = one_request(url, model, headers, n_in, n_out, "auto", seed=n_in * 7 + n_out)
+        out.append({"n_in": n_in, "n_out": n_out, "e2e": r["e2e"], "ran": r["ran"]})
+    return out
+
+
+def cold_regret(cold: list[dict], cells: list[dict]) -> float | None:
+    """Time the cold auto requests took over what the best forced mode of their cell takes (medians), - 1."""
+    best = {(c["n_in"], c["n_out"]): c["modes"][c["best_forced"]]["e2e"]["median"] for c in cells}
+    if not cold:
+        return None
+    return sum(r["e2e"] for r in cold) / sum(best[(r["n_in"], r["n_out"])] for r in cold) - 1
+
+
 class Unavailable(RuntimeError):
     """HTTP 503: an engine (or the link between them) is not answering yet."""
 
@@ -229,6 +250,8 @@ def main() -> int:
     ap.add_argument("--load-clients", type=int)
     ap.add_argument("--load-requests", type=int, help="requests per client in the load run")
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    ap.add_argument("--cold-requests", type=int, default=20,
+                    help="auto requests sent first, right after start-up, for the cold regret (0: none)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     preset = "quick" if args.quick else "full" if args.full else "default"
@@ -252,11 +275,12 @@ def main() -> int:
         url = stack.url
     try:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        grid = [(i, o) for i in inputs for o in outputs]
+        cold = cold_auto(url, model, headers, grid, args.cold_requests)  # before anything else teaches the router
         progress("warming up every mode")
         for mode in MODES:
             warm_up(url, model, headers, mode)
         cells = []
-        grid = [(i, o) for i in inputs for o in outputs]
         for k, (n_in, n_out) in enumerate(grid):
             runs = {m: [] for m in MODES}
             cell_reps = long_reps if n_out >= LONG_OUTPUT else reps
@@ -287,7 +311,9 @@ def main() -> int:
             best_s = c["modes"][c["best_forced"]]["e2e"]["median"]
             c["speedup_best_vs_transformers"] = c["transformers_s"]["median"] / best_s
     regrets = [c["auto_regret"] for c in cells]
-    summary = {"regret_mean": float(np.mean(regrets)), "regret_worst": float(np.max(regrets))}
+    summary = {"regret_mean": float(np.mean(regrets)), "regret_worst": float(np.max(regrets)),
+               "regret_cold": cold_regret(cold, cells), "cold_requests": len(cold),
+               "cold_ran": [r["ran"] for r in cold]}
     rows = [[f"{c['n_in']}x{c['n_out']}", *[f"{c['modes'][m]['e2e']['median']:.2f}" for m in MODES], c["best_forced"],
              c["auto_picked"], f"{100 * c['auto_regret']:+.1f}%",
              f"{c['transformers_s']['median']:.2f}" if "transformers_s" in c else "-",
@@ -296,7 +322,12 @@ def main() -> int:
     print(table(["in x out", "gpu s", "fpga s", "hybrid s", "auto s", "best", "auto ran", "regret", "transformers s",
                  "best vs hf"], rows))
     print(f"router regret: mean {100 * summary['regret_mean']:+.1f}%, worst {100 * summary['regret_worst']:+.1f}% "
-          f"(medians of {reps} interleaved runs per mode and cell, {long_reps} for >= {LONG_OUTPUT} output tokens)")
+          f"(warm: medians of {reps} interleaved runs per mode and cell, {long_reps} for >= {LONG_OUTPUT} output tokens)")
+    if summary["regret_cold"] is not None:
+        ran = ", ".join(f"{m} {summary['cold_ran'].count(m)}" for m in FORCED)
+        print(f"router regret cold: {100 * summary['regret_cold']:+.1f}% over the first {len(cold)} requests after "
+              f"{'start-up' if stack is not None else 'connecting (a running stack: not a fresh start)'}, "
+              f"against each cell's best forced median; ran {ran}")
     print(table(["load: mode", "tok/s", "TTFT p50 ms", "p95", "p99", "ITL p50 ms", "p95", "p99"],
                 [[m, f"{v['throughput_tok_s']:.1f}", *[f"{(v[f'ttft_p{q}'] or 0) * 1e3:.0f}" for q in (50, 95, 99)],
                   *[f"{(v[f'itl_p{q}'] or 0) * 1e3:.1f}" for q in (50, 95, 99)]] for m, v in load.items()]))

@@ -1,60 +1,173 @@
-"""The short stage-timing sweep each engine runs for the router, cached on disk.
+"""The short stage-timing sweep each engine runs for the router at start-up, cached on disk.
 
 Samples are `{"stage", "device", "n_in", "n_out", "seconds"}` as the router's
 calibration file takes them; decode seconds are the total for n_out tokens.
+
+A sweep that cannot be fooled by the first calls or by a busy machine:
+* one untimed pass over every point first (first calls pay for lazy allocations and,
+  on PoCL, for specialising each kernel to its launch size);
+* every point timed REPEATS times, the median kept; the decode points are timed right
+  after the prefills of their context, so they cost no prefill of their own;
+* the machine is judged busy, and the sweep not cached (profile_cache.py), when the
+  repeats of a point disagree (spread = (max - min) / median over MAX_SPREAD) or when
+  other processes used more than MAX_FOREIGN_LOAD of the machine's CPU meanwhile;
+* a cached profile is checked at every start by `probe_agrees` (one prefill and one decode point).
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
+from services.engine.profile_cache import cached_sweep, sweep_lock
+
+__all__ = ["run_sweep", "probe_agrees", "profile_engine", "cached_sweep", "sweep_lock", "code_fingerprint", "Sweep"]
+
 log = logging.getLogger(__name__)
 
 PREFILL_LENGTHS = (16, 64, 256)
-DECODE_POINTS = ((16, 8), (256, 8))
+DECODE_CONTEXTS = (16, 256)  # decode is timed after the prefill of these lengths
+DECODE_TOKENS = 4
+REPEATS = 3
+MAX_SPREAD = 0.5  # (max - min) / median of a point's repeats beyond which the machine was busy
+MAX_FOREIGN_LOAD = 0.3  # share of all cores other processes used during the sweep
+JUDGED_FROM_S = 0.002  # points shorter than this are timer and scheduler jitter: not judged for spread
+PROBE_TOLERANCE = 2.0  # a cached profile off by more than this factor is measured again
+PROBE_POINTS = ((16, DECODE_TOKENS),)  # (prefill length, decode tokens after it): both stages, cheaply
 
 
-def run_sweep(engine, device: str) -> list[dict]:
+class Sweep(list):
+    """The samples (a plain list, as the Profile RPC sends them) and how quiet the machine was."""
+
+    spread: float = 0.0
+    foreign_load: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.spread > MAX_SPREAD or self.foreign_load > MAX_FOREIGN_LOAD
+
+    @property
+    def verdict(self) -> str:
+        return f"repeat spread {self.spread:.2f} (max {MAX_SPREAD}), other processes' CPU " \
+               f"{self.foreign_load:.2f} (max {MAX_FOREIGN_LOAD})"
+
+
+def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_contexts=DECODE_CONTEXTS,
+              decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Sweep:
+    """Warm up, then time every point `repeats` times; one sample (the median) per point."""
+    prompts = _prompts(engine, prefill_lengths)
+    _timed_pass(engine, prompts, decode_contexts, decode_tokens)  # warm-up, discarded
+    load = ForeignLoad()
+    runs = [_timed_pass(engine, prompts, decode_contexts, decode_tokens) for _ in range(repeats)]
+    out = Sweep()
+    for point in runs[0]:
+        times = np.array([r[point] for r in runs])
+        med = float(np.median(times))
+        if med >= JUDGED_FROM_S:
+            out.spread = max(out.spread, float((times.max() - times.min()) / med))
+        n_in, n_out = point
+        if n_out:
+            out.append({"stage": "decode", "device": device, "n_in": n_in, "n_out": n_out, "seconds": med})
+        else:
+            out.append({"stage": "prefill", "device": device, "n_in": n_in, "seconds": med})
+    out.foreign_load = load.share()
+    log.info("profile sweep %s: %s", device, out.verdict)
+    return out
+
+
+def _prompts(engine, lengths) -> dict[int, list[int]]:
     rng = np.random.default_rng(0)
-    vocab = engine.cfg.vocab_size
-    _warm_up(engine)
-    samples = []
-    for n_in in PREFILL_LENGTHS:
-        seq = engine.new_sequence(n_in + 1)
-        try:
-            t = time.perf_counter()
-            engine.prefill(seq, rng.integers(3, vocab, n_in).tolist())
-            samples.append({"stage": "prefill", "device": device, "n_in": n_in, "seconds": time.perf_counter() - t})
-        finally:
-            engine.release(seq)
-    for n_in, n_out in DECODE_POINTS:
+    return {n: rng.integers(3, engine.cfg.vocab_size, n).tolist() for n in lengths}
+
+
+def _timed_pass(engine, prompts: dict[int, list[int]], decode_contexts, decode_tokens: int) -> dict:
+    """{(n_in, 0): prefill seconds, (n_in, n_out): decode seconds for n_out tokens}."""
+    times = {}
+    for n_in, prompt in prompts.items():
+        n_out = decode_tokens if n_in in decode_contexts else 0
         seq = engine.new_sequence(n_in + n_out + 1)
         try:
-            token = int(np.argmax(engine.prefill(seq, rng.integers(3, vocab, n_in).tolist())))
             t = time.perf_counter()
-            for _ in range(n_out):
-                token = engine.decode_greedy([seq], [token])[0]
-            samples.append({"stage": "decode", "device": device, "n_in": n_in, "n_out": n_out,
-                            "seconds": time.perf_counter() - t})
+            token = int(np.argmax(engine.prefill(seq, prompt)))
+            times[(n_in, 0)] = time.perf_counter() - t
+            if n_out:
+                t = time.perf_counter()
+                for _ in range(n_out):
+                    token = engine.decode_greedy([seq], [token])[0]
+                times[(n_in, n_out)] = time.perf_counter() - t
         finally:
             engine.release(seq)
-    return samples
+    return times
 
 
-def _warm_up(engine) -> None:
-    """First calls pay for lazy allocations and kernel set-up; keep them out of the samples."""
-    seq = engine.new_sequence(16)
-    try:
-        token = int(np.argmax(engine.prefill(seq, list(range(3, 11)))))
-        for _ in range(2):
-            token = engine.decode_greedy([seq], [token])[0]
-    finally:
-        engine.release(seq)
+class ForeignLoad:
+    """The share of the machine's CPU that other processes used since construction (Linux; else 0)."""
+
+    def __init__(self):
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait, in clock ticks
+        own = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic()
+
+    def share(self) -> float:
+        end = self._read()
+        if self._start is None or end is None or end[2] - self._start[2] <= 0:
+            return 0.0
+        busy, own, wall = (e - s for e, s in zip(end, self._start))
+        return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
+
+
+def probe_agrees(engine, device: str, cached: list[dict]) -> bool:
+    """Whether a quick measurement of two points is within PROBE_TOLERANCE of the cached profile.
+
+    A busy probe cannot tell: the cache is kept (it passed the quiet-machine check when written).
+    """
+    lengths = tuple(n for n, _ in PROBE_POINTS)
+    decode_contexts = tuple(n for n, m in PROBE_POINTS if m)
+    now = run_sweep(engine, device, lengths, decode_contexts, DECODE_TOKENS, repeats=REPEATS)
+    if now.busy:
+        log.info("profile probe %s: machine busy (%s); keeping the cache", device, now.verdict)
+        return True
+    for s in now:
+        ref = _per_unit(s, cached)
+        if ref is None:
+            log.info("profile probe %s: the cache lacks %s at %d tokens", device, s["stage"], s["n_in"])
+            return False
+        ratio = _unit(s) / ref
+        if not 1 / PROBE_TOLERANCE <= ratio <= PROBE_TOLERANCE:
+            log.warning("profile probe %s: %s at %d tokens measures %.2fx the cache", device, s["stage"], s["n_in"],
+                        ratio)
+            return False
+    return True
+
+
+def _unit(s: dict) -> float:
+    return s["seconds"] / s["n_out"] if s["stage"] == "decode" else s["seconds"]
+
+
+def _per_unit(s: dict, cached: list[dict]) -> float | None:
+    """The cached time of the same point (decode: per token, any token count), median over matches."""
+    same = [_unit(c) for c in cached if c.get("stage") == s["stage"] and c.get("device") == s["device"]
+            and c.get("n_in") == s["n_in"] and (s["stage"] != "decode" or c.get("n_out"))]
+    return float(np.median(same)) if same else None
+
+
+def profile_engine(engine, device: str, cache_dir: str, key: str) -> list[dict]:
+    """The engine's profile: cached and probed, or measured (in turn with the other engine)."""
+    return cached_sweep(cache_dir, key, lambda: run_sweep(engine, device),
+                        probe=lambda cached: probe_agrees(engine, device, cached))
 
 
 def code_fingerprint(root: Path | None = None) -> str:
@@ -66,21 +179,3 @@ def code_fingerprint(root: Path | None = None) -> str:
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
-
-
-def cached_sweep(cache_dir: str, key: str, run) -> list[dict]:
-    """The samples cached under `key`, or run() and cache them. A corrupt cache is rerun."""
-    path = Path(cache_dir).expanduser() / (key.replace("/", "_").replace(" ", "_") + ".json")
-    if path.is_file():
-        try:
-            samples = json.loads(path.read_text())
-            if isinstance(samples, list) and all(isinstance(s, dict) and "seconds" in s for s in samples):
-                log.info("profile: %d samples from %s", len(samples), path)
-                return samples
-        except json.JSONDecodeError:
-            log.warning("profile cache %s is corrupt; rerunning the sweep", path)
-    log.info("profile: running the start-up sweep (%s)", key)
-    samples = run()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(samples, indent=1))
-    return samples

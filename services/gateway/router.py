@@ -1,17 +1,25 @@
-"""The router: pick gpu, fpga or hybrid per request from a fitted cost model.
+"""The router: pick gpu, fpga or hybrid per request from a cost model that learns online.
 
 Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
 
-    T(mode) = prefill(device, n_in) + handoff(n_in) + decode(device, n_in, n_out) + queueing
+    T(mode) = sum over the mode's stages of  base(stage, n_in, n_out) x correction(stage)  + queueing
 
-* prefill(d, n)   = a + b n + c n^2       (attention makes long prompts super-linear)
-* decode(d, n, m) = m (p + q (n + m/2))   (each token re-reads weights plus a KV that grows)
-* handoff(n)      = h0 + h1 n             (the exposed part only: hybrid mode only)
-* queueing        = requests already on the engine x its recent mean latency / its concurrency
-
-Each term is a least-squares fit to stage-timing samples `{"stage", "device", "n_in",
-"n_out", "seconds"}` (decode seconds = the total for n_out tokens): from each
-engine's Profile at start-up, then from every finished request's timings.
+* base: the physical, non-negative fit of the engines' start-up profiles (cost_model.py);
+* correction: per (stage, device), an exponentially weighted mean of log(measured / base)
+  over the stages of finished requests, the first one taking over at once: online
+  samples dominate as soon as they exist, so a profile 50x off is corrected by the first
+  request that runs the stage (a hybrid request teaches gpu prefill, the hand-off and
+  fpga decode);
+* exploration: an auto request may run a mode that is not the cheapest, (a) once per stage
+  that no request has measured yet (at most 5 stages: a cold start learns the stages of
+  every mode within a few requests), (b) to refresh a stage not measured for `stale_after`
+  auto decisions, from a credit of `explore_share` per auto request (so at most that share).
+  A request explores only where it measures something (a one-token request no decode). A
+  stage not yet confirmed does not count in the guard (its estimate is the unverified
+  profile); otherwise a mode is explored only within `explore_limit` x the best estimate.
+  Never for a forced mode, never with explore_share=0; the Decision says "explore";
+* queueing: the requests already on each engine x that engine's measured service time
+  (its own stage seconds, not the end-to-end time) / its concurrency.
 
     python -m services.gateway.router --calibration FILE --n-in N --n-out M
 """
@@ -19,98 +27,108 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
+from prometheus_client import Histogram
 
-from services.modes import MODE_NAMES, MODES
+from services.gateway.cost_model import CostModel, StageKey, stage_key
+from services.modes import ENGINES, MODE_NAMES, MODES
 
+__all__ = ["CostModel", "Decision", "Router", "samples_from_timings", "ESTIMATE_RATIO"]
+
+# measured / estimated seconds of each stage of each finished request (1 = a perfect estimate)
+ESTIMATE_RATIO = Histogram("hybridserve_router_estimate_ratio", "Measured / estimated stage seconds",
+                           ["stage", "device"],
+                           buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10))
+RATIO_CLAMP = 100.0  # one sample moves a correction by at most this factor either way
 
 
 @dataclass(frozen=True)
 class Decision:
     mode: str
-    reason: str  # "auto" | "forced" | "fallback"
+    reason: str  # "auto" | "forced" | "fallback" | "explore"
     estimates: dict[str, float]  # seconds per mode; only the modes considered
-
-
-def _lstsq(features: list[list[float]], targets: list[float]) -> np.ndarray:
-    coef, *_ = np.linalg.lstsq(np.asarray(features, float), np.asarray(targets, float), rcond=None)
-    return coef
-
-
-@dataclass
-class CostModel:
-    """Fitted coefficients; `fit` rebuilds them from samples."""
-
-    prefill: dict[str, np.ndarray] = field(default_factory=dict)
-    decode: dict[str, np.ndarray] = field(default_factory=dict)
-    handoff: np.ndarray | None = None
-
-    @classmethod
-    def fit(cls, samples: list[dict]) -> "CostModel":
-        m = cls()
-        for dev in ("gpu", "fpga"):
-            pre = [s for s in samples if s["stage"] == "prefill" and s.get("device") == dev]
-            if pre:
-                n_distinct = len({s["n_in"] for s in pre})
-                feats = [[1.0, s["n_in"], s["n_in"] ** 2][: min(3, n_distinct)] for s in pre]
-                m.prefill[dev] = _lstsq(feats, [s["seconds"] for s in pre])
-            dec = [s for s in samples if s["stage"] == "decode" and s.get("device") == dev and s.get("n_out")]
-            if dec:
-                ctx = [s["n_in"] + s["n_out"] / 2 for s in dec]
-                feats = [[1.0, c] for c in ctx] if len(set(ctx)) > 1 else [[1.0] for _ in ctx]
-                m.decode[dev] = _lstsq(feats, [s["seconds"] / s["n_out"] for s in dec])
-        hand = [s for s in samples if s["stage"] == "handoff"]
-        if hand:
-            feats = [[1.0, s["n_in"]] for s in hand] if len({s["n_in"] for s in hand}) > 1 else [[1.0] for _ in hand]
-            m.handoff = _lstsq(feats, [s["seconds"] for s in hand])
-        return m
-
-    def can_estimate(self, mode: str) -> bool:
-        ok = MODES[mode].prefill_engine in self.prefill and MODES[mode].decode_engine in self.decode
-        return ok and (mode != "hybrid" or self.handoff is not None)
-
-    def estimate(self, mode: str, n_in: int, n_out: int) -> float:
-        p = self.prefill[MODES[mode].prefill_engine]
-        t = float(np.dot(p, [1.0, n_in, n_in ** 2][: len(p)]))
-        d = self.decode[MODES[mode].decode_engine]
-        t += n_out * float(np.dot(d, [1.0, n_in + n_out / 2][: len(d)]))
-        if mode == "hybrid":
-            t += float(np.dot(self.handoff, [1.0, n_in][: len(self.handoff)]))
-        return max(t, 0.0)
 
 
 class Router:
     """Thread-safe: samples arrive from finished requests while others are routed."""
 
-    def __init__(self, samples: list[dict] | None = None, window: int = 256, refit_every: int = 8):
-        self._base = list(samples or [])
-        self._online: deque = deque(maxlen=window)
-        self._refit_every, self._since_fit = refit_every, 0
+    def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
+                 alpha: float = 0.3, explore_share: float = 0.05, explore_limit: float = 3.0,
+                 stale_after: int = 100):
         self._lock = threading.Lock()
-        self.model = CostModel.fit(self._base)
-        self._busy = {"gpu": 0, "fpga": 0}
-        self._mean_latency = {"gpu": 0.0, "fpga": 0.0}
-        self.concurrency = {"gpu": 1, "fpga": 1}
+        self._base = list(samples or [])
+        self._online: dict[StageKey, deque] = {}  # recent online samples per stage
+        self._window, self._refit_every, self._since_fit, self._alpha = window, refit_every, 0, alpha
+        self._log_corr: dict[StageKey, float] = {}
+        self.model = CostModel()
+        self._refit()
+        self._busy = {e: 0 for e in ENGINES}
+        self._e2e = {e: 0.0 for e in ENGINES}  # mean end-to-end seconds: service time until stages are seen
+        self._service = {e: 0.0 for e in ENGINES}  # mean seconds of the engine's own stages per request
+        self.concurrency = {e: 1 for e in ENGINES}
+        self._share, self._limit, self._stale_after = explore_share, explore_limit, stale_after
+        self._credit = 0.0  # for refreshing stale stages; confirming a never-measured stage needs none
+        self._auto, self._explored = 0, 0
+        self._last_seen: dict[StageKey, int] = {}  # auto-decision count when a stage was last measured
 
     # ---- calibration --------------------------------------------------------------
     def set_base_samples(self, samples: list[dict]) -> None:
+        """The engines' start-up profiles (replacing earlier ones); corrections are re-derived."""
         with self._lock:
             self._base = list(samples)
-            self.model = CostModel.fit(self._base + list(self._online))
+            self._refit()
 
     def observe(self, samples: list[dict]) -> None:
-        """Timings of a finished request, as samples; refits every few requests."""
+        """The stage timings of one finished request (`samples_from_timings`)."""
         with self._lock:
-            self._online.extend(samples)
+            per_engine: dict[str, float] = {}
+            for s in samples:
+                key = stage_key(s)
+                if key is None:
+                    continue
+                if key in self.model.stages:
+                    predicted = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0)
+                    ESTIMATE_RATIO.labels(stage=key[0], device=key[1]).observe(max(s["seconds"], 0.0) / predicted)
+                self._online.setdefault(key, deque(maxlen=self._window)).append(s)
+                self._last_seen[key] = self._auto
+                if key[1] in self._service:
+                    per_engine[key[1]] = per_engine.get(key[1], 0.0) + max(0.0, float(s["seconds"]))
+                if key in self.model.stages:
+                    self._log_corr[key] = self._ewma(key, self._log_corr.get(key), s)
+            for e, seconds in per_engine.items():
+                self._service[e] = seconds if not self._service[e] else 0.8 * self._service[e] + 0.2 * seconds
+            # stages no profile measured are fitted from online samples: at once, then every few requests
             self._since_fit += 1
-            if self._since_fit >= self._refit_every:
-                self._since_fit = 0
-                self.model = CostModel.fit(self._base + list(self._online))
+            unprofiled = [k for k in self._online if k not in self._profiled]
+            if any(k not in self.model.stages for k in unprofiled) or \
+                    (unprofiled and self._since_fit >= self._refit_every):
+                self._refit()
+
+    def _refit(self) -> None:
+        """Base = the profiles, plus online samples for the stages no profile measured."""
+        self._profiled = {stage_key(s) for s in self._base}
+        extra = [s for key, q in self._online.items() if key not in self._profiled for s in q]
+        self.model = CostModel.fit(self._base + extra)
+        self._since_fit = 0
+        self._log_corr = {}
+        for key, q in self._online.items():
+            if key in self.model.stages:
+                for s in q:
+                    self._log_corr[key] = self._ewma(key, self._log_corr.get(key), s)
+
+    def _ewma(self, key: StageKey, prev: float | None, s: dict) -> float:
+        base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
+        ratio = min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, max(float(s["seconds"]), 1e-9) / base))
+        x = math.log(ratio)
+        return x if prev is None else (1 - self._alpha) * prev + self._alpha * x
+
+    def _stage_estimate(self, key: StageKey, n_in: int, n_out: int) -> float:
+        return self.model.stage_seconds(key, n_in, n_out) * math.exp(self._log_corr.get(key, 0.0))
 
     # ---- queueing -------------------------------------------------------------------
     def started(self, mode: str) -> None:
@@ -122,29 +140,86 @@ class Router:
         with self._lock:
             for e in MODES[mode].engines:
                 self._busy[e] = max(0, self._busy[e] - 1)
-                self._mean_latency[e] = seconds if not self._mean_latency[e] else \
-                    0.8 * self._mean_latency[e] + 0.2 * seconds
+                self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
 
     def queueing(self, mode: str) -> float:
-        return max(self._busy[e] * self._mean_latency[e] / max(1, self.concurrency[e]) for e in MODES[mode].engines)
+        """Seconds a new request waits behind the work already on the mode's engines."""
+        return max(self._busy[e] * (self._service[e] or self._e2e[e]) / max(1, self.concurrency[e])
+                   for e in MODES[mode].engines)
 
     # ---- decisions ------------------------------------------------------------------
     def estimates(self, n_in: int, n_out: int, modes=MODE_NAMES) -> dict[str, float]:
-        model = self.model
-        return {m: model.estimate(m, n_in, n_out) + self.queueing(m) for m in modes if model.can_estimate(m)}
+        with self._lock:
+            return self._estimates(n_in, n_out, modes)
+
+    def _estimates(self, n_in: int, n_out: int, modes) -> dict[str, float]:
+        return {m: sum(self._stage_estimate(k, n_in, n_out) for k in CostModel.stage_keys(m)) + self.queueing(m)
+                for m in modes if self.model.can_estimate(m)}
 
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
         available = [m for m in MODE_NAMES if m in available]
-        est = self.estimates(n_in, n_out, available)
-        if forced is not None:
-            return Decision(forced, "forced", est)
-        if not available:
-            raise LookupError("no engine is able to serve this request")
-        reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
-        if not est:  # not calibrated yet: the one device that does both stages fastest by design
-            return Decision("hybrid" if "hybrid" in available else available[0], reason, est)
-        return Decision(min(est, key=est.get), reason, est)
+        with self._lock:
+            est = self._estimates(n_in, n_out, available)
+            if forced is not None:
+                return Decision(forced, "forced", est)
+            if not available:
+                raise LookupError("no engine is able to serve this request")
+            reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
+            if not est:  # not calibrated yet: the one device that does both stages fastest by design
+                return Decision("hybrid" if "hybrid" in available else available[0], reason, est)
+            best = min(est, key=est.get)
+            self._auto += 1
+            if self._share <= 0:
+                return Decision(best, reason, est)
+            self._credit = min(1.0, self._credit + self._share)
+            explore = self._exploration(est, best, n_in, n_out, stale_ok=self._credit >= 1.0)
+            if explore is None:
+                return Decision(best, reason, est)
+            mode, confirms_new = explore
+            if not confirms_new:
+                self._credit -= 1.0
+            self._explored += 1
+            return Decision(mode, "explore", est)
+
+    def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
+                     stale_ok: bool) -> tuple[str, bool] | None:
+        """(mode, whether it measures a stage never measured) worth running instead of `best`, or None."""
+        candidates = []
+        for mode in est:
+            if mode == best:
+                continue
+            keys = CostModel.stage_keys(mode)
+            unconfirmed = [k for k in keys if k not in self._last_seen]
+            # what this request would measure: a one-token request reports no decode step
+            teaches = [k for k in keys if k[0] != "decode" or n_out >= 2]
+            new = [k for k in teaches if k not in self._last_seen]
+            stale = max((self._auto - self._last_seen[k] for k in teaches if k in self._last_seen), default=0)
+            if not new and not (stale_ok and stale >= self._stale_after):
+                continue
+            # an unconfirmed stage's estimate is only the profile's word: it does not count against exploring
+            trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out) for k in unconfirmed)
+            if trusted <= self._limit * est[best]:
+                candidates.append((-len(new), -stale, est[mode], mode))
+        if not candidates:
+            return None
+        chosen = min(candidates)
+        return chosen[-1], chosen[0] < 0
+
+    # ---- what the router believes, for /debug/router ----------------------------------
+    def snapshot(self) -> dict:
+        """The fitted coefficients, online corrections, queue state and exploration counts (JSON)."""
+        with self._lock:
+            corrections = {f"{st}/{dev}": {"factor": math.exp(c), "online_samples": len(self._online.get((st, dev), ())),
+                                           "last_seen_decisions_ago": self._auto - self._last_seen[(st, dev)]
+                                           if (st, dev) in self._last_seen else None}
+                           for (st, dev), c in sorted(self._log_corr.items())}
+            return {"base": self.model.as_json(), "corrections": corrections,
+                    "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
+                                    "service_s": self._service[e], "e2e_s": self._e2e[e]} for e in ENGINES},
+                    "exploration": {"auto_decisions": self._auto, "explored": self._explored,
+                                    "credit": self._credit, "share": self._share, "limit": self._limit},
+                    "profile_samples": len(self._base)}
 
 
 def samples_from_timings(mode: str, n_in: int, t: dict) -> list[dict]:
@@ -170,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             samples = json.load(f)
         if not isinstance(samples, list):
             raise ValueError("the calibration file must hold a JSON list of samples")
-        router = Router(samples)
+        router = Router(samples, explore_share=0.0)  # one question, answered from the estimates alone
         d = router.choose(args.n_in, args.n_out)
     except (OSError, ValueError, KeyError, LookupError) as exc:
         print(f"router: error: {exc}", file=sys.stderr)

@@ -38,7 +38,7 @@ GRID = [(n_in, n_out) for n_in in (1, 8, 64, 256, 512, 1024, 2048) for n_out in 
 
 
 def test_picks_the_truly_fastest_mode_over_a_grid():
-    router = Router(synthetic_samples())
+    router = Router(synthetic_samples(), explore_share=0)  # the estimates alone: no exploration
     for n_in, n_out in GRID:
         best = min(MODES, key=lambda m: truth(m, n_in, n_out))
         assert router.choose(n_in, n_out).mode == best, (n_in, n_out)
@@ -54,7 +54,7 @@ def test_estimates_within_ten_percent():
 
 def test_each_mode_wins_somewhere():
     """The grid is not degenerate: the router's choice depends on both lengths."""
-    router = Router(synthetic_samples())
+    router = Router(synthetic_samples(), explore_share=0)
     assert {router.choose(n_in, n_out).mode for n_in, n_out in GRID} == set(MODES)
 
 

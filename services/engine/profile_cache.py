@@ -1,0 +1,102 @@
+"""The start-up profile's cache on disk, and the lock that makes the engines profile in turn.
+
+Two engines timing themselves at once on the same cores measure each other, so every
+sweep (and every probe of a cached one) runs under one cross-process lock, a `flock` on
+a file in the cache directory both engines share: they take turns.
+
+A sweep that says the machine was busy while it ran (see `Sweep.busy`) is never cached:
+it is retried after a pause, and if every attempt is busy the least noisy one serves
+this run only; the next start measures again. A cached profile is checked at every
+start by a quick probe when one is given, and measured again when the probe disagrees.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".sweep.lock"
+
+
+@contextlib.contextmanager
+def sweep_lock(cache_dir: str) -> Iterator[None]:
+    """Held around anything that times an engine; blocks while another process holds it."""
+    path = Path(cache_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK_NAME, "a+") as f:
+        waited = time.perf_counter()
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        waited = time.perf_counter() - waited
+        if waited > 0.5:
+            log.info("profile: waited %.1f s for the other engine's sweep", waited)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def cache_path(cache_dir: str, key: str) -> Path:
+    return Path(cache_dir).expanduser() / (key.replace("/", "_").replace(" ", "_") + ".json")
+
+
+def read_cached(path: Path) -> list[dict] | None:
+    """The cached samples, or None when absent or corrupt."""
+    if not path.is_file():
+        return None
+    try:
+        samples = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        log.warning("profile cache %s is corrupt; rerunning the sweep", path)
+        return None
+    if isinstance(samples, list) and samples and all(isinstance(s, dict) and "seconds" in s for s in samples):
+        return samples
+    log.warning("profile cache %s holds no samples; rerunning the sweep", path)
+    return None
+
+
+def _write(path: Path, samples: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([dict(s) for s in samples], indent=1))
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def _noise(samples) -> float:
+    return float(getattr(samples, "spread", 0.0)) + float(getattr(samples, "foreign_load", 0.0))
+
+
+def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
+                 probe: Callable[[list[dict]], bool] | None = None,
+                 attempts: int = 2, retry_wait_s: float = 5.0) -> list[dict]:
+    """The samples cached under `key` (kept when `probe(cached)` is None or True), else run()'s.
+
+    run() returns a list of samples; when it also carries `busy` (a `Sweep`), a busy sweep
+    is retried up to `attempts` times and never cached. All of it under `sweep_lock`.
+    """
+    path = cache_path(cache_dir, key)
+    with sweep_lock(cache_dir):
+        cached = read_cached(path)
+        if cached is not None:
+            if probe is None or probe(cached):
+                log.info("profile: %d samples from %s", len(cached), path)
+                return cached
+            log.warning("profile: the quick probe disagrees with %s by more than 2x; profiling again", path)
+        log.info("profile: running the start-up sweep (%s)", key)
+        noisy = []
+        for attempt in range(max(1, attempts)):
+            samples = run()
+            if not getattr(samples, "busy", False):
+                _write(path, samples)
+                return samples
+            noisy.append(samples)
+            log.warning("profile: the machine was busy during sweep %d/%d (%s); not cached", attempt + 1,
+                        attempts, getattr(samples, "verdict", "noisy repeats"))
+            if attempt + 1 < attempts:
+                time.sleep(retry_wait_s)
+        return min(noisy, key=_noise)

@@ -1,0 +1,194 @@
+"""The router learning from finished requests: a wrong profile corrected, bounded exploration,
+a physical fit, queueing on the engines' own service times. Scripted truth, no engines."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from prometheus_client import REGISTRY
+
+from services.gateway.cost_model import CostModel, fit_stage, nnls
+from services.gateway.router import Router, samples_from_timings
+from services.modes import MODE_NAMES, MODES
+from tests.gateway.test_router import HANDOFF, PER_TOKEN, PREFILL, synthetic_samples, truth
+
+# a 1-client mixed load as the issue tried it: prompts of 30-400 tokens, outputs of 64-192
+LOAD = [(n_in, n_out) for n_in, n_out in zip((30, 400, 120, 64, 250, 90, 330, 45, 180, 300, 75, 210),
+                                             (64, 192, 128, 96, 160, 64, 128, 192, 96, 64, 160, 128))]
+
+
+def timings_of(mode: str, n_in: int, n_out: int) -> dict:
+    """What a finished request reports under the scripted truth (decode_tokens = n_out - 1)."""
+    m = MODES[mode]
+    steps = n_out - 1
+    return {"prefill_s": PREFILL[m.prefill_engine](n_in), "decode_tokens": steps,
+            "decode_s": steps * PER_TOKEN[m.decode_engine](n_in + steps / 2),
+            "handoff_exposed_s": HANDOFF(n_in) if mode == "hybrid" else 0.0}
+
+
+def serve(router: Router, n_in: int, n_out: int, forced: str | None = None):
+    d = router.choose(n_in, n_out, forced=forced)
+    router.started(d.mode)
+    router.finished(d.mode, truth(d.mode, n_in, n_out))
+    router.observe(samples_from_timings(d.mode, n_in, timings_of(d.mode, n_in, n_out)))
+    return d
+
+
+def wrong_profile(factor: float = 50.0) -> list[dict]:
+    """The start-up profile a busy machine recorded: fpga decode `factor` x too slow."""
+    return [dict(s, seconds=s["seconds"] * factor) if (s["stage"], s.get("device")) == ("decode", "fpga") else s
+            for s in synthetic_samples()]
+
+
+def best(n_in: int, n_out: int) -> str:
+    return min(MODE_NAMES, key=lambda m: truth(m, n_in, n_out))
+
+
+def test_a_profile_50x_wrong_is_corrected_within_ten_requests():
+    router = Router(wrong_profile())
+    assert any(router.estimates(n_in, n_out) and min(router.estimates(n_in, n_out), key=router.estimates(n_in, n_out).get)
+               != best(n_in, n_out) for n_in, n_out in LOAD), "the wrong profile must mislead the router at first"
+    for n_in, n_out in LOAD[:10]:
+        serve(router, n_in, n_out)
+    for n_in, n_out in LOAD:
+        est = router.estimates(n_in, n_out)
+        assert min(est, key=est.get) == best(n_in, n_out), (n_in, n_out, est)
+        assert abs(est["hybrid"] / truth("hybrid", n_in, n_out) - 1) < 0.15
+
+
+def test_without_exploration_the_wrong_profile_stays_wrong():
+    """What exploration is for: the router never runs the mode it wrongly thinks slow."""
+    router = Router(wrong_profile(), explore_share=0)
+    picks = [serve(router, n_in, n_out).mode for n_in, n_out in LOAD * 3]
+    assert set(picks) == {"gpu"} and any(best(n_in, n_out) != "gpu" for n_in, n_out in LOAD)
+
+
+def test_exploration_is_a_bounded_share_and_never_forced_or_far_off():
+    router = Router(synthetic_samples(), stale_after=40)
+    explored, n = [], 1000
+    for i in range(n):
+        n_in, n_out = LOAD[i % len(LOAD)]
+        confirmed_before = set(router.snapshot()["corrections"])
+        d = serve(router, n_in, n_out)
+        if d.reason == "explore":
+            explored.append(d)
+            stages = {f"{st}/{dev}" for st, dev in CostModel.stage_keys(d.mode)}
+            if stages <= confirmed_before:  # a confirmed mode is explored only when within 3x of the best
+                assert d.estimates[d.mode] <= 3 * min(d.estimates.values())
+        else:
+            assert d.mode == min(d.estimates, key=d.estimates.get)
+    assert 1 <= len(explored) <= 5 + 0.05 * n  # once per never-measured stage (5 stages), then the share
+    assert {d.mode for d in explored} >= {"gpu", "fpga"}  # stale stages do get refreshed
+    assert all(serve(router, 64, 64, forced="fpga").reason == "forced" for _ in range(100))
+
+
+def test_one_token_requests_do_not_spend_exploration_on_a_decode_they_cannot_measure():
+    router = Router(wrong_profile())
+    # e.g. a client polling with max_tokens=1 until the router is calibrated: the hand-off and both
+    # prefills get measured (two explorations), no decode is, and none is pretended
+    polls = [serve(router, 8, 1).reason for _ in range(5)]
+    assert polls.count("explore") == 2 and "decode/fpga" not in router.snapshot()["corrections"]
+    for n_in, n_out in LOAD[:5]:
+        serve(router, n_in, n_out)
+    assert "decode/fpga" in router.snapshot()["corrections"]
+    est = router.estimates(250, 160)
+    assert min(est, key=est.get) == best(250, 160)
+
+
+def test_a_hybrid_request_teaches_gpu_prefill_handoff_and_fpga_decode():
+    router = Router(synthetic_samples(), explore_share=0)
+    router.observe(samples_from_timings("hybrid", 200, {"prefill_s": 3 * PREFILL["gpu"](200), "decode_tokens": 63,
+                                                        "decode_s": 2 * 63 * PER_TOKEN["fpga"](231.5),
+                                                        "handoff_exposed_s": 4 * HANDOFF(200)}))
+    factors = {k: v["factor"] for k, v in router.snapshot()["corrections"].items()}
+    assert set(factors) == {"prefill/gpu", "handoff/link", "decode/fpga"}
+    assert abs(factors["prefill/gpu"] - 3) < 0.1 and abs(factors["decode/fpga"] - 2) < 0.1
+    assert abs(factors["handoff/link"] - 4) < 0.1
+
+
+def test_estimate_ratio_histogram_counts_each_stage():
+    def count(stage, device):
+        return REGISTRY.get_sample_value("hybridserve_router_estimate_ratio_count",
+                                         {"stage": stage, "device": device}) or 0.0
+
+    before = count("decode", "fpga"), count("prefill", "gpu")
+    router = Router(synthetic_samples(), explore_share=0)
+    serve(router, 100, 32, forced="hybrid")
+    assert (count("decode", "fpga"), count("prefill", "gpu")) == (before[0] + 1, before[1] + 1)
+
+
+def test_snapshot_is_json_with_every_fitted_stage():
+    router = Router(synthetic_samples())
+    serve(router, 64, 64)
+    snap = json.loads(json.dumps(router.snapshot()))
+    assert set(snap["base"]) == {"prefill/gpu", "prefill/fpga", "decode/gpu", "decode/fpga", "handoff/link"}
+    assert all(v >= 0 for fit in snap["base"].values() for v in fit.values())
+    assert snap["exploration"]["auto_decisions"] == 1
+
+
+def test_queueing_uses_each_engines_own_stage_time():
+    """A hybrid request occupies the gpu for its prefill only: that, not its end-to-end time, queues there."""
+    router = Router(synthetic_samples(), explore_share=0)
+    router.concurrency["gpu"] = 2
+    router.finished("hybrid", 10.0)
+    router.observe(samples_from_timings("hybrid", 256, {"prefill_s": 0.4, "decode_tokens": 100, "decode_s": 6.0,
+                                                        "handoff_exposed_s": 0.01}))
+    quiet = router.estimates(256, 64)
+    router.started("hybrid")
+    router.started("hybrid")
+    busy = router.estimates(256, 64)
+    assert abs((busy["gpu"] - quiet["gpu"]) - 2 * 0.4 / 2) < 1e-9  # two waiting prefills over two slots
+    assert abs((busy["fpga"] - quiet["fpga"]) - 2 * 6.0) < 1e-9
+
+
+# ---- the fit ------------------------------------------------------------------------------------------
+def test_nnls_meets_the_optimality_conditions():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        a = rng.uniform(0, 1, (6, 3)) * [1, 100, 1e4]
+        b = rng.normal(0, 1, 6) * 10
+        x = nnls(a, b)
+        grad = a.T @ (a @ x - b)
+        assert np.all(x >= 0)
+        scale = np.abs(a).max(axis=0) * (np.linalg.norm(b) + 1)
+        assert np.all(np.abs(grad[x > 0]) / scale[x > 0] < 1e-8)  # free coefficients: stationary
+        assert np.all(grad[x == 0] / scale[x == 0] > -1e-8)  # clamped ones: the bound is what holds them
+
+
+def test_the_fit_is_never_negative_nor_predicts_zero_on_adversarial_samples():
+    # what the issue found in a busy machine's cache: first calls slower than later, longer ones
+    issue = [{"stage": "prefill", "device": "gpu", "n_in": 16, "seconds": 1.75},
+             {"stage": "prefill", "device": "gpu", "n_in": 64, "seconds": 0.58},
+             {"stage": "decode", "device": "fpga", "n_in": 16, "n_out": 8, "seconds": 1.71},
+             {"stage": "decode", "device": "fpga", "n_in": 256, "n_out": 8, "seconds": 0.14},
+             {"stage": "handoff", "n_in": 16, "seconds": 0.0}, {"stage": "handoff", "n_in": 256, "seconds": 1e-7}]
+    rng = np.random.default_rng(7)
+    sets = [issue]
+    for _ in range(300):
+        sets.append([{"stage": st, "device": dev, "n_in": int(rng.integers(1, 2048)), "n_out": int(rng.integers(1, 64)),
+                      "seconds": float(rng.choice([0.0, 1e-9, rng.exponential(1.0), 1e3 * rng.exponential(1.0)]))}
+                     for st, dev in [("prefill", "gpu"), ("decode", "fpga"), ("handoff", None)] * 3])
+    for samples in sets:
+        model = CostModel.fit(samples)
+        for fit in model.stages.values():
+            assert all(c >= 0 for c in fit.coef) and fit.floor_per_unit > 0
+        for key in model.stages:
+            for n_in, n_out in ((0, 1), (1, 1), (17, 3), (4096, 1024)):
+                assert model.stage_seconds(key, n_in, n_out) > 0, (key, n_in, samples)
+
+
+def test_one_outlier_repeat_does_not_bend_the_fit():
+    pts = [{"stage": "prefill", "device": "gpu", "n_in": n, "seconds": 0.02 + 0.0015 * n} for n in (16, 64, 256)] * 3
+    clean = fit_stage("prefill", pts)
+    spiked = fit_stage("prefill", pts + [{"stage": "prefill", "device": "gpu", "n_in": 16, "seconds": 5.0}])
+    for n in (16, 64, 256, 1024):
+        assert abs(spiked.predict(n) / clean.predict(n) - 1) < 1e-6
+
+
+def test_a_stage_no_profile_measured_is_learnt_from_requests():
+    """decode_fpga profiled while prefill_gpu was down: no hand-off samples, so no hybrid estimate at first."""
+    router = Router([s for s in synthetic_samples() if s["stage"] != "handoff"], explore_share=0)
+    assert "hybrid" not in router.estimates(128, 64)
+    serve(router, 128, 64, forced="hybrid")
+    est = router.estimates(128, 64)
+    assert abs(est["hybrid"] / truth("hybrid", 128, 64) - 1) < 0.01

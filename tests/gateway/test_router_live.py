@@ -1,0 +1,81 @@
+"""The whole stack started with a wrong cached profile (OpenCL decode 50x too slow, as a busy
+machine once recorded it): within ten auto requests the router picks the mode that forced runs
+show fastest. Real engines and gateway on loopback; runs under the heavy lock (slow)."""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import grpc
+import httpx
+import pytest
+
+from services.engine.profile_cache import cache_path
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
+from tests.gateway.conftest import API_KEY, DECODE_ENV, MODEL, wait_calibrated
+from tests.services_harness import Service, engine_pair, start_gateway, wait_http_ok
+
+N_IN, N_OUT = 256, 48  # a cell where the decode engine matters: fpga decode is ~7x faster per token
+
+
+def profile_of(service: Service) -> list[dict]:
+    with grpc.insecure_channel(service.address) as ch:
+        reply = pb_grpc.EngineStub(ch).Profile(pb.ProfileRequest(), timeout=300)
+    return [{"stage": s.stage, "device": s.device, "n_in": s.n_in, "n_out": s.n_out, "seconds": s.seconds}
+            for s in reply.samples]
+
+
+def plant_wrong_profile(tmp_path, decode: Service) -> list[dict]:
+    """decode_fpga's own profile, with every decode time 50x, where its next start will read it."""
+    samples = profile_of(decode)  # measures (and caches, on a quiet machine) under its real key
+    key = re.search(r"running the start-up sweep \((.+)\)$", decode.log_path.read_text(), re.M).group(1)
+    wrong = [dict(s, seconds=50 * s["seconds"]) if s["stage"] == "decode" else s
+             for s in samples if s["stage"] != "handoff"]
+    cache_path(str(tmp_path / "profile"), key).write_text(json.dumps(wrong))
+    return wrong
+
+
+def same_samples(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x["stage"] == y["stage"] and abs(x["seconds"] / y["seconds"] - 1) < 1e-5
+                                    for x, y in zip(a, b))
+
+
+def complete(url: str, mode: str) -> dict:
+    body = {"model": MODEL, "prompt": [300 + i % 5000 for i in range(N_IN)], "max_tokens": N_OUT,
+            "temperature": 0, "ignore_eos": True, "mode": mode}
+    r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300)
+    r.raise_for_status()
+    return r.json()["hybridserve"]
+
+
+@pytest.mark.slow
+def test_a_50x_wrong_cached_profile_is_corrected_within_ten_requests(tmp_path):
+    prefill, decode = engine_pair(tmp_path, decode_env=DECODE_ENV)
+    gateway = None
+    try:
+        prefill.wait_healthy(timeout=420)
+        decode.wait_healthy(timeout=420)
+        wrong = plant_wrong_profile(tmp_path, decode)
+        decode.stop()
+        decode = Service("services.decode_fpga", {**decode.env}, tmp_path / "decode_again.log").start()
+        decode.wait_healthy(timeout=420)
+        # served as planted, unless a start-up probe caught it (then the router starts right)
+        planted = same_samples([s for s in profile_of(decode) if s["stage"] != "handoff"], wrong)
+        gateway = start_gateway(tmp_path, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY})
+        wait_http_ok(gateway)
+        url = f"http://127.0.0.1:{gateway.port}"
+        wait_calibrated(url)
+        auto = [complete(url, "auto") for _ in range(10)]
+        if planted:  # the wrong profile did reach the router: at first it thought hybrid far slower than gpu
+            assert auto[0]["estimates"]["hybrid"] > 2 * auto[0]["estimates"]["gpu"], auto[0]
+        forced = {m: statistics.median(complete(url, m)["timings"]["e2e_s"] for _ in range(3))
+                  for m in ("gpu", "fpga", "hybrid")}
+        fastest = min(forced, key=forced.get)
+        ran = [a["mode"] for a in auto]
+        assert ran[-3:] == [fastest] * 3, (ran, [a["reason"] for a in auto], forced)
+    finally:
+        for svc in (gateway, decode, prefill):
+            if svc is not None:
+                svc.stop()
