@@ -27,6 +27,7 @@ from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
 from services.gateway.errors import APIError, error_response, install
 from services.gateway.openai_format import ChunkWriter, ModelCard, ModelList
+from services.gateway.router_debug import debug_routes
 from services.gateway.router import Router
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Run, sse_events, unary_response
@@ -71,7 +72,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         tokenizer = await asyncio.to_thread(load_tokenizer, ckpt)
         clients = EngineClients(settings.prefill_address, settings.decode_address)
         file_samples = json.loads(open(settings.calibration_file).read()) if settings.calibration_file else []
-        router = Router(file_samples)
+        router = Router(file_samples, explore_share=settings.router_explore_share)
         app.state.hs = State(settings, tokenizer, clients, router, Dispatcher(clients, router),
                              settings.served_model_name or ckpt.model_id)
         watch = asyncio.create_task(watch_engines(clients, router, file_samples, settings.health_interval_s))
@@ -90,6 +91,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
             return error_response(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
         return await call_next(request)
+
+    app.include_router(debug_routes(lambda: app.state.hs.router), dependencies=[Depends(require_api_key)])
 
     @app.get("/health")
     async def health(st: State = Depends(state)):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator
 
 from services.settings import CommonSettings
 
@@ -24,6 +24,8 @@ class GatewaySettings(CommonSettings):
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
     calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile
     health_interval_s: float = 1.0
+    # share of auto requests the router may spend re-measuring a mode it has not run lately (0 = never)
+    router_explore_share: float = Field(0.05, ge=0.0, le=0.5)
 
     @field_validator("api_key", mode="before")
     @classmethod

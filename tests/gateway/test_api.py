@@ -72,8 +72,9 @@ def test_auto_mode_follows_the_calibrated_router(client):
     for prompt_len, n_out in ((4, 24), (600, 4)):
         r = complete(client, "auto", prompt=[300 + i for i in range(prompt_len)], max_tokens=n_out)
         ext = r.model_extra["hybridserve"]
-        assert ext["reason"] == "auto" and set(ext["estimates"]) == set(MODE_NAMES)
-        assert ext["mode"] == min(ext["estimates"], key=ext["estimates"].get)
+        assert ext["reason"] in ("auto", "explore") and set(ext["estimates"]) == set(MODE_NAMES)
+        if ext["reason"] == "auto":  # "explore": a stage no request has measured yet gets one run
+            assert ext["mode"] == min(ext["estimates"], key=ext["estimates"].get)
         assert ext["timings"]["prefill_s"] > 0
 
 
