@@ -112,6 +112,8 @@ class QuantMatrix(EnqueueOnce):
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
+    fuses_norm = True  # bind_gemv_norm runs with any lanes per row
+
     def bind_gemv_norm(self, x: cl.Buffer, norm_w: cl.Buffer, eps: float, y: cl.Buffer,
                        accumulate: bool = False) -> Launch:
         """y[r] (+)= sum_c W[r, c] rms_norm(x, norm_w)[c] for one row x [cols]: the norm computed by

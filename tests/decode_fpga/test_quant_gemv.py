@@ -159,11 +159,11 @@ def test_one_row_decode_plan_fuses_silu_into_down(ocl_gguf_launches_engine, load
     """Launch by launch, a gguf decode step of one sequence has no silu_mul launch (5 per layer),
     batches keep it."""
     cfg = loaded_model.config
-    _, layers = ocl_gguf_launches_engine._layers_plan(1, decode=True)
+    layers = ocl_gguf_launches_engine.plans.decode_step(1).layers
     names = [la.kernel.function_name for layer in layers for la in layer]
     assert "silu_mul" not in names and names.count("gemv_quant_silu") == cfg.n_layers
     assert len(names) == 5 * cfg.n_layers
-    _, layers2 = ocl_gguf_launches_engine._layers_plan(2, decode=True)
+    layers2 = ocl_gguf_launches_engine.plans.decode_step(2).layers
     assert sum(la.kernel.function_name == "silu_mul" for layer in layers2 for la in layer) == cfg.n_layers
 
 
@@ -254,8 +254,9 @@ def test_gpu_shaped_kernels_greedy_identical_to_transformers(loaded_model, cl_de
     dev = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
     engine = make_engine(loaded_model, dev, weights_dtype="gguf", max_context=64, max_sequences=1,
                          blocks=read_block_tensors(loaded_model.checkpoint, model_config))
-    assert engine.layers[0].gate_up.lanes == 32 and not engine.layers[0].down.needs_block_sums
-    assert engine._layers_plan(1, decode=True)[1][0][1].kernel.function_name == "rope_attention_decode_wg"
+    layer = engine.weights.layers[0]
+    assert layer.gate_up.lanes == 32 and not layer.down.needs_block_sums
+    assert engine.plans.decode_step(1).layers[0][1].kernel.function_name == "rope_attention_decode_wg"
     prompt = random_prompt(17, model_config.vocab_size, seed=12)
     assert greedy(engine, prompt, 12) == hf_greedy(hf_model, prompt, 12)
 
