@@ -20,13 +20,6 @@ def blocks(loaded_model):
     return read_block_tensors(loaded_model.checkpoint, loaded_model.config)
 
 
-@pytest.fixture(scope="module")
-def gguf_src(loaded_model):
-    from services.model.gguf_blocks import GGUFBlocks
-
-    return GGUFBlocks.from_checkpoint(loaded_model.checkpoint)
-
-
 @pytest.fixture(scope="module", params=[1, 32], ids=["item-per-row", "lanes32"])
 def gemv_dev(cl_dev, request):
     """The device with each block-GEMV kernel: one work-item per output row (gemv_quant.cl, a CPU's
@@ -306,12 +299,14 @@ def test_lm_head_q8_0(gemv_dev, blocks, batch):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, gguf_src):
-    """upload_layer_matrices (the one call an engine needs) against load_weights' fp32 matrices."""
-    from services.decode_fpga.quant_gemv import upload_layer_matrices, upload_lm_head
+def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, blocks):
+    """The GGUF assembly the engine uses (device_weights.gguf_layer_tensors), uploaded, against
+    load_weights' fp32 matrices."""
+    from services.decode_fpga.device_weights import gguf_layer_tensors, gguf_lm_head_tensor
+    from services.decode_fpga.quant_gemv import upload_block_matrix
 
     cfg, lw = loaded_model.config, loaded_model.weights.layers[5]
-    mats = upload_layer_matrices(cl_dev, gguf_src, cfg, 5)
+    mats = {k: upload_block_matrix(cl_dev, t) for k, t in gguf_layer_tensors(blocks, 5).items()}
     dense = {"qkv": np.concatenate([lw.wq, lw.wk, lw.wv]), "o": lw.wo,
              "gate_up": np.concatenate([lw.w_gate, lw.w_up]), "down": lw.w_down}
     rng = np.random.default_rng(5)
@@ -326,13 +321,15 @@ def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, gguf_src):
         cl.enqueue_copy(cl_dev.queue, got, yb, is_blocking=True)
         ref = x.astype(np.float64) @ w.astype(np.float64).T
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)
-    head = upload_lm_head(cl_dev, gguf_src)
+    head = upload_block_matrix(cl_dev, gguf_lm_head_tensor(blocks))
     assert (head.rows, head.cols, head.fmt) == (cfg.vocab_size, cfg.hidden, "q8_0")
 
 
-def test_layer_blocks_unpermuted_and_stacked(loaded_model, gguf_src):
+def test_layer_blocks_unpermuted_and_stacked(loaded_model, blocks):
+    from services.decode_fpga.device_weights import gguf_layer_tensors
+
     lw = loaded_model.weights.layers[0]
-    layer = gguf_src.layer(loaded_model.config, 0)
+    layer = gguf_layer_tensors(blocks, 0)
     np.testing.assert_array_equal(layer["qkv"].dequantize(), np.concatenate([lw.wq, lw.wk, lw.wv]))
     np.testing.assert_array_equal(layer["gate_up"].dequantize(), np.concatenate([lw.w_gate, lw.w_up]))
     np.testing.assert_array_equal(layer["o"].dequantize(), lw.wo)
