@@ -9,8 +9,9 @@ serves the same forward:
                 runs a step's layers as one launch, every layer packed into one buffer
 
 A new format is a builder here returning DeviceWeights, its branch in
-build_device_weights and its name in WEIGHT_FORMATS (and in the settings' Literal). What every format
-keeps in fp32: the norms, the final norm and the RoPE frequencies.
+build_device_weights and its name in WEIGHT_FORMATS (and in the settings'
+Literal). Every format keeps the norms, the final norm and the RoPE frequencies
+in fp32.
 """
 from __future__ import annotations
 
