@@ -38,14 +38,12 @@ def time_enqueued(dev, enqueue, reps: int) -> float:
 
 def block_kernel_lines(dev, cfg, blocks) -> list[dict]:
     """GEMV straight from the checkpoint's GGUF blocks (the real tensors, all 30 layers)."""
+    from services.decode_fpga.device_weights import gguf_layer_tensors, gguf_lm_head_tensor
     from services.decode_fpga.quant_gemv import upload_block_matrix
-    from services.model.gguf_blocks import stack_rows
 
-    b = lambda i, n: blocks[f"blk.{i}.{n}.weight"]  # noqa: E731
-    groups = {"qkv": [stack_rows("qkv", [b(i, "attn_q"), b(i, "attn_k"), b(i, "attn_v")]) for i in range(cfg.n_layers)],
-              "gate_up": [stack_rows("gu", [b(i, "ffn_gate"), b(i, "ffn_up")]) for i in range(cfg.n_layers)],
-              "down": [b(i, "ffn_down") for i in range(cfg.n_layers)],
-              "lm_head": [blocks.get("output.weight", blocks["token_embd.weight"])]}
+    layers = [gguf_layer_tensors(blocks, i) for i in range(cfg.n_layers)]  # as the engine assembles them
+    groups = {"qkv": [ts["qkv"] for ts in layers], "gate_up": [ts["gate_up"] for ts in layers],
+              "down": [ts["down"] for ts in layers], "lm_head": [gguf_lm_head_tensor(blocks)]}
     x = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.intermediate * 4)
     xs = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.intermediate // 32 * 4)  # x's block sums (Q4_1 reads them)
     y = cl.Buffer(dev.context, MF.READ_WRITE, 8 * cfg.vocab_size * 4)
@@ -206,6 +204,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
     from services.model.loading import load_model
@@ -221,12 +220,12 @@ def main() -> int:
     blocks = read_block_tensors(loaded.checkpoint, cfg)
     kernels += block_kernel_lines(dev, cfg, blocks)
     progress("building the engines (fp32, fp16), the torch engine and transformers")
-    engines = {f: OpenCLEngine(cfg, loaded.weights, dev, weights_dtype=f, max_context=1024, max_sequences=8,
-                               blocks=blocks) for f in ("fp32", "fp16", "gguf")}
+    engines = {f: OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(f, max_context=1024, max_sequences=8),
+                                      blocks) for f in ("fp32", "fp16", "gguf")}
     # the same gguf step launch by launch, without the engine's CPU-device measures: what the one-launch
     # layers (decode_layers.cl) and holding the cores awake (cpu_wake.py) are worth, side by side
-    launches = OpenCLEngine(cfg, loaded.weights, dev, weights_dtype="gguf", max_context=1024, max_sequences=8,
-                            blocks=blocks, layer_kernels=False, keep_cores_awake=False)
+    launches = OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(
+        "gguf", max_context=1024, max_sequences=8, layer_kernels=False, keep_cores_awake=False), blocks)
     torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
     ck = loaded.checkpoint
     hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()

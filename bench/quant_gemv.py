@@ -52,15 +52,17 @@ def synthetic(qtype: str, rows: int, cols: int, seed: int):
     return BlockTensor(f"synthetic {qtype}", qtype, rows, cols, raw)
 
 
-def shapes(src, cfg, quick: bool) -> dict[str, tuple[int, int, int, callable]]:
-    """shape name → (rows, cols, copies, real tensor of layer i or None)."""
+def shapes(blocks, cfg, quick: bool) -> dict[str, tuple[int, int, int, callable]]:
+    """shape name → (rows, cols, copies, real tensor of layer i), the tensors as the engine assembles them."""
+    from services.decode_fpga.device_weights import gguf_layer_tensors, gguf_lm_head_tensor
+
     n = 4 if quick else cfg.n_layers
     h, ff = cfg.hidden, cfg.intermediate
-    return {"o": (h, cfg.q_dim, n, lambda i: src.layer(cfg, i)["o"]),
-            "qkv": (cfg.q_dim + 2 * cfg.kv_dim, h, n, lambda i: src.layer(cfg, i)["qkv"]),
-            "gate_up": (2 * ff, h, n, lambda i: src.layer(cfg, i)["gate_up"]),
-            "down": (h, ff, n, lambda i: src.layer(cfg, i)["down"]),
-            "lm_head": (cfg.vocab_size, h, 1, lambda i: src.lm_head())}
+    return {"o": (h, cfg.q_dim, n, lambda i: gguf_layer_tensors(blocks, i)["o"]),
+            "qkv": (cfg.q_dim + 2 * cfg.kv_dim, h, n, lambda i: gguf_layer_tensors(blocks, i)["qkv"]),
+            "gate_up": (2 * ff, h, n, lambda i: gguf_layer_tensors(blocks, i)["gate_up"]),
+            "down": (h, ff, n, lambda i: gguf_layer_tensors(blocks, i)["down"]),
+            "lm_head": (cfg.vocab_size, h, 1, lambda i: gguf_lm_head_tensor(blocks))}
 
 
 def time_launches(dev, mats, x, y, batch: int, reps: int) -> float:
@@ -91,12 +93,12 @@ def main() -> int:
     from services.decode_fpga.device import select_device
     from services.decode_fpga.gemv import upload_dense_matrix
     from services.decode_fpga.quant_gemv import QuantMatrix
-    from services.model.gguf_blocks import GGUFBlocks
     from services.model.config import read_config
+    from services.model.gguf_blocks import read_block_tensors
 
     ckpt = locate()
     cfg = read_config(ckpt)
-    src = GGUFBlocks.from_checkpoint(ckpt)
+    src = read_block_tensors(ckpt, cfg)
     dev = select_device()
     progress(f"block GEMV on {dev.name}")
     x = cl.Buffer(dev.context, MF.READ_WRITE, 16 * max(cfg.intermediate, cfg.hidden) * 4)

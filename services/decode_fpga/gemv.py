@@ -1,8 +1,9 @@
 """Weight matrices resident on the OpenCL device, and the GEMV that reads them.
 
-`DeviceMatrix` is the seam between the engine and a storage format: the engine
-only binds GEMV and embedding launches (`bind_gemv`, `bind_embed`), so a
-quantized format drops in beside fp32 and fp16.
+`DeviceMatrix` is the seam between the launch plans and a storage format: the
+plans only bind GEMV and embedding launches (`bind_gemv`, `bind_embed`, and the
+fused one-row GEMVs where a matrix says it offers them), so a quantized format
+drops in beside fp32 and fp16.
 """
 from __future__ import annotations
 
@@ -24,11 +25,16 @@ class DeviceMatrix(Protocol):
     fmt: str
 
     needs_block_sums: bool  # bind_gemv reads x_sums, the sums of x over 32-column blocks
+    fuses_norm: bool  # bind_gemv_norm is offered: one row's RMSNorm in the GEMV's prologue
+    fuses_silu: bool  # bind_gemv_silu is offered: one row's silu(gate) * up in the GEMV's prologue
 
     def bind_gemv(self, x: cl.Buffer, y: cl.Buffer, batch: int, accumulate: bool = False,
                   x_sums: cl.Buffer | None = None) -> Launch:
         """The launch of y[b, r] (+)= sum_c W[r, c] * x[b, c] for b < batch. x: [batch, cols] float32
         row-major, y: [batch, rows] float32 row-major, x_sums: [batch, cols / 32] float32."""
+
+    def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
+        """The launch of x[r, :] = W[tokens[r], :] for r < n_rows: the embedding lookup."""
 
     def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
                      accumulate: bool = False) -> None:
@@ -51,6 +57,8 @@ class DenseMatrix(EnqueueOnce):
     """A [rows, cols] matrix stored as fp32 or fp16 in one device buffer."""
 
     needs_block_sums = False
+    fuses_norm = False
+    fuses_silu = False
 
     def __init__(self, dev: DeviceContext, w: np.ndarray, fmt: str):
         if fmt not in DENSE_FORMATS:

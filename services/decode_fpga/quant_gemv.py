@@ -12,11 +12,8 @@ At upload the blocks are split into three arrays, values unchanged: the scales
 fp16 minimums (Q4_1) and the quants, so no load straddles a scale and its
 quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
 
-Wiring an engine (one call per layer, one for the LM head):
-
-    from services.decode_fpga.quant_gemv import upload_layer_matrices, upload_lm_head
-    mats = upload_layer_matrices(dev, loaded.checkpoint, loaded.config, i)  # {"qkv","o","gate_up","down"}
-    head = upload_lm_head(dev, loaded.checkpoint)  # also the embedding when tied: head.bind_embed(...)
+This module is one matrix; which GGUF tensors make up a layer's matrices and
+how they sit on the device is device_weights.py's (gguf_weights).
 """
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
 from services.decode_fpga.launch import Launch, bind
-from services.model.gguf_blocks import BlockTensor, GGUFBlocks
+from services.model.gguf_blocks import BlockTensor
 
 QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80}
 MF = cl.mem_flags
@@ -112,6 +109,8 @@ class QuantMatrix(EnqueueOnce):
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
+    fuses_norm = True  # bind_gemv_norm runs with any lanes per row
+
     def bind_gemv_norm(self, x: cl.Buffer, norm_w: cl.Buffer, eps: float, y: cl.Buffer,
                        accumulate: bool = False) -> Launch:
         """y[r] (+)= sum_c W[r, c] rms_norm(x, norm_w)[c] for one row x [cols]: the norm computed by
@@ -165,21 +164,3 @@ def upload_block_matrix(dev: DeviceContext, t: BlockTensor):
     if t.qtype in ("f32", "f16"):
         return upload_dense_matrix(dev, t.dequantize(), "fp32" if t.qtype == "f32" else "fp16")
     return QuantMatrix(dev, t)
-
-
-upload_quant_matrix = upload_block_matrix
-
-
-def upload_layer_matrices(dev: DeviceContext, blocks: GGUFBlocks | object, cfg, layer: int) -> dict:
-    """Layer `layer`'s {"qkv", "o", "gate_up", "down"} DeviceMatrix set from a GGUF checkpoint
-    (a Checkpoint or an open GGUFBlocks): q/k un-permuted to HF order, q|k|v and gate|up stacked."""
-    src = blocks if isinstance(blocks, GGUFBlocks) else GGUFBlocks.from_checkpoint(blocks)
-    return {k: upload_block_matrix(dev, t) for k, t in src.layer(cfg, layer).items()}
-
-
-def upload_lm_head(dev: DeviceContext, blocks: GGUFBlocks | object):
-    """The output matrix (the embedding when tied) as a DeviceMatrix in its own block format."""
-    src = blocks if isinstance(blocks, GGUFBlocks) else GGUFBlocks.from_checkpoint(blocks)
-    return upload_block_matrix(dev, src.lm_head())
-
-

@@ -11,10 +11,12 @@ def cl_dev():
     return select_device()
 
 
-def make_engine(loaded_model, cl_dev, **kw):
+def make_engine(loaded_model, cl_dev, blocks=None, **config):
+    """An engine on the test model; config: EngineConfig's fields, blocks: the checkpoint's (gguf storage)."""
+    from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.engine import OpenCLEngine
 
-    return OpenCLEngine(loaded_model.config, loaded_model.weights, cl_dev, **kw)
+    return OpenCLEngine.create(loaded_model.config, loaded_model.weights, cl_dev, EngineConfig(**config), blocks)
 
 
 @pytest.fixture(scope="session")

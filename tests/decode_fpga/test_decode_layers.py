@@ -9,6 +9,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
+from services.decode_fpga.plans import StepKind
 from tests.decode_fpga.conftest import make_engine
 
 
@@ -25,12 +26,14 @@ def steps(engine, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
 
 
 def test_the_one_row_plan_is_one_launch(ocl_gguf_engine):
-    embed, layers = ocl_gguf_engine._layers_plan(1, decode=True)
-    assert [[la.kernel.function_name for la in layer] for layer in layers] == [["clear_ints", "decode_layers"]]
-    launch = layers[0][1]
+    plan = ocl_gguf_engine.plans.decode_step(1)
+    assert plan.kind is StepKind.ONE_LAUNCH
+    assert [[la.kernel.function_name for la in layer] for layer in plan.layers] == [["clear_ints", "decode_layers"]]
+    launch = plan.layers[0][1]
     assert launch.global_size == (ocl_gguf_engine.dev.device.max_compute_units,) and launch.local_size == (1,)
     # batches keep the launches of each layer
-    assert len(ocl_gguf_engine._layers_plan(2, decode=True)[1]) == ocl_gguf_engine.cfg.n_layers
+    batch = ocl_gguf_engine.plans.decode_step(2)
+    assert batch.kind is StepKind.LAUNCH_BY_LAUNCH and len(batch.layers) == ocl_gguf_engine.cfg.n_layers
 
 
 @pytest.mark.parametrize("n_prompt", [1, 70])
@@ -47,11 +50,11 @@ def test_bit_for_bit_the_launch_by_launch_step(ocl_gguf_engine, ocl_gguf_launche
 def test_weights_are_on_the_device_once(ocl_gguf_engine):
     """The layer matrices the launch-by-launch kernels read are sub-buffers of the packed buffer."""
     eng = ocl_gguf_engine
-    packed = eng._packed
-    layer_bytes = sum(m.nbytes for layer in eng.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    packed, layers = eng.weights.packed.arrays, eng.weights.layers
+    layer_bytes = sum(m.nbytes for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     norms = 2 * eng.cfg.n_layers * eng.cfg.hidden * 4
     assert layer_bytes + norms <= packed.nbytes < 1.05 * (layer_bytes + norms)
-    d, m, q = eng.layers[3].qkv.device_arrays
+    d, m, q = layers[3].qkv.device_arrays
     assert d.int_ptr != q.int_ptr
     assert all(b.get_info(cl.mem_info.ASSOCIATED_MEMOBJECT) == packed.buffer for b in (d, m, q))
 
@@ -65,13 +68,13 @@ def test_work_groups_that_cannot_all_run_fall_back_launch_by_launch(loaded_model
 
     engine = make_engine(loaded_model, cl_dev, weights_dtype="gguf", max_context=64, max_sequences=1,
                          blocks=read_block_tensors(loaded_model.checkpoint, model_config))
-    engine._layer_groups = 2 * cl_dev.device.max_compute_units + 1
+    engine.plans.layer_groups = 2 * cl_dev.device.max_compute_units + 1
     prompt = random_prompt(9, model_config.vocab_size, seed=22)
     with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
         tokens, logits = steps(engine, prompt, 6)
     assert any("did not all run at once" in r.getMessage() for r in caplog.records)
-    assert not engine._layer_kernels
-    assert engine._layers_plan(1, decode=True)[1][0][0].kernel.function_name != "clear_ints"
+    assert not engine.plans.one_launch
+    assert engine.plans.decode_step(1).kind is StepKind.LAUNCH_BY_LAUNCH
     ref_tokens, ref_logits = steps(ocl_gguf_launches_engine, prompt, 6)
     assert tokens == ref_tokens
     np.testing.assert_array_equal(logits, ref_logits)

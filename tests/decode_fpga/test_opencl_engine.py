@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.decode_fpga.engine import EngineFull
+from services.engine.api import EngineFull
 from services.engine.generation import Generation
 from services.engine.sampling import SamplingParams
 from tests.conftest import hf_greedy, random_prompt
@@ -133,7 +133,7 @@ def test_imported_kv_decodes_like_torch(ocl_engine, torch_engine, model_config):
 
 
 def test_slots_run_out_with_a_clear_error(loaded_model, cl_dev, ocl_engine):
-    held = [ocl_engine.new_sequence(8) for _ in range(ocl_engine.free_slots)]
+    held = [ocl_engine.new_sequence(8) for _ in range(ocl_engine.kv.free_sequences)]
     try:
         with pytest.raises(EngineFull, match="sequence slots"):
             ocl_engine.new_sequence(8)

@@ -20,13 +20,6 @@ def blocks(loaded_model):
     return read_block_tensors(loaded_model.checkpoint, loaded_model.config)
 
 
-@pytest.fixture(scope="module")
-def gguf_src(loaded_model):
-    from services.model.gguf_blocks import GGUFBlocks
-
-    return GGUFBlocks.from_checkpoint(loaded_model.checkpoint)
-
-
 @pytest.fixture(scope="module", params=[1, 32], ids=["item-per-row", "lanes32"])
 def gemv_dev(cl_dev, request):
     """The device with each block-GEMV kernel: one work-item per output row (gemv_quant.cl, a CPU's
@@ -159,11 +152,11 @@ def test_one_row_decode_plan_fuses_silu_into_down(ocl_gguf_launches_engine, load
     """Launch by launch, a gguf decode step of one sequence has no silu_mul launch (5 per layer),
     batches keep it."""
     cfg = loaded_model.config
-    _, layers = ocl_gguf_launches_engine._layers_plan(1, decode=True)
+    layers = ocl_gguf_launches_engine.plans.decode_step(1).layers
     names = [la.kernel.function_name for layer in layers for la in layer]
     assert "silu_mul" not in names and names.count("gemv_quant_silu") == cfg.n_layers
     assert len(names) == 5 * cfg.n_layers
-    _, layers2 = ocl_gguf_launches_engine._layers_plan(2, decode=True)
+    layers2 = ocl_gguf_launches_engine.plans.decode_step(2).layers
     assert sum(la.kernel.function_name == "silu_mul" for layer in layers2 for la in layer) == cfg.n_layers
 
 
@@ -254,8 +247,9 @@ def test_gpu_shaped_kernels_greedy_identical_to_transformers(loaded_model, cl_de
     dev = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
     engine = make_engine(loaded_model, dev, weights_dtype="gguf", max_context=64, max_sequences=1,
                          blocks=read_block_tensors(loaded_model.checkpoint, model_config))
-    assert engine.layers[0].gate_up.lanes == 32 and not engine.layers[0].down.needs_block_sums
-    assert engine._layers_plan(1, decode=True)[1][0][1].kernel.function_name == "rope_attention_decode_wg"
+    layer = engine.weights.layers[0]
+    assert layer.gate_up.lanes == 32 and not layer.down.needs_block_sums
+    assert engine.plans.decode_step(1).layers[0][1].kernel.function_name == "rope_attention_decode_wg"
     prompt = random_prompt(17, model_config.vocab_size, seed=12)
     assert greedy(engine, prompt, 12) == hf_greedy(hf_model, prompt, 12)
 
@@ -305,12 +299,14 @@ def test_lm_head_q8_0(gemv_dev, blocks, batch):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, gguf_src):
-    """upload_layer_matrices (the one call an engine needs) against load_weights' fp32 matrices."""
-    from services.decode_fpga.quant_gemv import upload_layer_matrices, upload_lm_head
+def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, blocks):
+    """The GGUF assembly the engine uses (device_weights.gguf_layer_tensors), uploaded, against
+    load_weights' fp32 matrices."""
+    from services.decode_fpga.device_weights import gguf_layer_tensors, gguf_lm_head_tensor
+    from services.decode_fpga.quant_gemv import upload_block_matrix
 
     cfg, lw = loaded_model.config, loaded_model.weights.layers[5]
-    mats = upload_layer_matrices(cl_dev, gguf_src, cfg, 5)
+    mats = {k: upload_block_matrix(cl_dev, t) for k, t in gguf_layer_tensors(blocks, 5).items()}
     dense = {"qkv": np.concatenate([lw.wq, lw.wk, lw.wv]), "o": lw.wo,
              "gate_up": np.concatenate([lw.w_gate, lw.w_up]), "down": lw.w_down}
     rng = np.random.default_rng(5)
@@ -325,13 +321,15 @@ def test_layer_matrices_equal_the_dense_weights(cl_dev, loaded_model, gguf_src):
         cl.enqueue_copy(cl_dev.queue, got, yb, is_blocking=True)
         ref = x.astype(np.float64) @ w.astype(np.float64).T
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=name)
-    head = upload_lm_head(cl_dev, gguf_src)
+    head = upload_block_matrix(cl_dev, gguf_lm_head_tensor(blocks))
     assert (head.rows, head.cols, head.fmt) == (cfg.vocab_size, cfg.hidden, "q8_0")
 
 
-def test_layer_blocks_unpermuted_and_stacked(loaded_model, gguf_src):
+def test_layer_blocks_unpermuted_and_stacked(loaded_model, blocks):
+    from services.decode_fpga.device_weights import gguf_layer_tensors
+
     lw = loaded_model.weights.layers[0]
-    layer = gguf_src.layer(loaded_model.config, 0)
+    layer = gguf_layer_tensors(blocks, 0)
     np.testing.assert_array_equal(layer["qkv"].dequantize(), np.concatenate([lw.wq, lw.wk, lw.wv]))
     np.testing.assert_array_equal(layer["gate_up"].dequantize(), np.concatenate([lw.w_gate, lw.w_up]))
     np.testing.assert_array_equal(layer["o"].dequantize(), lw.wo)

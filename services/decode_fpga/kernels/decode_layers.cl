@@ -23,7 +23,7 @@
 // Work-groups must all run at once: OpenCL does not promise it, PoCL's pthread device does when
 // there are no more work-groups than worker threads (each takes one). A barrier that waits past
 // SPIN_LIMIT polls sets sync[0] and every work-group returns; the host then redoes the step
-// launch by launch (engine.py).
+// launch by launch (engine.py) and stays there (plans.py, drop_one_launch).
 //
 // Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), and LINE: ints between two counters of sync, each on a

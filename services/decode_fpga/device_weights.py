@@ -1,0 +1,191 @@
+"""The model's weights on the device (DeviceWeights), one builder per storage format.
+
+A storage format is how the layer matrices and the LM head sit in device memory;
+the launch plans only bind their GEMVs (gemv.py's DeviceMatrix), so every format
+serves the same forward:
+
+    fp32, fp16  dense_weights: the host weights, one buffer per matrix (gemv.py)
+    gguf        gguf_weights: the checkpoint's own blocks (quant_gemv.py); on a CPU device that
+                runs a step's layers as one launch, every layer packed into one buffer
+
+A new format is a builder here returning DeviceWeights, its branch in
+build_device_weights and its name in WEIGHT_FORMATS (and in the settings'
+Literal). Every format keeps the norms, the final norm and the RoPE frequencies
+in fp32.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pyopencl as cl
+
+from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
+from services.decode_fpga.packed_arrays import PackedArrays
+from services.decode_fpga.quant_gemv import QFMT_CODES, QuantMatrix, split_blocks, upload_block_matrix
+from services.model.config import ModelConfig
+from services.model.gguf_blocks import BlockTensor, stack_rows
+from services.model.weights import ModelWeights
+
+log = logging.getLogger(__name__)
+
+MF = cl.mem_flags
+WEIGHT_FORMATS = ("fp32", "fp16", "gguf")  # each has a builder below
+MATRICES = ("qkv", "o", "gate_up", "down")  # a layer's matrices, in decode_layers.cl's table order
+# the GGUF tensors each matrix stacks, one under the other
+GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"),
+              "down": ("ffn_down",)}
+
+
+@dataclass(frozen=True)
+class DeviceLayer:
+    attn_norm: cl.Buffer  # [hidden] fp32
+    ffn_norm: cl.Buffer  # [hidden] fp32
+    qkv: DeviceMatrix  # [q_dim + 2 kv_dim, hidden]
+    o: DeviceMatrix  # [hidden, q_dim]
+    gate_up: DeviceMatrix  # [2 ff, hidden]
+    down: DeviceMatrix  # [hidden, ff]
+
+
+@dataclass(frozen=True)
+class PackedLayers:
+    """Every layer's norms and block arrays in one buffer (decode_layers.cl reads them through a table)."""
+
+    arrays: PackedArrays
+    table: cl.Buffer  # int32 [n_layers, 2 + 3 * len(MATRICES)]: byte offsets of each layer's arrays
+    qfmt: str  # the one block format of every layer matrix
+
+
+@dataclass(frozen=True)
+class DeviceWeights:
+    fmt: str  # the storage format (WEIGHT_FORMATS)
+    layers: list[DeviceLayer]
+    embed: DeviceMatrix  # [vocab, hidden]: rows looked up (bind_embed); the LM head itself when tied
+    lm_head: DeviceMatrix  # [vocab, hidden]
+    final_norm: cl.Buffer  # [hidden] fp32
+    inv_freq: cl.Buffer  # [head_dim / 2] fp32: RoPE's inverse frequencies
+    packed: PackedLayers | None = None  # set when the layers also sit in one buffer for decode_layers.cl
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: every layer matrix, the LM head, the norms (not the lookup table)."""
+        mats = sum(getattr(layer, k).nbytes for layer in self.layers for k in MATRICES)
+        hidden = self.lm_head.cols
+        return mats + self.lm_head.nbytes + (2 * len(self.layers) + 1) * hidden * 4
+
+
+def upload_vector(dev: DeviceContext, a: np.ndarray) -> cl.Buffer:
+    return cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a, np.float32))
+
+
+def _device_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: str, layers: list[DeviceLayer],
+                    embed: DeviceMatrix, lm_head: DeviceMatrix, packed: PackedLayers | None = None) -> DeviceWeights:
+    """The matrices with what every format keeps in fp32: the final norm and the RoPE frequencies."""
+    # computed as torch does (int64 arange → float32) so the angles match the reference bit for bit
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32)
+                                         / cfg.head_dim))
+    return DeviceWeights(fmt, layers, embed, lm_head, upload_vector(dev, w.final_norm), upload_vector(dev, inv_freq),
+                         packed)
+
+
+# ---- fp32 / fp16 ------------------------------------------------------------------------------
+def dense_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: str) -> DeviceWeights:
+    """Every matrix as `fmt` (fp32 or fp16) in a buffer of its own; the embedding is the LM head when tied."""
+    layers = [DeviceLayer(attn_norm=upload_vector(dev, lw.attn_norm), ffn_norm=upload_vector(dev, lw.ffn_norm),
+                          qkv=upload_dense_matrix(dev, np.concatenate([lw.wq, lw.wk, lw.wv]), fmt),
+                          o=upload_dense_matrix(dev, lw.wo, fmt),
+                          gate_up=upload_dense_matrix(dev, np.concatenate([lw.w_gate, lw.w_up]), fmt),
+                          down=upload_dense_matrix(dev, lw.w_down, fmt))
+              for lw in w.layers]
+    embed = upload_dense_matrix(dev, w.embed, fmt)
+    lm_head = embed if w.lm_head is w.embed else upload_dense_matrix(dev, w.lm_head, fmt)
+    return _device_weights(dev, cfg, w, fmt, layers, embed, lm_head)
+
+
+# ---- gguf blocks --------------------------------------------------------------------------------
+def gguf_layer_tensors(blocks: dict[str, BlockTensor], layer: int) -> dict[str, BlockTensor | np.ndarray]:
+    """Layer `layer`'s MATRICES from the checkpoint's blocks (gguf_blocks.read_block_tensors: q/k rows
+    already un-permuted), q|k|v and gate|up stacked. A stack whose parts differ in format comes back
+    dense (fp32 [rows, cols], gguf's values exactly)."""
+    out: dict[str, BlockTensor | np.ndarray] = {}
+    for key, names in GGUF_PARTS.items():
+        parts = [blocks[f"blk.{layer}.{n}.weight"] for n in names]
+        try:
+            out[key] = parts[0] if len(parts) == 1 else stack_rows(names[0], parts)
+        except ValueError as exc:  # mixed formats in one stack: keep that one exact, dense fp32
+            log.warning("layer %d %s: %s; storing it as fp32", layer, names, exc)
+            out[key] = np.concatenate([p.dequantize() for p in parts])
+    return out
+
+
+def gguf_lm_head_tensor(blocks: dict[str, BlockTensor]) -> BlockTensor:
+    """The output matrix; the embedding itself when the checkpoint ties them (no output.weight)."""
+    return blocks.get("output.weight", blocks["token_embd.weight"])
+
+
+def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: dict[str, BlockTensor],
+                 pack_layers: bool) -> DeviceWeights:
+    """Layer matrices and the LM head as the checkpoint's blocks (quant_gemv.py). pack_layers (a CPU
+    device that runs a step's layers as one launch): when every layer matrix shares one block format,
+    the layers are packed into one buffer, the matrices sub-buffers of it, so they are on the device once."""
+    tensors = [gguf_layer_tensors(blocks, i) for i in range(len(w.layers))]
+    fmts = {getattr(t, "qtype", None) for ts in tensors for t in ts.values()}
+    packed = None
+    if pack_layers and len(fmts) == 1 and fmts <= set(QFMT_CODES):
+        layers, packed = _pack_layers(dev, w, tensors)
+    else:
+        def mat(t: BlockTensor | np.ndarray) -> DeviceMatrix:
+            return upload_dense_matrix(dev, t, "fp32") if isinstance(t, np.ndarray) else upload_block_matrix(dev, t)
+
+        layers = [DeviceLayer(attn_norm=upload_vector(dev, lw.attn_norm), ffn_norm=upload_vector(dev, lw.ffn_norm),
+                              **{k: mat(t) for k, t in ts.items()}) for lw, ts in zip(w.layers, tensors)]
+    lm_head = upload_block_matrix(dev, gguf_lm_head_tensor(blocks))
+    # tied: rows are looked up from the same blocks, gguf's values exactly; else a dense fp32 table
+    # (row lookups only: one row per token)
+    embed = lm_head if w.lm_head is w.embed else upload_dense_matrix(dev, w.embed, "fp32")
+    return _device_weights(dev, cfg, w, "gguf", layers, embed, lm_head, packed)
+
+
+def _pack_layers(dev: DeviceContext, w: ModelWeights,
+                 tensors: list[dict[str, BlockTensor]]) -> tuple[list[DeviceLayer], PackedLayers]:
+    """Every layer's norms and block arrays in one buffer (packed_arrays.py), in the order of
+    decode_layers.cl's table; the DeviceLayer matrices are sub-buffers of the same memory."""
+    arrays = []
+    splits = [{k: split_blocks(ts[k]) for k in MATRICES} for ts in tensors]  # once: packed, then measured
+    for lw, split in zip(w.layers, splits):
+        arrays += [np.ascontiguousarray(lw.attn_norm, np.float32), np.ascontiguousarray(lw.ffn_norm, np.float32)]
+        for k in MATRICES:
+            d, m, q = split[k]
+            arrays += [d, m if m is not None else d[:, :0], q]  # an empty stand-in where there are no minimums
+    packed = PackedArrays(dev, arrays)
+    per = 2 + 3 * len(MATRICES)
+    table = np.array(packed.offsets, np.int64).reshape(len(w.layers), per)
+    if table.max() >= 2 ** 31:
+        raise ValueError("the packed layer weights exceed 2 GB; decode_layers indexes them with int")
+    layers = []
+    for li, ts in enumerate(tensors):
+        views = packed.views[li * per:(li + 1) * per]
+        mats = {}
+        for j, k in enumerate(MATRICES):
+            d_buf, m_buf, q_buf = views[2 + 3 * j:5 + 3 * j]
+            mats[k] = QuantMatrix(dev, ts[k], (d_buf, m_buf if ts[k].qtype == "q4_1" else None, q_buf),
+                                  split=splits[li][k])
+        layers.append(DeviceLayer(attn_norm=views[0], ffn_norm=views[1], **mats))
+    table_buf = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=table.astype(np.int32))
+    return layers, PackedLayers(packed, table_buf, tensors[0]["qkv"].qtype)
+
+
+# ---- by format ----------------------------------------------------------------------------------
+def build_device_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: str,
+                         blocks: dict[str, BlockTensor] | None = None, pack_layers: bool = False) -> DeviceWeights:
+    """The weights in storage format `fmt` (one of WEIGHT_FORMATS). blocks: the checkpoint's blocks
+    (gguf_blocks.read_block_tensors), which gguf needs; pack_layers: see gguf_weights."""
+    if fmt in ("fp32", "fp16"):
+        return dense_weights(dev, cfg, w, fmt)
+    if fmt == "gguf":
+        if blocks is None:
+            raise ValueError("weights_dtype gguf needs the checkpoint's blocks (gguf_blocks.read_block_tensors)")
+        return gguf_weights(dev, cfg, w, blocks, pack_layers)
+    raise ValueError(f"no device weights builder for {fmt!r} (known: {WEIGHT_FORMATS})")

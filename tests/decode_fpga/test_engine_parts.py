@@ -1,0 +1,152 @@
+"""The parts the OpenCL engine composes, each on its own: the config, the device weights' GGUF
+assembly, and the KV store (real OpenCL on PoCL)."""
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pyopencl as cl
+import pytest
+from gguf.quants import quantize
+
+from services.decode_fpga.config import DeviceFit, EngineConfig
+from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.device_weights import gguf_layer_tensors, gguf_weights
+from services.decode_fpga.kv_store import KVStore
+from services.decode_fpga.quant_gemv import split_blocks
+from services.decode_fpga.settings import DecodeSettings
+from services.engine.api import EngineFull
+from services.model.gguf_blocks import BlockTensor
+
+
+# ---- EngineConfig / DeviceFit ----------------------------------------------------------------
+@pytest.mark.parametrize("bad", [{"weights_dtype": "auto"}, {"weights_dtype": "int8"}, {"kv_channels": 0},
+                                 {"max_sequences": -1}, {"max_context": 0}, {"max_context": 2.5},
+                                 {"max_sequences": True}])
+def test_config_refuses_bad_values(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**bad)
+
+
+def test_config_is_frozen_and_auto_storage_follows_the_checkpoint():
+    config = EngineConfig.from_settings(DecodeSettings(kv_channels=3, max_sequences=2), "gguf")
+    assert (config.weights_dtype, config.kv_channels, config.max_sequences) == ("gguf", 3, 2)
+    assert EngineConfig.from_settings(DecodeSettings(), "hf").weights_dtype == "fp32"
+    assert EngineConfig.from_settings(DecodeSettings(weights_dtype="fp16"), "gguf").weights_dtype == "fp16"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_context = 1
+
+
+def test_device_fit_caps_the_context_and_decides_the_one_launch_step(model_config, cl_dev):
+    fit = DeviceFit.of(EngineConfig(max_context=10 ** 6, max_sequences=200), model_config, cl_dev)
+    assert fit.max_context == model_config.max_context and fit.max_rows == 200
+    assert fit.one_launch_layers and fit.keep_cores_awake  # PoCL's device is a CPU
+    for config in (EngineConfig(kv_channels=2), EngineConfig(layer_kernels=False)):
+        assert not DeviceFit.of(config, model_config, cl_dev).one_launch_layers
+    gpu_shaped = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
+    assert not DeviceFit.of(EngineConfig(), model_config, gpu_shaped).one_launch_layers
+
+
+def test_engine_refuses_weights_of_another_format(ocl_engine, model_config, cl_dev):
+    from services.decode_fpga.engine import OpenCLEngine
+
+    with pytest.raises(ValueError, match="stored as gguf"):
+        OpenCLEngine(model_config, cl_dev, EngineConfig(weights_dtype="gguf"), ocl_engine.weights)
+
+
+# ---- the GGUF assembly ----------------------------------------------------------------------
+def synthetic(name: str, qtype: str, rows: int, cols: int, seed: int) -> BlockTensor:
+    w = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+    raw = quantize(w, gguf.GGMLQuantizationType[qtype.upper()]).reshape(rows, -1)
+    return BlockTensor(name, qtype, rows, cols, raw)
+
+
+def test_a_stack_of_mixed_formats_comes_back_dense_with_ggufs_values():
+    parts = {"attn_q": "q4_1", "attn_k": "q8_0", "attn_v": "q4_1", "attn_output": "q4_0", "ffn_gate": "q4_1",
+             "ffn_up": "q4_1", "ffn_down": "q8_0"}
+    blocks = {f"blk.0.{n}.weight": synthetic(n, q, 8, 64, seed) for seed, (n, q) in enumerate(parts.items())}
+    layer = gguf_layer_tensors(blocks, 0)
+    want_qkv = np.concatenate([blocks[f"blk.0.{n}.weight"].dequantize() for n in ("attn_q", "attn_k", "attn_v")])
+    assert isinstance(layer["qkv"], np.ndarray) and layer["qkv"].dtype == np.float32
+    np.testing.assert_array_equal(layer["qkv"], want_qkv)
+    assert (layer["gate_up"].qtype, layer["gate_up"].rows) == ("q4_1", 16)
+    assert layer["o"] is blocks["blk.0.attn_output.weight"] and layer["down"] is blocks["blk.0.ffn_down.weight"]
+
+
+def read(dev, buf: cl.Buffer, like: np.ndarray) -> np.ndarray:
+    out = np.empty_like(like)
+    cl.enqueue_copy(dev.queue, out, buf, is_blocking=True)
+    return out
+
+
+def test_packed_and_separate_gguf_layers_hold_the_same_bytes(ocl_gguf_engine, loaded_model, cl_dev):
+    """The packed layers (decode_layers.cl's one buffer) and a buffer per matrix hold split_blocks'
+    arrays of the same assembled tensors, byte for byte."""
+    from services.model.gguf_blocks import read_block_tensors
+
+    cfg = loaded_model.config
+    blocks = read_block_tensors(loaded_model.checkpoint, cfg)
+    packed = ocl_gguf_engine.weights
+    separate = gguf_weights(cl_dev, cfg, loaded_model.weights, blocks, pack_layers=False)
+    assert packed.packed is not None and separate.packed is None
+    assert packed.nbytes == separate.nbytes == ocl_gguf_engine.weights_nbytes
+    for li in (0, cfg.n_layers - 1):
+        tensors = gguf_layer_tensors(blocks, li)
+        for key in ("qkv", "o", "gate_up", "down"):
+            d, m, q = split_blocks(tensors[key])
+            for weights in (packed, separate):
+                mat = getattr(weights.layers[li], key)
+                d_buf, m_buf, q_buf = mat.device_arrays
+                np.testing.assert_array_equal(read(cl_dev, d_buf, d), d, err_msg=key)
+                np.testing.assert_array_equal(read(cl_dev, q_buf, q), q, err_msg=key)
+                if m is not None:
+                    np.testing.assert_array_equal(read(cl_dev, m_buf, m), m, err_msg=key)
+        norm = np.ascontiguousarray(loaded_model.weights.layers[li].ffn_norm, np.float32)
+        for weights in (packed, separate):
+            np.testing.assert_array_equal(read(cl_dev, weights.layers[li].ffn_norm, norm), norm)
+    assert packed.lm_head.fmt == separate.lm_head.fmt == blocks["token_embd.weight"].qtype
+
+
+# ---- the KV store ---------------------------------------------------------------------------
+@pytest.fixture
+def small_store(model_config, cl_dev):
+    """Two sequences of 16 positions over 3 channels (planes spread unevenly)."""
+    return KVStore(cl_dev, model_config, max_context=16, max_sequences=2, n_channels=3)
+
+
+def test_sequences_run_out_and_come_back(small_store):
+    a, b = small_store.new_sequence(16), small_store.new_sequence(4)
+    assert small_store.free_sequences == 0
+    with pytest.raises(EngineFull):
+        small_store.new_sequence(4)
+    small_store.release(a)
+    small_store.release(a)  # twice: still one sequence back
+    assert small_store.free_sequences == 1 and a.slot == -1
+    with pytest.raises(ValueError, match="exceeds"):
+        small_store.new_sequence(17)
+    small_store.release(b)
+
+
+def test_imported_kv_reads_back_per_sequence(small_store, model_config):
+    c, rng = model_config, np.random.default_rng(7)
+    a, b = small_store.new_sequence(16), small_store.new_sequence(16)
+    wire = {}
+    for seq, n in ((a, 5), (b, 9)):
+        wire[n] = rng.normal(size=(c.n_layers, 2, c.n_kv_heads, n, c.head_dim)).astype(np.float16)
+        for layer in range(c.n_layers):
+            small_store.import_layer(seq, layer, wire[n][layer])
+        small_store.finish_import(seq, n)
+        assert seq.length == n and not seq._keep_alive
+    np.testing.assert_array_equal(small_store.read(a, 5), wire[5].astype(np.float32))
+    np.testing.assert_array_equal(small_store.read(b, 9), wire[9].astype(np.float32))  # b did not overwrite a
+
+
+def test_import_refuses_kv_that_does_not_fit(small_store, model_config):
+    c = model_config
+    seq = small_store.new_sequence(4)
+    with pytest.raises(ValueError, match="do not fit"):
+        small_store.import_layer(seq, 0, np.zeros((2, c.n_kv_heads, 5, c.head_dim), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        small_store.import_layer(seq, 0, np.zeros((2, c.n_kv_heads + 1, 3, c.head_dim), np.float32))
