@@ -151,23 +151,6 @@ class GGUFBlocks:
     def is_matrix(self, name: str) -> bool:
         return len(self._tensors[name].shape) == 2
 
-    def layer(self, cfg: ModelConfig, i: int) -> dict[str, BlockTensor]:
-        """The layer's matrices as the engine uses them: qkv and gate_up stacked, q/k un-permuted."""
-        g = lambda s: self.tensor(f"blk.{i}.{s}.weight")  # noqa: E731
-        q = unpermute_rope(g("attn_q"), cfg.n_heads)
-        k = unpermute_rope(g("attn_k"), cfg.n_kv_heads)
-        return {"qkv": stack_rows(f"blk.{i}.qkv", [q, k, g("attn_v")]),
-                "o": g("attn_output"),
-                "gate_up": stack_rows(f"blk.{i}.gate_up", [g("ffn_gate"), g("ffn_up")]),
-                "down": g("ffn_down")}
-
-    def embedding(self) -> BlockTensor:
-        return self.tensor("token_embd.weight")
-
-    def lm_head(self) -> BlockTensor:
-        """The output matrix; the embedding itself when the checkpoint ties them (no output.weight)."""
-        return self.tensor("output.weight") if "output.weight" in self else self.embedding()
-
 
 def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, BlockTensor]:
     """Every 2-D tensor of a GGUF checkpoint by its GGUF name, q/k rows already un-permuted;
