@@ -76,7 +76,7 @@ class CpuWakeLatency:
         self._unavailable = f"{self.path}: {exc.strerror or exc}"
         log.warning("cannot keep the CPU cores awake between OpenCL kernels (%s); decode on a CPU device runs "
                     "slower on VMs. Run as root, grant write access to %s, or set "
-                    "HYBRIDSERVE_OPENCL_KEEP_CORES_AWAKE=false to silence this", self._unavailable, self.path)
+                    "HYBRIDSERVE_DECODE_OPENCL_KEEP_CORES_AWAKE=false to silence this", self._unavailable, self.path)
 
     def _close(self) -> None:
         if self._fd is not None:

@@ -62,7 +62,7 @@ def test_without_the_device_file_the_engine_goes_on_and_says_why_once(tmp_path, 
         wake.touch()
     assert not wake.held and "cpu_dma_latency" in wake.unavailable
     warnings = [r for r in caplog.records if "awake" in r.getMessage()]
-    assert len(warnings) == 1 and "HYBRIDSERVE_OPENCL_KEEP_CORES_AWAKE" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "HYBRIDSERVE_DECODE_OPENCL_KEEP_CORES_AWAKE" in warnings[0].getMessage()
 
 
 def test_a_decode_step_holds_it_on_a_cpu_device(ocl_gguf_engine, pm_qos):
@@ -83,5 +83,5 @@ def test_setting(monkeypatch):
     from services.decode_fpga.settings import DecodeSettings
 
     assert DecodeSettings().opencl_keep_cores_awake is True
-    monkeypatch.setenv("HYBRIDSERVE_OPENCL_KEEP_CORES_AWAKE", "false")
+    monkeypatch.setenv("HYBRIDSERVE_DECODE_OPENCL_KEEP_CORES_AWAKE", "false")
     assert DecodeSettings().opencl_keep_cores_awake is False
