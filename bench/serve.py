@@ -176,7 +176,9 @@ def summarize(results: list[dict], wall: float) -> dict:
     out = {"output_tok_s": tokens / wall, "req_s": len(ok) / wall, "wall_s": wall, "tokens": tokens,
            "requests": len(ok), "errors": len(results) - len(ok), "short_outputs": sum(r["short"] for r in ok),
            "error_messages": [r["error"] for r in results if r["error"]][:3]}
-    for key, xs in (("ttft", [r["ttft"] for r in ok]), ("itl", itl), ("e2e", [r["e2e"] for r in ok])):
+    # time per output token after the first: unlike ITL, it does not depend on how tokens are chunked
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    for key, xs in (("ttft", [r["ttft"] for r in ok]), ("itl", itl), ("tpot", tpot), ("e2e", [r["e2e"] for r in ok])):
         out[f"{key}_p50"], out[f"{key}_p99"] = pct(xs, 50), pct(xs, 99)
     return out
 
@@ -487,6 +489,13 @@ def ratios_to(runs: dict, baseline: str) -> dict:
     return out
 
 
+def command_line() -> str:
+    """The exact command, the script named relative to the repository (the interpreter is in `machine`)."""
+    script = Path(sys.argv[0]).resolve()
+    script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
 def main() -> int:
     args = build_args().parse_args()
     preset = "quick" if args.quick else "default"
@@ -532,7 +541,7 @@ def main() -> int:
     for p in pngs:
         print(f"wrote {p}")
     write_json("serve", {
-        "command": shlex.join([sys.executable, *sys.argv]), "preset": preset, "rounds": rounds,
+        "command": command_line(), "preset": preset, "rounds": rounds,
         "concurrency": list(levels), "prompt_tokens": list(prompt_range), "output_tokens": list(output_range),
         "requests_per_run": {str(c): len(work[c]) for c in levels}, "seed": args.seed,
         "corpus": {"files": list(CORPUS_FILES), "tokens": len(corpus), "sha256_16": corpus_sha},
