@@ -175,7 +175,7 @@ def summarize(results: list[dict], wall: float) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     out = {"output_tok_s": tokens / wall, "req_s": len(ok) / wall, "wall_s": wall, "tokens": tokens,
            "requests": len(ok), "errors": len(results) - len(ok), "short_outputs": sum(r["short"] for r in ok),
-           "error_messages": [r["error"] for r in results if r["error"]][:3]}
+           "error_messages": first_distinct(r["error"] for r in results if r["error"])}
     # time per output token after the first: unlike ITL, it does not depend on how tokens are chunked
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     for key, xs in (("ttft", [r["ttft"] for r in ok]), ("itl", itl), ("tpot", tpot), ("e2e", [r["e2e"] for r in ok])):
@@ -194,7 +194,11 @@ def over_rounds(rounds: list[dict]) -> dict:
             xs = [r[key] for r in rounds if r[key] is not None]
             med[key] = statistics.median(xs) if xs else None
     return {"median": med, "totals": {k: sum(r[k] for r in rounds) for k in TOTALS},
-            "error_messages": [m for r in rounds for m in r["error_messages"]][:3], "rounds": rounds}
+            "error_messages": first_distinct(m for r in rounds for m in r["error_messages"]), "rounds": rounds}
+
+
+def first_distinct(messages, n: int = 3) -> list[str]:
+    return list(dict.fromkeys(messages))[:n]
 
 
 # ---------------------------------------------------------------- memory and engine gauges
