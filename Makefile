@@ -48,7 +48,7 @@ bench: $(STAMP) system-deps
 	done
 	$(PY) bench/suite.py
 	$(PY) bench/router_fresh.py
-	@if [ -f bench/serve.py ]; then $(PY) bench/serve.py --start-stack; fi
+	$(PY) bench/serve.py --start-stack --rounds 1 $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iservices/rpc=proto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO)
