@@ -45,8 +45,10 @@ def main() -> int:
     import grpc
 
     from cuda_check import smollm2_shaped_checkpoint
-    from services.kv.arena import ArenaReader, SlotHeader
-    from services.kv.handoff import KVReceiver
+    from services.engine.handoff_wire import handoff_from_proto
+    from services.kv.arena import ArenaReader
+    from services.kv.header import SlotHeader
+    from services.kv.shm import ShmReceiver
     from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
     from services.rpc.hybridserve.v1 import engine_pb2 as pb
@@ -81,11 +83,11 @@ def main() -> int:
             for rep in range(4):
                 prompt = rng.integers(3, cfg.vocab_size, n).tolist()
                 seq = cpu.new_sequence(n + 1)
-                expected = SlotHeader("fp32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, cfg.model_id)
-                rx = KVReceiver(reader, cpu, seq, expected)
-                call = stub.Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=1)),
-                                    timeout=120)
-                done = rx.consume(call)
+                expected = SlotHeader(info.kv_dtype, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, cfg.model_id)
+                rx = ShmReceiver(reader, cpu, seq, expected)
+                call = stub.Prefill(pb.PrefillRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=1),
+                                                      wire_dtype=info.kv_dtype), timeout=120)
+                done = rx.consume(handoff_from_proto(msg) for msg in call)
                 call.cancel()
                 ref = cpu.new_sequence(n + 1)
                 cpu.prefill(ref, prompt)

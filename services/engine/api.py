@@ -36,7 +36,7 @@ class Engine(Protocol):
     def import_kv_layer(self, seq: Any, layer: int, kv: np.ndarray) -> None:
         """Hybrid mode, receiving side: write one layer of wire-layout KV into positions [0, n_tokens).
 
-        kv: [2 (k|v), n_kv_heads, n_tokens, head_dim], float32 or float16 (see kv_layout.py).
+        kv: [2 (k|v), n_kv_heads, n_tokens, head_dim], float32 or float16 (services/kv/layout.py).
         May only enqueue the copy; `finish_import` waits for all of them.
         """
 

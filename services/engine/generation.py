@@ -11,11 +11,10 @@ from typing import Iterator
 
 from services.engine.api import Engine
 from services.engine.request_state import RequestState, finish_reason, state_after_token
+from services.engine.requests import InvalidRequest, PromptTooLong, RequestTimings
 from services.engine.sampling import Sampler, SamplingParams
 
-
-class PromptTooLong(ValueError):
-    """The prompt does not leave room for one generated token in the context window."""
+__all__ = ["Generation", "PromptTooLong", "TokenEvent", "Timings"]
 
 
 @dataclass
@@ -29,6 +28,7 @@ class Timings:
 class TokenEvent:
     token: int
     finish_reason: str | None  # set on the last token only
+    timings: RequestTimings | None = None  # the runtime sets it on the last token only
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Generation:
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
-            raise ValueError("the prompt must contain at least one token")
+            raise InvalidRequest("the prompt must contain at least one token")
         if len(self.prompt_ids) >= self.max_context:
             raise PromptTooLong(
                 f"prompt of {len(self.prompt_ids)} tokens leaves no room in the {self.max_context}-token context"
@@ -52,7 +52,7 @@ class Generation:
         vocab = self.engine.cfg.vocab_size
         bad = [t for t in self.prompt_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def __iter__(self) -> Iterator[TokenEvent]:
         p = self.params
@@ -62,7 +62,11 @@ class Generation:
         try:
             self.state = RequestState.PREFILLING
             t0 = time.perf_counter()
-            token = sampler.sample(self.engine.prefill(seq, self.prompt_ids))
+            try:
+                token = sampler.sample(self.engine.prefill(seq, self.prompt_ids))
+            except Exception:
+                self.state = RequestState.FINISHED_ERROR
+                raise
             self.timings.prefill_s = time.perf_counter() - t0
             yield from self.decode_from(seq, token, sampler)
         finally:
@@ -95,4 +99,7 @@ class Generation:
                 n += 1
         except GeneratorExit:
             self.state = RequestState.FINISHED_ABORTED
+            raise
+        except Exception:
+            self.state = RequestState.FINISHED_ERROR
             raise

@@ -1,4 +1,18 @@
-"""Request lifecycle states and how finished ones map to OpenAI's finish_reason."""
+"""Request lifecycle states, who sets each, and how finished ones map to OpenAI's finish_reason.
+
+    state                  set by                                    when
+    WAITING                Generation (initial)                      admitted, queued for a running place
+    PREFILLING             Generation.__iter__                       this engine computes the prompt's KV
+    WAITING_FOR_REMOTE_KV  decode_fpga/hybrid.py                     hybrid: prefill_gpu computes it, the KV arrives
+    DECODING               Generation.decode_from                    generating after the first token
+    FINISHED_STOPPED       state_after_token                         EOS or a stop token
+    FINISHED_LENGTH        state_after_token                         max_tokens or the context window
+    FINISHED_ABORTED       Generation, runtime.py                    cancelled: the client went away
+    FINISHED_ERROR         Generation, runtime.py, hybrid.py         failed: an error status ends the call
+
+Only STOPPED and LENGTH reach a client as a finish_reason (`OPENAI_FINISH_REASON`, the one
+table); an aborted or failed request ends its call with a status instead.
+"""
 from __future__ import annotations
 
 import enum
@@ -9,27 +23,30 @@ class RequestState(enum.Enum):
     PREFILLING = "prefilling"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     DECODING = "decoding"
-    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
-    FINISHED_LENGTH = "finished_length"  # max_tokens or the context window
-    FINISHED_ABORTED = "finished_aborted"  # cancelled by the client or the server
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
-        return self in _FINISH_REASON
+        return self in _FINISHED
 
 
-_FINISH_REASON = {
+_FINISHED = frozenset({RequestState.FINISHED_STOPPED, RequestState.FINISHED_LENGTH,
+                       RequestState.FINISHED_ABORTED, RequestState.FINISHED_ERROR})
+
+OPENAI_FINISH_REASON = {
     RequestState.FINISHED_STOPPED: "stop",
     RequestState.FINISHED_LENGTH: "length",
-    RequestState.FINISHED_ABORTED: "abort",
-    RequestState.FINISHED_ERROR: "error",
 }
 
 
 def finish_reason(state: RequestState) -> str:
-    """OpenAI's finish_reason for a finished state."""
-    return _FINISH_REASON[state]
+    """OpenAI's finish_reason for a request that finished by generating (stopped or at its length)."""
+    if state not in OPENAI_FINISH_REASON:
+        raise ValueError(f"a {state.value} request has no finish_reason; it ends with a status")
+    return OPENAI_FINISH_REASON[state]
 
 
 def state_after_token(token: int, n_generated: int, max_tokens: int, stop_ids: frozenset[int],

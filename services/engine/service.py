@@ -1,191 +1,104 @@
-"""What both engine services share: admission, Generate streaming, Info, Profile, serve().
+"""The gRPC layer over an engine runtime: protos in and out, typed errors to statuses, serve().
 
-A thin servicer over the Engine: each RPC runs in a thread of the server's pool;
-`Admission` bounds how many run and how many wait (beyond that: RESOURCE_EXHAUSTED,
-which the gateway maps to 429). A client that goes away stops its generation at
-the next token and frees everything it held.
+Shaped like grpc's route_guide: module-level translations, and a thin servicer
+whose methods turn a request proto into plain objects (requests.py), call the
+runtime (runtime.py), and turn what comes back into protos. A call that ends for
+any reason cancels the request's `Cancellation`; a typed error becomes its status
+through the one table in status.py.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from services.engine import metrics as m
-from services.engine.api import EngineFull
-from services.engine.generation import Generation, PromptTooLong, TokenEvent
-from services.kv.arena import ArenaFull, HeaderMismatch
-from services.engine.profile_sweep import cached_sweep, code_fingerprint, run_sweep
+from services.engine.generation import TokenEvent
+from services.engine.requests import Cancellation, EngineRequest, InvalidRequest, RequestTimings
+from services.engine.runtime import EngineRuntime
+from services.engine.sampling import SamplingParams
+from services.engine.status import abort
 from services.modes import mode_name_of_proto
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
-from services.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-class RequestAborted(Exception):
-    """The client went away while the request waited."""
 
-
-class QueueFull(Exception):
-    """More requests wait than the queue holds: RESOURCE_EXHAUSTED."""
-
-
-class Admission:
-    """At most `max_running` requests run; at most `queue_depth` wait for them."""
-
-    def __init__(self, max_running: int, queue_depth: int):
-        self._sem = threading.Semaphore(max_running)
-        self._depth = queue_depth
-        self._waiting = 0
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def admit(self, context: grpc.ServicerContext) -> Iterator[float]:
-        start = time.perf_counter()
-        if not self._sem.acquire(blocking=False):
-            with self._lock:
-                if self._waiting >= self._depth:
-                    raise QueueFull(f"engine queue full ({self._depth} waiting); retry later")
-                self._waiting += 1
-                m.QUEUE_DEPTH.set(self._waiting)
-            try:
-                while not self._sem.acquire(timeout=0.05):
-                    if not context.is_active():
-                        raise RequestAborted("cancelled while queued")
-            finally:
-                with self._lock:
-                    self._waiting -= 1
-                    m.QUEUE_DEPTH.set(self._waiting)
-        try:
-            yield time.perf_counter() - start
-        finally:
-            self._sem.release()
-
-
-def sampling_from_proto(s: pb.SamplingParams, context: grpc.ServicerContext) -> SamplingParams:
+# ---- proto ↔ plain ------------------------------------------------------------------------
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=s.max_tokens or 16, temperature=s.temperature, top_p=s.top_p or 1.0,
                               top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
                               stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
     except ValueError as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise InvalidRequest(str(exc)) from None
 
 
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                             stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+                             **({"seed": p.seed} if p.seed is not None else {}))
+
+
+def request_id_of(request) -> str:
+    return request.request_id or uuid.uuid4().hex
+
+
+def request_from_proto(request: pb.GenerateRequest, default_mode: str) -> EngineRequest:
+    mode = mode_name_of_proto(request.mode) if request.mode else default_mode
+    return EngineRequest(tuple(request.prompt_token_ids), sampling_from_proto(request.sampling), mode,
+                         request_id_of(request))
+
+
+def timings_to_proto(t: RequestTimings) -> pb.Timings:
+    return pb.Timings(**t.__dict__)
+
+
+def response_of(ev: TokenEvent) -> pb.GenerateResponse:
+    if ev.finish_reason is None:
+        return pb.GenerateResponse(token_ids=[ev.token])
+    return pb.GenerateResponse(token_ids=[ev.token], finish_reason=ev.finish_reason, timings=timings_to_proto(ev.timings))
+
+
+def cancellation_of(context: grpc.ServicerContext) -> Cancellation:
+    """A token cancelled when the call ends for any reason (done, client gone, deadline)."""
+    remaining = context.time_remaining()
+    cancel = Cancellation(time.monotonic() + remaining if remaining is not None and remaining < 1e8 else None)
+    if not context.add_callback(cancel.cancel):
+        cancel.cancel()  # the call has already ended
+    return cancel
+
+
+# ---- the servicer --------------------------------------------------------------------------
 class EngineServicer(pb_grpc.EngineServicer):
-    """Generate/Info/Profile over one engine. Subclasses say which modes they serve."""
+    """Generate, Info and Profile over one runtime; prefill_gpu's servicer adds Prefill."""
 
-    device_label = ""  # "gpu" | "fpga"
-    engine_name = ""  # "torch" | "opencl"
-    default_mode = pb.MODE_UNSPECIFIED
+    def __init__(self, runtime: EngineRuntime, process: str):
+        self.runtime, self.process = runtime, process  # process: "prefill_gpu" | "decode_fpga", for messages
 
-    def __init__(self, engine, loaded, settings, max_context: int):
-        self.engine, self.loaded, self.settings, self.max_context = engine, loaded, settings, max_context
-        self.admission = Admission(settings.max_concurrency, settings.queue_depth)
-        self._profile: list[dict] | None = None
-        self._profile_lock = threading.Lock()
-        # mode → handler(gen, request, params, timings, context) returning TokenEvents
-        self.modes: dict[int, Callable] = {}
-
-    # ---- Generate -------------------------------------------------------------
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        mode = request.mode or self.default_mode
-        if mode not in self.modes:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{self.device_label} engine does not serve mode {mode_name_of_proto(mode)}; "
-                          f"it serves {sorted(mode_name_of_proto(m) for m in self.modes)}")
-        params = sampling_from_proto(request.sampling, context)
-        prompt = list(request.prompt_token_ids)
+        cancel, request_id = cancellation_of(context), request_id_of(request)
         try:
-            gen = Generation(self.engine, prompt, params, self.max_context)
-        except PromptTooLong as exc:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        status = "error"
-        try:
-            with self.admission.admit(context) as queue_s:
-                timings = pb.Timings(queue_s=queue_s, prompt_tokens=len(prompt))
-                events = self.modes[mode](gen, request, params, timings, context)
-                n = 0
-                try:
-                    for ev in self._guard(events, context):
-                        n += 1
-                        if not context.is_active():
-                            status = "cancelled"
-                            return
-                        if ev.finish_reason is None:
-                            yield pb.GenerateResponse(token_ids=[ev.token])
-                            continue
-                        timings.prefill_s = timings.prefill_s or gen.timings.prefill_s
-                        timings.decode_s, timings.generated_tokens = gen.timings.decode_s, n
-                        self._observe(mode_name_of_proto(mode), timings)
-                        status = "ok"
-                        yield pb.GenerateResponse(token_ids=[ev.token], finish_reason=ev.finish_reason, timings=timings)
-                finally:
-                    events.close()
-        except QueueFull as exc:
-            status = "rejected"
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except RequestAborted:
-            status = "cancelled"
-        finally:
-            m.REQUESTS.labels(status=status).inc()
-
-    def _guard(self, events: Iterator[TokenEvent], context: grpc.ServicerContext) -> Iterator[TokenEvent]:
-        """Turn the engine side's typed failures into precise gRPC statuses."""
-        try:
-            yield from events
-        except (ArenaFull, EngineFull) as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except HeaderMismatch as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-
-    def _observe(self, mode: str, t: pb.Timings) -> None:
-        m.STAGE_SECONDS.labels(stage="prefill", device="gpu" if mode in ("gpu", "hybrid") else "fpga").observe(
-            t.prefill_s)
-        m.STAGE_SECONDS.labels(stage="decode", device=self.device_label).observe(t.decode_s)
-
-    def local_generation(self, gen, request, params, timings, context):
-        return iter(gen)
-
-    # ---- Info / Profile ----------------------------------------------------------
-    def info_fields(self) -> dict:
-        cfg = self.loaded.config
-        return dict(model_id=cfg.model_id, engine=self.engine_name, device=self.engine.device_name,
-                    kv_layout="layer,kv,head,token,dim", max_context=self.max_context,
-                    max_concurrency=self.settings.max_concurrency, n_layers=cfg.n_layers,
-                    n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size)
+            plain = request_from_proto(request, self.runtime.default_mode)
+            for ev in self.runtime.generate(plain, cancel):
+                yield response_of(ev)
+        except Exception as exc:
+            abort(context, exc, self.process, request_id)
 
     def Info(self, request, context):
-        return pb.InfoResponse(**self.info_fields())
-
-    def profile_samples(self, refresh: bool = False) -> list[dict]:
-        with self._profile_lock:
-            if refresh:
-                self._profile = run_sweep(self.engine, self.device_label)
-            elif self._profile is None:
-                self._profile = cached_sweep(self.settings.profile_cache, self._profile_key(),
-                                             lambda: run_sweep(self.engine, self.device_label))
-            return self._profile
-
-    def _profile_key(self) -> str:
-        """What the cached timings depend on: model, engine, device, storage format, code."""
-        storage = getattr(self.engine, "weights_dtype", None) or str(getattr(self.engine, "kv_dtype", ""))
-        return (f"{self.loaded.config.model_id}-{self.engine_name}-{self.engine.device_name}-{storage}-"
-                f"{code_fingerprint()}")
+        return pb.InfoResponse(**self.runtime.info_fields())
 
     def Profile(self, request, context):
-        samples = self.profile_samples(request.refresh)
+        samples = self.runtime.profile_samples(request.refresh)
         return pb.ProfileResponse(samples=[pb.StageSample(**s) for s in samples])
 
 
@@ -205,7 +118,7 @@ def serve(servicer: EngineServicer, settings, on_shutdown: Callable[[], None] = 
     server.start()
     for name in ("", names[0]):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s engine serving gRPC on %s, metrics on http://%s:%d/metrics", servicer.device_label, address,
+    log.info("%s serving gRPC on %s, metrics on http://%s:%d/metrics", servicer.process, address,
              settings.host, settings.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,2 +1,6 @@
-"""The KV hand-off between prefill_gpu and decode_fpga: the wire layout, the shared-memory
-arena that carries it, and the sender / receiver seam on top."""
+"""The KV hand-off between prefill_gpu and decode_fpga.
+
+layout.py (the wire layout and the one wire-dtype table), header.py (the versioned
+header the receiver checks), handoff.py (the sender / receiver seam and its state),
+and one module per transport: shm.py over arena.py (shared memory, what the services
+use) and inprocess.py (plain memory in one process). A new transport goes beside them."""

@@ -4,16 +4,15 @@ prefill_gpu creates it at start-up (pre-faulted: a fresh segment costs ~5x more
 per hand-off), registers it as pinned memory with CUDA when CUDA is present, and
 allocates one slot per request; decode_fpga maps it once, by name, read-only.
 
-A slot is a 64-byte header then the KV in the wire layout (kv_layout.py). The
-header is versioned and the reader checks every field against what it expects:
-a mismatch is an error, never garbage tokens. No pickle: fixed binary fields.
+A slot is a `HEADER_SIZE`-byte header (header.py) then the KV in the wire layout
+(layout.py). This module is only the memory; shm.py is the hand-off transport
+that uses it.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import secrets
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -21,56 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
+
 SHM_DIR = Path("/dev/shm")
-MAGIC = b"HSKV"
-VERSION = 1
-LAYOUT_LAYER_KV_HEAD_TOKEN_DIM = 1
-DTYPE_CODES = {"fp32": 1, "fp16": 2}
-HEADER = struct.Struct("<4sHHBxHHHI32s")  # magic version layout dtype n_layers n_kv_heads head_dim n_tokens model
-HEADER_SIZE = 64
 ALIGN = 4096
 
 
 class ArenaFull(RuntimeError):
     """No slot could be allocated within the bounded wait: back-pressure, not a crash."""
-
-
-class HeaderMismatch(ValueError):
-    """A slot's header does not describe what the reader expects."""
-
-
-@dataclass(frozen=True)
-class SlotHeader:
-    dtype: str
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    n_tokens: int
-    model_id: str
-    version: int = VERSION
-    layout: int = LAYOUT_LAYER_KV_HEAD_TOKEN_DIM
-
-    def pack(self) -> bytes:
-        raw = HEADER.pack(MAGIC, self.version, self.layout, DTYPE_CODES[self.dtype], self.n_layers,
-                          self.n_kv_heads, self.head_dim, self.n_tokens, self.model_id.encode()[:32])
-        return raw.ljust(HEADER_SIZE, b"\0")
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> "SlotHeader":
-        magic, version, layout, dtype, n_layers, n_kv, head_dim, n_tokens, model = HEADER.unpack_from(raw)
-        if magic != MAGIC:
-            raise HeaderMismatch(f"slot header magic {magic!r} is not {MAGIC!r}: not a KV slot")
-        names = {v: k for k, v in DTYPE_CODES.items()}
-        return cls(names.get(dtype, f"unknown({dtype})"), n_layers, n_kv, head_dim, n_tokens,
-                   model.rstrip(b"\0").decode(errors="replace"), version, layout)
-
-    def check_against(self, expected: "SlotHeader") -> None:
-        """Raise HeaderMismatch naming every field that differs from `expected`."""
-        diffs = [f"{f}={getattr(self, f)!r} (expected {getattr(expected, f)!r})"
-                 for f in ("version", "layout", "dtype", "n_layers", "n_kv_heads", "head_dim", "n_tokens", "model_id")
-                 if getattr(self, f) != getattr(expected, f)]
-        if diffs:
-            raise HeaderMismatch("KV slot header mismatch: " + ", ".join(diffs))
 
 
 @dataclass(frozen=True)

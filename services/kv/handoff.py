@@ -1,127 +1,249 @@
-"""The KV hand-off seam between the two engines, one request at a time.
+"""The KV hand-off seam: one request's KV, from the engine that prefilled it to the one that decodes it.
 
-Which side calls what:
-* prefill_gpu (sender): `KVSender.write_layer(l)` from the prefill's on_layer
-  callback, then `wait_layer(l)` before announcing layer l (LayerReady).
-* decode_fpga (receiver): `KVReceiver.accept_slot(msg)` on SlotGranted (checks the
-  header), `import_layer(msg)` on each LayerReady (copies the layer into the
-  device KV), `finish()` once PrefillDone arrives (waits until every layer is on
-  the device). Only then may the slot be released.
+Two small halves and a state, whatever carries the bytes. The control messages
+(`SlotGrant`, `LayerReady`, `PrefillDone`) travel in the Prefill RPC; the KV
+itself goes through the transport.
+
+Which side calls what, for one request:
+
+    sender (prefill_gpu)                           receiver (decode_fpga)
+    grant = sender.open()        ── SlotGrant ──►  receiver.accept(grant)       checks the header
+    for each layer l, as the prefill computes it:
+      copy layer l into sender.layer_buffer(l)
+      sender.layer_written(l, t) ── LayerReady ─►  receiver.import_layer(msg)   onto the device
+    sender.finish()              ── PrefillDone ►  receiver.finish()            every layer on the device
+    sender.close()  once the receiver has ended the call (frees the transport's memory; any exit path)
+
+(`receiver.consume(events)` runs the right-hand column over a stream of those messages.)
+
+State of either half (`HandoffState`):
+
+    WAITING ──open/accept──► TRANSFERRING ──finish──► DONE
+       └───────────────────────────┴── a failed check, the peer gone, cancelled ──► FAILED
+
+The receiver checks what it is told against what it expects from its own request
+(the prompt's token count, the wire dtype, the model's KV shape): a mismatch is
+`HeaderMismatch`, never garbage tokens. Copying a framework's tensor into
+`layer_buffer` is the sender's caller's business (prefill_gpu/kv_export.py for torch).
+
+Transports, one module each: shm.py (the shared-memory arena; the one the services
+use) and inprocess.py (plain memory in one process, for tests; a network transport
+would follow its shape). A new transport is one more module with a `KVSender` and a
+`KVReceiver` subclass implementing their underscored methods.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from services.kv.arena import Arena, ArenaReader, HeaderMismatch, Slot, SlotHeader
-from services.kv.layout import WireLayout
+from services.kv.header import HeaderMismatch, SlotHeader
+from services.kv.layout import WireLayout, wire_dtype
 
 
 class HandoffState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"  # waiting for a slot
-    TRANSFERRING = "transferring"  # layers arriving
-    SUCCESS = "success"  # every layer is on the receiving device
-    FAILED = "failed"
+    WAITING = "waiting"  # no slot granted yet
+    TRANSFERRING = "transferring"  # slot granted, layers moving
+    DONE = "done"  # sender: every layer written; receiver: every layer on its device
+    FAILED = "failed"  # a check failed, the peer went away, or the request was cancelled
 
 
-class KVSender:
-    """Writes one sequence's KV from the torch engine into its arena slot, layer by layer.
+@dataclass(frozen=True)
+class SlotGrant:
+    """Sender → receiver, first: where this request's KV will be, and what it holds."""
 
-    On CUDA the device-to-host copy runs on a side stream into the pinned slot, so
-    layer l travels while layer l+1 computes; on the CPU it is a memcpy.
+    offset: int  # the transport's handle for the request's memory (shm: the header's offset in the arena)
+    size: int
+    n_tokens: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class LayerReady:
+    """Sender → receiver, once per layer: layer `layer` is complete in the transport's memory."""
+
+    layer: int
+    offset: int  # where its bytes are, in the transport's terms
+    nbytes: int
+    written_at: float  # unix time it was complete
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """Sender → receiver, last: the prompt's first generated token and the sender's timings."""
+
+    first_token: int
+    prefill_s: float
+    queue_s: float
+    compute_done_at: float  # unix time the prefill compute ended
+
+
+HandoffEvent = Union[SlotGrant, LayerReady, PrefillDone]
+
+
+def layout_of(header: SlotHeader) -> WireLayout:
+    return WireLayout(header.n_layers, header.n_kv_heads, header.head_dim, header.n_tokens,
+                      wire_dtype(header.dtype).numpy)
+
+
+class KVSender(ABC):
+    """The prefilling side of one request's hand-off. A context manager: leaving it closes."""
+
+    def __init__(self, header: SlotHeader):
+        self.header = header
+        self.layout = layout_of(header)
+        self.state = HandoffState.WAITING
+
+    def open(self) -> SlotGrant:
+        """Reserve the request's memory and write its header (may wait, or raise the transport's
+        back-pressure error)."""
+        if self.state is not HandoffState.WAITING:
+            raise RuntimeError(f"open() on a {self.state.value} sender")
+        grant = self._open()
+        self.state = HandoffState.TRANSFERRING
+        return grant
+
+    def layer_buffer(self, layer: int) -> np.ndarray:
+        """Where layer `layer` goes: a writable [2, n_kv_heads, n_tokens, head_dim] array of the wire dtype."""
+        if self.state is not HandoffState.TRANSFERRING:
+            raise RuntimeError(f"layer_buffer() on a {self.state.value} sender")
+        return self.layout.layer_view(self._data(), layer)
+
+    def layer_written(self, layer: int, written_at: float | None = None) -> LayerReady:
+        """Layer `layer` is complete in `layer_buffer(layer)`: the message that tells the receiver."""
+        return LayerReady(layer, self._layer_location(layer), self.layout.layer_nbytes,
+                          time.time() if written_at is None else written_at)
+
+    def finish(self) -> None:
+        self.state = HandoffState.DONE
+
+    def close(self) -> None:
+        """Free the request's memory (idempotent). Only after the receiver let go of it."""
+        if self.state is not HandoffState.DONE:
+            self.state = HandoffState.FAILED
+        self._close()
+
+    def __enter__(self) -> "KVSender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- a transport implements these ------------------------------------------
+    @abstractmethod
+    def _open(self) -> SlotGrant:
+        """Reserve `layout.nbytes` (plus the header), write `self.header`, say where."""
+
+    @abstractmethod
+    def _data(self) -> np.ndarray:
+        """The request's KV bytes, uint8 [layout.nbytes], writable."""
+
+    @abstractmethod
+    def _layer_location(self, layer: int) -> int:
+        """The offset a LayerReady for `layer` names."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Free what `_open` reserved, if it did."""
+
+
+class KVReceiver(ABC):
+    """The decoding side of one request's hand-off: imports each layer into an engine's sequence.
+
+    `expected` is built from the receiver's own request and model (never from the sender's
+    messages); `engine` implements `import_kv_layer` and `finish_import` (services/engine/api.py).
     """
 
-    def __init__(self, arena: Arena, slot: Slot, layout: WireLayout, engine, seq):
-        import torch
-
-        self.arena, self.slot, self.layout, self.engine, self.seq = arena, slot, layout, engine, seq
-        self._dtype = torch.float16 if layout.dtype == np.float16 else torch.float32
-        self._slot_bytes = arena.data_view(slot, layout.nbytes)
-        self._cuda = getattr(engine, "device", None) is not None and engine.device.type == "cuda"
-        self._stream = torch.cuda.Stream(engine.device) if self._cuda else None
-        self._events: dict[int, object] = {}
-        self.written_at: dict[int, float] = {}
-
-    def write_layer(self, layer: int) -> None:
-        import torch
-
-        src = self.engine.export_kv_layer(self.seq, layer, self.layout.n_tokens).to(self._dtype)
-        dst = torch.from_numpy(self.layout.layer_view(self._slot_bytes, layer))
-        if self._cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self.engine.device))
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._events[layer] = event
-        else:
-            dst.copy_(src)
-            self.written_at[layer] = time.time()
-
-    def wait_layer(self, layer: int) -> float:
-        """Block until layer `layer` is in the arena; the unix time it got there."""
-        event = self._events.pop(layer, None)
-        if event is not None:
-            event.synchronize()
-            self.written_at[layer] = time.time()
-        return self.written_at[layer]
-
-
-class KVReceiver:
-    """Imports one request's KV from the arena into an engine's device KV cache."""
-
-    def __init__(self, reader: ArenaReader, engine, seq, expected: SlotHeader):
-        self.reader, self.engine, self.seq, self.expected = reader, engine, seq, expected
-        self.state = HandoffState.BOOTSTRAPPING
-        self.layout: WireLayout | None = None
-        self._slot_offset = 0
+    def __init__(self, engine, seq, expected: SlotHeader):
+        self.engine, self.seq, self.expected = engine, seq, expected
+        self.layout = layout_of(expected)
+        self.state = HandoffState.WAITING
+        self.grant: SlotGrant | None = None
         self.bytes = 0
+        self.layers_imported = 0
         self.first_written_at: float | None = None
         self.on_device_at: float | None = None
 
-    def accept_slot(self, offset: int, n_tokens: int, dtype: str) -> None:
-        header = self.reader.read_header(offset)
-        header.check_against(SlotHeader(**{**self.expected.__dict__, "n_tokens": n_tokens, "dtype": dtype}))
-        e = self.expected
-        self.layout = WireLayout(e.n_layers, e.n_kv_heads, e.head_dim, n_tokens, np.dtype(
-            np.float16 if dtype == "fp16" else np.float32))
-        self._slot_offset = offset
-        self.state = HandoffState.TRANSFERRING
+    def accept(self, grant: SlotGrant) -> None:
+        """Check the granted slot's message and header against what this request expects."""
+        with self._failing():
+            if self.state is not HandoffState.WAITING:
+                raise HeaderMismatch(f"a slot was granted to a {self.state.value} hand-off")
+            e = self.expected
+            if (grant.n_tokens, grant.dtype) != (e.n_tokens, e.dtype):
+                raise HeaderMismatch(f"the slot holds {grant.n_tokens} tokens of {grant.dtype}; this request "
+                                     f"expects {e.n_tokens} tokens of {e.dtype}")
+            self._read_header(grant).check_against(e)
+            self.grant = grant
+            self.state = HandoffState.TRANSFERRING
 
-    def import_layer(self, layer: int, offset: int, nbytes: int, written_at: float) -> None:
-        if self.state is not HandoffState.TRANSFERRING:
-            raise HeaderMismatch(f"layer {layer} arrived before its slot was granted")
-        lay = self.layout
-        if nbytes != lay.layer_nbytes or offset != self._slot_offset + 64 + lay.layer_offset(layer):
-            raise HeaderMismatch(f"layer {layer} at [{offset}, +{nbytes}) does not match the slot's layout")
-        raw = self.reader.view(offset, nbytes)
-        kv = np.frombuffer(raw, dtype=lay.dtype).reshape(lay.layer_shape)
-        self.engine.import_kv_layer(self.seq, layer, kv)
-        self.bytes += nbytes
-        if self.first_written_at is None:
-            self.first_written_at = written_at
+    def import_layer(self, msg: LayerReady) -> None:
+        """Copy one layer from the transport into the engine's sequence (may only enqueue the copy)."""
+        with self._failing():
+            if self.state is not HandoffState.TRANSFERRING:
+                raise HeaderMismatch(f"layer {msg.layer} arrived before its slot was granted")
+            lay = self.layout
+            if msg.nbytes != lay.layer_nbytes or not 0 <= msg.layer < lay.n_layers:
+                raise HeaderMismatch(f"layer {msg.layer} of {msg.nbytes} bytes does not match the slot's layout "
+                                     f"({lay.n_layers} layers of {lay.layer_nbytes} bytes)")
+            raw = self._layer_bytes(msg)
+            kv = np.frombuffer(raw, dtype=lay.dtype).reshape(lay.layer_shape)  # [2, kv_heads, n_tokens, dim]
+            self.engine.import_kv_layer(self.seq, msg.layer, kv)
+            self.bytes += msg.nbytes
+            self.layers_imported += 1
+            if self.first_written_at is None:
+                self.first_written_at = msg.written_at
 
     def finish(self) -> None:
-        self.engine.finish_import(self.seq, self.layout.n_tokens)
-        self.on_device_at = time.time()
-        self.state = HandoffState.SUCCESS
+        """Every layer sent: wait until they are on the device. Only then may the sender free them."""
+        with self._failing():
+            if self.state is not HandoffState.TRANSFERRING or self.layers_imported != self.layout.n_layers:
+                raise HeaderMismatch(f"the hand-off ended after {self.layers_imported} of "
+                                     f"{self.layout.n_layers} layers")
+            self.engine.finish_import(self.seq, self.layout.n_tokens)
+            self.on_device_at = time.time()
+            self.state = HandoffState.DONE
 
-    def consume(self, messages, keep_going=lambda: True):
-        """Drive the hand-off from a Prefill response stream; the PrefillDone message once every
-        layer is on the device, or None if `keep_going()` turned false first. The caller then
-        ends the call, which frees the slot."""
-        for msg in messages:
-            kind = msg.WhichOneof("event")
-            if kind == "slot":
-                self.accept_slot(msg.slot.offset, msg.slot.n_tokens, msg.slot.dtype)
-            elif kind == "layer":
-                self.import_layer(msg.layer.layer, msg.layer.offset, msg.layer.nbytes, msg.layer.written_at)
-            elif kind == "done":
+    def fail(self) -> None:
+        if self.state is not HandoffState.DONE:
+            self.state = HandoffState.FAILED
+
+    def consume(self, events: Iterable[HandoffEvent], keep_going: Callable[[], bool] = lambda: True
+                ) -> PrefillDone | None:
+        """Drive the hand-off from a stream of messages: the PrefillDone once every layer is on the
+        device, or None if `keep_going()` turned false or the stream ended first (state FAILED)."""
+        for msg in events:
+            if isinstance(msg, SlotGrant):
+                self.accept(msg)
+            elif isinstance(msg, LayerReady):
+                self.import_layer(msg)
+            elif isinstance(msg, PrefillDone):
                 self.finish()
-                return msg.done
+                return msg
             if not keep_going():
                 break
-        self.state = HandoffState.FAILED
+        self.fail()
         return None
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self.fail()
+            raise
+
+    # ---- a transport implements these ------------------------------------------
+    @abstractmethod
+    def _read_header(self, grant: SlotGrant) -> SlotHeader:
+        """The header the sender wrote for `grant`."""
+
+    @abstractmethod
+    def _layer_bytes(self, msg: LayerReady) -> memoryview | np.ndarray:
+        """The `msg.nbytes` bytes of layer `msg.layer`; HeaderMismatch if `msg.offset` is not where
+        that layer of the granted slot lies."""

@@ -1,7 +1,7 @@
 """A Llama-family forward in PyTorch with an explicit per-sequence KV cache.
 
 The cache of one sequence is `k, v: [n_layers, n_kv_heads, capacity, head_dim]`,
-so `k[l, :, :n]` is exactly layer l's K in the wire layout (kv_layout.py).
+so `k[l, :, :n]` is exactly layer l's K in the wire layout (services/kv/layout.py).
 """
 from __future__ import annotations
 

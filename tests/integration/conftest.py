@@ -33,3 +33,12 @@ def stubs(services):
     prefill, decode = services
     with grpc.insecure_channel(prefill.address) as a, grpc.insecure_channel(decode.address) as b:
         yield pb_grpc.EngineStub(a), pb_grpc.EngineStub(b)
+
+
+@pytest.fixture(scope="package")
+def ocl_engine(loaded_model):
+    """The OpenCL engine in this process (fp32 weights, one channel), for the in-process tests here."""
+    from services.decode_fpga.device import select_device
+    from tests.decode_fpga.conftest import make_engine
+
+    return make_engine(loaded_model, select_device(), max_context=1024, max_sequences=4)

@@ -8,8 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from services.kv.arena import ALIGN, Arena, ArenaFull, ArenaReader, HeaderMismatch, SlotHeader
-from services.kv.handoff import HandoffState, KVReceiver
+from services.kv.arena import ALIGN, Arena, ArenaFull, ArenaReader
+from services.kv.handoff import HandoffState, SlotGrant
+from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
+from services.kv.shm import ShmReceiver
 
 HEADER = SlotHeader("fp32", 30, 3, 64, 17, "SmolLM2-135M-Instruct.Q4_1")
 
@@ -30,7 +32,7 @@ def test_allocate_free_and_coalesce(arena):
     arena.free(a)  # idempotent
     arena.free(b)
     assert arena.slots_in_use == 0
-    whole = arena.allocate((1 << 20) - 64, timeout=0)  # free space merged back into one run
+    whole = arena.allocate((1 << 20) - HEADER_SIZE, timeout=0)  # free space merged back into one run
     assert whole.offset == 0
 
 
@@ -73,14 +75,14 @@ def test_header_mismatch_is_refused_with_the_field_named(arena, field, value):
 def test_receiver_refuses_a_slot_whose_header_lies(arena):
     slot = arena.allocate(4096, timeout=0)
     arena.write_header(slot, dataclasses.replace(HEADER, version=9))
-    receiver = KVReceiver(ArenaReader(arena.name), engine=None, seq=None, expected=HEADER)
+    receiver = ShmReceiver(ArenaReader(arena.name), engine=None, seq=None, expected=HEADER)
     with pytest.raises(HeaderMismatch, match="version=9"):
-        receiver.accept_slot(slot.offset, HEADER.n_tokens, "fp32")
-    assert receiver.state is HandoffState.BOOTSTRAPPING
+        receiver.accept(SlotGrant(slot.offset, slot.size, HEADER.n_tokens, "fp32"))
+    assert receiver.state is HandoffState.FAILED
 
 
 def test_garbage_is_not_a_slot(arena):
-    arena._map.mm[0:64] = b"\xff" * 64
+    arena._map.mm[0:HEADER_SIZE] = b"\xff" * HEADER_SIZE
     with pytest.raises(HeaderMismatch, match="magic"):
         ArenaReader(arena.name).read_header(0)
 

@@ -1,0 +1,34 @@
+"""The Prefill RPC's messages ↔ the hand-off seam's plain messages (services/kv/handoff.py).
+
+prefill_gpu's servicer sends with `handoff_to_proto`; decode_fpga (and bench/cuda_handoff.py)
+read with `handoff_from_proto`. The fields match one for one.
+"""
+from __future__ import annotations
+
+from services.kv.handoff import HandoffEvent, LayerReady, PrefillDone, SlotGrant
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+
+
+def handoff_to_proto(ev: HandoffEvent) -> pb.PrefillResponse:
+    if isinstance(ev, SlotGrant):
+        return pb.PrefillResponse(slot=pb.SlotGranted(offset=ev.offset, size=ev.size, n_tokens=ev.n_tokens,
+                                                      dtype=ev.dtype))
+    if isinstance(ev, LayerReady):
+        return pb.PrefillResponse(layer=pb.LayerReady(layer=ev.layer, offset=ev.offset, nbytes=ev.nbytes,
+                                                      written_at=ev.written_at))
+    return pb.PrefillResponse(done=pb.PrefillDone(first_token=ev.first_token, prefill_s=ev.prefill_s,
+                                                  queue_s=ev.queue_s, compute_done_at=ev.compute_done_at))
+
+
+def handoff_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
+    kind = msg.WhichOneof("event")
+    if kind == "slot":
+        s = msg.slot
+        return SlotGrant(s.offset, s.size, s.n_tokens, s.dtype)
+    if kind == "layer":
+        m = msg.layer
+        return LayerReady(m.layer, m.offset, m.nbytes, m.written_at)
+    if kind == "done":
+        d = msg.done
+        return PrefillDone(d.first_token, d.prefill_s, d.queue_s, d.compute_done_at)
+    raise ValueError(f"a Prefill message with no event ({kind!r})")

@@ -1,0 +1,35 @@
+"""The start-up both engine services share: `python -m services.<engine>` is `run_engine_service`.
+
+Settings, logging, the model, then the service's own `build` (its engine, runtime
+and servicer), the profile sweep when asked for, serve() until SIGTERM, and the
+service's resources released in reverse order on the way out.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Callable
+
+# build(loaded model, settings, resources) → the servicer; resources.callback(...) for what must be released
+Build = Callable[[object, object, contextlib.ExitStack], object]
+
+
+def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
+    settings = settings_cls()
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
+    from services.engine.service import serve
+    from services.model.loading import load_model
+
+    log = logging.getLogger(f"services.{process}")
+    log.info("loading the model")
+    loaded = load_model(settings.model)
+    with contextlib.ExitStack() as resources:
+        servicer = build(loaded, settings, resources)
+        resources.callback(servicer.runtime.close)
+        if settings.profile_at_start:
+            log.info("profiling (cached after the first run)")
+            servicer.runtime.profile_samples()
+        serve(servicer, settings)
+    return 0

@@ -1,0 +1,119 @@
+"""A request to an engine as plain Python: what comes in, how it is cancelled, how it fails.
+
+The engine runtime (runtime.py) takes an `EngineRequest` and a `Cancellation` and
+yields token events; it knows nothing of gRPC. The servicers (service.py) build
+these from protos and turn the typed errors below into statuses (status.py).
+Every error here carries a message written by us, safe to show a client; anything
+else that escapes is an internal failure whose text stays in the log.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from services.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    mode: str  # a services.modes name: "gpu" | "fpga" | "hybrid"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class RequestTimings:
+    """What a finished request reports (the Timings message, field for field)."""
+
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    handoff_total_s: float = 0.0  # first layer written → last layer on the device (hybrid only)
+    handoff_exposed_s: float = 0.0  # end of prefill compute → last layer on the device (hybrid only)
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    handoff_bytes: int = 0
+
+
+class Cancellation:
+    """A request's cancellation token. Whoever stops the request calls `cancel()` (the servicer
+    when the call ends, a test, shutdown); the work polls `is_cancelled()`, waits on it, or
+    registers a callback. `deadline` (time.monotonic) bounds waits that have no other end."""
+
+    def __init__(self, deadline: float | None = None):
+        self.deadline = deadline
+        self._event = threading.Event()
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def is_cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def add_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once on cancellation; now if it already happened."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until cancelled, `timeout` s, or the deadline, whichever is first; True if cancelled."""
+        if self.deadline is not None:
+            left = max(0.0, self.deadline - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        return self._event.wait(timeout)
+
+
+# ---- typed failures (status.py maps each to a gRPC status) ---------------------------------
+class EngineError(Exception):
+    """A request failed for a reason its caller can act on; the message is safe to show."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is wrong (bad ids, bad sampling parameters, a mode not served here)."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt does not leave room for one generated token in the context window."""
+
+
+class Overloaded(EngineError):
+    """No room now (queue full, no slot, no sequence): back-pressure; a retry later may fit."""
+
+
+class QueueFull(Overloaded):
+    """More requests wait than the queue holds."""
+
+
+class Cancelled(EngineError):
+    """The request was cancelled (its client went away) before it finished."""
+
+
+class PeerUnavailable(EngineError):
+    """The other engine (prefill_gpu, for hybrid mode) cannot be reached."""
+
+
+class PeerMismatch(EngineError):
+    """The other engine serves another model, or its KV arena is not on this host: a deployment fault."""
+
+
+class HandoffTimedOut(EngineError):
+    """The KV hand-off did not finish within its deadline."""
+
+
+class HandoffFailed(EngineError):
+    """The other engine failed the KV hand-off. Internal: its details stay in the logs."""

@@ -1,0 +1,144 @@
+"""prefill_gpu's request handling in plain Python: gpu-mode Generate, and Prefill into a hand-off.
+
+`PrefillRuntime.prefill(request, wire_dtype, cancel)` computes a prompt's KV into
+a hand-off sender (the shared-memory arena by default) and yields the seam's
+messages: the SlotGrant, one LayerReady per layer as soon as that layer is there
+(while the next computes), then PrefillDone with the first sampled token. The
+sender's memory is freed when the caller stops iterating (closing the generator)
+or, at the latest, `slot_hold_s` after PrefillDone.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Iterator
+
+from services.engine import metrics as m
+from services.engine.admission import Admission
+from services.engine.requests import Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull
+from services.engine.runtime import EngineRuntime
+from services.engine.sampling import Sampler, SamplingParams
+from services.kv.arena import Arena, ArenaFull
+from services.kv.handoff import HandoffEvent, KVSender, PrefillDone, SlotGrant
+from services.kv.header import SlotHeader
+from services.kv.layout import WIRE_DTYPES
+from services.kv.shm import ShmSender
+from services.prefill_gpu.kv_export import LayerExporter
+
+
+class _PrefillCancelled(Exception):
+    """Raised inside the prefill's layer callback to stop computing for a gone client."""
+
+
+class PrefillRuntime(EngineRuntime):
+    device_label = "gpu"
+    engine_name = "torch"
+    default_mode = "gpu"
+
+    def __init__(self, engine, loaded, settings, arena: Arena):
+        super().__init__(engine, loaded, settings, loaded.config.max_context)
+        self.arena = arena
+        self.modes = {"gpu": self.local_generation}
+        # prefills get their own admission: they are short, and a hybrid decode must
+        # never wait behind gpu-mode generations for its prefill
+        self.prefill_admission = Admission(settings.prefill_max_concurrency, settings.prefill_queue_depth)
+
+    def info_fields(self) -> dict:
+        return {**super().info_fields(), "kv_dtype": self.settings.wire_dtype, "arena_name": self.arena.name,
+                "arena_size": self.arena.size}
+
+    def shm_sender(self, header: SlotHeader) -> KVSender:
+        return ShmSender(self.arena, header, self.settings.arena_wait_s)
+
+    def _update_arena_gauges(self) -> None:
+        m.ARENA_USED_BYTES.set(self.arena.used_bytes)
+        m.ARENA_SLOTS_IN_USE.set(self.arena.slots_in_use)
+
+    def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation,
+                new_sender: Callable[[SlotHeader], KVSender] | None = None) -> Iterator[HandoffEvent]:
+        """Hand `request`'s prompt KV over through `new_sender(header)` (default: the arena).
+        Raises InvalidRequest, QueueFull, ArenaFull, Cancelled (while queued)."""
+        cfg = self.loaded.config
+        prompt = list(request.prompt_ids)
+        if not prompt or len(prompt) >= self.max_context or max(prompt) >= cfg.vocab_size:
+            raise InvalidRequest(f"prompt must have 1..{self.max_context - 1} token ids below {cfg.vocab_size}")
+        wire = wire_dtype or self.settings.wire_dtype
+        if wire not in WIRE_DTYPES:
+            raise InvalidRequest(f"wire_dtype must be {' or '.join(WIRE_DTYPES)}, not {wire!r}")
+        header = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt), cfg.model_id)
+        try:
+            with self.prefill_admission.admit(cancel) as queue_s:
+                sender = (new_sender or self.shm_sender)(header)
+                try:
+                    grant = sender.open()
+                except ArenaFull:
+                    m.REQUESTS.labels(status="rejected").inc()
+                    raise
+                try:
+                    self._update_arena_gauges()
+                    yield from self._prefill_into(sender, grant, prompt, request.params, queue_s, cancel)
+                finally:
+                    sender.close()
+                    self._update_arena_gauges()
+        except QueueFull:
+            m.REQUESTS.labels(status="rejected").inc()
+            raise
+        except Cancelled:
+            m.REQUESTS.labels(status="cancelled").inc()
+            raise
+
+    def _prefill_into(self, sender: KVSender, grant: SlotGrant, prompt: list[int], params: SamplingParams,
+                      queue_s: float, cancel: Cancellation) -> Iterator[HandoffEvent]:
+        yield grant
+        seq = self.engine.new_sequence(len(prompt) + 1)
+        exporter = LayerExporter(self.engine, seq, sender)
+        events: queue.Queue = queue.Queue()
+        stop = threading.Event()  # this generator is done: the worker must stop writing into the sender
+
+        def on_layer(layer: int) -> None:
+            if stop.is_set() or cancel.is_cancelled():
+                raise _PrefillCancelled()
+            exporter.write_layer(layer)
+            events.put(("layer", layer))
+
+        def work() -> None:
+            try:
+                t0 = time.perf_counter()
+                logits = self.engine.prefill(seq, prompt, on_layer)
+                events.put(("done", logits, time.perf_counter() - t0, time.time()))
+            except _PrefillCancelled:
+                events.put(("cancelled",))
+            except Exception as exc:  # raised to the caller below, never lost
+                events.put(("error", exc))
+
+        worker = threading.Thread(target=work, name="prefill", daemon=True)
+        worker.start()
+        try:
+            while True:
+                try:
+                    ev = events.get(timeout=0.05)
+                except queue.Empty:
+                    if cancel.is_cancelled():
+                        return
+                    continue
+                if ev[0] == "layer":
+                    yield exporter.wait_layer(ev[1])
+                elif ev[0] == "done":
+                    _, logits, prefill_s, done_at = ev
+                    m.STAGE_SECONDS.labels(stage="prefill", device="gpu").observe(prefill_s)
+                    first = Sampler(params).sample(logits)
+                    sender.finish()
+                    yield PrefillDone(first, prefill_s, queue_s, done_at)
+                    m.REQUESTS.labels(status="ok").inc()
+                    # keep the memory until the reader ends the call (its layers are on its device)
+                    cancel.wait(self.settings.slot_hold_s)
+                    return
+                elif ev[0] == "cancelled":
+                    return
+                else:
+                    raise ev[1]
+        finally:
+            stop.set()  # stops the worker at its next layer if it is still computing
+            worker.join()  # the memory may be freed only once nothing writes into it
+            self.engine.release(seq)

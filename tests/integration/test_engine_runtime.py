@@ -1,0 +1,226 @@
+"""The engine runtime as plain Python, and its thin gRPC layer.
+
+Hybrid mode with both real engines in this process over the in-process transport
+(no servicer context, no second process); the request states it passes through;
+typed errors → statuses; and, over real gRPC on loopback, a prefill that fails
+inside reaches decode's client as INTERNAL with a fixed message, never UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from services.decode_fpga.hybrid import DecodeRuntime
+from services.decode_fpga.server import GrpcPrefillPeer
+from services.decode_fpga.settings import DecodeSettings
+from services.engine.api import EngineFull
+from services.engine.generation import Generation
+from services.engine.request_state import RequestState
+from services.engine.requests import (Cancellation, Cancelled, EngineRequest, HandoffFailed, HandoffTimedOut,
+                                      InvalidRequest, PeerUnavailable, PromptTooLong, QueueFull, RequestTimings)
+from services.engine.sampling import SamplingParams
+from services.engine.service import EngineServicer
+from services.engine.status import status_of
+from services.kv.arena import Arena, ArenaFull
+from services.kv.header import HeaderMismatch
+from services.kv.inprocess import InProcessLink, InProcessReceiver, InProcessSender
+from services.prefill_gpu.runtime import PrefillRuntime
+from services.prefill_gpu.server import PrefillServicer
+from services.prefill_gpu.settings import PrefillSettings
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
+from tests.conftest import random_prompt
+from tests.services_harness import free_port
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+class InProcessPeer:
+    """prefill_gpu's runtime as decode's PrefillPeer, the KV in plain memory. `sends` is the
+    dtype it actually sends, to play a peer that disagrees with what it announced."""
+
+    def __init__(self, prefill: PrefillRuntime):
+        self.prefill_runtime, self.link = prefill, InProcessLink()
+        self.sends = prefill.settings.wire_dtype
+        self.state_when_called: RequestState | None = None
+        self.watch: Generation | None = None
+
+    def wire_dtype(self) -> str:
+        return self.prefill_runtime.settings.wire_dtype
+
+    def receiver(self, engine, seq, expected):
+        return InProcessReceiver(self.link, engine, seq, expected)
+
+    def prefill(self, request, wire_dtype, cancel):
+        if self.watch is not None:
+            self.state_when_called = self.watch.state
+        return self.prefill_runtime.prefill(request, self.sends, cancel,
+                                            new_sender=lambda header: InProcessSender(self.link, header))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def arena():
+    a = Arena(64 << 20)
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def prefill(torch_engine, loaded_model, arena):
+    settings = PrefillSettings(max_concurrency=1, queue_depth=1, prefill_max_concurrency=2, prefill_queue_depth=4,
+                               slot_hold_s=5.0, arena_wait_s=0.5, wire_dtype="fp32")
+    return PrefillRuntime(torch_engine, loaded_model, settings, arena)
+
+
+@pytest.fixture
+def peer(prefill):
+    return InProcessPeer(prefill)
+
+
+@pytest.fixture
+def decode(ocl_engine, loaded_model, peer):
+    return DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=4, queue_depth=4), peer)
+
+
+def tokens_and_last(runtime, prompt, mode, params=GREEDY, cancel=None):
+    events = list(runtime.generate(EngineRequest(tuple(prompt), params, mode), cancel or Cancellation()))
+    return [e.token for e in events], events[-1]
+
+
+def test_hybrid_in_process_equals_gpu_and_fpga(prefill, decode, peer, ocl_engine, model_config):
+    prompt = random_prompt(40, model_config.vocab_size, seed=31)
+    gpu, _ = tokens_and_last(prefill, prompt, "gpu")
+    fpga, _ = tokens_and_last(decode, prompt, "fpga")
+    hybrid, last = tokens_and_last(decode, prompt, "hybrid")
+    assert gpu == fpga == hybrid
+    t = last.timings
+    assert last.finish_reason == "length" and t.generated_tokens == 8 and t.prompt_tokens == 40
+    assert t.handoff_bytes == 30 * 2 * 3 * 40 * 64 * 4 and 0 <= t.handoff_exposed_s <= t.handoff_total_s
+    assert peer.link.slots_in_use == 0 and ocl_engine.free_slots == 4
+
+
+def test_hybrid_waits_for_remote_kv_then_decodes(decode, peer, model_config):
+    prompt = random_prompt(12, model_config.vocab_size, seed=32)
+    gen = Generation(decode.engine, prompt, GREEDY, decode.max_context)
+    peer.watch = gen
+    request = EngineRequest(tuple(prompt), GREEDY, "hybrid")
+    events = list(decode.hybrid_generation(gen, request, RequestTimings(), Cancellation()))
+    assert peer.state_when_called is RequestState.WAITING_FOR_REMOTE_KV
+    assert gen.state is RequestState.FINISHED_LENGTH and len(events) == 8
+
+
+def test_kv_of_another_dtype_fails_the_request_and_frees_everything(decode, peer, ocl_engine, model_config):
+    peer.sends = "fp16"  # announced fp32, sends fp16: the receiver must not take the sender's word
+    prompt = random_prompt(9, model_config.vocab_size, seed=33)
+    gen = Generation(decode.engine, prompt, GREEDY, decode.max_context)
+    with pytest.raises(HeaderMismatch, match="expects 9 tokens of fp32"):
+        list(decode.hybrid_generation(gen, EngineRequest(tuple(prompt), GREEDY, "hybrid"), RequestTimings(),
+                                      Cancellation()))
+    assert gen.state is RequestState.FINISHED_ERROR
+    assert status_of(HeaderMismatch("x"), "decode_fpga", "r1")[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert peer.link.slots_in_use == 0 and ocl_engine.free_slots == 4
+
+
+def test_a_cancelled_hybrid_request_stops_and_frees_everything(decode, peer, ocl_engine, model_config):
+    cancel = Cancellation()
+    cancel.cancel()
+    with pytest.raises(Cancelled, match="during the KV hand-off"):
+        tokens_and_last(decode, random_prompt(9, model_config.vocab_size, seed=34), "hybrid", cancel=cancel)
+    assert peer.link.slots_in_use == 0 and ocl_engine.free_slots == 4
+
+
+def test_requests_the_runtime_refuses(decode, prefill, model_config):
+    with pytest.raises(InvalidRequest, match="does not serve mode gpu"):
+        tokens_and_last(decode, [1, 2], "gpu")
+    with pytest.raises(PromptTooLong):
+        tokens_and_last(decode, [3] * decode.max_context, "fpga")
+    with pytest.raises(InvalidRequest, match="wire_dtype must be fp32 or fp16"):
+        next(prefill.prefill(EngineRequest((1, 2), GREEDY, "hybrid"), "bf16", Cancellation()))
+
+
+def test_cancellation_runs_callbacks_once_and_late_ones_at_once():
+    cancel, calls = Cancellation(), []
+    cancel.add_callback(lambda: calls.append("early"))
+    cancel.cancel()
+    cancel.cancel()
+    cancel.add_callback(lambda: calls.append("late"))
+    assert calls == ["early", "late"] and cancel.is_cancelled() and cancel.wait(0)
+
+
+@pytest.mark.parametrize("exc,code", [
+    (PromptTooLong("p"), grpc.StatusCode.OUT_OF_RANGE), (InvalidRequest("p"), grpc.StatusCode.INVALID_ARGUMENT),
+    (QueueFull("p"), grpc.StatusCode.RESOURCE_EXHAUSTED), (ArenaFull("p"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineFull("p"), grpc.StatusCode.RESOURCE_EXHAUSTED), (HeaderMismatch("p"), grpc.StatusCode.FAILED_PRECONDITION),
+    (PeerUnavailable("p"), grpc.StatusCode.UNAVAILABLE), (HandoffTimedOut("p"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (Cancelled("p"), grpc.StatusCode.CANCELLED)])
+def test_typed_errors_keep_their_own_message(exc, code):
+    assert status_of(exc, "decode_fpga", "r1") == (code, "p")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("secret at 0xdead"), HandoffFailed("prefill_gpu: secret"),
+                                 ValueError("secret")])
+def test_internal_failures_say_a_fixed_message_and_log_the_details(exc, caplog):
+    with caplog.at_level(logging.ERROR):
+        code, message = status_of(exc, "decode_fpga", "req-42")
+    assert code == grpc.StatusCode.INTERNAL
+    assert message == "internal error in decode_fpga (request req-42); see its log"
+    assert "req-42" in caplog.text and "secret" in caplog.text
+
+
+class FailsAtLayer:
+    """The real torch engine with a fault injected while it prefills (nothing real fails on demand)."""
+
+    def __init__(self, engine, layer: int):
+        self._engine, self._layer = engine, layer
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def prefill(self, seq, token_ids, on_layer=None):
+        def then_fail(layer):
+            on_layer(layer)
+            if layer == self._layer:
+                raise RuntimeError("secret: device fault at 0xdeadbeef")
+        return self._engine.prefill(seq, token_ids, then_fail)
+
+
+def serve_in_process(servicer):
+    server = grpc.server(ThreadPoolExecutor(8))
+    pb_grpc.add_EngineServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_failed_prefill_is_internal_on_both_engines_never_unavailable(torch_engine, ocl_engine, loaded_model, arena,
+                                                                        prefill, model_config):
+    broken = PrefillRuntime(FailsAtLayer(torch_engine, 3), loaded_model, prefill.settings, arena)
+    pre_server, pre_address = serve_in_process(PrefillServicer(broken, "prefill_gpu"))
+    peer = GrpcPrefillPeer(pre_address, model_config.model_id, timeout_s=60)
+    decode = DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=4, queue_depth=4), peer)
+    dec_server, dec_address = serve_in_process(EngineServicer(decode, "decode_fpga"))
+    try:
+        prompt = random_prompt(20, model_config.vocab_size, seed=35)
+        with grpc.insecure_channel(pre_address) as a, grpc.insecure_channel(dec_address) as b:
+            with pytest.raises(grpc.RpcError) as direct:
+                list(pb_grpc.EngineStub(a).Prefill(pb.PrefillRequest(request_id="rq-1", prompt_token_ids=prompt),
+                                                   timeout=60))
+            with pytest.raises(grpc.RpcError) as hybrid:
+                list(pb_grpc.EngineStub(b).Generate(pb.GenerateRequest(request_id="rq-2", prompt_token_ids=prompt,
+                                                                       mode=pb.MODE_HYBRID), timeout=60))
+    finally:
+        dec_server.stop(0)
+        pre_server.stop(0)
+        peer.close()
+    assert direct.value.code() == grpc.StatusCode.INTERNAL
+    assert direct.value.details() == "internal error in prefill_gpu (request rq-1); see its log"
+    assert hybrid.value.code() == grpc.StatusCode.INTERNAL
+    assert hybrid.value.details() == "internal error in decode_fpga (request rq-2); see its log"
+    assert arena.slots_in_use == 0 and ocl_engine.free_slots == 4
