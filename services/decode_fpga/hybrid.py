@@ -17,6 +17,7 @@ from services.engine import metrics as m
 from services.engine.generation import Generation, TokenEvent
 from services.engine.request_state import RequestState
 from services.engine.requests import Cancellation, Cancelled, EngineRequest, HandoffFailed, RequestTimings
+from services.engine.profile_cache import sweep_lock
 from services.engine.runtime import EngineRuntime
 from services.engine.sampling import Sampler, SamplingParams
 from services.kv.handoff import HandoffEvent, KVReceiver
@@ -96,7 +97,8 @@ class DecodeRuntime(EngineRuntime):
 
     def profile_samples(self, refresh: bool = False) -> list[dict]:
         samples = [s for s in super().profile_samples(refresh) if s["stage"] != "handoff"]
-        return samples + self._handoff_samples()
+        with sweep_lock(self.settings.profile_cache):  # timed in turn with prefill_gpu's own sweep
+            return samples + self._handoff_samples()
 
     def _handoff_samples(self) -> list[dict]:
         """Exposed hand-off time for a few prompt lengths, measured now if the peer answers."""

@@ -18,7 +18,8 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.admission import Admission
 from services.engine.generation import Generation, TokenEvent
-from services.engine.profile_sweep import cached_sweep, code_fingerprint, run_sweep
+from services.engine.profile_cache import sweep_lock
+from services.engine.profile_sweep import code_fingerprint, profile_engine, run_sweep
 from services.engine.request_state import RequestState
 from services.engine.requests import Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull, RequestTimings
 
@@ -100,10 +101,12 @@ class EngineRuntime:
     def profile_samples(self, refresh: bool = False) -> list[dict]:
         with self._profile_lock:
             if refresh:
-                self._profile = run_sweep(self.engine, self.device_label)
+                with sweep_lock(self.settings.profile_cache):  # the engines take turns timing
+                    self._profile = run_sweep(self.engine, self.device_label)
             elif self._profile is None:
-                self._profile = cached_sweep(self.settings.profile_cache, self._profile_key(),
-                                             lambda: run_sweep(self.engine, self.device_label))
+                # cached and checked by a quick probe, or measured in turn with the other engine
+                self._profile = profile_engine(self.engine, self.device_label, self.settings.profile_cache,
+                                               self._profile_key())
             return self._profile
 
     def _profile_key(self) -> str:

@@ -7,23 +7,13 @@ import pytest
 from services.engine.api import EngineFull
 from services.engine.generation import Generation
 from services.engine.sampling import SamplingParams
-from tests.conftest import hf_greedy, random_prompt
+from tests.conftest import random_prompt
 from tests.decode_fpga.conftest import make_engine
 
 
 def greedy(engine, prompt, n):
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     return [ev.token for ev in Generation(engine, prompt, params, 8192)]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("n_prompt,n_new", [(1, 64), (17, 16), (128, 16), (512, 64)])
-def test_greedy_identical_to_torch_and_transformers(ocl_engine, torch_engine, hf_model, model_config, n_prompt,
-                                                    n_new):
-    prompt = random_prompt(n_prompt, model_config.vocab_size, seed=11)
-    ours = greedy(ocl_engine, prompt, n_new)
-    assert ours == greedy(torch_engine, prompt, n_new)
-    assert ours == hf_greedy(hf_model, prompt, n_new)
 
 
 def test_prefill_logits_close_to_torch(ocl_engine, torch_engine, model_config):
@@ -59,23 +49,6 @@ def test_fp16_weights_stay_close_to_fp32(loaded_model, cl_dev, ocl_engine, model
         assert np.abs(la - lb).max() / np.abs(lb).max() < 0.02
 
 
-def test_batch_of_three_lengths_equals_each_alone(ocl_engine, model_config):
-    prompts = [random_prompt(n, model_config.vocab_size, seed=16) for n in (2, 33, 9)]
-    alone = [greedy(ocl_engine, p, 6) for p in prompts]
-    seqs = [ocl_engine.new_sequence(len(p) + 6) for p in prompts]
-    try:
-        tokens = [int(np.argmax(ocl_engine.prefill(s, p))) for s, p in zip(seqs, prompts)]
-        out = [[t] for t in tokens]
-        for _ in range(5):
-            tokens = ocl_engine.decode_greedy(seqs, tokens)
-            for o, t in zip(out, tokens):
-                o.append(t)
-    finally:
-        for s in seqs:
-            ocl_engine.release(s)
-    assert out == alone
-
-
 def test_rows_left_on_the_device_serve_only_the_step_they_belong_to(ocl_engine, model_config):
     """A greedy step leaves its picks and next positions on the device, and a step with exactly those
     rows uploads nothing. Interleaved sequences, a reordered batch, a logits step and a token other
@@ -109,11 +82,12 @@ def test_rows_left_on_the_device_serve_only_the_step_they_belong_to(ocl_engine, 
     assert got == want
 
 
-def test_imported_kv_decodes_like_torch(ocl_engine, torch_engine, model_config):
-    """The hybrid hand-off's receiving side: torch prefills, the OpenCL engine decodes."""
+def test_imported_kv_lands_where_torch_keeps_it(ocl_engine, torch_engine, model_config):
+    """The hybrid hand-off's receiving side: what is imported reads back as torch's own K.
+    (That it then decodes like torch is in tests/integration/test_engine_contract.py.)"""
     prompt = random_prompt(21, model_config.vocab_size, seed=17)
     src = torch_engine.new_sequence(30)
-    first = int(np.argmax(torch_engine.prefill(src, prompt)))
+    torch_engine.prefill(src, prompt)
     dst = ocl_engine.new_sequence(30)
     try:
         for layer in range(model_config.n_layers):
@@ -121,15 +95,9 @@ def test_imported_kv_decodes_like_torch(ocl_engine, torch_engine, model_config):
         ocl_engine.finish_import(dst, len(prompt))
         np.testing.assert_allclose(ocl_engine.read_kv(dst, len(prompt))[3, 0],
                                    src.k[3, :, :len(prompt)].numpy())
-        ours, theirs, t1, t2 = [], [], first, first
-        for _ in range(8):
-            t1 = ocl_engine.decode_greedy([dst], [t1])[0]
-            t2 = torch_engine.decode_greedy([src], [t2])[0]
-            ours.append(t1)
-            theirs.append(t2)
-        assert ours == theirs
     finally:
         ocl_engine.release(dst)
+        torch_engine.release(src)
 
 
 def test_slots_run_out_with_a_clear_error(loaded_model, cl_dev, ocl_engine):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from services.kv.arena import Arena, ArenaReader
-from services.kv.handoff import HandoffState, PrefillDone, SlotGrant
+from services.kv.handoff import HandoffState, PrefillDone
 from services.kv.header import HeaderMismatch, SlotHeader
 from services.kv.inprocess import InProcessLink, InProcessReceiver, InProcessSender
 from services.kv.layout import WIRE_DTYPES
