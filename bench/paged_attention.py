@@ -1,0 +1,123 @@
+"""Paged decode attention (kernels/paged_attention.cl) against today's contiguous one
+(attention.cl's rope_attention_decode): achieved GB/s on the model's attention shape.
+
+SmolLM2-135M's heads (9 query, 3 KV, dim 64), blocks of 16 tokens scattered in random order
+over the pool. One decode step's attention: every sequence of the batch at the same context,
+one launch per layer over `layers` distinct layers in turn (one layer's KV alone would sit in
+the caches and flatter both kernels), one wait per step. GB/s = K and V bytes the step reads
+(layers * batch * 2 * kv_heads * context * head_dim * 4) / time of the step; medians of
+several steps. Besides 16-token blocks shuffled over the pool (the serving case), the same
+blocks in order and 64-token blocks shuffled, to tell the table's cost from the scattering's.
+
+    python bench/paged_attention.py [--steps N] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from _common import progress, table, write_json
+
+import numpy as np  # noqa: E402
+import pyopencl as cl  # noqa: E402
+
+from services.decode_fpga.device import select_device  # noqa: E402
+from services.decode_fpga.kv_channels import ChannelLayout  # noqa: E402
+from services.decode_fpga.launch import bind  # noqa: E402
+from services.decode_fpga.paged_attention import PagedAttention, PagedKVLayout, pack_block_tables  # noqa: E402
+
+MF = cl.mem_flags
+N_HEADS, N_KV, HEAD_DIM, BLOCK = 9, 3, 64, 16
+KV_BUDGET = 400 << 20  # bytes of KV per kernel: as many layers as fit, at most 30
+
+
+def timed(queue, launches, steps: int) -> float:
+    """Median seconds of one step (every launch once, one wait)."""
+    for launch in launches:  # warm-up (and first-touch of the buffers)
+        launch.enqueue(queue)
+    queue.finish()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        for launch in launches:
+            launch.enqueue(queue)
+        queue.finish()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# paged variants: (name, block size, blocks shuffled over the pool or in order)
+VARIANTS = (("paged", 16, True), ("paged_in_order", 16, False), ("paged_bs64", 64, True))
+
+
+def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
+    per_layer = batch * 2 * N_KV * ctx * HEAD_DIM * 4
+    layers = max(1, min(30, KV_BUDGET // per_layer))
+    q_dim, kv_dim = N_HEADS * HEAD_DIM, N_KV * HEAD_DIM
+    group = N_HEADS // N_KV
+    qkv = cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,
+                    hostbuf=rng.normal(size=(batch, q_dim + 2 * kv_dim)).astype(np.float32))
+    pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.full(batch, ctx - 1, np.int32))
+    seqs = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(batch, dtype=np.int32))
+    out = cl.Buffer(dev.context, MF.READ_WRITE, batch * q_dim * 4)
+    sums = cl.Buffer(dev.context, MF.READ_WRITE, batch * q_dim // 32 * 4)
+    inv_freq = (1.0 / (1e4 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))).astype(np.float32)
+    shape = {"HEAD_DIM": HEAD_DIM, "GROUP": group, "Q_DIM": q_dim, "KV_DIM": kv_dim}
+    prog = dev.build("attention.cl", shape)
+    inv_freq_b = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=inv_freq)
+    rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, ctx * HEAD_DIM * 4)
+    bind(prog, "rope_table", (ctx, HEAD_DIM // 2), inv_freq_b, rope_cs).enqueue(dev.queue)
+
+    # today's: one slot per sequence, planes of max_context = ctx
+    lay = ChannelLayout(layers, N_KV, HEAD_DIM, ctx, batch, 1)
+    chan = cl.Buffer(dev.context, MF.READ_WRITE, lay.channel_elems(0) * 4)
+    cl.enqueue_fill_buffer(dev.queue, chan, np.float32(0.01), 0, lay.channel_elems(0) * 4)
+    slot_stride = lay.planes_per_slot * lay.plane_elems
+    contiguous = [bind(prog, "rope_attention_decode", (batch, N_HEADS), qkv, seqs, pos, rope_cs, np.int32(0),
+                       np.float32(HEAD_DIM ** -0.5), chan, np.int64(lay.locate(0, layer, 0, 0)[1]),
+                       np.int64(slot_stride), chan, np.int64(lay.locate(0, layer, 1, 0)[1]), np.int64(slot_stride),
+                       np.int64(lay.plane_elems), out, sums, local_size=(1, 1)) for layer in range(layers)]
+    row = {"context": ctx, "batch": batch, "layers": layers}
+    kernels = [("contiguous", contiguous, None)]
+    for name, block, shuffled in VARIANTS:  # the same contexts in blocks
+        max_blocks = -(-ctx // block)
+        layout = PagedKVLayout(layers, N_KV, HEAD_DIM, block, batch * max_blocks)
+        order = rng.permutation(layout.num_blocks) if shuffled else np.arange(layout.num_blocks)
+        tables = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                           hostbuf=pack_block_tables(order.reshape(batch, max_blocks), max_blocks))
+        pool = layout.allocate(dev)
+        cl.enqueue_fill_buffer(dev.queue, pool, np.float32(0.01), 0, layout.nbytes)
+        pa = PagedAttention(dev, layout, N_HEADS)
+        kernels.append((name, [pa.bind_decode(batch, qkv, seqs, pos, rope_cs, tables, max_blocks, pool, layer, out,
+                                              sums) for layer in range(layers)], (pool, tables)))
+    for name, launches, _held in kernels:  # _held: buffers alive until their launches ran
+        sec = timed(dev.queue, launches, steps)
+        row[name] = {"us_per_layer": sec / layers * 1e6, "gb_s": per_layer * layers / sec / 1e9}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="context 64 and 512 only, 5 steps")
+    args = ap.parse_args()
+    dev = select_device()
+    rng = np.random.default_rng(0)
+    contexts = (64, 512) if args.quick else (64, 512, 2048)
+    steps = 5 if args.quick else args.steps
+    rows = []
+    for ctx in contexts:
+        for batch in (1, 8):
+            progress(f"context {ctx}, batch {batch}")
+            rows.append(measure(dev, ctx, batch, steps, rng))
+    names = ["contiguous"] + [v[0] for v in VARIANTS]
+    print(table(["context", "batch", "layers"] + [f"{n} us/layer (GB/s)" for n in names],
+                [[r["context"], r["batch"], r["layers"]]
+                 + [f'{r[n]["us_per_layer"]:.1f} ({r[n]["gb_s"]:.1f})' for n in names] for r in rows]))
+    write_json("paged_attention", {"device": dev.name, "n_heads": N_HEADS, "n_kv_heads": N_KV,
+                                   "head_dim": HEAD_DIM, "block_size": BLOCK, "steps": steps, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

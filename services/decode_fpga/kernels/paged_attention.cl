@@ -1,0 +1,110 @@
+// The KV write and attention over a paged KV pool, for a CPU device (one work-item per
+// (row, head)). The paged counterparts of attention.cl's kernels, same arithmetic.
+//
+// Pool layout (paged_attention.h): layer l, block b, k|v, kv head h, slot i, dim d at
+//   pool[layer_base + b * BLOCK_STRIDE + kv * V_OFFSET + h * BLOCK_ELEMS + i * HEAD_DIM + d]
+// with layer_base = l * num_blocks * BLOCK_STRIDE, i.e. [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM].
+// block_tables: [n_seqs][max_blocks] ints; row r belongs to sequence seq_of_row[r] (the
+// contiguous kernels' `slots`) and sits at position pos[r]: block block_tables[seq][pos / BLOCK_SIZE],
+// slot pos % BLOCK_SIZE. The host checks every table entry a launch touches (paged_attention.py).
+// qkv: [rows][Q_DIM + 2 KV_DIM] as the q|k|v GEMV writes it; out: [rows][Q_DIM]; out_sums:
+// [rows][Q_DIM / 32] (written when HEAD_DIM % 32 == 0, see attention.cl).
+// Defines: HEAD_DIM, GROUP, Q_DIM, KV_DIM, BLOCK_SIZE.
+
+#include "attention_decode.h"
+#include "paged_attention.h"
+
+#define QKV_ROW (Q_DIM + 2 * KV_DIM)
+
+// Rows of already-RoPE'd K and V into the pool (a prefill chunk's, or a hand-off's import).
+// Work-item (r, h) copies kv head h of row r. The source is addressed by strides so that both q|k|v
+// rows (src_base Q_DIM, row_stride QKV_ROW, kv_stride KV_DIM, head_stride HEAD_DIM) and the wire
+// layout of one layer, [2][N_KV][n_tokens][HEAD_DIM] (row_stride HEAD_DIM, kv_stride N_KV n_tokens
+// HEAD_DIM, head_stride n_tokens HEAD_DIM), are read in place:
+//   K of (r, h): src[src_base + r row_stride + h head_stride + d], V: + kv_stride.
+__kernel void paged_kv_write(__global const float *src, const long src_base, const long row_stride,
+                             const long kv_stride, const long head_stride, __global const int *seq_of_row,
+                             __global const int *pos, __global const int *block_tables, const int max_blocks,
+                             __global float *pool, const long layer_base)
+{
+    const int r = get_global_id(0), h = get_global_id(1);
+    __global const float *k = src + src_base + r * row_stride + h * head_stride;
+    __global const float *v = k + kv_stride;
+    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
+    __global float *kd = paged_row(pool + layer_base + h * BLOCK_ELEMS, table, pos[r]);
+    for (int i = 0; i < HEAD_DIM / 4; ++i) {
+        vstore4(vload4(i, k), i, kd);
+        vstore4(vload4(i, v), i, kd + V_OFFSET);
+    }
+}
+
+// attention.cl's rope_global: a head vector in global memory, roped in place.
+inline void rope_in_place(__global float *v, const int pos, __global const float *rope_cs)
+{
+    float t[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; ++i) t[i] = v[i];
+    rope(t, pos, rope_cs);
+    for (int i = 0; i < HEAD_DIM; ++i) v[i] = t[i];
+}
+
+// rope_store_kv (attention.cl) into the pool: work-item (r, g (GROUP + 1) + j) serves kv head g;
+// j == 0 ropes its K in qkv and stores K and V at pos[r]; j in 1..GROUP ropes query head g GROUP + j-1.
+// Global size (rows, N_KV (GROUP + 1)).
+__kernel void paged_rope_store_kv(__global float *qkv, __global const int *seq_of_row, __global const int *pos,
+                                  __global const float *rope_cs, __global const int *block_tables,
+                                  const int max_blocks, __global float *pool, const long layer_base)
+{
+    const int r = get_global_id(0), g = get_global_id(1) / (GROUP + 1), j = get_global_id(1) % (GROUP + 1);
+    __global float *row = qkv + (size_t)r * QKV_ROW;
+    if (j > 0) {
+        rope_in_place(row + (g * GROUP + j - 1) * HEAD_DIM, pos[r], rope_cs);
+        return;
+    }
+    __global float *k = row + Q_DIM + g * HEAD_DIM;
+    __global const float *v = row + Q_DIM + KV_DIM + g * HEAD_DIM;
+    rope_in_place(k, pos[r], rope_cs);
+    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
+    __global float *kd = paged_row(pool + layer_base + g * BLOCK_ELEMS, table, pos[r]);
+    for (int i = 0; i < HEAD_DIM / 4; ++i) {
+        vstore4(vload4(i, k), i, kd);
+        vstore4(vload4(i, v), i, kd + V_OFFSET);
+    }
+}
+
+// Prefill-chunk (and general) attention, attention.cl's `attention` through block tables: row r
+// (query already roped in qkv) attends to positions [0, pos[r]] of its sequence, whose K and V
+// must already be in the pool (paged_kv_write / paged_rope_store_kv of the chunk first). A chunk
+// of C tokens at [start, start + C) is C rows at those positions: each sees the cached context
+// and the chunk's tokens up to itself, which is the causal mask. Rows of several sequences mix
+// freely. Work-item (r, h): query head h. Global size (rows, N_KV GROUP).
+__kernel void paged_attention(__global const float *qkv, __global const int *seq_of_row, __global const int *pos,
+                              __global const int *block_tables, const int max_blocks, __global const float *pool,
+                              const long layer_base, const float scale, __global float *out,
+                              __global float *out_sums)
+{
+    const int r = get_global_id(0), h = get_global_id(1);
+    __global const float *q = qkv + (size_t)r * QKV_ROW + h * HEAD_DIM;
+    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
+    __global const float *K = pool + layer_base + (h / GROUP) * BLOCK_ELEMS;
+    const int n = pos[r] + 1;
+    hvec qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = VLOADH(i, q);
+    const float m = paged_max_score(qv, K, table, n, scale, -INFINITY);
+    hvec acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
+    store_head(acc, paged_weigh_values(qv, K, table, n, scale, m, acc), r, h, out, out_sums);
+}
+
+// A decode step's RoPE, KV write and attention in one launch (rope_attention_decode through block
+// tables): row r is one sequence's new token at pos[r] (its block must be in the table). Work-item
+// (r, g GROUP + j): query head g GROUP + j. Global size (rows, N_KV GROUP).
+__kernel void paged_rope_attention_decode(__global const float *qkv, __global const int *seq_of_row,
+                                          __global const int *pos, __global const float *rope_cs,
+                                          __global const int *block_tables, const int max_blocks,
+                                          __global float *pool, const long layer_base, const float scale,
+                                          __global float *out, __global float *out_sums)
+{
+    const int r = get_global_id(0), g = get_global_id(1) / GROUP, j = get_global_id(1) % GROUP;
+    paged_attend_decode(qkv, r, g, j, pos[r], rope_cs, scale, pool + layer_base + g * BLOCK_ELEMS,
+                        block_tables + (size_t)seq_of_row[r] * max_blocks, out, out_sums);
+}

@@ -1,0 +1,128 @@
+// Attention of one query head over a paged KV pool, shared by paged_attention.cl and any
+// all-layers kernel that wants it. Include attention_decode.h BEFORE this file (kernel_source
+// expands the top file's includes only, not a header's): it gives hvec, NV, VLOADH, dot_head,
+// rope and store_head, so the arithmetic here is attention_decode.h's, term for term.
+// Defines: HEAD_DIM, GROUP, Q_DIM, KV_DIM, BLOCK_SIZE (tokens per block).
+//
+// The pool of one layer: [num_blocks][2 (k|v)][N_KV][BLOCK_SIZE][HEAD_DIM] floats, layers one
+// after the other (layer l starts at l * num_blocks * BLOCK_STRIDE). One head's K (or V) of one
+// block is BLOCK_SIZE * HEAD_DIM contiguous floats (4 KiB at 16 x 64): wide loads and the
+// hardware prefetcher see the same runs as in a contiguous cache, and the block table is read
+// once per block (per 16-position tile when BLOCK_SIZE % 16 == 0).
+// A block table is a row of ints: position t of its sequence lives in slot t % BLOCK_SIZE of
+// block table[t / BLOCK_SIZE].
+//
+// Every function reduces over positions 0, 1, 2, ... in order with the tiles of
+// attention_decode.h's weigh_values (16 positions from position 0, then a scalar tail), so a
+// row's result depends on its own context only: not on the batch, not on where its blocks lie,
+// and equals the contiguous kernels' bit for bit.
+
+#define N_KV (KV_DIM / HEAD_DIM)
+#define BLOCK_ELEMS ((size_t)BLOCK_SIZE * HEAD_DIM)  // one head's K (or V) in one block
+#define BLOCK_STRIDE (2 * N_KV * BLOCK_ELEMS)        // one block of one layer: K of every head, then V
+#define V_OFFSET (N_KV * BLOCK_ELEMS)                // from a head's K in a block to its V
+
+// Position t's row in the pool, from X: the layer's base plus the head's offset within a block
+// (kv_head * BLOCK_ELEMS for K; + V_OFFSET for V).
+inline __global float *paged_row(__global float *X, __global const int *table, const int t)
+{
+    return X + (size_t)table[t / BLOCK_SIZE] * BLOCK_STRIDE + (size_t)(t % BLOCK_SIZE) * HEAD_DIM;
+}
+
+inline __global const float *paged_row_c(__global const float *X, __global const int *table, const int t)
+{
+    return X + (size_t)table[t / BLOCK_SIZE] * BLOCK_STRIDE + (size_t)(t % BLOCK_SIZE) * HEAD_DIM;
+}
+
+// max_score (attention_decode.h) through a block table: the largest of m and the scaled scores of
+// positions [0, n). One table lookup per block.
+inline float paged_max_score(const hvec *qv, __global const float *K, __global const int *table, const int n,
+                             const float scale, float m)
+{
+    for (int b = 0; b * BLOCK_SIZE < n; ++b) {
+        __global const float *kb = K + (size_t)table[b] * BLOCK_STRIDE;
+        const int end = min(BLOCK_SIZE, n - b * BLOCK_SIZE);
+        for (int i = 0; i < end; ++i) m = fmax(m, dot_head(qv, kb + (size_t)i * HEAD_DIM) * scale);
+    }
+    return m;
+}
+
+// weigh_values (attention_decode.h) through a block table, same tiles, same order of every sum:
+// acc += exp(s_t - m) * V[t] over positions [0, n); returns the sum of the weights.
+// K: the layer's base + kv_head * BLOCK_ELEMS (V is V_OFFSET further in every block).
+inline float paged_weigh_values(const hvec *qv, __global const float *K, __global const int *table, const int n,
+                                const float scale, const float m, hvec *acc)
+{
+    float16 wsum = (float16)(0.0f);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        float s[16], w[16];
+#if BLOCK_SIZE % 16 == 0
+        // a tile never straddles two blocks: one lookup, then rows of one run
+        __global const float *kt = paged_row_c(K, table, t);
+#define TILE_ROW(k) (kt + (size_t)(k) * HEAD_DIM)
+#else
+#define TILE_ROW(k) paged_row_c(K, table, t + (k))
+#endif
+        for (int k = 0; k < 16; ++k) s[k] = dot_head(qv, TILE_ROW(k)) * scale - m;
+        const float16 w16 = exp(vload16(0, s));
+        vstore16(w16, 0, w);
+        wsum += w16;
+        for (int k = 0; k < 16; ++k)
+            for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w[k]), VLOADH(i, TILE_ROW(k) + V_OFFSET), acc[i]);
+#undef TILE_ROW
+    }
+    const float8 w8 = wsum.lo + wsum.hi;
+    const float4 w4 = w8.lo + w8.hi;
+    float denom = (w4.x + w4.y) + (w4.z + w4.w);
+    for (; t < n; ++t) {
+        __global const float *kr = paged_row_c(K, table, t);
+        const float w = exp(dot_head(qv, kr) * scale - m);
+        denom += w;
+        for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, kr + V_OFFSET), acc[i]);
+    }
+    return denom;
+}
+
+// attend_decode (attention_decode.h) through a block table: query head kv_head * GROUP + j of row
+// r at position p. RoPE of the query and the new key in registers; j == 0 stores the new K and V
+// at p (its block must be in the table); positions [0, p) come from the pool, the new one from
+// registers and joins the sums last. K: the layer's base + kv_head * BLOCK_ELEMS.
+inline void paged_attend_decode(__global const float *qkv, const int r, const int kv_head, const int j, const int p,
+                                __global const float *rope_cs, const float scale, __global float *K,
+                                __global const int *table, __global float *out, __global float *out_sums)
+{
+    const int h = kv_head * GROUP + j;
+    __global const float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
+    __global const float *v_new = row + Q_DIM + KV_DIM + kv_head * HEAD_DIM;
+    float qf[HEAD_DIM], kf[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; ++i) {
+        qf[i] = row[h * HEAD_DIM + i];
+        kf[i] = row[Q_DIM + kv_head * HEAD_DIM + i];
+    }
+    rope(qf, p, rope_cs);
+    rope(kf, p, rope_cs);
+    if (j == 0) {
+        __global float *kd = paged_row(K, table, p);
+        for (int i = 0; i < HEAD_DIM; ++i) {
+            kd[i] = kf[i];
+            kd[V_OFFSET + i] = v_new[i];
+        }
+    }
+    hvec qv[NV], kv[NV];
+    for (int i = 0; i < NV; ++i) {
+        qv[i] = VLOADH(i, qf);
+        kv[i] = VLOADH(i, kf);
+    }
+    hvec c = qv[0] * kv[0];
+    for (int i = 1; i < NV; ++i) c = fma(qv[i], kv[i], c);
+    const float s_new = hsum(c) * scale;
+    const float m = paged_max_score(qv, K, table, p, scale, s_new);
+    hvec acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
+    float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
+    const float w = exp(s_new - m);
+    denom += w;
+    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, v_new), acc[i]);
+    store_head(acc, denom, r, h, out, out_sums);
+}

@@ -1,0 +1,298 @@
+"""kernels/paged_attention.cl on real PoCL: against the float64 numpy reference, bit for bit
+against itself in other batches and block placements, and bit for bit against the contiguous
+kernels of attention.cl."""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+import pytest
+
+from services.decode_fpga.kv_channels import ChannelLayout, wire_to_channels
+from services.decode_fpga.paged_attention import (
+    PagedAttention, PagedKVLayout, attention_ref, check_rows, gather_kv, kv_write_ref, pack_block_tables, rope_ref)
+
+MF = cl.mem_flags
+POISON = np.float32(-7.25e7)  # what a block nobody wrote holds; any read of it wrecks a softmax
+TINY = dict(n_heads=4, n_kv=2, head_dim=16, block_size=4)
+MODEL = dict(n_heads=9, n_kv=3, head_dim=64, block_size=16)  # SmolLM2-135M's attention
+
+
+def buf(dev, a):
+    return cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(a))
+
+
+def read(dev, b, shape, dtype=np.float32):
+    out = np.empty(shape, dtype)
+    cl.enqueue_copy(dev.queue, out, b, is_blocking=True)
+    return out
+
+
+class Case:
+    """One model shape on the device: layout, launchers, rope table, a poisoned pool image."""
+
+    def __init__(self, dev, n_heads, n_kv, head_dim, block_size, num_blocks=64, n_layers=2, max_pos=256):
+        self.dev, self.n_heads, self.n_kv, self.hd = dev, n_heads, n_kv, head_dim
+        self.layout = PagedKVLayout(n_layers, n_kv, head_dim, block_size, num_blocks)
+        self.pa = PagedAttention(dev, self.layout, n_heads)
+        self.group, self.q_dim, self.kv_dim = self.pa.group, self.pa.q_dim, self.pa.kv_dim
+        self.shape_defs = {"HEAD_DIM": head_dim, "GROUP": self.group, "Q_DIM": self.q_dim, "KV_DIM": self.kv_dim}
+        self.inv_freq = (1.0 / (1e4 ** (np.arange(0, head_dim, 2) / head_dim))).astype(np.float32)
+        self.rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, max_pos * head_dim * 4)
+        prog = dev.build("attention.cl", self.shape_defs)
+        self.inv_freq_b = buf(dev, self.inv_freq)  # held: released under a running command, PoCL crashes
+        cl.Kernel(prog, "rope_table")(dev.queue, (max_pos, head_dim // 2), None, self.inv_freq_b, self.rope_cs)
+        self.image = np.full(self.layout.shape, POISON, np.float32)
+
+    def fill_context(self, rng, layer, tables, lengths):
+        """Random (already roped) K and V at positions [0, n) of each sequence, in the host image."""
+        for s, n in enumerate(lengths):
+            kv = rng.normal(size=(n, 2, self.n_kv, self.hd)).astype(np.float32)
+            kv_write_ref(self.image, layer, kv[:, 0], kv[:, 1], np.full(n, s), np.arange(n), tables)
+
+    def qkv(self, rng, rows):
+        return rng.normal(size=(rows, self.q_dim + 2 * self.kv_dim)).astype(np.float32)
+
+    def split(self, qkv):
+        """q [rows, n_heads, hd], k and v [rows, n_kv, hd] of q|k|v rows."""
+        r = len(qkv)
+        q = qkv[:, :self.q_dim].reshape(r, self.n_heads, self.hd)
+        k = qkv[:, self.q_dim:self.q_dim + self.kv_dim].reshape(r, self.n_kv, self.hd)
+        return q, k, qkv[:, self.q_dim + self.kv_dim:].reshape(r, self.n_kv, self.hd)
+
+    def run(self, kernel, qkv, seq_of_row, pos, tables, layer, image=None):
+        """One launch of `kernel` ('decode', 'rope_store+attention' or 'write') on a copy of the
+        image; returns (out [rows, q_dim], out_sums, pool image after, qkv after)."""
+        n = len(pos)
+        max_blocks = max(len(t) for t in tables)
+        packed = pack_block_tables(tables, max_blocks)
+        check_rows(self.layout, packed, seq_of_row.astype(np.int32), pos.astype(np.int32))
+        pool = buf(self.dev, self.image if image is None else image)
+        qkv_b, sb, pb, tb = (buf(self.dev, a) for a in (qkv, seq_of_row.astype(np.int32), pos.astype(np.int32),
+                                                        packed))
+        out = cl.Buffer(self.dev.context, MF.READ_WRITE, n * self.q_dim * 4)
+        sums = cl.Buffer(self.dev.context, MF.READ_WRITE, n * max(1, self.q_dim // 32) * 4)
+        if kernel == "decode":
+            launches = [self.pa.bind_decode(n, qkv_b, sb, pb, self.rope_cs, tb, max_blocks, pool, layer, out, sums)]
+        elif kernel == "rope_store+attention":
+            launches = [self.pa.bind_rope_store(n, qkv_b, sb, pb, self.rope_cs, tb, max_blocks, pool, layer),
+                        self.pa.bind_attention(n, qkv_b, sb, pb, tb, max_blocks, pool, layer, out, sums)]
+        else:
+            launches = [self.pa.bind_qkv_write(n, qkv_b, sb, pb, tb, max_blocks, pool, layer)]
+        for launch in launches:
+            launch.enqueue(self.dev.queue)
+        got = read(self.dev, out, (n, self.q_dim)) if kernel != "write" else None
+        got_sums = read(self.dev, sums, (n, max(1, self.q_dim // 32))) if kernel != "write" else None
+        return got, got_sums, read(self.dev, pool, self.layout.shape), read(self.dev, qkv_b, qkv.shape)
+
+
+def scattered_tables(rng, num_blocks, lengths, block_size, extra=0):
+    """Disjoint tables of random, non-monotonic block ids covering lengths[s] + extra positions."""
+    need = [(n + extra + block_size - 1) // block_size for n in lengths]
+    ids = rng.permutation(num_blocks)[:sum(need)].tolist()
+    return [ids[sum(need[:s]):sum(need[:s + 1])] for s in range(len(lengths))]
+
+
+def test_layout_from_budget_and_refusals():
+    per_block = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2-135M, float32: 720 KiB a block of 16 tokens
+    lay = PagedKVLayout.from_budget(2048 * per_block, n_layers=30, n_kv_heads=3, head_dim=64)
+    assert lay.num_blocks == 2048 and lay.nbytes == 2048 * per_block  # 64 sequences of 512 tokens
+    assert PagedKVLayout.from_budget(2048 * per_block - 1, n_layers=30, n_kv_heads=3, head_dim=64).num_blocks == 2047
+    assert lay.layer_base(2) == 2 * lay.num_blocks * 2 * 3 * 16 * 64
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedKVLayout.from_budget(per_block - 1, n_layers=30, n_kv_heads=3, head_dim=64)
+    with pytest.raises(ValueError, match="layer 30"):
+        lay.layer_base(30)
+    small = PagedKVLayout(1, 1, 16, 4, 8)
+    packed = pack_block_tables([[3, 1], [7]], 3)
+    np.testing.assert_array_equal(packed, [[3, 1, -1], [7, -1, -1]])
+    check_rows(small, packed, np.array([0, 1]), np.array([7, 3]))
+    with pytest.raises(ValueError, match="outside"):  # position 8 needs a third block: padding
+        check_rows(small, packed, np.array([0]), np.array([8]))
+    with pytest.raises(ValueError, match="needs 4 blocks"):
+        check_rows(small, packed, np.array([1]), np.array([12]))
+    with pytest.raises(ValueError, match="outside"):
+        check_rows(small, pack_block_tables([[8]], 1), np.array([0]), np.array([0]))
+    with pytest.raises(ValueError, match="without a table"):
+        check_rows(small, packed, np.array([2]), np.array([0]))
+
+
+@pytest.mark.parametrize("shape", [TINY, MODEL], ids=["tiny", "model"])
+def test_kv_write_puts_rows_where_tables_say_and_nowhere_else(cl_dev, shape):
+    rng = np.random.default_rng(1)
+    c = Case(cl_dev, **shape)
+    lengths = [1, 2 * shape["block_size"] + 3, 5]
+    tables = scattered_tables(rng, c.layout.num_blocks, lengths, shape["block_size"])
+    seq_of_row = np.concatenate([np.full(n, s) for s, n in enumerate(lengths)])
+    pos = np.concatenate([rng.permutation(n) for n in lengths])  # rows in any order
+    qkv = c.qkv(rng, len(pos))
+    _, k, v = c.split(qkv)
+    _, _, pool, _ = c.run("write", qkv, seq_of_row, pos, tables, layer=1)
+    want = c.image.copy()
+    kv_write_ref(want, 1, k, v, seq_of_row, pos, tables)
+    np.testing.assert_array_equal(pool, want)  # every other float still the poison
+    assert (pool == POISON).sum() == pool.size - 2 * len(pos) * c.kv_dim
+
+    # the wire layout of one layer ([2, n_kv, n_tokens, hd]) read in place by the same kernel
+    n = lengths[1]
+    wire = rng.normal(size=(2, c.n_kv, n, c.hd)).astype(np.float32)
+    max_blocks = len(tables[1])
+    # (every buffer named until the read: PoCL crashes when one is released under a running command)
+    pool_b, tb = buf(cl_dev, c.image), buf(cl_dev, pack_block_tables([tables[1]], max_blocks))
+    wire_b, seq_b = buf(cl_dev, wire), buf(cl_dev, np.zeros(n, np.int32))
+    pos_b = buf(cl_dev, np.arange(n, dtype=np.int32))
+    c.pa.bind_kv_write(n, wire_b, 0, c.hd, c.n_kv * n * c.hd, n * c.hd, seq_b, pos_b, tb, max_blocks, pool_b,
+                       0).enqueue(cl_dev.queue)
+    got = read(cl_dev, pool_b, c.layout.shape)
+    np.testing.assert_array_equal(gather_kv(got, 0, tables[1], n), wire)
+    want = c.image.copy()
+    kv_write_ref(want, 0, wire[0].transpose(1, 0, 2), wire[1].transpose(1, 0, 2), np.zeros(n, int), np.arange(n),
+                 [tables[1]])
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [TINY, MODEL, dict(MODEL, block_size=8)], ids=["tiny", "model", "model-bs8"])
+def test_decode_attention_matches_numpy(cl_dev, shape):
+    """A batch of sequences whose contexts differ (1 token, block-size multiples and not, past
+    several 16-position tiles), scattered blocks: each row ropes, writes and attends."""
+    rng = np.random.default_rng(2)
+    c = Case(cl_dev, **shape)
+    bs = shape["block_size"]
+    lengths = [0, 1, bs - 1, bs, bs + 1, 37, 50, 3]  # cached positions; the new token sits at pos = length
+    tables = scattered_tables(rng, c.layout.num_blocks, lengths, bs, extra=1)
+    c.fill_context(rng, 1, tables, lengths)
+    seq_of_row, pos = np.arange(len(lengths)), np.array(lengths)
+    qkv = c.qkv(rng, len(lengths))
+    got, sums, pool, _ = c.run("decode", qkv, seq_of_row, pos, tables, layer=1)
+    q, k, v = c.split(qkv)
+    want_pool = c.image.copy()
+    kv_write_ref(want_pool, 1, rope_ref(k, pos, c.inv_freq).astype(np.float32), v, seq_of_row, pos, tables)
+    np.testing.assert_allclose(pool, want_pool, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(pool == POISON, want_pool == POISON)
+    ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, want_pool, 1, tables)
+    np.testing.assert_allclose(got, ref.reshape(len(pos), -1), rtol=1e-4, atol=1e-5)
+    if c.hd % 32 == 0:
+        np.testing.assert_allclose(sums, got.reshape(len(pos), -1, 32).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [TINY, MODEL], ids=["tiny", "model"])
+def test_prefill_chunk_attention_is_causal(cl_dev, shape):
+    """Two sequences' chunks in one launch: C tokens at [start, start + C) over start cached ones.
+    Matches the reference (which sees only [0, pos]), and changing a chunk's last token leaves
+    every earlier row bit-identical."""
+    rng = np.random.default_rng(3)
+    c = Case(cl_dev, **shape)
+    starts, chunks = [19, 0], [21, 6]
+    tables = scattered_tables(rng, c.layout.num_blocks, [s + n for s, n in zip(starts, chunks)], shape["block_size"])
+    c.fill_context(rng, 0, tables, starts)
+    seq_of_row = np.concatenate([np.full(n, s) for s, n in enumerate(chunks)])
+    pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, chunks)])
+    qkv = c.qkv(rng, len(pos))
+    got, _, pool, qkv_after = c.run("rope_store+attention", qkv, seq_of_row, pos, tables, layer=0)
+    q, k, v = c.split(qkv)
+    np.testing.assert_allclose(c.split(qkv_after)[0], rope_ref(q, pos, c.inv_freq), rtol=1e-5, atol=1e-6)
+    want_pool = c.image.copy()
+    kv_write_ref(want_pool, 0, rope_ref(k, pos, c.inv_freq).astype(np.float32), v, seq_of_row, pos, tables)
+    np.testing.assert_allclose(pool, want_pool, rtol=1e-5, atol=1e-6)
+    ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, want_pool, 0, tables)
+    np.testing.assert_allclose(got, ref.reshape(len(pos), -1), rtol=1e-4, atol=1e-5)
+
+    last = chunks[0] - 1  # sequence 0's last chunk token: no earlier row may see it
+    qkv[last] = c.qkv(rng, 1)[0]
+    got2, _, _, _ = c.run("rope_store+attention", qkv, seq_of_row, pos, tables, layer=0)
+    np.testing.assert_array_equal(got2[:last], got[:last])
+    np.testing.assert_array_equal(got2[last + 1:], got[last + 1:])
+    assert not np.array_equal(got2[last], got[last])
+
+
+@pytest.mark.parametrize("kernel", ["decode", "rope_store+attention"])
+def test_batch_invariance(cl_dev, kernel):
+    """One sequence alone vs as the 6th of 8 (other lengths, its blocks moved to other, shuffled
+    ids): its output rows and its written K/V are bit-identical."""
+    rng = np.random.default_rng(4)
+    c = Case(cl_dev, **MODEL, num_blocks=80)
+    n_ctx, chunk = 45, 1 if kernel == "decode" else 7
+    kv = rng.normal(size=(n_ctx, 2, c.n_kv, c.hd)).astype(np.float32)
+    qkv_one = c.qkv(rng, chunk)
+    pos_one = np.arange(n_ctx, n_ctx + chunk)
+
+    alone_tables = [[0, 1, 2, 3]]
+    kv_write_ref(c.image, 0, kv[:, 0], kv[:, 1], np.zeros(n_ctx, int), np.arange(n_ctx), alone_tables)
+    alone, alone_sums, alone_pool, _ = c.run(kernel, qkv_one, np.zeros(chunk, int), pos_one, alone_tables, 0)
+
+    lengths = [3, 70, 1, 16, 33, n_ctx, 100, 9]
+    me = 5
+    tables = scattered_tables(rng, c.layout.num_blocks, lengths, 16, extra=chunk)
+    c.image[:] = POISON
+    c.fill_context(rng, 0, tables, lengths)
+    kv_write_ref(c.image, 0, kv[:, 0], kv[:, 1], np.full(n_ctx, me), np.arange(n_ctx), tables)
+    if kernel == "decode":
+        seq_of_row, pos = np.arange(8), np.array(lengths)
+        qkv = c.qkv(rng, 8)
+        qkv[me] = qkv_one[0]
+        rows = [me]
+    else:  # every sequence brings a chunk of its own size; ours in the middle of the launch
+        sizes = [2, 5, 1, chunk, 3, chunk, 4, 1]
+        seq_of_row = np.concatenate([np.full(n, s) for s, n in enumerate(sizes)])
+        pos = np.concatenate([np.arange(lengths[s], lengths[s] + n) for s, n in enumerate(sizes)])
+        qkv = c.qkv(rng, len(pos))
+        rows = np.flatnonzero(seq_of_row == me)
+        qkv[rows] = qkv_one
+    got, sums, pool, _ = c.run(kernel, qkv, seq_of_row, pos, tables, 0)
+    np.testing.assert_array_equal(got[rows], alone)
+    np.testing.assert_array_equal(sums[rows], alone_sums)
+    np.testing.assert_array_equal(gather_kv(pool, 0, tables[me], n_ctx + chunk),
+                                  gather_kv(alone_pool, 0, alone_tables[0], n_ctx + chunk))
+
+
+@pytest.mark.parametrize("shape", [TINY, MODEL], ids=["tiny", "model"])
+def test_bit_identical_to_contiguous_kernels(cl_dev, shape):
+    """The same contexts in attention.cl's slot cache and in scattered blocks: the decode step
+    (rope_attention_decode) and prefill rows (rope_store_kv + attention) give the same bits."""
+    rng = np.random.default_rng(5)
+    c = Case(cl_dev, **shape, num_blocks=128)
+    lengths = [0, 1, 16, 17, 40, 63]
+    n_seqs, ctx = len(lengths), 72  # room for a 3-token chunk after 63
+    tables = scattered_tables(rng, c.layout.num_blocks, [ctx] * n_seqs, shape["block_size"])
+    c.fill_context(rng, 0, tables, lengths)
+    lay = ChannelLayout(n_layers=1, n_kv_heads=c.n_kv, head_dim=c.hd, max_context=ctx, n_slots=n_seqs, n_channels=1)
+    chan = np.zeros(lay.channel_elems(0), np.float32)
+    for s, n in enumerate(lengths):
+        wire_to_channels(lay, s, gather_kv(c.image, 0, tables[s], n)[None], [chan])
+    prog = cl_dev.build("attention.cl", c.shape_defs)
+    v_base, slot_stride = lay.locate(0, 0, 1, 0)[1], lay.locate(1, 0, 0, 0)[1]
+    scale = np.float32(1.0 / np.sqrt(c.hd))
+
+    def contiguous(kernel, qkv, slots, pos):
+        chan_b, qkv_b, sb, pb = buf(cl_dev, chan), buf(cl_dev, qkv), buf(cl_dev, slots.astype(np.int32)), buf(
+            cl_dev, pos.astype(np.int32))
+        n = len(pos)
+        out = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * c.q_dim * 4)
+        sums = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * max(1, c.q_dim // 32) * 4)
+        cache = (chan_b, np.int64(0), np.int64(slot_stride), chan_b, np.int64(v_base), np.int64(slot_stride),
+                 np.int64(lay.plane_elems))
+        if kernel == "decode":
+            cl.Kernel(prog, "rope_attention_decode")(cl_dev.queue, (n, c.n_heads), (1, 1), qkv_b, sb, pb, c.rope_cs,
+                                                     np.int32(0), scale, *cache, out, sums)
+        else:
+            cl.Kernel(prog, "rope_store_kv")(cl_dev.queue, (n, c.n_kv * (c.group + 1)), (1, 1), qkv_b, sb, pb,
+                                             c.rope_cs, np.int32(0), *cache)
+            cl.Kernel(prog, "attention")(cl_dev.queue, (n, c.n_heads), (1, 1), qkv_b, sb, pb, np.int32(0), scale,
+                                         *cache, out, sums)
+        return read(cl_dev, out, (n, c.q_dim)), read(cl_dev, sums, (n, max(1, c.q_dim // 32)))
+
+    seq_of_row, pos = np.arange(n_seqs), np.array(lengths)
+    qkv = c.qkv(rng, n_seqs)
+    want, want_sums = contiguous("decode", qkv, seq_of_row, pos)
+    got, got_sums, _, _ = c.run("decode", qkv, seq_of_row, pos, tables, 0)
+    np.testing.assert_array_equal(got, want)
+    if c.hd % 32 == 0:  # block sums are written for whole 32-blocks only
+        np.testing.assert_array_equal(got_sums, want_sums)
+
+    seq_of_row = np.repeat(np.arange(n_seqs), 3)  # a 3-token chunk after each context
+    pos = np.concatenate([np.arange(n, n + 3) for n in lengths])
+    qkv = c.qkv(rng, len(pos))
+    want, want_sums = contiguous("prefill", qkv, seq_of_row, pos)
+    got, got_sums, _, _ = c.run("rope_store+attention", qkv, seq_of_row, pos, tables, 0)
+    np.testing.assert_array_equal(got, want)
+    if c.hd % 32 == 0:  # block sums are written for whole 32-blocks only
+        np.testing.assert_array_equal(got_sums, want_sums)
