@@ -32,10 +32,12 @@ class Service(Process):
         return f"127.0.0.1:{self.port}"
 
     def launch_env(self) -> dict[str, str]:
-        """The variables it starts with: the harness's (ports, no profiling at start), then the test's."""
+        """The variables it starts with: no profiling at start unless the test says otherwise, the test's
+        own, then this Service's ports (always: a Service made from another's env gets ports of its own)."""
         settings = _settings_class(self.module)
-        own = {"port": self.port, "metrics_port": self.metrics_port, "profile_at_start": "false"}
-        return {**{settings.env_name(f): str(v) for f, v in own.items() if f in settings.model_fields}, **self.env}
+        named = lambda d: {settings.env_name(f): str(v) for f, v in d.items() if f in settings.model_fields}  # noqa: E731
+        return {**named({"profile_at_start": "false"}), **self.env,
+                **named({"port": self.port, "metrics_port": self.metrics_port})}
 
     def start(self) -> "Service":
         self.env = self.launch_env()

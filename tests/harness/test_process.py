@@ -43,3 +43,13 @@ def test_a_service_is_given_its_own_port_variables(tmp_path):
     assert env["HYBRIDSERVE_DECODE_KV_CHANNELS"] == "2"
     gateway = Service("services.gateway", {}, tmp_path / "g.log").launch_env()
     assert gateway == {"HYBRIDSERVE_GATEWAY_PORT": gateway["HYBRIDSERVE_GATEWAY_PORT"]}  # it has no metrics port
+
+
+def test_a_service_made_from_anothers_variables_listens_on_its_own_ports(tmp_path):
+    first = Service("services.decode_fpga", {"HYBRIDSERVE_DECODE_KV_CHANNELS": "2"}, tmp_path / "d.log")
+    first.env = first.launch_env()  # what start() leaves in .env
+    again = Service("services.decode_fpga", dict(first.env), tmp_path / "d2.log")
+    env = again.launch_env()
+    assert again.port != first.port and env["HYBRIDSERVE_DECODE_PORT"] == str(again.port)
+    assert env["HYBRIDSERVE_DECODE_METRICS_PORT"] == str(again.metrics_port)
+    assert env["HYBRIDSERVE_DECODE_KV_CHANNELS"] == "2"
