@@ -437,9 +437,8 @@ def bring_up(args, servers: Servers, out: Path, max_clients: int, ctx_per_slot: 
         stack = start_stack(out / "serve_stack.log")
         servers.started.append(stack)
         ours_url = stack.url
-        servers.pids.update(stack_children(stack.proc.pid))
-        for name, port in (("prefill_gpu", "HYBRIDSERVE_PREFILL_METRICS_PORT"),
-                           ("decode_fpga", "HYBRIDSERVE_DECODE_METRICS_PORT")):
+        servers.pids.update(stack_children(stack.process.proc.pid))
+        for name, port in (("prefill_gpu", "prefill_metrics"), ("decode_fpga", "decode_metrics")):
             servers.metrics.setdefault(name, f"http://127.0.0.1:{stack.ports[port]}/metrics")
     if args.llama_server:
         from services.model.checkpoint import locate

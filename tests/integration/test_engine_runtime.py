@@ -102,7 +102,7 @@ def test_hybrid_in_process_equals_gpu_and_fpga(prefill, decode, peer, ocl_engine
     t = last.timings
     assert last.finish_reason == "length" and t.generated_tokens == 8 and t.prompt_tokens == 40
     assert t.handoff_bytes == 30 * 2 * 3 * 40 * 64 * 4 and 0 <= t.handoff_exposed_s <= t.handoff_total_s
-    assert peer.link.slots_in_use == 0 and ocl_engine.free_slots == 4
+    assert peer.link.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
 
 
 def test_hybrid_waits_for_remote_kv_then_decodes(decode, peer, model_config):
@@ -124,7 +124,7 @@ def test_kv_of_another_dtype_fails_the_request_and_frees_everything(decode, peer
                                       Cancellation()))
     assert gen.state is RequestState.FINISHED_ERROR
     assert status_of(HeaderMismatch("x"), "decode_fpga", "r1")[0] == grpc.StatusCode.FAILED_PRECONDITION
-    assert peer.link.slots_in_use == 0 and ocl_engine.free_slots == 4
+    assert peer.link.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
 
 
 def test_a_cancelled_hybrid_request_stops_and_frees_everything(decode, peer, ocl_engine, model_config):
@@ -132,7 +132,7 @@ def test_a_cancelled_hybrid_request_stops_and_frees_everything(decode, peer, ocl
     cancel.cancel()
     with pytest.raises(Cancelled, match="during the KV hand-off"):
         tokens_and_last(decode, random_prompt(9, model_config.vocab_size, seed=34), "hybrid", cancel=cancel)
-    assert peer.link.slots_in_use == 0 and ocl_engine.free_slots == 4
+    assert peer.link.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
 
 
 def test_requests_the_runtime_refuses(decode, prefill, model_config):
@@ -223,4 +223,4 @@ def test_a_failed_prefill_is_internal_on_both_engines_never_unavailable(torch_en
     assert direct.value.details() == "internal error in prefill_gpu (request rq-1); see its log"
     assert hybrid.value.code() == grpc.StatusCode.INTERNAL
     assert hybrid.value.details() == "internal error in decode_fpga (request rq-2); see its log"
-    assert arena.slots_in_use == 0 and ocl_engine.free_slots == 4
+    assert arena.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
