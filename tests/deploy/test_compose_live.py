@@ -279,6 +279,8 @@ def _kill_and_heal(stack, service: str, needs_mode: str) -> None:
             last = (used, text)
         except urllib.error.HTTPError as exc:
             last = (exc.code, exc.read()[:300])
+        except (urllib.error.URLError, OSError) as exc:
+            last = repr(exc)
         time.sleep(5)
     else:
         raise AssertionError(f"{needs_mode} did not work again after {service} was killed: {last}\n{stack.logs()}")
