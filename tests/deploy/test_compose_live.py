@@ -197,10 +197,13 @@ def stack(tmp_path_factory):
         pytest.skip("Docker needs root here (dockerd, apt-get); run `sudo make test-compose`")
     _install_tools()
     dockerd = _start_dockerd(tmp_path_factory.mktemp("dockerd") / "dockerd.log")
-    env = {**os.environ, "HYBRIDSERVE_BASE_IMAGE": BASE_IMAGE, "HYBRIDSERVE_GATEWAY_HOST_PORT": str(_free_port())}
+    env = {**os.environ, "HYBRIDSERVE_GATEWAY_HOST_PORT": str(_free_port())}
     stack = Stack(env, f"http://127.0.0.1:{env['HYBRIDSERVE_GATEWAY_HOST_PORT']}")
     try:
         _base_image()
+        # the base pinned by content: its image id (sha256 of its config), not the movable tag
+        env["HYBRIDSERVE_BASE_IMAGE"] = _run("docker", "image", "inspect", "-f", "{{.Id}}", BASE_IMAGE).stdout.strip()
+        print(f"[compose] base image {BASE_IMAGE} = {env['HYBRIDSERVE_BASE_IMAGE']}", flush=True)
         _fill_build_context()
         _grafana_secret()
         started = time.monotonic()
