@@ -56,6 +56,14 @@ def test_our_services_run_as_the_k8s_user_with_a_read_only_root_and_a_drain_peri
     assert int(svc["stop_grace_period"].rstrip("s")) > 60
 
 
+def test_images_from_a_registry_are_pinned_by_digest():
+    for name, svc in _services().items():
+        if "build" not in svc:
+            # ${VAR:-default}: the default is what runs unless someone overrides it
+            image = re.sub(r"^\$\{[A-Z_]+:-(.*)\}$", r"\1", svc["image"])
+            assert re.search(r"@sha256:[0-9a-f]{64}$", image), f"{name}: {image} is not pinned by digest"
+
+
 def test_every_dependency_waits_for_health():
     services = _services()
     for name, svc in services.items():
