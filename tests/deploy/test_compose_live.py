@@ -175,6 +175,18 @@ def _complete(base: str, model: str, mode: str) -> tuple[str, str]:
     return used, payload["choices"][0]["text"]
 
 
+def _wait_healthy(stack: "Stack", service: str, bound_s: float) -> None:
+    """Until docker's own healthcheck of the service's container says healthy (it runs every 10 s)."""
+    deadline = time.monotonic() + bound_s
+    health = {}
+    while time.monotonic() < deadline:
+        health = stack.inspect(stack.container(service))["State"].get("Health", {})
+        if health.get("Status") == "healthy":
+            return
+        time.sleep(2)
+    raise AssertionError(f"{service} not healthy within {bound_s} s: {health}")
+
+
 class Stack:
     def __init__(self, env: dict, base: str):
         self.env, self.base = env, base
@@ -216,6 +228,9 @@ def stack(tmp_path_factory):
             raise AssertionError(f"up failed:\n{up.stderr[-3000:]}\n{stack.logs()}")
         health = _wait_health(stack.base, UP_TIMEOUT_S)
         _step("docker-compose up until the gateway's /health is 200", started)
+        for service in SERVICES:
+            _wait_healthy(stack, service, UP_TIMEOUT_S)
+        _step("docker-compose up until every container's healthcheck passes", started)
         print(f"[compose] /health: {health}", flush=True)
         yield stack
     finally:
@@ -256,10 +271,11 @@ def test_every_mode_completes_through_the_gateway(stack):
         assert used == mode if mode != "auto" else used in ("gpu", "fpga", "hybrid")
 
 
-def _kill_and_heal(stack, service: str, needs_mode: str) -> None:
+def _kill_and_heal(stack, service: str, needs_mode: str, restarted_with: tuple[str, ...] = ()) -> None:
     container = stack.container(service)
     before = stack.inspect(container)
     restarts = before["RestartCount"]
+    others = {other: stack.inspect(stack.container(other))["RestartCount"] for other in restarted_with}
     started = time.monotonic()
     # SIGKILL to the engine's process from the host, as a crash would end it: `docker kill` counts as an
     # operator's stop, after which no restart policy brings a container back
@@ -292,6 +308,8 @@ def _kill_and_heal(stack, service: str, needs_mode: str) -> None:
     else:
         raise AssertionError(f"{needs_mode} did not work again after {service} was killed: {last}\n{stack.logs()}")
     _step(f"{service} SIGKILLed until a {needs_mode} completion worked again", started)
+    for other, count in others.items():
+        assert stack.inspect(stack.container(other))["RestartCount"] > count, f"{other} did not restart with {service}"
 
 
 def test_a_killed_decode_engine_heals(stack):
@@ -300,4 +318,5 @@ def test_a_killed_decode_engine_heals(stack):
 
 def test_a_killed_prefill_engine_heals_and_decode_rejoins_its_arena(stack):
     # prefill-gpu comes back in a new IPC namespace: hybrid works only once decode-fpga has rejoined it
-    _kill_and_heal(stack, "prefill-gpu", "hybrid")
+    # (decode-fpga's healthcheck ends it once prefill-gpu's new arena is not in its /dev/shm)
+    _kill_and_heal(stack, "prefill-gpu", "hybrid", restarted_with=("decode-fpga",))
