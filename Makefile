@@ -50,6 +50,12 @@ bench: $(STAMP) system-deps
 	$(PY) bench/router_fresh.py
 	$(PY) bench/serve.py --start-stack --rounds 1 $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
 
+# the compose stack for real (tests/deploy/test_compose_live.py): builds the images, brings them up, kills an
+# engine and sees it heal. Needs root for Docker; tens of minutes on a cold cache, so not part of `make test`
+.PHONY: test-compose
+test-compose: $(STAMP)
+	HYBRIDSERVE_TEST_COMPOSE=1 $(PY) -m pytest -q -ra -s tests/deploy/test_compose_live.py
+
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iservices/rpc=proto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO)
 
