@@ -84,7 +84,7 @@ def test_rows_left_on_the_device_serve_only_the_step_they_belong_to(ocl_engine, 
 
 def test_imported_kv_lands_where_torch_keeps_it(ocl_engine, torch_engine, model_config):
     """The hybrid hand-off's receiving side: what is imported reads back as torch's own K.
-    (That it then decodes like torch is in tests/integration/test_engine_contract.py.)"""
+    (That it then decodes like torch is in tests/stack/test_engine_contract.py.)"""
     prompt = random_prompt(21, model_config.vocab_size, seed=17)
     src = torch_engine.new_sequence(30)
     torch_engine.prefill(src, prompt)

@@ -1,7 +1,7 @@
 """The PyTorch engine's logits against transformers', at prefill and decode steps.
 
 What every engine must do (greedy tokens, batching, sampling, finish reasons, KV import)
-is checked on both engines in tests/integration/test_engine_contract.py.
+is checked on both engines in tests/stack/test_engine_contract.py.
 """
 from __future__ import annotations
 

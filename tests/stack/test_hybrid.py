@@ -10,7 +10,7 @@ import pytest
 
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from tests.conftest import random_prompt
-from tests.integration.conftest import DECODE_ENV, PREFILL_ENV
+from tests.stack.conftest import DECODE_ENV, PREFILL_ENV
 from tests.services_harness import Service
 
 VOCAB = 49152
