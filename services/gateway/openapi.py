@@ -27,10 +27,16 @@ def errors(*statuses: int) -> dict:
     return {s: {"model": ErrorBody, "description": _MEANING[s]} for s in statuses}
 
 
+# One server-sent event of a stream: `data` is a chunk's JSON, an error's JSON, or "[DONE]". (Before
+# OpenAPI 3.2's itemSchema, the schema of text/event-stream is read as the schema of each event.)
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
+
+
 def stream_or_json(model) -> dict:
     """The 200 of a generation route: the JSON object, or server-sent events when `stream` is true."""
     return {200: {"model": model, "description": "the completion; with `stream`: server-sent events",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def install(app: FastAPI) -> None:

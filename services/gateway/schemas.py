@@ -30,6 +30,7 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 
@@ -57,7 +58,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=UINT32_MAX)  # extension
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
-    stop: Text | list[Text] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
     n: int = 1
     user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode
@@ -113,7 +114,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[TokenId]
+    prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: TokenCount | None = 16
     echo: bool = False
     logprobs: int | None = None
