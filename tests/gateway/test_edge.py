@@ -6,6 +6,7 @@ A valid request reaches the dispatcher and gets 503 (no engine is up), which sho
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -121,8 +122,6 @@ def test_metrics_open_lets_a_scraper_in_without_the_key():
     async def get(app, path):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
             return await c.get(path)
-
-    import asyncio
 
     open_app = create_app(GatewaySettings(api_key=API_KEY, metrics_open=True))
     assert asyncio.run(get(open_app, "/metrics")).status_code == 200
