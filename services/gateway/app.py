@@ -2,10 +2,13 @@
 
     /v1/completions, /v1/chat/completions   tokenize, then dispatch.py (route + engine call) and
                                             serving.py (engine tokens → text → JSON or a stream)
-    /v1/models, /health, /metrics
+    /v1/models, /health, /metrics, /openapi.json, /docs, /redoc
 
-Tokenizing happens here; the engines see token ids only. The shapes of every answer are in
-openai_format.py, the errors and their statuses in errors.py, and the watch over the engines
+Tokenizing happens here, on one worker thread (the tokenizer is not safe to share between
+threads, and a long prompt must not stall the event loop); the engines see token ids only.
+Who may call which route is auth.py; the body limit, outside every route, body_limit.py; what
+the OpenAPI document declares, openapi.py. The shapes of every answer are in openai_format.py,
+the errors and their statuses in errors.py, and the watch over the engines
 (health, Profile → router) in engine_watch.py.
 """
 from __future__ import annotations
@@ -14,21 +17,26 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.gateway import openapi
+from services.gateway.auth import ApiKey, warn_if_exposed
+from services.gateway.body_limit import BodyLimit
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.dispatch import Dispatcher, EngineRequest
 from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
-from services.gateway.errors import APIError, error_response, install
-from services.gateway.openai_format import ChunkWriter, ModelCard, ModelList
-from services.gateway.router_debug import debug_routes
+from services.gateway.errors import APIError, install
+from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
 from services.gateway.router import Router
+from services.gateway.router_debug import debug_routes
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
@@ -46,6 +54,11 @@ class State:
     router: Router
     dispatcher: Dispatcher
     model_name: str
+    tokenize_pool: ThreadPoolExecutor  # one thread: every tokenizer call runs on it, in turn
+
+    async def tokenize(self, fn, *args) -> list[int]:
+        """`fn(tokenizer, *args)` on the tokenizer's thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, self.tokenizer, *args)
 
 
 # ---- dependencies ---------------------------------------------------------------------
@@ -53,18 +66,11 @@ def state(request: Request) -> State:
     return request.app.state.hs
 
 
-def require_api_key(request: Request, st: State = Depends(state)) -> None:
-    key = st.settings.api_key
-    if key is None:
-        return
-    auth = request.headers.get("authorization", "")
-    if not auth.startswith("Bearer ") or auth[7:] != key.get_secret_value():
-        raise APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
-
-
 # ---- the app --------------------------------------------------------------------------
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
+    warn_if_exposed(settings.host, settings.api_key)
+    api_key = Depends(ApiKey(settings.api_key))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,48 +79,65 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         clients = EngineClients(settings.prefill_address, settings.decode_address)
         file_samples = json.loads(open(settings.calibration_file).read()) if settings.calibration_file else []
         router = Router(file_samples, explore_share=settings.router_explore_share)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         app.state.hs = State(settings, tokenizer, clients, router, Dispatcher(clients, router),
-                             settings.served_model_name or ckpt.model_id)
+                             settings.served_model_name or ckpt.model_id, pool)
         watch = asyncio.create_task(watch_engines(clients, router, file_samples, settings.health_interval_s))
         try:
             yield
         finally:
             watch.cancel()
             await clients.close()
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hybridserve gateway", lifespan=lifespan)
+    # the documents are routes of ours, so that they need the key like the API
+    app = FastAPI(title="hybridserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install(app)
+    openapi.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_read_timeout_s)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return error_response(413, f"request body over {settings.max_body_bytes} bytes", code="body_too_large")
-        return await call_next(request)
+    app.include_router(debug_routes(lambda: app.state.hs.router), dependencies=[api_key],
+                       responses=openapi.errors(*openapi.EDGE))
 
-    app.include_router(debug_routes(lambda: app.state.hs.router), dependencies=[Depends(require_api_key)])
-
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "an engine is down"},
+                                                          **openapi.errors(408, 413)})
     async def health(st: State = Depends(state)):
         up = await st.clients.check_all()
-        body = {"status": "ok" if all(up.values()) else "degraded",
-                "engines": {ENGINE_NAMES[e]: "up" if ok else "down" for e, ok in up.items()}}
-        return JSONResponse(body, status_code=200 if all(up.values()) else 503)
+        body = Health(status="ok" if all(up.values()) else "degraded",
+                      engines={ENGINE_NAMES[e]: "up" if ok else "down" for e, ok in up.items()})
+        return Response(body.model_dump_json(), media_type="application/json",
+                        status_code=200 if all(up.values()) else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if settings.metrics_open else [api_key], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus' text format"},
+                        **openapi.errors(*openapi.EDGE)})
     async def metrics():
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    @app.get("/openapi.json", dependencies=[api_key], include_in_schema=False)
+    async def openapi_document():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[api_key], include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/redoc", dependencies=[api_key], include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
+    @app.get("/v1/models", dependencies=[api_key], response_model=ModelList, responses=openapi.errors(*openapi.EDGE))
     async def models(st: State = Depends(state)):
         return Response(ModelList(data=[ModelCard(id=st.model_name)]).model_dump_json(),
                         media_type="application/json")
 
-    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/completions", dependencies=[api_key],
+              responses={**openapi.stream_or_json(Completion), **openapi.errors(*openapi.GENERATION)})
     async def completions(body: CompletionRequest, request: Request, st: State = Depends(state)):
         _check_model(st, body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = st.tokenizer(body.prompt).input_ids
+            prompt_ids = await st.tokenize(_encode, body.prompt)
         else:
             prompt_ids = list(body.prompt)
             vocab = len(st.tokenizer)
@@ -122,16 +145,21 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                 raise APIError(400, f"token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
         return await _respond(st, request, body, prompt_ids, body.max_tokens or 16, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    @app.post("/v1/chat/completions", dependencies=[api_key],
+              responses={**openapi.stream_or_json(ChatCompletion), **openapi.errors(*openapi.GENERATION)})
     async def chat_completions(body: ChatCompletionRequest, request: Request, st: State = Depends(state)):
         _check_model(st, body.model)
         messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
                     for msg in body.messages]
-        prompt_ids = chat_prompt_ids(st.tokenizer, messages)
+        prompt_ids = await st.tokenize(chat_prompt_ids, messages)
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
         return await _respond(st, request, body, prompt_ids, max_tokens, chat=True)
 
     return app
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text).input_ids
 
 
 def _check_model(st: State, model: str) -> None:

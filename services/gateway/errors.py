@@ -2,8 +2,8 @@
 
 `{"error": {"message", "type", "param", "code"}}` (openai_format.ErrorBody), for every error a
 client sees: raised before a response starts, or sent as the last event of a stream. FastAPI's
-422 validation bodies become 400s; unknown routes and methods become 404/405 in the same shape;
-an unexpected exception is a 500 that names no internals.
+422 validation bodies become 400s naming the parameter (`param`); unknown routes and methods
+become 404/405 in the same shape; an unexpected exception is a 500 that names no internals.
 
 An engine's gRPC status becomes an HTTP status in one table, `ENGINE_FAILURES`. The client gets
 a fixed message per status; the engine's own text (exception messages, shared-memory names,
@@ -13,6 +13,7 @@ kept: it is about the client's own input.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -26,8 +27,9 @@ from services.gateway.openai_format import ErrorBody, ErrorDetail
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 502: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable_error",
+          504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -83,6 +85,40 @@ def engine_error(exc: grpc.aio.AioRpcError, mode: str, request_id: str) -> APIEr
     return APIError(failure.status, failure.message or exc.details() or exc.code().name.lower(), code=failure.code)
 
 
+# ---- invalid requests ---------------------------------------------------------------------
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def validation_error(errors: list[dict]) -> JSONResponse:
+    """The 400 for pydantic's errors about a body: the most specific one, `param` its field's path.
+
+    For a field that takes one of several types (`prompt`: text or token ids) pydantic reports an
+    error per type, each under a location that names the type; the deepest location is the one
+    about what the client meant (a bad token id in a list, not "a list is not a string"), and the
+    type names are left out of `param`.
+    """
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(400, "the request body is not valid JSON", code="invalid_json")
+    located = [(_param_path(e.get("loc", ())), e) for e in errors] or [([], {})]
+    path, first = max(located, key=lambda pe: len(pe[0]))  # max keeps the first of equals
+    param = ".".join(path) or None
+    code = "unsupported_parameter" if first.get("type") == "unsupported_parameter" else "invalid_value"
+    msg = first.get("msg", "invalid request")
+    return error_response(400, f"{param + ': ' if param else ''}{msg}", param, code)
+
+
+def _param_path(loc) -> list[str]:
+    """("body", "messages", 0, "content", "list[TextPart]", 0, "type") → ["messages", "0", "content", "0", "type"]"""
+    path = []
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path.append(str(part))
+        elif _FIELD.fullmatch(part) and part not in _TYPE_NAMES:
+            path.append(part)  # a field name; union members' type names (list[int], function-after[...]) are not
+    return path
+
+
 # ---- the app's handlers -------------------------------------------------------------------
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
@@ -91,14 +127,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON", code="invalid_json")
-        msg = first.get("msg", "invalid request")
-        return error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", ".".join(loc) or None,
-                              "invalid_value")
+        return validation_error(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

@@ -195,6 +195,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class Health(BaseModel):
+    """`/health`: "ok" when every engine answers, else "degraded" (and a 503)."""
+
+    status: Literal["ok", "degraded"]
+    engines: dict[str, Literal["up", "down"]]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -1,36 +1,74 @@
-"""Request bodies of the OpenAI-compatible API (what we accept, validated)."""
+"""Request bodies of the OpenAI-compatible API (what we accept, validated).
+
+Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
+honour (penalties, logit_bias, logprobs, tools, response formats other than text, n or best_of
+above 1) are refused with a 400 naming the field, never silently ignored. Numbers are bounded by
+what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
+text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
+"""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from services.modes import AUTO, MODE_NAMES
 
 ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
+
+UINT32_MAX = (1 << 32) - 1  # max_tokens, top_k and token ids are uint32 on the wire
+UINT64_MAX = (1 << 64) - 1  # the seed is uint64
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("invalid_text", "text must be valid Unicode; it holds a lone surrogate") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+
+
+def _unsupported(field: str, what: str = "is not supported by this server") -> PydanticCustomError:
+    return PydanticCustomError("unsupported_parameter", "{field} {what}", {"field": field, "what": what})
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    # unknown fields are ignored, as OpenAI-compatible servers do; unsupported values of known ones are refused
+class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    type: str
 
-    model: str
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: Text
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # extension
-    seed: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
+    top_k: int = Field(0, ge=0, le=UINT32_MAX)  # extension
+    seed: int | None = Field(None, ge=0, le=UINT64_MAX)
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
     n: int = 1
-    user: str | None = None
+    user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode
     ignore_eos: bool = False  # extension, for benchmarks
     timeout: float | None = Field(None, gt=0)  # extension: seconds before 504
+    # known to OpenAI's API, refused here unless they ask for nothing (see the validators)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("n")
     @classmethod
@@ -49,47 +87,130 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v, info):
+        if v:
+            raise _unsupported(info.field_name, "other than 0 is not supported by this server")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise _unsupported("logit_bias")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.type != "text":
+            raise _unsupported("response_format", "other than {\"type\": \"text\"} is not supported by this server")
+        return v
+
     @property
     def stops(self) -> list[str]:
         return list(self.stop or [])
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
+    max_tokens: TokenCount | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
-        if (isinstance(v, str) and not v) or (isinstance(v, list) and not v):
+        if not v:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids must be >= 0")
         return v
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, v: bool) -> bool:
         if v:
-            raise ValueError("echo is not supported")
+            raise _unsupported("echo")
         return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise _unsupported("logprobs")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("only best_of = 1 is supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise _unsupported("suffix")
+        return v
+
+
+class TextPart(BaseModel):
+    """The one kind of content part accepted: text."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise _unsupported("logprobs")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        if v:
+            raise _unsupported("top_logprobs")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v, info):
+        if v:
+            raise _unsupported(info.field_name, "(tool calling) is not supported by this server")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v, info):
+        if v is not None and v != "none":
+            raise _unsupported(info.field_name, "(tool calling) is not supported by this server")
+        return v

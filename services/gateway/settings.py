@@ -17,9 +17,13 @@ class GatewaySettings(CommonSettings):
     port: int = 8000
     prefill_address: str = "127.0.0.1:50061"
     decode_address: str = "127.0.0.1:50062"
-    api_key: SecretStr | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    api_key: SecretStr | None = None  # when set, all but /health need `Authorization: Bearer <key>`
+    metrics_open: bool = False  # /metrics without the key, for a scraper on a private network
     served_model_name: str | None = None  # default: the engines' model id
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = Field(1 << 20, gt=0)
+    body_read_timeout_s: float = Field(30.0, gt=0)  # a request's whole body must arrive within it, else 408
+    limit_concurrency: int = Field(256, gt=0)  # connections + requests at once; past it uvicorn answers 503
+    keep_alive_timeout_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed after it
     request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
     calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile

@@ -36,8 +36,12 @@ def prometheus(stack, tmp_path):
         pytest.fail("Debian's prometheus is not installed: `make test` installs it as root (apt-get install prometheus)")
     targets = {"gateway": stack["gateway"].port, "prefill_gpu": stack["prefill"].metrics_port,
                "decode_fpga": stack["decode"].metrics_port}
+    # the stack's gateway has an API key, so its /metrics needs it: Prometheus reads it from a file
+    (tmp_path / "gateway-api-key").write_text(API_KEY)
+    auth = {"gateway": {"authorization": {"type": "Bearer", "credentials_file": str(tmp_path / "gateway-api-key")}}}
     cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-           "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
+           "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+                               **auth.get(job, {})}
                               for job, port in targets.items()]}
     (tmp_path / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
     port = free_port()

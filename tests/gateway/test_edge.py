@@ -1,0 +1,279 @@
+"""The HTTP edge of the real gateway (uvicorn on loopback, in this process) with no engine behind it.
+
+Everything here is decided before an engine is called: the body limit and read deadline, the
+API key, the documents, request validation, tokenizing off the event loop, the uvicorn limits.
+A valid request reaches the dispatcher and gets 503 (no engine is up), which shows it passed.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from services.gateway.app import create_app
+from services.gateway.server import config
+from services.gateway.settings import GatewaySettings
+from tests.gateway.conftest import API_KEY
+from tests.services_harness import free_port
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "SmolLM2-135M-Instruct"  # the served name of the default checkpoint (no engine tells us otherwise here)
+LIMIT = 200_000
+
+
+@pytest.fixture(scope="module")
+def edge():
+    settings = GatewaySettings(prefill_address=f"127.0.0.1:{free_port()}", decode_address=f"127.0.0.1:{free_port()}",
+                               port=free_port(), api_key=API_KEY, max_body_bytes=LIMIT, body_read_timeout_s=2.0,
+                               served_model_name=MODEL, health_interval_s=30, log_level="WARNING")
+    server = uvicorn.Server(config(settings))
+    thread = threading.Thread(target=server.run, name="gateway-loop", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:  # the lifespan loads the tokenizer first
+        if not thread.is_alive() or time.monotonic() > deadline:
+            pytest.fail("the gateway did not start")
+        time.sleep(0.1)
+    try:
+        yield {"url": f"http://127.0.0.1:{settings.port}", "app": server.config.app, "loop_thread": thread}
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def post(edge, path, body, headers=AUTH):
+    # json.dumps escapes non-ASCII, so a lone surrogate travels as JSON's own \ud800 escape
+    return httpx.post(edge["url"] + path, content=json.dumps(body), timeout=30,
+                      headers={**headers, "Content-Type": "application/json"})
+
+
+# ---- the body limit and deadline ----------------------------------------------------------
+def test_a_chunked_body_over_the_limit_gets_413_before_it_is_all_sent(edge):
+    sent = 0
+    total = 30 << 20
+
+    def body():  # no length up front: httpx sends it with Transfer-Encoding: chunked
+        nonlocal sent
+        chunk = b" " * (64 << 10)
+        while sent < total:
+            sent += len(chunk)
+            yield chunk
+
+    r = httpx.post(edge["url"] + "/v1/completions", content=body(), timeout=60,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "body_too_large"
+    assert sent < total  # the answer came while most of the body was still unsent: the server did not read it all
+
+
+def test_a_chunked_body_within_the_limit_reaches_the_route(edge):
+    def body():
+        yield b'{"model": "' + MODEL.encode() + b'", '
+        yield b'"prompt": "hi", "max_tokens": 0}'
+
+    r = httpx.post(edge["url"] + "/v1/completions", content=body(), timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(edge):
+    def body():
+        yield b'{"model": '
+        time.sleep(4)  # past the 2 s body-read deadline
+        yield b'"x", "prompt": "hi"}'
+
+    r = httpx.post(edge["url"] + "/v1/completions", content=body(), timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 408 and r.json()["error"]["code"] == "body_read_timeout", r.text
+
+
+# ---- the API key, the documents, /metrics -----------------------------------------------
+@pytest.mark.parametrize("path", ["/metrics", "/openapi.json", "/docs", "/redoc", "/v1/models"])
+def test_with_a_key_every_route_but_health_needs_it(edge, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {API_KEY}x"},
+                    {"Authorization": API_KEY}):
+        r = httpx.get(edge["url"] + path, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, headers)
+    assert httpx.get(edge["url"] + path, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(edge["url"] + "/health", timeout=30).status_code == 503  # open, and no engine is up
+
+
+def test_the_key_is_compared_in_constant_time(edge, monkeypatch):
+    compared = []
+    real = hmac.compare_digest
+
+    def recording(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    assert httpx.get(edge["url"] + "/v1/models", headers={"Authorization": "Bearer guess"}).status_code == 401
+    assert compared  # the comparison went through hmac.compare_digest, not ==
+
+
+def test_metrics_open_lets_a_scraper_in_without_the_key():
+    async def get(app, path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.get(path)
+
+    open_app = create_app(GatewaySettings(api_key=API_KEY, metrics_open=True))
+    assert asyncio.run(get(open_app, "/metrics")).status_code == 200
+    assert asyncio.run(get(open_app, "/openapi.json")).status_code == 401  # only /metrics opens
+    closed_app = create_app(GatewaySettings(api_key=API_KEY))
+    assert asyncio.run(get(closed_app, "/metrics")).status_code == 401
+
+
+@pytest.mark.parametrize("host,key,warns", [("0.0.0.0", None, True), ("192.168.1.5", None, True),
+                                            ("0.0.0.0", API_KEY, False), ("127.0.0.1", None, False),
+                                            ("::1", None, False), ("localhost", None, False)])
+def test_listening_beyond_loopback_with_no_key_logs_a_warning(caplog, host, key, warns):
+    with caplog.at_level(logging.WARNING, logger="services.gateway"):
+        create_app(GatewaySettings(host=host, api_key=key))
+    warned = any("no API key" in r.getMessage() for r in caplog.records)
+    assert warned == warns
+
+
+# ---- the OpenAPI document -----------------------------------------------------------------
+def test_the_document_declares_every_error_in_the_error_shape(edge):
+    doc = httpx.get(edge["url"] + "/openapi.json", headers=AUTH, timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        for status in ("400", "401", "404", "413", "429", "503", "504"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref == "#/components/schemas/ErrorBody", (path, status)
+        assert "422" not in responses and "text/event-stream" in responses["200"]["content"]
+    assert "401" in doc["paths"]["/metrics"]["get"]["responses"]
+
+
+# ---- validation: 400 naming the parameter, never 500, never ignored ------------------------
+def completion(**kw):
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+U32, U64 = 1 << 32, 1 << 64
+BAD = [
+    # (what, path, body, param, code)
+    ("max_tokens past uint32", "/v1/completions", completion(max_tokens=U32), "max_tokens", "invalid_value"),
+    ("top_k past uint32", "/v1/completions", completion(top_k=U32), "top_k", "invalid_value"),
+    ("seed past uint64", "/v1/completions", completion(seed=U64), "seed", "invalid_value"),
+    ("negative seed", "/v1/completions", completion(seed=-1), "seed", "invalid_value"),
+    ("negative top_k", "/v1/chat/completions", chat(top_k=-1), "top_k", "invalid_value"),
+    ("negative max_tokens", "/v1/chat/completions", chat(max_tokens=-5), "max_tokens", "invalid_value"),
+    ("token id past uint32", "/v1/completions", completion(prompt=[1, U32]), "prompt.1", "invalid_value"),
+    ("lone surrogate in a prompt", "/v1/completions", completion(prompt="a\ud800b"), "prompt", "invalid_value"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "\udc00"}]), "messages.0.content", "invalid_value"),
+    ("lone surrogate in a stop", "/v1/completions", completion(stop=["\ud83d"]), "stop.0", "invalid_value"),
+    ("lone surrogate in the model", "/v1/completions", completion(model="m\ud800"), "model", "invalid_value"),
+    ("an image part", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages.0.content.0.type", "invalid_value"),
+    ("a text part without text", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), "messages.0.content.0.text",
+     "invalid_value"),
+    ("a part that is not an object", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": ["hi"]}]), "messages.0.content.0", "invalid_value"),
+    ("logprobs", "/v1/completions", completion(logprobs=1), "logprobs", "unsupported_parameter"),
+    ("chat logprobs", "/v1/chat/completions", chat(logprobs=True), "logprobs", "unsupported_parameter"),
+    ("top_logprobs", "/v1/chat/completions", chat(top_logprobs=3), "top_logprobs", "unsupported_parameter"),
+    ("best_of", "/v1/completions", completion(best_of=2), "best_of", "invalid_value"),
+    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
+     "unsupported_parameter"),
+    ("tool_choice", "/v1/chat/completions", chat(tool_choice="auto"), "tool_choice", "unsupported_parameter"),
+    ("functions", "/v1/chat/completions", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
+    ("frequency_penalty", "/v1/completions", completion(frequency_penalty=0.5), "frequency_penalty",
+     "unsupported_parameter"),
+    ("presence_penalty", "/v1/chat/completions", chat(presence_penalty=-1), "presence_penalty",
+     "unsupported_parameter"),
+    ("logit_bias", "/v1/completions", completion(logit_bias={"50256": -100}), "logit_bias", "unsupported_parameter"),
+    ("response_format json", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
+     "response_format", "unsupported_parameter"),
+    ("n > 1", "/v1/chat/completions", chat(n=3), "n", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("what,path,body,param,code", BAD, ids=[b[0] for b in BAD])
+def test_out_of_range_and_unsupported_parameters_are_400_naming_them(edge, what, path, body, param, code):
+    r = post(edge, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+
+
+NON_FINITE = [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"), ("top_p", "-Infinity"),
+              ("timeout", "Infinity"), ("frequency_penalty", "NaN")]
+
+
+@pytest.mark.parametrize("field,literal", NON_FINITE, ids=[f"{f}={v}" for f, v in NON_FINITE])
+def test_non_finite_numbers_are_400(edge, field, literal):
+    # Python's JSON reader takes NaN and Infinity, which JSON itself does not have
+    raw = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 2, "{field}": {literal}}}'
+    r = httpx.post(edge["url"] + "/v1/completions", content=raw, timeout=30,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_what_asks_for_nothing_unsupported_is_accepted(edge):
+    # defaults that OpenAI's clients send: they reach the dispatcher (503: no engine here), not a 400
+    for path, body in (("/v1/completions", completion(logprobs=None, best_of=1, frequency_penalty=0, logit_bias={},
+                                                      suffix=None, echo=False)),
+                       ("/v1/chat/completions", chat(logprobs=False, tools=[], tool_choice="none", presence_penalty=0.0,
+                                                     response_format={"type": "text"},
+                                                     messages=[{"role": "user", "content": [{"type": "text",
+                                                                                             "text": "hi"}]}]))):
+        r = post(edge, path, body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+
+
+# ---- tokenizing off the event loop ---------------------------------------------------------
+def test_tokenizing_and_the_chat_template_run_off_the_event_loop(edge):
+    state = edge["app"].state.hs
+    real = state.tokenizer
+    threads = []
+
+    class Recording:
+        """The real tokenizer, noting the thread of each call."""
+
+        def __call__(self, *a, **kw):
+            threads.append(threading.get_ident())
+            return real(*a, **kw)
+
+        def apply_chat_template(self, *a, **kw):
+            threads.append(threading.get_ident())
+            return real.apply_chat_template(*a, **kw)
+
+        def __len__(self):
+            return len(real)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    state.tokenizer = Recording()
+    try:
+        assert post(edge, "/v1/completions", completion()).status_code == 503
+        assert post(edge, "/v1/chat/completions", chat()).status_code == 503
+    finally:
+        state.tokenizer = real
+    assert len(threads) == 3  # the prompt; the chat template, then its text
+    assert edge["loop_thread"].ident not in threads
+
+
+# ---- uvicorn's limits from the settings ------------------------------------------------------
+def test_uvicorn_gets_its_limits_from_the_settings():
+    settings = GatewaySettings.from_environ({"HYBRIDSERVE_GATEWAY_LIMIT_CONCURRENCY": "7",
+                                             "HYBRIDSERVE_GATEWAY_KEEP_ALIVE_TIMEOUT_S": "3",
+                                             "HYBRIDSERVE_GATEWAY_BODY_READ_TIMEOUT_S": "9"})
+    cfg = config(settings)
+    assert (cfg.limit_concurrency, cfg.timeout_keep_alive) == (7, 3)
+    assert settings.body_read_timeout_s == 9
