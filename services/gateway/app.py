@@ -82,7 +82,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         app.state.hs = State(settings, tokenizer, clients, router, Dispatcher(clients, router),
                              settings.served_model_name or ckpt.model_id, pool)
-        watch = asyncio.create_task(watch_engines(clients, router, file_samples, settings.health_interval_s))
+        watch = asyncio.create_task(watch_engines(clients, router, file_samples, settings.health_interval_s,
+                                                     settings.engines_share_cpu))
         try:
             yield
         finally:

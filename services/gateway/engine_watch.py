@@ -9,10 +9,25 @@ from services.gateway.engine_client import EngineClients
 from services.gateway.router import Router
 
 
-async def watch_engines(clients: EngineClients, router: Router, file_samples: list[dict], interval_s: float) -> None:
-    """Runs until cancelled. `file_samples`: calibration from a file, kept under the engines' own."""
+def engines_share_cpu(prefill_device: str, decode_device: str) -> bool:
+    """Whether both engines run on the host's CPU: torch on "cpu" and an OpenCL CPU device (PoCL
+    names its CPU devices "pthread-<cpu>" or "cpu-<cpu>"). Then they compete for the same cores."""
+    name = decode_device.lower().rsplit("/", 1)[-1].strip()
+    return prefill_device == "cpu" and (name.startswith("pthread") or name.startswith("cpu"))
+
+
+async def watch_engines(clients: EngineClients, router: Router, file_samples: list[dict], interval_s: float,
+                        share_cpu: bool | None = None) -> None:
+    """Runs until cancelled. `file_samples`: calibration from a file, kept under the engines' own.
+    `share_cpu`: whether the engines share one processor (the router's `shared_compute`); None: from
+    the devices their Info names."""
     while True:
         await clients.check_all()
+        if share_cpu is None and "gpu" in clients.info and "fpga" in clients.info:
+            share_cpu = engines_share_cpu(clients.info["gpu"].device, clients.info["fpga"].device)
+            router.shared_compute = share_cpu
+        elif share_cpu is not None:
+            router.shared_compute = share_cpu
         for engine, up in clients.up.items():
             if up and wants_profile(clients, engine):
                 if await clients.fetch_profile(engine) is not None:

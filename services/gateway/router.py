@@ -5,11 +5,13 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
     T(mode) = sum over the mode's stages of  base(stage, n_in, n_out) x correction(stage)  + queueing
 
 * base: the physical, non-negative fit of the engines' start-up profiles (cost_model.py);
-* correction: per (stage, device), an exponentially weighted mean of log(measured / base)
-  over the stages of finished requests, the first one taking over at once: online
-  samples dominate as soon as they exist, so a profile 50x off is corrected by the first
-  request that runs the stage (a hybrid request teaches gpu prefill, the hand-off and
-  fpga decode);
+* correction: per (stage, device), the smallest measured / base ratio among the stage's last
+  `recent` finished requests: online samples dominate as soon as they exist, so a profile 50x
+  off is corrected by the first request that runs the stage (a hybrid request teaches gpu
+  prefill, the hand-off and fpga decode). The smallest, because interference (a compile
+  beside the first start, a neighbour's burst) only ever adds time: one request timed on a
+  busy machine must not pin a stage as slow once a quiet one has been seen, and a real
+  slowdown still wins once it holds for `recent` requests in a row;
 * exploration: an auto request may run a mode that is not the cheapest, (a) once per stage
   that no request has measured yet (at most 5 stages: a cold start learns the stages of
   every mode within a few requests), (b) to refresh a stage not measured for `stale_after`
@@ -19,7 +21,10 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   profile); otherwise a mode is explored only within `explore_limit` x the best estimate.
   Never for a forced mode, never with explore_share=0; the Decision says "explore";
 * queueing: the requests already on each engine x that engine's measured service time
-  (its own stage seconds, not the end-to-end time) / its concurrency.
+  (its own stage seconds, not the end-to-end time) / its concurrency. When the two engines
+  share one processor (`shared_compute`: the CPU build of both, as on a machine without
+  accelerators), work queued on either delays both alike, so every mode gets the same
+  queueing term and the choice follows each mode's own cost.
 
     python -m services.gateway.router --calibration FILE --n-in N --n-out M
 """
@@ -58,12 +63,13 @@ class Router:
     """Thread-safe: samples arrive from finished requests while others are routed."""
 
     def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
-                 alpha: float = 0.3, explore_share: float = 0.05, explore_limit: float = 3.0,
-                 stale_after: int = 100):
+                 recent: int = 3, explore_share: float = 0.05, explore_limit: float = 3.0,
+                 stale_after: int = 100, shared_compute: bool = False):
         self._lock = threading.Lock()
         self._base = list(samples or [])
         self._online: dict[StageKey, deque] = {}  # recent online samples per stage
-        self._window, self._refit_every, self._since_fit, self._alpha = window, refit_every, 0, alpha
+        self._window, self._refit_every, self._since_fit, self._recent = window, refit_every, 0, recent
+        self.shared_compute = shared_compute
         self._log_corr: dict[StageKey, float] = {}
         self.model = CostModel()
         self._refit()
@@ -99,7 +105,7 @@ class Router:
                 if key[1] in self._service:
                     per_engine[key[1]] = per_engine.get(key[1], 0.0) + max(0.0, float(s["seconds"]))
                 if key in self.model.stages:
-                    self._log_corr[key] = self._ewma(key, self._log_corr.get(key), s)
+                    self._log_corr[key] = self._recent_correction(key)
             for e, seconds in per_engine.items():
                 self._service[e] = seconds if not self._service[e] else 0.8 * self._service[e] + 0.2 * seconds
             # stages no profile measured are fitted from online samples: at once, then every few requests
@@ -116,16 +122,17 @@ class Router:
         self.model = CostModel.fit(self._base + extra)
         self._since_fit = 0
         self._log_corr = {}
-        for key, q in self._online.items():
+        for key in self._online:
             if key in self.model.stages:
-                for s in q:
-                    self._log_corr[key] = self._ewma(key, self._log_corr.get(key), s)
+                self._log_corr[key] = self._recent_correction(key)
 
-    def _ewma(self, key: StageKey, prev: float | None, s: dict) -> float:
-        base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
-        ratio = min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, max(float(s["seconds"]), 1e-9) / base))
-        x = math.log(ratio)
-        return x if prev is None else (1 - self._alpha) * prev + self._alpha * x
+    def _recent_correction(self, key: StageKey) -> float:
+        """log of the smallest measured / base ratio over the stage's last `recent` samples."""
+        ratios = []
+        for s in list(self._online[key])[-self._recent:]:
+            base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
+            ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, max(float(s["seconds"]), 1e-9) / base)))
+        return math.log(min(ratios))
 
     def _stage_estimate(self, key: StageKey, n_in: int, n_out: int) -> float:
         return self.model.stage_seconds(key, n_in, n_out) * math.exp(self._log_corr.get(key, 0.0))
@@ -144,8 +151,9 @@ class Router:
 
     def queueing(self, mode: str) -> float:
         """Seconds a new request waits behind the work already on the mode's engines."""
+        engines = ENGINES if self.shared_compute else MODES[mode].engines
         return max(self._busy[e] * (self._service[e] or self._e2e[e]) / max(1, self.concurrency[e])
-                   for e in MODES[mode].engines)
+                   for e in engines)
 
     # ---- decisions ------------------------------------------------------------------
     def estimates(self, n_in: int, n_out: int, modes=MODE_NAMES) -> dict[str, float]:

@@ -192,3 +192,53 @@ def test_a_stage_no_profile_measured_is_learnt_from_requests():
     serve(router, 128, 64, forced="hybrid")
     est = router.estimates(128, 64)
     assert abs(est["hybrid"] / truth("hybrid", 128, 64) - 1) < 0.01
+
+
+def test_one_request_timed_on_a_busy_machine_does_not_pin_its_stages_slow():
+    """A first hybrid request that ran beside a compile (every stage 6x slow) misleads the router
+    only until a quiet request of those stages has been seen: the smallest recent ratio counts."""
+    router = Router(synthetic_samples(), explore_share=0.0)
+    n_in, n_out = LOAD[1]
+    slow = {k: v * 6 if k.endswith("_s") else v for k, v in timings_of("hybrid", n_in, n_out).items()}
+    router.observe(samples_from_timings("hybrid", n_in, slow))
+    assert router.estimates(n_in, n_out)["hybrid"] > 3 * truth("hybrid", n_in, n_out)
+    router.observe(samples_from_timings("hybrid", n_in, timings_of("hybrid", n_in, n_out)))
+    assert abs(router.estimates(n_in, n_out)["hybrid"] / truth("hybrid", n_in, n_out) - 1) < 0.15
+
+
+def test_a_slowdown_that_holds_is_learned_after_the_recent_window():
+    router = Router(synthetic_samples(), explore_share=0.0, recent=3)
+    n_in, n_out = LOAD[2]
+    slow = {k: v * 4 if k.endswith("_s") else v for k, v in timings_of("fpga", n_in, n_out).items()}
+    router.observe(samples_from_timings("fpga", n_in, timings_of("fpga", n_in, n_out)))
+    for _ in range(3):
+        router.observe(samples_from_timings("fpga", n_in, slow))
+    assert abs(router.estimates(n_in, n_out)["fpga"] / (4 * truth("fpga", n_in, n_out)) - 1) < 0.15
+
+
+def test_engines_on_one_processor_share_their_queue():
+    """With both engines on the same cores, requests queued on decode_fpga delay gpu mode as much:
+    the router keeps choosing by each mode's own cost instead of spilling onto the slower mode."""
+    n_in, n_out = LOAD[0]
+    picks = {}
+    for shared in (False, True):
+        router = Router(synthetic_samples(), explore_share=0.0, shared_compute=shared)
+        router.concurrency = {"gpu": 2, "fpga": 4}
+        for _ in range(4):
+            serve(router, n_in, n_out, forced="hybrid")
+        for _ in range(12):
+            router.started("hybrid")  # twelve requests still running on both engines' stages
+        picks[shared] = router.choose(n_in, n_out).mode
+    assert picks[True] == best(n_in, n_out)
+    assert picks[False] != picks[True], "without sharing, the queue on decode_fpga sends work to the other engine"
+
+
+def test_engines_share_the_cpu_when_both_run_on_it():
+    from services.gateway.engine_watch import engines_share_cpu
+
+    pocl = "Portable Computing Language / pthread-skylake-avx512-AMD EPYC 7R13"
+    assert engines_share_cpu("cpu", pocl)
+    assert engines_share_cpu("cpu", "Portable Computing Language / cpu-znver3-AMD EPYC")
+    assert not engines_share_cpu("cuda:0", pocl)
+    assert not engines_share_cpu("cpu", "NVIDIA CUDA / NVIDIA H100 80GB HBM3")
+    assert not engines_share_cpu("cpu", "Xilinx / xilinx_u280_gen3x16_xdma_base_1")
