@@ -12,9 +12,10 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   beside the first start, a neighbour's burst) only ever adds time: one request timed on a
   busy machine must not pin a stage as slow once a quiet one has been seen, and a real
   slowdown still wins once it holds for `recent` requests in a row;
-* exploration: an auto request may run a mode that is not the cheapest, (a) once per stage
-  that no request has measured yet (at most 5 stages: a cold start learns the stages of
-  every mode within a few requests), (b) to refresh a stage not measured for `stale_after`
+* exploration: an auto request may run a mode that is not the cheapest, (a) while one of its
+  stages has been measured by fewer than CONFIRMING requests (at most 5 stages x 2: a cold
+  start learns the stages of every mode within a few requests, and a first request timed on
+  a busy machine is checked by a second), (b) to refresh a stage not measured for `stale_after`
   auto decisions, from a credit of `explore_share` per auto request (so at most that share).
   A request explores only where it measures something (a one-token request no decode). A
   stage not yet confirmed does not count in the guard (its estimate is the unverified
@@ -50,6 +51,7 @@ ESTIMATE_RATIO = Histogram("hybridserve_router_estimate_ratio", "Measured / esti
                            ["stage", "device"],
                            buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10))
 RATIO_CLAMP = 100.0  # one sample moves a correction by at most this factor either way
+CONFIRMING = 2  # requests that must have measured a stage before its estimate is trusted
 
 
 @dataclass(frozen=True)
@@ -198,10 +200,10 @@ class Router:
             if mode == best:
                 continue
             keys = CostModel.stage_keys(mode)
-            unconfirmed = [k for k in keys if k not in self._last_seen]
+            unconfirmed = [k for k in keys if not self._confirmed(k)]
             # what this request would measure: a one-token request reports no decode step
             teaches = [k for k in keys if k[0] != "decode" or n_out >= 2]
-            new = [k for k in teaches if k not in self._last_seen]
+            new = [k for k in teaches if not self._confirmed(k)]
             stale = max((self._auto - self._last_seen[k] for k in teaches if k in self._last_seen), default=0)
             if not new and not (stale_ok and stale >= self._stale_after):
                 continue
@@ -213,6 +215,10 @@ class Router:
             return None
         chosen = min(candidates)
         return chosen[-1], chosen[0] < 0
+
+    def _confirmed(self, key: StageKey) -> bool:
+        """Measured by CONFIRMING requests: one alone may have run beside a compile at start-up."""
+        return len(self._online.get(key, ())) >= CONFIRMING
 
     # ---- what the router believes, for /debug/router ----------------------------------
     def snapshot(self) -> dict:

@@ -8,7 +8,7 @@ import numpy as np
 from prometheus_client import REGISTRY
 
 from services.gateway.cost_model import CostModel, fit_stage, nnls
-from services.gateway.router import Router, samples_from_timings
+from services.gateway.router import CONFIRMING, Router, samples_from_timings
 from services.modes import MODE_NAMES, MODES
 from tests.gateway.test_router import HANDOFF, PER_TOKEN, PREFILL, synthetic_samples, truth
 
@@ -77,7 +77,7 @@ def test_exploration_is_a_bounded_share_and_never_forced_or_far_off():
                 assert d.estimates[d.mode] <= 3 * min(d.estimates.values())
         else:
             assert d.mode == min(d.estimates, key=d.estimates.get)
-    assert 1 <= len(explored) <= 5 + 0.05 * n  # once per never-measured stage (5 stages), then the share
+    assert 1 <= len(explored) <= CONFIRMING * 5 + 0.05 * n  # until each of 5 stages is confirmed, then the share
     assert {d.mode for d in explored} >= {"gpu", "fpga"}  # stale stages do get refreshed
     assert all(serve(router, 64, 64, forced="fpga").reason == "forced" for _ in range(100))
 
@@ -85,9 +85,9 @@ def test_exploration_is_a_bounded_share_and_never_forced_or_far_off():
 def test_one_token_requests_do_not_spend_exploration_on_a_decode_they_cannot_measure():
     router = Router(wrong_profile())
     # e.g. a client polling with max_tokens=1 until the router is calibrated: the hand-off and both
-    # prefills get measured (two explorations), no decode is, and none is pretended
-    polls = [serve(router, 8, 1).reason for _ in range(5)]
-    assert polls.count("explore") == 2 and "decode/fpga" not in router.snapshot()["corrections"]
+    # prefills get measured (each stage by two requests: four explorations), no decode is, and none is pretended
+    polls = [serve(router, 8, 1).reason for _ in range(6)]
+    assert polls.count("explore") == 4 and "decode/fpga" not in router.snapshot()["corrections"]
     for n_in, n_out in LOAD[:5]:
         serve(router, n_in, n_out)
     assert "decode/fpga" in router.snapshot()["corrections"]
