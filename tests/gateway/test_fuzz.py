@@ -45,6 +45,11 @@ def map_body(context, body):
             body[key] = CHEAP_TOKENS
     if "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = CHEAP_TOKENS  # the chat default would be 1024 tokens
+    # a client's own deadline of a few microseconds is answered 504 as documented (a deadline the
+    # client set, not a server error); the fuzz is about the server's own answers
+    if isinstance(body.get("timeout"), (int, float)) and not isinstance(body["timeout"], bool) \
+            and 0 < body["timeout"] < 60:
+        body["timeout"] = 60
     return body
 
 
