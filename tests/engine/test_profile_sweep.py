@@ -55,8 +55,10 @@ class MatmulEngine:
         seq["kv"] = None
 
 
-HOG = "import random, time\nwhile True:\n    end = time.perf_counter() + random.uniform(0.005, 0.06)\n" \
-      "    while time.perf_counter() < end: pass\n    time.sleep(random.uniform(0.0, 0.03))\n"
+# bursts of 20-80 ms with pauses of at most 5 ms: uneven enough that repeats disagree, busy enough
+# (over 90% of each core) that the other-processes share shows it even over a short sweep
+HOG = "import random, time\nwhile True:\n    end = time.perf_counter() + random.uniform(0.02, 0.08)\n" \
+      "    while time.perf_counter() < end: pass\n    time.sleep(random.uniform(0.0, 0.005))\n"
 
 
 @pytest.fixture
