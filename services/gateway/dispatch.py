@@ -8,7 +8,8 @@
   or a retry).
 * Retry (`Dispatcher.open`): a call that fails with a status in `RETRY_ON` before its first
   message, for a request whose mode was not forced, gets its mode's engines health-checked and is
-  routed again, up to `MAX_ATTEMPTS` calls in all. Any other failure is final, and so is one after
+  routed again among the other modes (both engines can answer their health check while the link
+  between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other failure is final, and so is one after
   the first message: its tokens may already be on their way to the client.
 * Failures become `APIError`s through errors.ENGINE_FAILURES, here (before the first message) and
   in `EngineStream.read` (after it), so the serving loop never sees gRPC.
@@ -102,8 +103,11 @@ class Dispatcher:
     def __init__(self, clients: Engines, router: Router):
         self.clients, self.router = clients, router
 
-    def route(self, n_in: int, max_tokens: int, forced: str | None, attempt: int = 0) -> Decision:
-        up = [name for name, mode in MODES.items() if all(self.clients.up[e] for e in mode.engines)]
+    def route(self, n_in: int, max_tokens: int, forced: str | None, attempt: int = 0,
+              failed: frozenset[str] = frozenset()) -> Decision:
+        """`failed`: modes this request's earlier attempts failed in (never a forced one's)."""
+        up = [name for name, mode in MODES.items()
+              if all(self.clients.up[e] for e in mode.engines) and name not in failed]
         if forced is not None:
             if forced not in up:
                 down = [ENGINE_NAMES[e] for e in MODES[forced].engines if not self.clients.up[e]]
@@ -126,9 +130,9 @@ class Dispatcher:
 
     async def open(self, req: EngineRequest) -> EngineStream:
         """Route and call, retrying as the module docstring says; the call once its first message is in."""
-        attempt = 0
+        attempt, failed = 0, frozenset()
         while True:
-            d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt)
+            d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed)
             mode = MODES[d.mode]
             call = self.clients.generate(mode.served_by, pb.GenerateRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto),
@@ -140,7 +144,7 @@ class Dispatcher:
                     log.info("request %s (%s mode): %s; routing again", req.request_id, d.mode, exc.code().name)
                     for engine in mode.engines:
                         await self.clients.check(engine)  # which one is gone decides the next route
-                    attempt += 1
+                    attempt, failed = attempt + 1, failed | {d.mode}
                     continue
                 err = engine_error(exc, d.mode, req.request_id)
                 m.REQUESTS.labels(mode=d.mode, status=str(err.status)).inc()

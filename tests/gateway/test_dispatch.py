@@ -160,13 +160,6 @@ def test_unavailable_before_the_first_token_checks_health_and_routes_again():
     assert engines.calls[0][1].request_id == engines.calls[1][1].request_id == "cmpl-test"
 
 
-def test_a_retry_is_a_fallback_even_when_every_engine_is_back_up():
-    engines = FakeEngines(scripts={"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
-    stream = open_stream(engines, request())
-    assert [e for e, *_ in engines.calls] == ["fpga", "fpga"]
-    assert (stream.decision.mode, stream.decision.reason) == ("hybrid", "fallback")
-
-
 def test_retries_stop_after_max_attempts_with_503():
     down = [[rpc_error(grpc.StatusCode.UNAVAILABLE)]] * (MAX_ATTEMPTS + 1)
     engines = FakeEngines(scripts={"fpga": down, "gpu": down})
@@ -261,3 +254,14 @@ def test_a_400_keeps_the_engines_message_about_the_input(code, err_code):
     engines = FakeEngines(scripts={"gpu": [[rpc_error(code, "prompt of 3000 tokens exceeds 2048")]]})
     err = open_error(engines, request("gpu"))
     assert (err.status, err.code, err.message) == (400, err_code, "prompt of 3000 tokens exceeds 2048")
+
+
+def test_a_retry_routes_around_the_mode_that_failed_even_when_health_says_up():
+    """Just after a start both engines answer health checks while decode_fpga's own link to
+    prefill_gpu is still in reconnect back-off: hybrid fails UNAVAILABLE, and the retry takes
+    another mode instead of the same one again."""
+    engines = FakeEngines(scripts={"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    stream = open_stream(engines, request())
+    assert [(e, r.mode) for e, r, _, _ in engines.calls][0] == ("fpga", pb.MODE_HYBRID)
+    assert stream.decision.mode != "hybrid" and stream.decision.reason == "fallback"
+    assert len(engines.calls) == 2

@@ -74,7 +74,10 @@ def test_a_50x_wrong_cached_profile_is_corrected_within_ten_requests(tmp_path):
                   for m in ("gpu", "fpga", "hybrid")}
         fastest = min(forced, key=forced.get)
         ran = [a["mode"] for a in auto]
-        assert ran[-3:] == [fastest] * 3, (ran, [a["reason"] for a in auto], forced)
+        # the forced-fastest mode, or one the forced runs put within 10% of it (fpga and hybrid tie
+        # within a few percent at this cell, and which is ahead changes from run to run)
+        assert all(forced[m] <= 1.1 * forced[fastest] for m in ran[-3:]), \
+            (ran, [a["reason"] for a in auto], forced)
     finally:
         for svc in (gateway, decode, prefill):
             if svc is not None:
