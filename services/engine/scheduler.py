@@ -1,5 +1,9 @@
 """Continuous batching: which sequences an engine step computes, how many tokens each, in which blocks.
 
+(Just over 300 lines on purpose: about a third is this docstring and the interface contract the
+engines will implement against; the scheduling code itself is one admission, one chunking and one
+preemption rule, kept together because they share the waiting/running queues.)
+
 Pure Python (no torch, no OpenCL). One engine loop owns the device and runs
 
     batch = scheduler.schedule()            # SchedulerOutput
