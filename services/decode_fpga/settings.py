@@ -5,6 +5,7 @@ from typing import ClassVar, Literal
 
 from pydantic import field_validator
 
+from services.engine.batching_settings import BatchingSettings
 from services.settings import CommonSettings
 
 
@@ -16,7 +17,7 @@ def check_lanes(lanes: int) -> int:
     return lanes
 
 
-class DecodeSettings(CommonSettings):
+class DecodeSettings(CommonSettings, BatchingSettings):
     service: ClassVar[str] = "decode_fpga"
     own_prefix: ClassVar[str] = "HYBRIDSERVE_DECODE_"
 

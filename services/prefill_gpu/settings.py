@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from services.engine.batching_settings import BatchingSettings
 from services.settings import CommonSettings
 
 
-class PrefillSettings(CommonSettings):
+class PrefillSettings(CommonSettings, BatchingSettings):
     service: ClassVar[str] = "prefill_gpu"
     own_prefix: ClassVar[str] = "HYBRIDSERVE_PREFILL_"
     # two RPCs, two admissions: Generate (gpu mode) and Prefill (the hybrid hand-off). The variables say

@@ -1,0 +1,19 @@
+"""The continuous-batching settings both engine services share (their own prefix in front).
+
+HYBRIDSERVE_DECODE_KV_CACHE_MB, HYBRIDSERVE_PREFILL_MAX_NUM_SEQS, ...: the same knobs, per
+engine, because the two engines' memory and step costs differ.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+# 64 sequences of 512 tokens of SmolLM2-135M's fp32 KV (46 KiB a token) need 1440 MiB
+DEFAULT_KV_CACHE_MB = 1536
+
+
+class BatchingSettings(BaseModel):
+    kv_cache_mb: int = Field(DEFAULT_KV_CACHE_MB, ge=1)  # the paged KV pool's memory budget
+    block_size: int = Field(16, ge=1, le=256)  # tokens per KV block
+    max_num_seqs: int = Field(64, ge=1)  # sequences running in one batch at most
+    max_num_batched_tokens: int = Field(512, ge=16)  # tokens per engine step, decodes included
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix
