@@ -93,29 +93,31 @@ class BlockManager:
         return seq_id in self._tables
 
     # ---- a new sequence --------------------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        hits = self._cached_prefix(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True) -> bool:
+        hits = self._cached_prefix(token_ids) if use_cache else []
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # evictable now, taken then
         fresh = self.blocks_needed(len(token_ids)) - len(hits)
         return fresh + revived <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Give `seq_id` blocks for all of `token_ids`; return num_cached_tokens (KV already there)."""
+    def allocate(self, seq_id: int, token_ids: Sequence[int], use_cache: bool = True) -> int:
+        """Give `seq_id` blocks for all of `token_ids`; return num_cached_tokens (KV already there).
+        use_cache=False: fresh blocks only (KV that another engine computes is written into them)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
         if not token_ids:
             raise ValueError("cannot allocate for an empty sequence")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, use_cache):
             raise RuntimeError(f"not enough free blocks for {len(token_ids)} tokens")
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids) if use_cache else []
         for block_id in hits:  # take the hits first, so the fresh blocks below cannot evict them
             self._ref(block_id)
         table = hits + [self._take_free() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
         self._tables[seq_id] = table
         self._hashes[seq_id] = [self.blocks[b].hash for b in hits]
         num_cached_tokens = len(hits) * self.block_size
-        self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += num_cached_tokens
+        if use_cache:
+            self.num_queried_tokens += len(token_ids)
+            self.num_hit_tokens += num_cached_tokens
         return num_cached_tokens
 
     def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:

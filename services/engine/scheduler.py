@@ -82,6 +82,9 @@ class Sequence:
     num_computed_tokens: int = 0  # positions whose KV is in the blocks
     num_cached_tokens: int = 0  # of those, how many the prefix cache gave at the last admission
     status: RequestState = RequestState.WAITING
+    # its full blocks may enter the prefix cache; False while they hold KV another engine computed
+    # (hybrid): a later local request must never reuse KV of slightly different bits
+    cacheable: bool = True
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -180,6 +183,11 @@ class Scheduler:
 
     # ---- requests join and leave (between steps) -------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._check_new(seq)
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} is already scheduled")
         if seq.status is not RequestState.WAITING or seq.num_computed_tokens:
@@ -191,18 +199,44 @@ class Scheduler:
         max_kv_tokens = min(seq.num_tokens + seq.max_tokens, limit) - 1
         if self.block_manager.blocks_needed(max_kv_tokens) > self.config.num_blocks:
             raise RequestTooLarge(f"{max_kv_tokens} tokens of KV exceed the {self.config.num_blocks}-block cache")
+
+    def reserve_remote(self, seq: Sequence) -> list[int] | None:
+        """Hybrid mode: fresh blocks for the prompt of `seq`, whose KV another engine computes and the
+        caller imports into them; None when they do not fit now (try again after a step). The sequence
+        waits outside the queues (WAITING_FOR_REMOTE_KV) until activate_remote or abort."""
+        self._check_new(seq)
+        if not self.block_manager.can_allocate(seq.token_ids, use_cache=False):
+            return None
+        self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache=False)
+        seq.status, seq.cacheable = RequestState.WAITING_FOR_REMOTE_KV, False
         self._seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        return self.block_manager.block_table(seq.seq_id)
+
+    def activate_remote(self, seq_id: int, first_token: int) -> Sequence:
+        """The prompt's KV is in the reserved blocks and `first_token` was sampled from its logits:
+        the sequence joins the running decodes (or finishes now, returned with a finished status)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.status is not RequestState.WAITING_FOR_REMOTE_KV:
+            raise ValueError(f"sequence {seq_id} is not waiting for remote KV")
+        seq.num_computed_tokens = seq.num_tokens
+        self._append_token(seq, first_token)
+        if seq.status.finished:
+            self.block_manager.free(seq_id)
+            del self._seqs[seq_id]
+        else:
+            self.running.append(seq)
+        return seq
 
     def abort(self, seq_id: int) -> Sequence | None:
-        """Cancel a waiting or running sequence and free its blocks; None if it is not here."""
+        """Cancel a waiting, running or remote-KV sequence and free its blocks; None if it is not here."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return None
         if seq.status is RequestState.WAITING:
             self.waiting.remove(seq)
         else:
-            self.running.remove(seq)
+            if seq.status is not RequestState.WAITING_FOR_REMOTE_KV:
+                self.running.remove(seq)
             self.block_manager.free(seq_id)
         seq.status = RequestState.FINISHED_ABORTED
         return seq
@@ -231,7 +265,8 @@ class Scheduler:
             if seq is None or seq.status is RequestState.WAITING:
                 continue  # aborted (and maybe added anew) since schedule(); its blocks are already free
             seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.cacheable:
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not chunk.samples:
                 continue
             if chunk.seq_id not in sampled_tokens:
@@ -309,7 +344,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
-        seq.status = RequestState.WAITING
+        seq.status, seq.cacheable = RequestState.WAITING, True  # recomputed here from now on
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

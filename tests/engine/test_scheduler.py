@@ -293,3 +293,54 @@ def test_seeded_soak_runs_everything_to_completion_and_frees_every_block():
     assert s.num_preemptions > 0 and bm.num_hit_tokens > 0
     assert {seq.status for seq in done} == {RequestState.FINISHED_LENGTH, RequestState.FINISHED_STOPPED,
                                              RequestState.FINISHED_ABORTED}
+
+
+# ---- hybrid: KV computed by another engine ------------------------------------------------
+def test_remote_kv_reserves_fresh_blocks_then_joins_the_decodes():
+    s = make_scheduler(num_blocks=8)
+    s.add(make_seq(1, 2 * BS))
+    step(s, {1: 7})  # the local prompt fills two blocks and enters the prefix cache
+    remote = make_seq(2, 2 * BS, first_token=1000)  # the same prompt tokens: fresh blocks all the same
+    table = s.reserve_remote(remote)
+    assert table is not None and len(table) == 2
+    assert not set(table) & set(s.block_manager.block_table(1))
+    assert remote.status is RequestState.WAITING_FOR_REMOTE_KV
+    out = s.schedule()  # a reserved sequence is not scheduled until it is activated
+    assert [c.seq_id for c in out.chunks] == [1]
+    s.update(out, {1: 5})
+    s.activate_remote(2, 9)
+    out = s.schedule()
+    assert [(c.seq_id, c.start, c.token_ids) for c in out.decodes] == [(1, 2 * BS + 1, (5,)), (2, 2 * BS, (9,))]
+    s.update(out, {1: 5, 2: 4})
+    assert s.running[1].output_token_ids == [9, 4]
+
+
+def test_remote_kv_blocks_never_enter_the_prefix_cache():
+    s = make_scheduler(num_blocks=8)
+    s.reserve_remote(make_seq(1, 2 * BS + 1, max_tokens=4))
+    s.activate_remote(1, 3)
+    for _ in range(3):
+        step(s, {1: 3})
+    assert not s.has_unfinished()
+    s.add(make_seq(2, 2 * BS + 1, first_token=1000))  # the same prompt again
+    out = s.schedule()
+    assert out.prefills[0].start == 0  # nothing reused
+
+
+def test_remote_kv_waits_when_no_blocks_are_free_and_aborting_it_frees_them():
+    s = make_scheduler(num_blocks=2)
+    assert s.reserve_remote(make_seq(1, 2 * BS, max_tokens=1)) is not None
+    assert s.reserve_remote(make_seq(2, BS, max_tokens=1)) is None
+    assert s.block_manager.num_free_blocks == 0
+    s.abort(1)
+    assert s.block_manager.num_free_blocks == 2 and not s.has_unfinished()
+    with pytest.raises(ValueError):
+        s.activate_remote(1, 3)
+
+
+def test_a_remote_sequence_may_finish_on_its_first_token():
+    s = make_scheduler(num_blocks=4)
+    s.reserve_remote(make_seq(1, BS + 1, max_tokens=1))
+    seq = s.activate_remote(1, 3)
+    assert seq.status is RequestState.FINISHED_LENGTH
+    assert s.block_manager.num_free_blocks == 4 and not s.has_unfinished()
