@@ -20,3 +20,18 @@ HANDOFF_SECONDS = Histogram("hybridserve_kv_handoff_seconds",
 HANDOFF_EXPOSED_SECONDS = Histogram("hybridserve_kv_handoff_exposed_seconds",
                                     "KV hand-off not hidden behind prefill compute", buckets=STAGE_BUCKETS)
 HANDOFF_BYTES = Counter("hybridserve_kv_handoff_bytes", "Bytes of KV handed over")
+
+# continuous batching (engine_loop.py), after vLLM's names where one exists
+NUM_REQUESTS_RUNNING = Gauge("hybridserve_engine_num_requests_running", "Requests in the running batch")
+NUM_REQUESTS_WAITING = Gauge("hybridserve_engine_num_requests_waiting",
+                             "Requests waiting for KV blocks or a place in the batch")
+KV_CACHE_USAGE = Gauge("hybridserve_engine_kv_cache_usage_ratio",
+                       "Fraction of KV blocks held by requests (cached, unreferenced blocks count as free)")
+NUM_PREEMPTIONS = Counter("hybridserve_engine_num_preemptions", "Requests preempted (blocks freed, recomputed later)")
+PREFIX_CACHE_QUERIES = Counter("hybridserve_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+PREFIX_CACHE_HITS = Counter("hybridserve_engine_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held")
+STEP_SEQUENCES = Histogram("hybridserve_engine_step_batch_size", "Sequences computed per engine step",
+                           buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+STEP_TOKENS = Histogram("hybridserve_engine_step_tokens", "Tokens computed per engine step",
+                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+STEP_SECONDS = Histogram("hybridserve_engine_step_seconds", "Seconds per engine step", buckets=STAGE_BUCKETS)

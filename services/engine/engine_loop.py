@@ -1,0 +1,375 @@
+"""The engine loop: one thread owns the engine, runs the scheduler's steps and streams each request's tokens.
+
+Request handlers (the gRPC servicers, the hybrid hand-off, the profile sweep's samples)
+never call the engine's step themselves: they `submit` a request and read its
+`RequestStream`. Requests join and leave between steps; a cancelled stream is dropped
+from the next step and its blocks are freed. Every step is one `engine.step` call over
+every running decode plus prefill chunks up to the token budget (scheduler.py), so a
+long prompt never stalls the running streams for more than one chunk.
+
+Hybrid mode, receiving side: `reserve_remote` gets a stream whose blocks the caller
+fills with KV computed elsewhere (`import_kv_blocks`), then `activate_remote` hands it
+the first token and it decodes with the others. Sending side: a stream submitted with
+an `export` hook sees each layer of its prompt's KV as soon as the step that finishes
+the prompt has it (`export(layer, block_table, n_tokens)`, on the loop thread).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from services.engine import metrics as m
+from services.engine.api import BatchEngine
+from services.engine.generation import TokenEvent
+from services.engine.request_state import RequestState, finish_reason
+from services.engine.requests import Cancelled, EngineError, InvalidRequest, PromptTooLong, QueueFull
+from services.engine.sampling import Sampler, SamplingParams
+from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+
+log = logging.getLogger(__name__)
+
+ExportHook = Callable[[int, tuple[int, ...], int], None]  # (layer, block_table, n_tokens)
+
+
+class EngineStepFailed(EngineError):
+    """The engine failed a step this request was in. Internal: details stay in the log."""
+
+
+class LoopClosed(EngineError):
+    """The engine loop has stopped (the service is shutting down)."""
+
+
+@dataclass
+class StreamTimings:
+    submitted_at: float
+    scheduled_at: float | None = None  # its first chunk began (queue time ends)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    tokens: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        return (self.scheduled_at or self.submitted_at) - self.submitted_at
+
+    @property
+    def prefill_s(self) -> float:
+        """First chunk scheduled → first token (the prompt's prefill, chunked or not)."""
+        if self.first_token_at is None or self.scheduled_at is None:
+            return 0.0
+        return self.first_token_at - self.scheduled_at
+
+    @property
+    def decode_s(self) -> float:
+        if self.first_token_at is None or self.last_token_at is None:
+            return 0.0
+        return self.last_token_at - self.first_token_at
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One request's tokens as the loop produces them. Iterate for TokenEvents (the last one
+    carries the finish_reason); `cancel()` drops the request from the next step."""
+
+    loop: "EngineLoop"
+    seq: Sequence
+    sampler: Sampler
+    export: ExportHook | None = None
+    timings: StreamTimings = field(default_factory=lambda: StreamTimings(time.perf_counter()))
+    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _reserved: threading.Event = field(default_factory=threading.Event)
+    block_table: tuple[int, ...] = ()  # reserve_remote: the blocks to import into
+    done: bool = False
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.loop._post(("abort", self))
+
+    def events(self, poll_s: float = 0.05, cancelled: Callable[[], bool] = lambda: False) -> Iterator[TokenEvent]:
+        """The token events; raises the loop's error, or Cancelled once `cancelled()` turns true
+        (the stream is then dropped). Closing the iterator early cancels the request too."""
+        try:
+            while True:
+                if cancelled():
+                    raise Cancelled("cancelled")
+                try:
+                    kind, payload, reason = self._events.get(timeout=poll_s)
+                except queue.Empty:
+                    continue
+                if kind == "error":
+                    raise payload
+                for i, token in enumerate(payload):
+                    last = reason is not None and i == len(payload) - 1
+                    yield TokenEvent(token, reason if last else None)
+                if reason is not None:
+                    return
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self.events()
+
+    def wait_reserved(self, cancelled: Callable[[], bool], poll_s: float = 0.05) -> tuple[int, ...]:
+        """reserve_remote: block until the blocks are reserved; their table."""
+        while not self._reserved.wait(poll_s):
+            if cancelled():
+                self.cancel()
+                raise Cancelled("cancelled while waiting for KV blocks")
+        if not self.block_table:  # failed or cancelled before it got blocks
+            kind, payload, _ = self._events.get()
+            raise payload if kind == "error" else Cancelled("cancelled")
+        return self.block_table
+
+    # ---- the loop thread's side --------------------------------------------------------
+    def _emit(self, tokens: list[int], reason: str | None) -> None:
+        self._events.put(("tokens", tokens, reason))
+
+    def _fail(self, exc: Exception) -> None:
+        self.done = True
+        self._reserved.set()
+        self._events.put(("error", exc, None))
+
+
+class EngineLoop:
+    """Owns `engine` from its own thread; see the module docstring."""
+
+    def __init__(self, engine: BatchEngine, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
+                 max_waiting: int = 64, name: str = "engine-loop"):
+        self.engine, self.config, self.eos_token_ids = engine, config, frozenset(eos_token_ids)
+        self.max_waiting = max_waiting
+        self.scheduler = Scheduler(config)
+        self._ids = itertools.count(1)
+        self._inbox: list[tuple] = []
+        self._wake = threading.Condition()
+        self._streams: dict[int, RequestStream] = {}
+        self._remote_pending: list[RequestStream] = []  # reserve_remote waiting for blocks
+        self._n_waiting = 0  # submitted, not yet running (for back-pressure from the caller's thread)
+        self._closed = False
+        self._counted = (0, 0)  # prefix-cache tokens (queried, hit) already in the counters
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- what handlers call (any thread) ------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None = None) -> RequestStream:
+        """Queue a request; its stream. Raises InvalidRequest/PromptTooLong at once, QueueFull when
+        more than max_waiting requests already wait."""
+        stream = self._new_stream(prompt_ids, params, export)
+        self._post(("add", stream))
+        return stream
+
+    def reserve_remote(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Hybrid: a stream whose prompt KV the caller imports into `stream.wait_reserved(...)`'s blocks."""
+        stream = self._new_stream(prompt_ids, params, None)
+        stream.sampler.advance()  # the first token is sampled by the other engine, with the same seed
+        self._post(("reserve", stream))
+        return stream
+
+    def activate_remote(self, stream: RequestStream, first_token: int) -> None:
+        """The reserved blocks hold the prompt's KV: decode on from `first_token`."""
+        self._post(("activate", stream, first_token))
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None) -> RequestStream:
+        if self._closed:
+            raise LoopClosed("the engine is shutting down")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt must contain at least one token")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                                f"{self.config.max_model_len}-token context")
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
+        seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params)
+        with self._wake:
+            if self._n_waiting >= self.max_waiting:
+                raise QueueFull(f"engine queue full ({self.max_waiting} waiting); retry later")
+            self._n_waiting += 1
+        return RequestStream(self, seq, Sampler(params), export)
+
+    def _post(self, item: tuple) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self._closed and not self._has_work():
+                    self._wake.wait()
+                if self._closed:
+                    break
+                inbox, self._inbox = self._inbox, []
+            for item in inbox:
+                self._apply(item)
+            self._reserve_pending()
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                self.scheduler.update(out, {})
+                self._update_gauges()
+                with self._wake:  # only reservations or blocked admissions: wait for a change
+                    if not self._inbox and not self._closed:
+                        self._wake.wait(0.01)
+                continue
+            self._step(out)
+        for stream in list(self._streams.values()) + self._remote_pending:
+            stream._fail(LoopClosed("the engine is shutting down"))
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_unfinished() and bool(self.scheduler.running or self.scheduler.waiting)
+
+    def _apply(self, item: tuple) -> None:
+        kind, stream = item[0], item[1]
+        if kind == "add":
+            try:
+                self.scheduler.add(stream.seq)
+            except RequestTooLarge as exc:
+                self._left_waiting()
+                stream._fail(PromptTooLong(str(exc)))
+                return
+            self._streams[stream.seq_id] = stream
+        elif kind == "reserve":
+            self._remote_pending.append(stream)
+        elif kind == "activate":
+            self._activate(stream, item[2])
+        elif kind == "abort":
+            self._abort(stream)
+
+    def _abort(self, stream: RequestStream) -> None:
+        if stream in self._remote_pending:
+            self._remote_pending.remove(stream)
+            self._left_waiting()
+        elif self._streams.pop(stream.seq_id, None) is not None:
+            seq = self.scheduler.abort(stream.seq_id)
+            if seq is not None and stream.timings.scheduled_at is None:
+                self._left_waiting()
+        stream.done = True
+        stream._reserved.set()
+        stream._events.put(("error", Cancelled("cancelled"), None))
+
+    def _reserve_pending(self) -> None:
+        while self._remote_pending:
+            stream = self._remote_pending[0]
+            try:
+                table = self.scheduler.reserve_remote(stream.seq)
+            except RequestTooLarge as exc:
+                self._remote_pending.pop(0)
+                self._left_waiting()
+                stream._fail(PromptTooLong(str(exc)))
+                continue
+            if table is None:
+                return  # first come, first served
+            self._remote_pending.pop(0)
+            self._left_waiting()
+            self._streams[stream.seq_id] = stream
+            stream.block_table = tuple(table)
+            stream.timings.scheduled_at = time.perf_counter()
+            stream._reserved.set()
+
+    def _activate(self, stream: RequestStream, first_token: int) -> None:
+        if self._streams.get(stream.seq_id) is not stream:
+            return  # cancelled meanwhile
+        seq = self.scheduler.activate_remote(stream.seq_id, first_token)
+        self._emit(stream, seq, first_token)
+
+    def _step(self, out: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        for chunk in out.prefills:
+            stream = self._streams.get(chunk.seq_id)
+            if stream is not None and stream.timings.scheduled_at is None:
+                stream.timings.scheduled_at = now
+                self._left_waiting()
+        sampling = [c for c in out.chunks if c.samples]
+        greedy = all(c.sampling_params.greedy for c in sampling)
+        exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
+                     if c.samples and c.seq_id in self._streams and self._streams[c.seq_id].export is not None]
+        try:
+            result = self.engine.step(out.chunks, greedy, self._exporter(exporting) if exporting else None)
+        except Exception:
+            log.exception("engine step failed (%d sequences, %d tokens); failing its requests",
+                          len(out.chunks), out.num_batched_tokens)
+            for chunk in out.chunks:
+                stream = self._streams.pop(chunk.seq_id, None)
+                if stream is not None:
+                    self.scheduler.abort(chunk.seq_id)
+                    stream._fail(EngineStepFailed("the engine failed while serving the request"))
+            self.scheduler.update(out, {})
+            return
+        self.steps += 1
+        m.STEP_SECONDS.observe(time.perf_counter() - now)
+        m.STEP_SEQUENCES.observe(len(out.chunks))
+        m.STEP_TOKENS.observe(out.num_batched_tokens)
+        if out.preempted:
+            m.NUM_PREEMPTIONS.inc(len(out.preempted))
+        if greedy:
+            sampled = dict(zip((c.seq_id for c in sampling), (int(t) for t in result)))
+        else:
+            sampled = {c.seq_id: self._streams[c.seq_id].sampler.sample(row) if c.seq_id in self._streams else 0
+                       for c, row in zip(sampling, result)}
+        self.scheduler.update(out, sampled)
+        for chunk in sampling:
+            stream = self._streams.get(chunk.seq_id)
+            if stream is not None and not stream.done:
+                self._emit(stream, stream.seq, sampled[chunk.seq_id])
+        self._update_gauges()
+
+    def _exporter(self, exporting: list) -> Callable[[int], None]:
+        def on_layer(layer: int) -> None:
+            for chunk, stream in exporting:
+                if stream.done:
+                    continue
+                try:
+                    stream.export(layer, chunk.block_table, chunk.start + chunk.num_tokens)
+                except Exception as exc:  # a gone client, a closed sender: that request only
+                    log.debug("export of sequence %d stopped: %s", chunk.seq_id, exc)
+                    self._streams.pop(chunk.seq_id, None)
+                    self.scheduler.abort(chunk.seq_id)
+                    stream._fail(Cancelled("the hand-off stopped"))
+        return on_layer
+
+    def _emit(self, stream: RequestStream, seq: Sequence, token: int) -> None:
+        t = stream.timings
+        t.last_token_at = time.perf_counter()
+        t.first_token_at = t.first_token_at or t.last_token_at
+        t.tokens += 1
+        if seq.status.finished:
+            stream.done = True
+            self._streams.pop(stream.seq_id, None)
+            stream._emit([token], finish_reason(seq.status))
+        else:
+            stream._emit([token], None)
+
+    def _left_waiting(self) -> None:
+        with self._wake:
+            self._n_waiting = max(0, self._n_waiting - 1)
+
+    def _update_gauges(self) -> None:
+        s, bm = self.scheduler, self.scheduler.block_manager
+        m.NUM_REQUESTS_RUNNING.set(s.num_running)
+        m.NUM_REQUESTS_WAITING.set(s.num_waiting + len(self._remote_pending))
+        m.KV_CACHE_USAGE.set(s.kv_cache_usage)
+        m.PREFIX_CACHE_QUERIES.inc(bm.num_queried_tokens - self._counted[0])
+        m.PREFIX_CACHE_HITS.inc(bm.num_hit_tokens - self._counted[1])
+        self._counted = (bm.num_queried_tokens, bm.num_hit_tokens)
