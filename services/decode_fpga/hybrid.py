@@ -1,10 +1,11 @@
 """decode_fpga's request handling in plain Python: fpga-mode Generate, and hybrid mode.
 
-In hybrid mode this engine orchestrates: its `PrefillPeer` (prefill_gpu, over gRPC
-and the shared-memory arena in the service; in process in tests) prefills, each
-layer is imported into this engine's device KV as the message for it arrives
-(while the peer computes the next), the peer's call is ended once every layer is
-on the device (which frees its memory), then the decode runs here.
+In hybrid mode this engine orchestrates: the engine loop reserves KV blocks for the
+prompt, its `PrefillPeer` (prefill_gpu, over gRPC and the shared-memory arena in the
+service; in process in tests) prefills, each layer is imported into those blocks as
+the message for it arrives (while the peer computes the next), the peer's call is
+ended once every layer is on the device (which frees its memory), then the request
+joins the running batch and decodes with the others.
 """
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from services.engine import metrics as m
-from services.engine.generation import Generation, TokenEvent
-from services.engine.request_state import RequestState
+from services.engine.generation import TokenEvent
 from services.engine.requests import Cancellation, Cancelled, EngineRequest, HandoffFailed, RequestTimings
 from services.engine.profile_cache import sweep_lock
-from services.engine.runtime import EngineRuntime
-from services.engine.sampling import Sampler, SamplingParams
+from services.engine.runtime import EngineRuntime, stream_tokens
+from services.engine.sampling import SamplingParams
 from services.kv.handoff import HandoffEvent, KVReceiver
 from services.kv.header import SlotHeader
 
@@ -55,24 +55,20 @@ class DecodeRuntime(EngineRuntime):
     def info_fields(self) -> dict:
         return {**super().info_fields(), "kv_dtype": "fp32"}
 
-    def hybrid_generation(self, gen: Generation, request: EngineRequest, timings: RequestTimings,
+    def hybrid_generation(self, request: EngineRequest, timings: RequestTimings,
                           cancel: Cancellation) -> Iterator[TokenEvent]:
         cfg = self.loaded.config
-        prompt, params = request.prompt_ids, request.params
+        prompt = request.prompt_ids
         wire = self.peer.wire_dtype()
-        seq = self.engine.new_sequence(min(len(prompt) + params.max_tokens, self.max_context))
+        stream = self.loop.reserve_remote(list(prompt), request.params)
         try:
+            blocks = BlockImport(self.engine, stream.wait_reserved(cancel.is_cancelled))
             expected = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt), cfg.model_id)
-            gen.state = RequestState.WAITING_FOR_REMOTE_KV
-            first = self._pull_kv(self.peer.receiver(self.engine, seq, expected), request, wire, timings, cancel)
-            sampler = Sampler(params)
-            sampler.advance()  # the first token was sampled by the peer with the same seed
-            yield from gen.decode_from(seq, first, sampler)
-        except Exception:
-            gen.state = RequestState.FINISHED_ERROR
-            raise
+            first = self._pull_kv(self.peer.receiver(blocks, None, expected), request, wire, timings, cancel)
+            self.loop.activate_remote(stream, first)
+            yield from stream_tokens(stream, timings, cancel)
         finally:
-            self.engine.release(seq)
+            stream.cancel()  # a no-op once it finished; frees the blocks of a failed hand-off
 
     def _pull_kv(self, receiver: KVReceiver, request: EngineRequest, wire: str, timings: RequestTimings,
                  cancel: Cancellation) -> int:
@@ -109,9 +105,8 @@ class DecodeRuntime(EngineRuntime):
             request = EngineRequest(tuple(rng.integers(3, self.loaded.config.vocab_size, n_in).tolist()), params,
                                     "hybrid")
             timings = RequestTimings()
-            gen = Generation(self.engine, list(request.prompt_ids), params, self.max_context)
             try:
-                for _ in self.hybrid_generation(gen, request, timings, Cancellation()):
+                for _ in self.hybrid_generation(request, timings, Cancellation()):
                     pass
             except Exception as exc:  # the peer down: the router then has no hybrid data, and says so
                 log.warning("no hand-off samples: %s", exc)
@@ -121,3 +116,17 @@ class DecodeRuntime(EngineRuntime):
 
     def close(self) -> None:
         self.peer.close()
+
+
+class BlockImport:
+    """The receiving half's view of an engine (import_kv_layer / finish_import) over the blocks the
+    loop reserved for one request: the hand-off seam stays the same for slots and blocks."""
+
+    def __init__(self, engine, block_table: tuple[int, ...]):
+        self.engine, self.block_table = engine, block_table
+
+    def import_kv_layer(self, seq, layer: int, kv: np.ndarray) -> None:
+        self.engine.import_kv_blocks(self.block_table, layer, kv)
+
+    def finish_import(self, seq, n_tokens: int) -> None:
+        self.engine.finish_import_blocks()

@@ -188,6 +188,11 @@ class EngineLoop:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for blocks or a place in the batch, hybrid ones waiting for blocks included."""
+        return self.scheduler.num_waiting + len(self._remote_pending)
+
     # ---- internals ----------------------------------------------------------------------------
     def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None) -> RequestStream:
         if self._closed:
@@ -368,7 +373,7 @@ class EngineLoop:
     def _update_gauges(self) -> None:
         s, bm = self.scheduler, self.scheduler.block_manager
         m.NUM_REQUESTS_RUNNING.set(s.num_running)
-        m.NUM_REQUESTS_WAITING.set(s.num_waiting + len(self._remote_pending))
+        m.NUM_REQUESTS_WAITING.set(self.num_waiting)
         m.KV_CACHE_USAGE.set(s.kv_cache_usage)
         m.PREFIX_CACHE_QUERIES.inc(bm.num_queried_tokens - self._counted[0])
         m.PREFIX_CACHE_HITS.inc(bm.num_hit_tokens - self._counted[1])

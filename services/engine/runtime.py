@@ -6,9 +6,10 @@ finish_reason and timings. It raises the typed errors of requests.py and knows
 nothing of gRPC: the servicer (service.py) is a thin layer over it, and in-process
 callers (the profile sweep's hand-off samples, tests) call it directly.
 
-Each service's runtime subclasses this one and fills `modes`: mode name → a handler
-`(generation, request, timings, cancel) → TokenEvents` (the local token loop here;
-hybrid mode in decode_fpga/hybrid.py).
+Every request runs through the engine loop (engine_loop.py): one thread owns the engine
+and batches every running request into each step. Each service's runtime subclasses this
+one and fills `modes`: mode name → a handler `(request, timings, cancel) → TokenEvents`
+(prefill and decode on this engine here; hybrid mode in decode_fpga/hybrid.py).
 """
 from __future__ import annotations
 
@@ -16,14 +17,23 @@ import threading
 from typing import Callable, Iterator
 
 from services.engine import metrics as m
-from services.engine.admission import Admission
-from services.engine.generation import Generation, TokenEvent
+from services.engine.engine_loop import EngineLoop, RequestStream
+from services.engine.generation import TokenEvent
 from services.engine.profile_cache import sweep_lock
 from services.engine.profile_sweep import code_fingerprint, profile_engine, run_sweep
-from services.engine.request_state import RequestState
-from services.engine.requests import Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull, RequestTimings
+from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, PromptTooLong,
+                                      QueueFull, RequestTimings)
+from services.engine.scheduler import SchedulerConfig
 
-ModeHandler = Callable[[Generation, EngineRequest, RequestTimings, Cancellation], Iterator[TokenEvent]]
+ModeHandler = Callable[[EngineRequest, RequestTimings, Cancellation], Iterator[TokenEvent]]
+
+
+def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
+    """The scheduler over `engine`'s pool, with the service's batching settings."""
+    return SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
+                           max_num_seqs=settings.max_num_seqs,
+                           max_num_batched_tokens=engine.max_num_batched_tokens,
+                           max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching)
 
 
 class EngineRuntime:
@@ -33,57 +43,65 @@ class EngineRuntime:
 
     def __init__(self, engine, loaded, settings, max_context: int):
         self.engine, self.loaded, self.settings, self.max_context = engine, loaded, settings, max_context
-        self.admission = Admission(settings.max_concurrency, settings.queue_depth)
+        self.loop = EngineLoop(engine, scheduler_config(engine, settings, max_context),
+                               loaded.config.eos_token_ids, max_waiting=settings.queue_depth,
+                               name=f"{self.device_label}-engine-loop")
         self.modes: dict[str, ModeHandler] = {}
         self._profile: list[dict] | None = None
         self._profile_lock = threading.Lock()
 
     # ---- Generate -------------------------------------------------------------
     def generate(self, request: EngineRequest, cancel: Cancellation) -> Iterator[TokenEvent]:
-        """Run one request. Raises InvalidRequest/PromptTooLong before admission, QueueFull when the
+        """Run one request. Raises InvalidRequest/PromptTooLong before it queues, QueueFull when the
         queue is full, Cancelled once `cancel` fires, and the mode's own typed errors."""
         if request.mode not in self.modes:
             raise InvalidRequest(f"{self.device_label} engine does not serve mode {request.mode}; "
                                  f"it serves {sorted(self.modes)}")
-        gen = Generation(self.engine, list(request.prompt_ids), request.params, self.max_context)
+        self.check_prompt(request.prompt_ids)
         status = "error"
         try:
-            with self.admission.admit(cancel) as queue_s:
-                timings = RequestTimings(queue_s=queue_s, prompt_tokens=len(request.prompt_ids))
-                events = self.modes[request.mode](gen, request, timings, cancel)
-                try:
-                    n = 0
-                    for ev in events:
-                        n += 1
-                        if cancel.is_cancelled():
-                            status, gen.state = "cancelled", RequestState.FINISHED_ABORTED
-                            return
-                        if ev.finish_reason is None:
-                            yield ev
-                            continue
-                        timings.prefill_s = timings.prefill_s or gen.timings.prefill_s
-                        timings.decode_s, timings.generated_tokens = gen.timings.decode_s, n
-                        self.observe(request.mode, timings)
-                        status = "ok"
-                        yield TokenEvent(ev.token, ev.finish_reason, timings)
-                finally:
-                    events.close()
+            timings = RequestTimings(prompt_tokens=len(request.prompt_ids))
+            events = self.modes[request.mode](request, timings, cancel)
+            try:
+                n = 0
+                for ev in events:
+                    n += 1
+                    if ev.finish_reason is None:
+                        yield ev
+                        continue
+                    timings.generated_tokens = n
+                    self.observe(request.mode, timings)
+                    status = "ok"
+                    yield TokenEvent(ev.token, ev.finish_reason, timings)
+            finally:
+                events.close()
         except QueueFull:
-            status, gen.state = "rejected", RequestState.FINISHED_ERROR
+            status = "rejected"
             raise
         except Cancelled:
-            status, gen.state = "cancelled", RequestState.FINISHED_ABORTED
-            raise
-        except Exception:
-            gen.state = RequestState.FINISHED_ERROR
+            status = "cancelled"
             raise
         finally:
+            if status == "error" and cancel.is_cancelled():
+                status = "cancelled"
             m.REQUESTS.labels(status=status).inc()
 
-    def local_generation(self, gen: Generation, request: EngineRequest, timings: RequestTimings,
+    def check_prompt(self, prompt_ids) -> None:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt must contain at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
+                                f"{self.max_context}-token context")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def local_generation(self, request: EngineRequest, timings: RequestTimings,
                          cancel: Cancellation) -> Iterator[TokenEvent]:
-        """Prefill and decode on this engine."""
-        return iter(gen)
+        """Prefill and decode on this engine, batched with every other running request."""
+        stream = self.loop.submit(list(request.prompt_ids), request.params)
+        return stream_tokens(stream, timings, cancel)
 
     def observe(self, mode: str, t: RequestTimings) -> None:
         m.STAGE_SECONDS.labels(stage="prefill", device="gpu" if mode in ("gpu", "hybrid") else "fpga").observe(
@@ -95,8 +113,18 @@ class EngineRuntime:
         cfg = self.loaded.config
         return dict(model_id=cfg.model_id, engine=self.engine_name, device=self.engine.device_name,
                     kv_layout="layer,kv,head,token,dim", max_context=self.max_context,
-                    max_concurrency=self.settings.max_concurrency, n_layers=cfg.n_layers,
-                    n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size)
+                    max_concurrency=self.settings.max_num_seqs, n_layers=cfg.n_layers,
+                    n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                    **self.load_fields())
+
+    def load_fields(self) -> dict:
+        """The pool and the load right now, from the loop's scheduler (read without its lock: a
+        snapshot a step old at worst, which is what a router polling every second needs)."""
+        s = self.loop.scheduler
+        return dict(max_num_seqs=s.config.max_num_seqs, block_size=s.config.block_size,
+                    num_kv_blocks=s.config.num_blocks, num_requests_running=s.num_running,
+                    num_requests_waiting=self.loop.num_waiting,
+                    kv_cache_usage_ratio=s.kv_cache_usage)
 
     def profile_samples(self, refresh: bool = False) -> list[dict]:
         with self._profile_lock:
@@ -116,4 +144,17 @@ class EngineRuntime:
                 f"{code_fingerprint()}")
 
     def close(self) -> None:
-        """Let go of what the runtime holds beyond the engine (connections, mappings)."""
+        """Let go of what the runtime holds beyond the engine (the loop, connections, mappings)."""
+        self.loop.close()
+
+
+def stream_tokens(stream: RequestStream, timings: RequestTimings, cancel: Cancellation) -> Iterator[TokenEvent]:
+    """A loop stream's tokens until its finish (or `cancel`), with its stage times put into `timings`
+    on the last one (added to what an earlier stage, e.g. a hybrid hand-off, put there)."""
+    for ev in stream.events(cancelled=cancel.is_cancelled):
+        if ev.finish_reason is not None:
+            t = stream.timings
+            timings.queue_s += t.queue_s
+            timings.prefill_s = timings.prefill_s or t.prefill_s
+            timings.decode_s = t.decode_s
+        yield ev

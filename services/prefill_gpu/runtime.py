@@ -4,11 +4,15 @@
 a hand-off sender (the shared-memory arena by default) and yields the seam's
 messages: the SlotGrant, one LayerReady per layer as soon as that layer is there
 (while the next computes), then PrefillDone with the first sampled token. The
-sender's memory is freed when the caller stops iterating (closing the generator)
-or, at the latest, `slot_hold_s` after PrefillDone.
+prompt runs through the engine loop like any request (batched, chunked, its prefix
+cached), with one sampled token and an export hook that copies each layer out of
+the pool during the step that completes the prompt. The sender's memory is freed
+when the caller stops iterating (closing the generator) or, at the latest,
+`slot_hold_s` after PrefillDone.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -18,17 +22,13 @@ from services.engine import metrics as m
 from services.engine.admission import Admission
 from services.engine.requests import Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull
 from services.engine.runtime import EngineRuntime
-from services.engine.sampling import Sampler, SamplingParams
+from services.engine.sampling import SamplingParams
 from services.kv.arena import Arena, ArenaFull
 from services.kv.handoff import HandoffEvent, KVSender, PrefillDone, SlotGrant
 from services.kv.header import SlotHeader
 from services.kv.layout import WIRE_DTYPES
 from services.kv.shm import ShmSender
 from services.prefill_gpu.kv_export import LayerExporter
-
-
-class _PrefillCancelled(Exception):
-    """Raised inside the prefill's layer callback to stop computing for a gone client."""
 
 
 class PrefillRuntime(EngineRuntime):
@@ -91,29 +91,27 @@ class PrefillRuntime(EngineRuntime):
     def _prefill_into(self, sender: KVSender, grant: SlotGrant, prompt: list[int], params: SamplingParams,
                       queue_s: float, cancel: Cancellation) -> Iterator[HandoffEvent]:
         yield grant
-        seq = self.engine.new_sequence(len(prompt) + 1)
-        exporter = LayerExporter(self.engine, seq, sender)
+        exporter = LayerExporter(self.engine, sender)
         events: queue.Queue = queue.Queue()
-        stop = threading.Event()  # this generator is done: the worker must stop writing into the sender
+        stop = threading.Event()  # this generator is done: nothing may write into the sender any more
 
-        def on_layer(layer: int) -> None:
+        def export(layer: int, block_table, n_tokens: int) -> None:  # on the engine loop's thread
             if stop.is_set() or cancel.is_cancelled():
-                raise _PrefillCancelled()
-            exporter.write_layer(layer)
+                raise Cancelled("the hand-off's reader went away")
+            exporter.write_layer(layer, block_table, n_tokens)
             events.put(("layer", layer))
 
-        def work() -> None:
+        stream = self.loop.submit(prompt, dataclasses.replace(params, max_tokens=1), export)
+
+        def follow() -> None:  # the stream's one token (or its error) into the same queue
             try:
-                t0 = time.perf_counter()
-                logits = self.engine.prefill(seq, prompt, on_layer)
-                events.put(("done", logits, time.perf_counter() - t0, time.time()))
-            except _PrefillCancelled:
-                events.put(("cancelled",))
-            except Exception as exc:  # raised to the caller below, never lost
+                for ev in stream.events(cancelled=cancel.is_cancelled):
+                    events.put(("done", ev.token))
+            except Exception as exc:
                 events.put(("error", exc))
 
-        worker = threading.Thread(target=work, name="prefill", daemon=True)
-        worker.start()
+        follower = threading.Thread(target=follow, name="prefill-follow", daemon=True)
+        follower.start()
         try:
             while True:
                 try:
@@ -125,20 +123,19 @@ class PrefillRuntime(EngineRuntime):
                 if ev[0] == "layer":
                     yield exporter.wait_layer(ev[1])
                 elif ev[0] == "done":
-                    _, logits, prefill_s, done_at = ev
-                    m.STAGE_SECONDS.labels(stage="prefill", device="gpu").observe(prefill_s)
-                    first = Sampler(params).sample(logits)
+                    t = stream.timings
+                    m.STAGE_SECONDS.labels(stage="prefill", device="gpu").observe(t.prefill_s)
                     sender.finish()
-                    yield PrefillDone(first, prefill_s, queue_s, done_at)
+                    yield PrefillDone(ev[1], t.prefill_s, queue_s + t.queue_s, time.time())
                     m.REQUESTS.labels(status="ok").inc()
                     # keep the memory until the reader ends the call (its layers are on its device)
                     cancel.wait(self.settings.slot_hold_s)
                     return
-                elif ev[0] == "cancelled":
+                elif isinstance(ev[1], Cancelled):
                     return
                 else:
                     raise ev[1]
         finally:
-            stop.set()  # stops the worker at its next layer if it is still computing
-            worker.join()  # the memory may be freed only once nothing writes into it
-            self.engine.release(seq)
+            stop.set()  # the loop's next export for this request raises and drops it
+            stream.cancel()
+            follower.join()  # the memory may be freed only once nothing writes into it

@@ -143,7 +143,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size")
+    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,12 @@ class InfoResponse(_message.Message):
     N_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
     device: str
@@ -170,7 +176,13 @@ class InfoResponse(_message.Message):
     n_kv_heads: int
     head_dim: int
     vocab_size: int
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_ratio: float
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("refresh",)
