@@ -115,6 +115,7 @@ class DecodeRuntime(EngineRuntime):
         return out
 
     def close(self) -> None:
+        super().close()
         self.peer.close()
 
 

@@ -27,21 +27,14 @@ from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
 from services.engine.request_state import RequestState, finish_reason
-from services.engine.requests import Cancelled, EngineError, InvalidRequest, PromptTooLong, QueueFull
+from services.engine.requests import (Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull,
+                                      ShuttingDown)
 from services.engine.sampling import Sampler, SamplingParams
 from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 
 log = logging.getLogger(__name__)
 
 ExportHook = Callable[[int, tuple[int, ...], int], None]  # (layer, block_table, n_tokens)
-
-
-class EngineStepFailed(EngineError):
-    """The engine failed a step this request was in. Internal: details stay in the log."""
-
-
-class LoopClosed(EngineError):
-    """The engine loop has stopped (the service is shutting down)."""
 
 
 @dataclass
@@ -196,7 +189,7 @@ class EngineLoop:
     # ---- internals ----------------------------------------------------------------------------
     def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None) -> RequestStream:
         if self._closed:
-            raise LoopClosed("the engine is shutting down")
+            raise ShuttingDown("the engine is shutting down")
         if not prompt_ids:
             raise InvalidRequest("the prompt must contain at least one token")
         if len(prompt_ids) >= self.config.max_model_len:
@@ -240,7 +233,7 @@ class EngineLoop:
                 continue
             self._step(out)
         for stream in list(self._streams.values()) + self._remote_pending:
-            stream._fail(LoopClosed("the engine is shutting down"))
+            stream._fail(ShuttingDown("the engine is shutting down"))
 
     def _has_work(self) -> bool:
         return self.scheduler.has_unfinished() and bool(self.scheduler.running or self.scheduler.waiting)

@@ -117,3 +117,11 @@ class HandoffTimedOut(EngineError):
 
 class HandoffFailed(EngineError):
     """The other engine failed the KV hand-off. Internal: its details stay in the logs."""
+
+
+class EngineStepFailed(EngineError):
+    """The engine failed a batched step this request was in. Internal: its details stay in the log."""
+
+
+class ShuttingDown(EngineError):
+    """The engine's loop has stopped: the service is going down; another engine may serve it."""

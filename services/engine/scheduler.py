@@ -170,6 +170,10 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_waiting_for_remote_kv(self) -> int:
+        return sum(1 for seq in self._seqs.values() if seq.status is RequestState.WAITING_FOR_REMOTE_KV)
+
+    @property
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
 

@@ -14,7 +14,8 @@ import grpc
 
 from services.engine.api import EngineFull
 from services.engine.requests import (Cancelled, EngineError, HandoffFailed, HandoffTimedOut, InvalidRequest,
-                                      Overloaded, PeerMismatch, PeerUnavailable, PromptTooLong)
+                                      Overloaded, PeerMismatch, PeerUnavailable, PromptTooLong,
+                                      ShuttingDown)
 from services.kv.arena import ArenaFull
 from services.kv.header import HeaderMismatch
 
@@ -32,9 +33,10 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (HeaderMismatch, Code.FAILED_PRECONDITION),  # the KV that arrived is not what the request expects
     (PeerMismatch, Code.FAILED_PRECONDITION),
     (PeerUnavailable, Code.UNAVAILABLE),
+    (ShuttingDown, Code.UNAVAILABLE),  # the gateway retries on the other engine
     (HandoffTimedOut, Code.DEADLINE_EXCEEDED),
     (Cancelled, Code.CANCELLED),
-    # HandoffFailed and anything else: INTERNAL, with `internal_message`
+    # HandoffFailed, EngineStepFailed and anything else: INTERNAL, with `internal_message`
 )
 
 

@@ -17,8 +17,6 @@ from services.decode_fpga.hybrid import DecodeRuntime
 from services.decode_fpga.server import GrpcPrefillPeer
 from services.decode_fpga.settings import DecodeSettings
 from services.engine.api import EngineFull
-from services.engine.generation import Generation
-from services.engine.request_state import RequestState
 from services.engine.requests import (Cancellation, Cancelled, EngineRequest, HandoffFailed, HandoffTimedOut,
                                       InvalidRequest, PeerUnavailable, PromptTooLong, QueueFull, RequestTimings)
 from services.engine.sampling import SamplingParams
@@ -45,8 +43,8 @@ class InProcessPeer:
     def __init__(self, prefill: PrefillRuntime):
         self.prefill_runtime, self.link = prefill, InProcessLink()
         self.sends = prefill.settings.wire_dtype
-        self.state_when_called: RequestState | None = None
-        self.watch: Generation | None = None
+        self.reserved_when_called: int | None = None  # decode's requests waiting for remote KV then
+        self.watch = None  # a DecodeRuntime to look at when prefill is called
 
     def wire_dtype(self) -> str:
         return self.prefill_runtime.settings.wire_dtype
@@ -56,7 +54,7 @@ class InProcessPeer:
 
     def prefill(self, request, wire_dtype, cancel):
         if self.watch is not None:
-            self.state_when_called = self.watch.state
+            self.reserved_when_called = self.watch.loop.scheduler.num_waiting_for_remote_kv
         return self.prefill_runtime.prefill(request, self.sends, cancel,
                                             new_sender=lambda header: InProcessSender(self.link, header))
 
@@ -75,7 +73,9 @@ def arena():
 def prefill(torch_engine, loaded_model, arena):
     settings = PrefillSettings(max_concurrency=1, queue_depth=1, prefill_max_concurrency=2, prefill_queue_depth=4,
                                slot_hold_s=5.0, arena_wait_s=0.5, wire_dtype="fp32")
-    return PrefillRuntime(torch_engine, loaded_model, settings, arena)
+    runtime = PrefillRuntime(torch_engine, loaded_model, settings, arena)
+    yield runtime
+    runtime.close()
 
 
 @pytest.fixture
@@ -85,7 +85,14 @@ def peer(prefill):
 
 @pytest.fixture
 def decode(ocl_engine, loaded_model, peer):
-    return DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=4, queue_depth=4), peer)
+    runtime = DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=4, queue_depth=4), peer)
+    yield runtime
+    runtime.close()
+
+
+def all_free(runtime) -> bool:
+    """Every request gone from the runtime's loop and every KV block back."""
+    return runtime.loop.num_unfinished == 0 and runtime.loop.scheduler.block_manager.usage == 0.0
 
 
 def tokens_and_last(runtime, prompt, mode, params=GREEDY, cancel=None):
@@ -102,29 +109,26 @@ def test_hybrid_in_process_equals_gpu_and_fpga(prefill, decode, peer, ocl_engine
     t = last.timings
     assert last.finish_reason == "length" and t.generated_tokens == 8 and t.prompt_tokens == 40
     assert t.handoff_bytes == 30 * 2 * 3 * 40 * 64 * 4 and 0 <= t.handoff_exposed_s <= t.handoff_total_s
-    assert peer.link.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
+    assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
 def test_hybrid_waits_for_remote_kv_then_decodes(decode, peer, model_config):
     prompt = random_prompt(12, model_config.vocab_size, seed=32)
-    gen = Generation(decode.engine, prompt, GREEDY, decode.max_context)
-    peer.watch = gen
+    peer.watch = decode
     request = EngineRequest(tuple(prompt), GREEDY, "hybrid")
-    events = list(decode.hybrid_generation(gen, request, RequestTimings(), Cancellation()))
-    assert peer.state_when_called is RequestState.WAITING_FOR_REMOTE_KV
-    assert gen.state is RequestState.FINISHED_LENGTH and len(events) == 8
+    events = list(decode.hybrid_generation(request, RequestTimings(), Cancellation()))
+    assert peer.reserved_when_called == 1  # its blocks were reserved before the KV was asked for
+    assert events[-1].finish_reason == "length" and len(events) == 8 and all_free(decode)
 
 
 def test_kv_of_another_dtype_fails_the_request_and_frees_everything(decode, peer, ocl_engine, model_config):
     peer.sends = "fp16"  # announced fp32, sends fp16: the receiver must not take the sender's word
     prompt = random_prompt(9, model_config.vocab_size, seed=33)
-    gen = Generation(decode.engine, prompt, GREEDY, decode.max_context)
     with pytest.raises(HeaderMismatch, match="expects 9 tokens of fp32"):
-        list(decode.hybrid_generation(gen, EngineRequest(tuple(prompt), GREEDY, "hybrid"), RequestTimings(),
+        list(decode.hybrid_generation(EngineRequest(tuple(prompt), GREEDY, "hybrid"), RequestTimings(),
                                       Cancellation()))
-    assert gen.state is RequestState.FINISHED_ERROR
     assert status_of(HeaderMismatch("x"), "decode_fpga", "r1")[0] == grpc.StatusCode.FAILED_PRECONDITION
-    assert peer.link.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
+    assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
 def test_a_cancelled_hybrid_request_stops_and_frees_everything(decode, peer, ocl_engine, model_config):
@@ -132,7 +136,7 @@ def test_a_cancelled_hybrid_request_stops_and_frees_everything(decode, peer, ocl
     cancel.cancel()
     with pytest.raises(Cancelled, match="during the KV hand-off"):
         tokens_and_last(decode, random_prompt(9, model_config.vocab_size, seed=34), "hybrid", cancel=cancel)
-    assert peer.link.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
+    assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
 def test_requests_the_runtime_refuses(decode, prefill, model_config):
@@ -182,12 +186,13 @@ class FailsAtLayer:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def prefill(self, seq, token_ids, on_layer=None):
+    def step(self, chunks, greedy, on_layer=None):
         def then_fail(layer):
-            on_layer(layer)
+            if on_layer is not None:
+                on_layer(layer)
             if layer == self._layer:
                 raise RuntimeError("secret: device fault at 0xdeadbeef")
-        return self._engine.prefill(seq, token_ids, then_fail)
+        return self._engine.step(chunks, greedy, then_fail)
 
 
 def serve_in_process(servicer):
@@ -218,9 +223,10 @@ def test_a_failed_prefill_is_internal_on_both_engines_never_unavailable(torch_en
     finally:
         dec_server.stop(0)
         pre_server.stop(0)
-        peer.close()
+        decode.close()
+        broken.close()
     assert direct.value.code() == grpc.StatusCode.INTERNAL
     assert direct.value.details() == "internal error in prefill_gpu (request rq-1); see its log"
     assert hybrid.value.code() == grpc.StatusCode.INTERNAL
     assert hybrid.value.details() == "internal error in decode_fpga (request rq-2); see its log"
-    assert arena.slots_in_use == 0 and ocl_engine.kv.free_sequences == 4
+    assert arena.slots_in_use == 0 and all_free(decode) and all_free(broken)
