@@ -77,6 +77,7 @@ class RequestStream:
     _reserved: threading.Event = field(default_factory=threading.Event)
     block_table: tuple[int, ...] = ()  # reserve_remote: the blocks to import into
     done: bool = False
+    _counted: bool = False  # holds one of the loop's places (EngineLoop._release gives it back)
 
     @property
     def seq_id(self) -> int:
@@ -127,6 +128,7 @@ class RequestStream:
         self._events.put(("tokens", tokens, reason))
 
     def _fail(self, exc: Exception) -> None:
+        self.loop._release(self)
         self.done = True
         self._reserved.set()
         self._events.put(("error", exc, None))
@@ -137,6 +139,7 @@ class EngineLoop:
 
     def __init__(self, engine: BatchEngine, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
                  max_waiting: int = 64, name: str = "engine-loop"):
+        # back-pressure: at most max_num_seqs running and max_waiting more queued behind them
         self.engine, self.config, self.eos_token_ids = engine, config, frozenset(eos_token_ids)
         self.max_waiting = max_waiting
         self.scheduler = Scheduler(config)
@@ -145,7 +148,7 @@ class EngineLoop:
         self._wake = threading.Condition()
         self._streams: dict[int, RequestStream] = {}
         self._remote_pending: list[RequestStream] = []  # reserve_remote waiting for blocks
-        self._n_waiting = 0  # submitted, not yet running (for back-pressure from the caller's thread)
+        self._n_live = 0  # streams submitted and not yet ended
         self._closed = False
         self._counted = (0, 0)  # prefix-cache tokens (queried, hit) already in the counters
         self.steps = 0
@@ -155,7 +158,7 @@ class EngineLoop:
     # ---- what handlers call (any thread) ------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None = None) -> RequestStream:
         """Queue a request; its stream. Raises InvalidRequest/PromptTooLong at once, QueueFull when
-        more than max_waiting requests already wait."""
+        max_num_seqs + max_waiting requests are already running or waiting."""
         stream = self._new_stream(prompt_ids, params, export)
         self._post(("add", stream))
         return stream
@@ -202,10 +205,13 @@ class EngineLoop:
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params)
         with self._wake:
-            if self._n_waiting >= self.max_waiting:
-                raise QueueFull(f"engine queue full ({self.max_waiting} waiting); retry later")
-            self._n_waiting += 1
-        return RequestStream(self, seq, Sampler(params), export)
+            if self._n_live >= self.config.max_num_seqs + self.max_waiting:
+                raise QueueFull(f"engine queue full ({self.config.max_num_seqs} running, {self.max_waiting} "
+                                f"waiting); retry later")
+            self._n_live += 1
+        stream = RequestStream(self, seq, Sampler(params), export)
+        stream._counted = True
+        return stream
 
     def _post(self, item: tuple) -> None:
         with self._wake:
@@ -244,7 +250,6 @@ class EngineLoop:
             try:
                 self.scheduler.add(stream.seq)
             except RequestTooLarge as exc:
-                self._left_waiting()
                 stream._fail(PromptTooLong(str(exc)))
                 return
             self._streams[stream.seq_id] = stream
@@ -258,11 +263,9 @@ class EngineLoop:
     def _abort(self, stream: RequestStream) -> None:
         if stream in self._remote_pending:
             self._remote_pending.remove(stream)
-            self._left_waiting()
         elif self._streams.pop(stream.seq_id, None) is not None:
-            seq = self.scheduler.abort(stream.seq_id)
-            if seq is not None and stream.timings.scheduled_at is None:
-                self._left_waiting()
+            self.scheduler.abort(stream.seq_id)
+        self._release(stream)
         stream.done = True
         stream._reserved.set()
         stream._events.put(("error", Cancelled("cancelled"), None))
@@ -274,13 +277,11 @@ class EngineLoop:
                 table = self.scheduler.reserve_remote(stream.seq)
             except RequestTooLarge as exc:
                 self._remote_pending.pop(0)
-                self._left_waiting()
                 stream._fail(PromptTooLong(str(exc)))
                 continue
             if table is None:
                 return  # first come, first served
             self._remote_pending.pop(0)
-            self._left_waiting()
             self._streams[stream.seq_id] = stream
             stream.block_table = tuple(table)
             stream.timings.scheduled_at = time.perf_counter()
@@ -298,7 +299,6 @@ class EngineLoop:
             stream = self._streams.get(chunk.seq_id)
             if stream is not None and stream.timings.scheduled_at is None:
                 stream.timings.scheduled_at = now
-                self._left_waiting()
         sampling = [c for c in out.chunks if c.samples]
         greedy = all(c.sampling_params.greedy for c in sampling)
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
@@ -354,14 +354,18 @@ class EngineLoop:
         t.tokens += 1
         if seq.status.finished:
             stream.done = True
+            self._release(stream)
             self._streams.pop(stream.seq_id, None)
             stream._emit([token], finish_reason(seq.status))
         else:
             stream._emit([token], None)
 
-    def _left_waiting(self) -> None:
+    def _release(self, stream: RequestStream) -> None:
+        """The stream has ended (finished, failed, cancelled): it no longer counts against the limit."""
         with self._wake:
-            self._n_waiting = max(0, self._n_waiting - 1)
+            if stream._counted:
+                stream._counted = False
+                self._n_live -= 1
 
     def _update_gauges(self) -> None:
         s, bm = self.scheduler, self.scheduler.block_manager

@@ -162,13 +162,15 @@ def test_bad_requests_fail_before_they_queue(loop_factory):
         list(loop.submit([1, 2, 3], SamplingParams(max_tokens=500, temperature=0.0)))
 
 
-def test_more_waiting_requests_than_the_queue_holds_are_refused(loop_factory):
-    _, loop = loop_factory(max_waiting=2)
-    with loop._wake:  # hold the loop between steps so nothing is admitted meanwhile
-        loop.submit([1, 2], GREEDY)
-        loop.submit([3, 4], GREEDY)
-        with pytest.raises(QueueFull):
-            loop.submit([5, 6], GREEDY)
+def test_more_requests_than_the_batch_and_the_queue_hold_are_refused(loop_factory):
+    _, loop = loop_factory(max_num_seqs=2, max_waiting=1)
+    streams = [loop.submit([1, 2], GREEDY), loop.submit([3, 4], GREEDY), loop.submit([5, 6], GREEDY)]
+    with pytest.raises(QueueFull):
+        loop.submit([7, 8], GREEDY)
+    streams[0].cancel()  # a place comes back once a request ends
+    for s in streams[1:]:
+        assert len(list(s)) == 12
+    assert len(list(loop.submit([7, 8], GREEDY))) == 12
 
 
 def test_a_failed_step_fails_its_requests_and_the_loop_serves_on(loop_factory):
