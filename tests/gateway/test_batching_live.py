@@ -1,0 +1,110 @@
+"""Continuous batching on the live stack: many streaming clients at once, some of whom walk away.
+
+Every request that finishes gets exactly the tokens it gets alone (batch invariance through
+the whole stack, in every mode); afterwards every KV block is back in both engines, no
+request is left running, and the engines hold no more threads than before the burst.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from services.modes import MODE_NAMES
+from tests.gateway.conftest import API_KEY, MODEL
+
+pytestmark = pytest.mark.slow
+
+N_CLIENTS = 16
+WALK_AWAY = {3, 7, 11, 14}  # these clients close their stream after two chunks
+
+
+def stream_completion(url: str, prompt: str, mode: str, max_tokens: int, stop_after: int | None = None) -> list[str]:
+    """The streamed text pieces of one greedy completion; stop_after: hang up after that many pieces."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "mode": mode}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            pieces.append(chunk["choices"][0]["text"])
+            if stop_after is not None and len(pieces) >= stop_after:
+                return pieces  # closing the response hangs up mid-stream
+    return pieces
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def wait_idle(service, timeout: float = 60.0) -> tuple[float, float]:
+    """Until the engine reports nothing running; its (running, kv usage) then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = (service.metric("hybridserve_engine_num_requests_running"),
+                 service.metric("hybridserve_engine_kv_cache_usage_ratio"))
+        if state == (0.0, 0.0) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
+
+
+def test_sixteen_streams_some_walk_away_all_blocks_come_back(stack):
+    url, engines = stack["url"], (stack["prefill"], stack["decode"])
+    prompts = [f"Request {i}: tell me about the number {i * 7} in one sentence." for i in range(N_CLIENTS)]
+    modes = [MODE_NAMES[i % len(MODE_NAMES)] for i in range(N_CLIENTS)]
+    alone = {i: "".join(stream_completion(url, prompts[i], modes[i], 24)) for i in range(len(MODE_NAMES) * 2)}
+    for svc in engines:
+        wait_idle(svc)
+    threads_before = [threads_of(svc.proc.pid) for svc in engines]
+
+    results = burst(url, prompts, modes)
+    errors = {i: r for i, r in results.items() if isinstance(r, Exception)}
+    assert not errors and len(results) == N_CLIENTS
+    for i, pieces in results.items():
+        if i in WALK_AWAY:
+            assert len(pieces) == 2
+        else:
+            assert len(pieces) == 24
+            if i in alone:  # the same tokens as alone, whatever else ran beside it
+                assert "".join(pieces) == alone[i], (i, modes[i])
+    for svc in engines:
+        assert wait_idle(svc) == (0.0, 0.0), svc.module
+        assert svc.metric("hybridserve_engine_num_requests_waiting") == 0.0
+    # gRPC's pool keeps idle workers, so the first burst may add threads; a second one must not add
+    # more: nothing per request stays behind
+    threads_after = [threads_of(svc.proc.pid) for svc in engines]
+    assert all(after <= before + N_CLIENTS + 8 for before, after in zip(threads_before, threads_after))
+    again = burst(url, prompts, modes)
+    assert not [r for r in again.values() if isinstance(r, Exception)]
+    for svc in engines:
+        assert wait_idle(svc) == (0.0, 0.0), svc.module
+    assert all(now <= after + 2 for after, now in zip(threads_after, [threads_of(svc.proc.pid) for svc in engines]))
+
+
+def burst(url: str, prompts: list[str], modes: list[str]) -> dict[int, object]:
+    """Every client at once; each one's pieces, or the exception it got."""
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        try:
+            results[i] = stream_completion(url, prompts[i], modes[i], 24, 2 if i in WALK_AWAY else None)
+        except Exception as exc:  # reported by the caller, with the client's number
+            results[i] = exc
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return results
