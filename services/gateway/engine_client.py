@@ -44,6 +44,15 @@ class EngineClients:
         await asyncio.gather(*(self.check(e) for e in self.up))
         return dict(self.up)
 
+    async def refresh_load(self) -> None:
+        """Info again from every engine that is up: its batch and queue right now (the router's load)."""
+        async def one(engine: str) -> None:
+            try:
+                self.info[engine] = await self.stubs[engine].Info(pb.InfoRequest(), timeout=1.0)
+            except grpc.RpcError:
+                pass  # the next health check says whether it is gone
+        await asyncio.gather(*(one(e) for e, up in self.up.items() if up))
+
     async def fetch_profile(self, engine: str) -> list[dict] | None:
         try:
             reply = await self.stubs[engine].Profile(pb.ProfileRequest(), timeout=600.0)

@@ -1,5 +1,6 @@
 """Keeps the gateway's picture of the engines fresh while it runs: a health check of each engine
-every interval, and each engine's Profile (its start-up timing sweep) into the router once it is up.
+every interval, its load (requests running and waiting in its batch, from Info) into the router,
+and each engine's Profile (its start-up timing sweep) into the router once it is up.
 """
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ async def watch_engines(clients: EngineClients, router: Router, file_samples: li
     the devices their Info names."""
     while True:
         await clients.check_all()
+        await clients.refresh_load()
+        for engine, info in clients.info.items():
+            if clients.up.get(engine):
+                router.set_engine_load(engine, info.num_requests_running, info.num_requests_waiting,
+                                       info.max_num_seqs or info.max_concurrency)
         if share_cpu is None and "gpu" in clients.info and "fpga" in clients.info:
             share_cpu = engines_share_cpu(clients.info["gpu"].device, clients.info["fpga"].device)
             router.shared_compute = share_cpu

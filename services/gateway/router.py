@@ -21,8 +21,10 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   stage not yet confirmed does not count in the guard (its estimate is the unverified
   profile); otherwise a mode is explored only within `explore_limit` x the best estimate.
   Never for a forced mode, never with explore_share=0; the Decision says "explore";
-* queueing: the requests already on each engine x that engine's measured service time
-  (its own stage seconds, not the end-to-end time) / its concurrency. When the two engines
+* queueing: the requests on each engine x that engine's measured service time (its own stage
+  seconds, not the end-to-end time) / the sequences its batch holds. The requests: those the
+  engine itself reports running and waiting (Info, polled every health interval; other gateways'
+  included) plus the ones this gateway sent since. When the two engines
   share one processor (`shared_compute`: the CPU build of both, as on a machine without
   accelerators), work queued on either delays both alike, so every mode gets the same
   queueing term and the choice follows each mode's own cost.
@@ -79,6 +81,7 @@ class Router:
         self._e2e = {e: 0.0 for e in ENGINES}  # mean end-to-end seconds: service time until stages are seen
         self._service = {e: 0.0 for e in ENGINES}  # mean seconds of the engine's own stages per request
         self.concurrency = {e: 1 for e in ENGINES}
+        self._engine_load = {e: (0, 0, 0) for e in ENGINES}  # (running, waiting, busy here when reported)
         self._share, self._limit, self._stale_after = explore_share, explore_limit, stale_after
         self._credit = 0.0  # for refreshing stale stages; confirming a never-measured stage needs none
         self._auto, self._explored = 0, 0
@@ -151,10 +154,24 @@ class Router:
                 self._busy[e] = max(0, self._busy[e] - 1)
                 self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
 
+    def set_engine_load(self, engine: str, running: int, waiting: int, max_num_seqs: int) -> None:
+        """What the engine reports of its batch: running and waiting requests, and how many it batches."""
+        with self._lock:
+            self.concurrency[engine] = max(1, max_num_seqs)
+            self._engine_load[engine] = (running, waiting, self._busy[engine])
+
+    def queued(self, engine: str) -> int:
+        """Requests on `engine` that a new one shares it with: what the engine last reported (running
+        and waiting) plus what this gateway sent it since; before any report, what this gateway sent."""
+        running, waiting, busy_then = self._engine_load[engine]
+        if not (running or waiting):
+            return self._busy[engine]
+        return running + waiting + max(0, self._busy[engine] - busy_then)
+
     def queueing(self, mode: str) -> float:
-        """Seconds a new request waits behind the work already on the mode's engines."""
+        """Seconds a new request waits behind the work already queued on the mode's engines."""
         engines = ENGINES if self.shared_compute else MODES[mode].engines
-        return max(self._busy[e] * (self._service[e] or self._e2e[e]) / max(1, self.concurrency[e])
+        return max(self.queued(e) * (self._service[e] or self._e2e[e]) / max(1, self.concurrency[e])
                    for e in engines)
 
     # ---- decisions ------------------------------------------------------------------
@@ -230,6 +247,7 @@ class Router:
                            for (st, dev), c in sorted(self._log_corr.items())}
             return {"base": self.model.as_json(), "corrections": corrections,
                     "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
+                                    "running": self._engine_load[e][0], "waiting": self._engine_load[e][1],
                                     "service_s": self._service[e], "e2e_s": self._e2e[e]} for e in ENGINES},
                     "exploration": {"auto_decisions": self._auto, "explored": self._explored,
                                     "credit": self._credit, "share": self._share, "limit": self._limit},

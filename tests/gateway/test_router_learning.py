@@ -141,6 +141,22 @@ def test_queueing_uses_each_engines_own_stage_time():
     assert abs((busy["fpga"] - quiet["fpga"]) - 2 * 6.0) < 1e-9
 
 
+def test_queueing_follows_what_the_engines_report_of_their_batch():
+    """The engine's own running and waiting counts (other gateways' requests included), over the
+    sequences its batch holds, plus what this gateway sent since the report."""
+    router = Router(synthetic_samples(), explore_share=0)
+    router.observe(samples_from_timings("fpga", 256, {"prefill_s": 1.0, "decode_tokens": 100, "decode_s": 3.0}))
+    quiet = router.estimates(256, 64)
+    router.set_engine_load("fpga", running=30, waiting=10, max_num_seqs=32)
+    loaded = router.estimates(256, 64)
+    assert abs((loaded["fpga"] - quiet["fpga"]) - 40 * 4.0 / 32) < 1e-9
+    router.started("fpga")  # sent after the report: counts on top of it
+    assert abs((router.estimates(256, 64)["fpga"] - quiet["fpga"]) - 41 * 4.0 / 32) < 1e-9
+    router.set_engine_load("fpga", running=0, waiting=0, max_num_seqs=32)  # drained: back to this gateway's own
+    router.finished("fpga", 4.0)
+    assert router.estimates(256, 64)["fpga"] == quiet["fpga"]
+
+
 # ---- the fit ------------------------------------------------------------------------------------------
 def test_nnls_meets_the_optimality_conditions():
     rng = np.random.default_rng(3)
