@@ -12,6 +12,9 @@ A sweep that cannot be fooled by the first calls or by a busy machine:
   repeats of a point disagree (spread = (max - min) / median over MAX_SPREAD) or when
   other processes used more than MAX_FOREIGN_LOAD of the machine's CPU meanwhile;
 * a cached profile is checked at every start by `probe_agrees` (one prefill and one decode point).
+
+A service times its engine through its engine loop (`LoopTimer`): the same path, batching
+machinery and kernels as a request it serves. Tests may time an engine directly (`SlotTimer`).
 """
 from __future__ import annotations
 
@@ -87,22 +90,51 @@ def _prompts(engine, lengths) -> dict[int, list[int]]:
 
 def _timed_pass(engine, prompts: dict[int, list[int]], decode_contexts, decode_tokens: int) -> dict:
     """{(n_in, 0): prefill seconds, (n_in, n_out): decode seconds for n_out tokens}."""
+    timer = engine if hasattr(engine, "time_point") else SlotTimer(engine)
     times = {}
     for n_in, prompt in prompts.items():
         n_out = decode_tokens if n_in in decode_contexts else 0
-        seq = engine.new_sequence(n_in + n_out + 1)
+        times[(n_in, 0)], decode_s = timer.time_point(prompt, n_out)
+        if n_out:
+            times[(n_in, n_out)] = decode_s
+    return times
+
+
+class SlotTimer:
+    """Times a point on an engine's own per-sequence API (new_sequence / prefill / decode_greedy)."""
+
+    def __init__(self, engine):
+        self.engine, self.cfg = engine, engine.cfg
+
+    def time_point(self, prompt: list[int], n_out: int) -> tuple[float, float]:
+        """(prefill seconds, seconds of n_out greedy decode steps after it)."""
+        engine = self.engine
+        seq = engine.new_sequence(len(prompt) + n_out + 1)
         try:
             t = time.perf_counter()
             token = int(np.argmax(engine.prefill(seq, prompt)))
-            times[(n_in, 0)] = time.perf_counter() - t
-            if n_out:
-                t = time.perf_counter()
-                for _ in range(n_out):
-                    token = engine.decode_greedy([seq], [token])[0]
-                times[(n_in, n_out)] = time.perf_counter() - t
+            prefill_s, t = time.perf_counter() - t, time.perf_counter()
+            for _ in range(n_out):
+                token = engine.decode_greedy([seq], [token])[0]
+            return prefill_s, time.perf_counter() - t
         finally:
             engine.release(seq)
-    return times
+
+
+class LoopTimer:
+    """Times a point as a request through an engine loop (engine_loop.py): what serving costs."""
+
+    def __init__(self, loop):
+        self.loop, self.cfg = loop, loop.engine.cfg
+
+    def time_point(self, prompt: list[int], n_out: int) -> tuple[float, float]:
+        """(prefill seconds: scheduled → first token, seconds of the n_out tokens after the first)."""
+        from services.engine.sampling import SamplingParams
+
+        stream = self.loop.submit(prompt, SamplingParams(max_tokens=n_out + 1, temperature=0.0, ignore_eos=True))
+        for _ in stream:
+            pass
+        return stream.timings.prefill_s, stream.timings.decode_s
 
 
 class ForeignLoad:

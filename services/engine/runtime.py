@@ -20,7 +20,7 @@ from services.engine import metrics as m
 from services.engine.engine_loop import EngineLoop, RequestStream
 from services.engine.generation import TokenEvent
 from services.engine.profile_cache import sweep_lock
-from services.engine.profile_sweep import code_fingerprint, profile_engine, run_sweep
+from services.engine.profile_sweep import LoopTimer, code_fingerprint, profile_engine, run_sweep
 from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, PromptTooLong,
                                       QueueFull, RequestTimings)
 from services.engine.scheduler import SchedulerConfig
@@ -130,10 +130,10 @@ class EngineRuntime:
         with self._profile_lock:
             if refresh:
                 with sweep_lock(self.settings.profile_cache):  # the engines take turns timing
-                    self._profile = run_sweep(self.engine, self.device_label)
+                    self._profile = run_sweep(LoopTimer(self.loop), self.device_label)
             elif self._profile is None:
                 # cached and checked by a quick probe, or measured in turn with the other engine
-                self._profile = profile_engine(self.engine, self.device_label, self.settings.profile_cache,
+                self._profile = profile_engine(LoopTimer(self.loop), self.device_label, self.settings.profile_cache,
                                                self._profile_key())
             return self._profile
 
