@@ -40,14 +40,14 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = "auto"
     kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
     max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
-    max_sequences: int = 4  # sequence slots resident on the device
+    max_sequences: int = 4  # slots of the per-sequence engine API (tests, tools); serving uses the pool
     # service
     host: str = "127.0.0.1"
     port: int = 50062
     metrics_port: int = 9102
     prefill_address: str = "127.0.0.1:50061"  # prefill_gpu, for hybrid mode
-    queue_depth: int = 16  # requests waiting beyond the running ones; more → RESOURCE_EXHAUSTED
-    max_concurrency: int = 4  # requests running at once (at most max_sequences hold device KV)
+    queue_depth: int = 16  # requests waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
+    max_concurrency: int = 4  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True

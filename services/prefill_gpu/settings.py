@@ -25,9 +25,9 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     arena_wait_s: float = 2.0  # bounded wait for a slot; then RESOURCE_EXHAUSTED
     slot_hold_s: float = 30.0  # longest a finished Prefill keeps its slot for a silent client
     wire_dtype: Literal["fp32", "fp16"] = "fp32"  # fp32 = the KV cache's own dtype on the CPU: identical tokens
-    max_concurrency: int = 2  # gpu-mode generations running at once
-    queue_depth: int = 16  # gpu-mode generations waiting; more → RESOURCE_EXHAUSTED
-    prefill_max_concurrency: int = 2  # hybrid prefills running at once
+    max_concurrency: int = 2  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
+    queue_depth: int = 16  # generations waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
+    prefill_max_concurrency: int = 8  # hybrid prefills holding an arena slot at once (they batch in the loop)
     prefill_queue_depth: int = 64
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True
