@@ -264,7 +264,7 @@ def test_the_autoscalers_scale_engine_pods_on_a_metric_the_engines_export(render
         target = hpa["spec"]["scaleTargetRef"]
         assert "hybridserve.io/role" in pod_labels(k8s.named(objects, target["kind"], target["name"]))
         names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
-        assert names <= exported and "hybridserve_engine_queue_depth" in names
+        assert names <= exported and "hybridserve_engine_num_requests_waiting" in names
 
 
 @pytest.mark.parametrize("overlay", ["gpu-fpga", "split"])
