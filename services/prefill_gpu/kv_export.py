@@ -14,8 +14,12 @@ from services.kv.handoff import KVSender, LayerReady
 
 
 class LayerExporter:
+    """`seq`: a slot-path sequence, or the block table of a sequence in the engine's paged pool."""
+
     def __init__(self, engine, seq, sender: KVSender):
         self.engine, self.seq, self.sender = engine, seq, sender
+        # a block table is a list/tuple of ints; a TorchSequence holds its own tensors
+        self._export = engine.export_kv_blocks if isinstance(seq, (list, tuple)) else engine.export_kv_layer
         self._cuda = engine.device.type == "cuda"
         self._stream = torch.cuda.Stream(engine.device) if self._cuda else None
         self._events: dict[int, torch.cuda.Event] = {}
@@ -24,7 +28,7 @@ class LayerExporter:
     def write_layer(self, layer: int) -> None:
         """Start copying layer `layer` (called from the prefill's on_layer callback)."""
         dst = torch.from_numpy(self.sender.layer_buffer(layer))  # [2, kv_heads, n_tokens, dim], wire dtype
-        src = self.engine.export_kv_layer(self.seq, layer, self.sender.layout.n_tokens).to(dst.dtype)
+        src = self._export(self.seq, layer, self.sender.layout.n_tokens).to(dst.dtype)
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.engine.device))
             with torch.cuda.stream(self._stream):

@@ -206,3 +206,26 @@ def test_pool_is_sized_from_the_budget(engine, model_config):
 def test_chunked_greedy_equals_transformers(engine, hf_model, model_config, n_prompt):
     prompt = random_prompt(n_prompt, model_config.vocab_size, seed=11)
     assert serve(engine, [prompt], 16, budget=64) == [hf_greedy(hf_model, prompt, 16)]
+
+
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_layer_exporter_ships_a_paged_sequence_on_layer(engine, model_config, wire):
+    """The hybrid hand-off from the pool: each layer goes into the sender from the step's on_layer."""
+    from services.kv.header import SlotHeader
+    from services.kv.inprocess import InProcessLink, InProcessSender
+    from services.prefill_gpu.kv_export import LayerExporter
+
+    c = model_config
+    prompt = random_prompt(45, c.vocab_size, seed=9)
+    table = [50, 7, 33]
+    sender = InProcessSender(InProcessLink(), SlotHeader(wire, c.n_layers, c.n_kv_heads, c.head_dim, 45, c.model_id))
+    sender.open()
+    exporter = LayerExporter(engine, table, sender)
+    ready = []
+    engine.step([chunk(0, prompt, table)], greedy=True,
+                on_layer=lambda layer: (exporter.write_layer(layer), ready.append(exporter.wait_layer(layer))))
+    assert [r.layer for r in ready] == list(range(c.n_layers))
+    kv = engine.read_kv_blocks(table, 45)
+    for layer in (0, c.n_layers - 1):
+        np.testing.assert_array_equal(sender.layer_buffer(layer), kv[layer].astype(sender.layer_buffer(layer).dtype))
+    sender.close()
