@@ -1,14 +1,26 @@
-"""The PyTorch engine: CUDA when present, else the CPU, same code."""
+"""The PyTorch engine: CUDA when present, else the CPU, same code.
+
+Two ways in: the per-sequence slot path (new_sequence / prefill / decode, KV in one tensor per
+sequence) and the continuous-batching path (BatchEngine in services/engine/api.py: `step` over
+chunks whose KV lives in a paged pool, batched_step.py and kv_pool.py).
+"""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
+from services.engine.batching_settings import BatchingSettings
 from services.model.config import ModelConfig
-from services.prefill_gpu.model import LlamaTorch, TorchSequence
 from services.model.weights import ModelWeights
+from services.prefill_gpu.batched_step import plan_step, run_step
+from services.prefill_gpu.kv_pool import PagedKVPool
+from services.prefill_gpu.model import LlamaTorch, TorchSequence
+
+if TYPE_CHECKING:
+    from services.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +47,35 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class TorchEngine:
-    """Engine (engine_api.py) over LlamaTorch."""
+    """Engine and BatchEngine (services/engine/api.py) over LlamaTorch.
 
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "auto", dtype: str = "auto"):
+    `batching` sizes the paged pool (kv_cache_mb, block_size) and the step (max_num_batched_tokens);
+    default: BatchingSettings()'s. The pool is allocated with torch.empty, so on the CPU its pages
+    cost nothing until blocks are written.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "auto", dtype: str = "auto",
+                 batching: BatchingSettings | None = None):
         self.cfg = cfg
         dev = pick_device(device)
         self.model = LlamaTorch(cfg, weights, dev, pick_dtype(dtype, dev))
         self.device = dev
         self.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-        log.info("torch engine on %s (%s), %d threads", self.device_name, self.model.dtype, torch.get_num_threads())
+        batching = batching or BatchingSettings()
+        self.kv_pool = PagedKVPool(cfg, batching.kv_cache_mb, batching.block_size, dev, self.model.dtype)
+        self.block_size = self.kv_pool.block_size
+        self.num_blocks = self.kv_pool.num_blocks
+        self.max_num_batched_tokens = batching.max_num_batched_tokens
+        self.max_num_seqs = batching.max_num_seqs
+        log.info("torch engine on %s (%s), %d threads; KV pool %d blocks of %d tokens (%d MiB)", self.device_name,
+                 self.model.dtype, torch.get_num_threads(), self.num_blocks, self.block_size,
+                 self.kv_pool.nbytes >> 20)
+
+    @classmethod
+    def from_settings(cls, loaded, settings) -> "TorchEngine":
+        """From a loaded model and PrefillSettings (device, dtype and the batching knobs)."""
+        batching = BatchingSettings(**{name: getattr(settings, name) for name in BatchingSettings.model_fields})
+        return cls(loaded.config, loaded.weights, device=settings.device, dtype=settings.dtype, batching=batching)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -78,3 +110,26 @@ class TorchEngine:
 
     def release(self, seq: TorchSequence) -> None:
         seq.k = seq.v = None  # drop the tensors now, not when the last reference goes
+
+    # ---- continuous batching over the paged pool (BatchEngine) -----------------------------
+    def step(self, chunks: Sequence["ScheduledChunk"], greedy: bool,
+             on_layer: Callable[[int], None] | None = None) -> list[int] | np.ndarray:
+        """Every chunk's rows in one forward; ValueError on rows past max_num_batched_tokens, a
+        position past a block table, a block id outside the pool or a token id outside the vocab."""
+        plan = plan_step(chunks, self.kv_pool, self.max_num_batched_tokens, self.cfg.vocab_size)
+        return run_step(self.model, self.kv_pool, plan, greedy, on_layer)
+
+    def import_kv_blocks(self, block_table: Sequence[int], layer: int, kv: np.ndarray) -> None:
+        self.kv_pool.import_layer(block_table, layer, kv)
+
+    def finish_import_blocks(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def read_kv_blocks(self, block_table: Sequence[int], n_tokens: int) -> np.ndarray:
+        return self.kv_pool.read(block_table, n_tokens)
+
+    def export_kv_blocks(self, block_table: Sequence[int], layer: int, n_tokens: int) -> torch.Tensor:
+        """Layer `layer` of positions [0, n_tokens) in wire layout, [2, n_kv_heads, n_tokens, head_dim], on the
+        device in the engine's dtype: the paged counterpart of export_kv_layer."""
+        return self.kv_pool.export_layer(block_table, layer, n_tokens)

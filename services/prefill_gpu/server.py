@@ -37,7 +37,7 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> PrefillServicer:
     from services.prefill_gpu.engine import TorchEngine
     from services.prefill_gpu.runtime import PrefillRuntime
 
-    engine = TorchEngine(loaded.config, loaded.weights, device=settings.device, dtype=settings.dtype)
+    engine = TorchEngine.from_settings(loaded, settings)
     arena = Arena(settings.arena_bytes, pin_cuda=engine.device.type == "cuda")
     resources.callback(arena.close)
     log.info("KV arena %s: %d MiB, pre-faulted%s", arena.name, arena.size >> 20, ", pinned" if arena.pinned else "")

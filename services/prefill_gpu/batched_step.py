@@ -1,0 +1,172 @@
+"""One engine step over the paged pool: every scheduled chunk's rows in one forward (BatchEngine.step).
+
+All rows of all chunks go through one embedding lookup and one matmul per weight matrix per
+layer; RoPE at each row's own position; every row's K/V is written into its slot with one
+`index_copy_` per layer. Attention: the one-token chunks (decodes) together, their contexts
+gathered through their block tables into one padded batch with a mask; each longer chunk (a
+prefill) in its own SDPA call, causal over [its cached context + itself]. Logits only for the
+sampling rows.
+
+Batch invariance (a row's result does not depend on the other rows), measured on this CPU
+(MKL sgemm, AVX512): a row of x @ W is bit-identical for every row count M >= 4, whatever the
+other rows hold, while M = 1..3 take another kernel and differ in the last bits. So every
+matmul here gets at least MIN_GEMM_ROWS rows (zero rows pad the batch), and tests check the
+property itself (tests/prefill_gpu/test_batched_step.py). Decode attention pads every context to
+a multiple of ATTN_LEN_MULTIPLE: masked positions past that add exact zeros, so a row attends
+bit-identically whatever the batch's longest context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from services.prefill_gpu.kv_pool import PagedKVPool
+from services.prefill_gpu.model import LlamaTorch
+
+if TYPE_CHECKING:
+    from services.engine.scheduler import ScheduledChunk
+
+MIN_GEMM_ROWS = 4  # below this MKL switches kernels and a row's bits depend on the row count
+ATTN_LEN_MULTIPLE = 16  # one AVX512 register of fp32: padded lengths keep each lane's sum order
+
+
+@dataclass
+class PrefillRows:
+    """One multi-token chunk: rows [row0, row1) of the step, positions [start, start + n)."""
+
+    row0: int
+    row1: int
+    start: int
+    context_slots: torch.Tensor  # [start + n]: slots of positions 0 .. start + n - 1
+    mask: torch.Tensor | None  # [n, start + n] bool, True = may attend; None: plain causal (start 0)
+
+
+@dataclass
+class StepPlan:
+    """A validated step as index tensors on the device, shared by every layer."""
+
+    n_rows: int  # real rows; the tensors below hold n_padded >= n_rows
+    token_ids: torch.Tensor  # [n_padded]
+    positions: torch.Tensor  # [n_padded]
+    write_slots: torch.Tensor  # [n_rows]
+    decode_rows: torch.Tensor | None  # [B] rows of the one-token chunks
+    decode_slots: torch.Tensor | None  # [B, L]: slots of each decode row's context, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = a real position
+    prefills: list[PrefillRows]
+    sample_rows: torch.Tensor  # [S]: each sampling chunk's last row, in chunk order
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: int, vocab_size: int) -> StepPlan:
+    """Check the chunks and turn them into index tensors; ValueError on anything out of bounds."""
+    n_rows = sum(len(c.token_ids) for c in chunks)
+    if n_rows > max_rows:
+        raise ValueError(f"{n_rows} rows exceed max_num_batched_tokens={max_rows}")
+    token_ids, positions, write_slots, sample_rows = [], [], [], []
+    decode_rows, decode_contexts, prefills = [], [], []
+    row = 0
+    for c in chunks:
+        n = len(c.token_ids)
+        if n == 0:
+            raise ValueError(f"chunk of sequence {c.seq_id} has no tokens")
+        slots = pool.slots(c.block_table, c.start, c.start + n)  # validates positions and block ids
+        token_ids.extend(c.token_ids)
+        positions.append(np.arange(c.start, c.start + n, dtype=np.int64))
+        write_slots.append(slots)
+        if n == 1:
+            decode_rows.append(row)
+            decode_contexts.append(pool.slots(c.block_table, 0, c.start + 1))
+        else:
+            context = pool.slots(c.block_table, 0, c.start + n)
+            mask = None
+            if c.start:  # bottom-right causal: row i sees positions 0 .. start + i
+                allowed = np.arange(c.start + n)[None, :] <= (c.start + np.arange(n))[:, None]
+                mask = pool.index(allowed)
+            prefills.append(PrefillRows(row, row + n, c.start, pool.index(context), mask))
+        row += n
+        if c.samples:
+            sample_rows.append(row - 1)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    n_padded = max(n_rows, MIN_GEMM_ROWS)
+    ids = np.pad(ids, (0, n_padded - n_rows))
+    pos = np.pad(np.concatenate(positions) if positions else np.zeros(0, np.int64), (0, n_padded - n_rows))
+    plan = StepPlan(n_rows, pool.index(ids), pool.index(pos),
+                    pool.index(np.concatenate(write_slots) if write_slots else np.zeros(0, np.int64)),
+                    None, None, None, prefills, pool.index(np.asarray(sample_rows, dtype=np.int64)))
+    if decode_rows:
+        length = _round_up(max(len(s) for s in decode_contexts), ATTN_LEN_MULTIPLE)
+        gather = np.zeros((len(decode_rows), length), dtype=np.int64)  # padding reads slot 0, masked out
+        real = np.zeros((len(decode_rows), length), dtype=bool)
+        for b, s in enumerate(decode_contexts):
+            gather[b, :len(s)] = s
+            real[b, :len(s)] = True
+        plan.decode_rows = pool.index(np.asarray(decode_rows, dtype=np.int64))
+        plan.decode_slots = pool.index(gather)
+        plan.decode_mask = pool.index(real)[:, None, None, :]
+    return plan
+
+
+def _decode_attention(model: LlamaTorch, pool: PagedKVPool, layer: int, plan: StepPlan,
+                      q: torch.Tensor) -> torch.Tensor:
+    """Attention of every one-token row over its gathered context; [B, q_dim]."""
+    c = model.cfg
+    b = plan.decode_slots.shape[0]
+    # contiguous operands: with strided ones torch's batched matmul changes a row's bits with B
+    k, v = pool.gather(layer, plan.decode_slots).permute(2, 0, 3, 1, 4).contiguous()  # [B, kvh, L, dim] each
+    # query head h reads kv head h // group (as SDPA's enable_gqa): group the heads under their kv head
+    qg = q.index_select(0, plan.decode_rows).view(b, c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)
+    scores = (qg @ k.transpose(-1, -2)).float() * c.head_dim ** -0.5  # [B, kvh, group, L]
+    scores = scores.masked_fill(~plan.decode_mask, float("-inf"))
+    out = scores.softmax(dim=-1).to(v.dtype) @ v  # [B, kvh, group, dim]
+    return out.reshape(b, c.q_dim)
+
+
+def _prefill_attention(pool: PagedKVPool, layer: int, chunk: PrefillRows, q: torch.Tensor) -> torch.Tensor:
+    """One chunk's causal attention over its cached context and itself; [n, q_dim]."""
+    kv = pool.gather(layer, chunk.context_slots)  # [ctx, 2, kvh, dim]
+    k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, kvh, ctx, dim]
+    qc = q[chunk.row0:chunk.row1].transpose(0, 1)[None]  # [1, heads, n, dim]
+    if chunk.mask is None:
+        out = F.scaled_dot_product_attention(qc, k, v, is_causal=True, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(qc, k, v, attn_mask=chunk.mask, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(chunk.row1 - chunk.row0, -1)
+
+
+@torch.inference_mode()
+def run_step(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan, greedy: bool,
+             on_layer: Callable[[int], None] | None = None) -> list[int] | np.ndarray:
+    """The forward of a planned step; greedy: each sampling row's argmax, else float32 logits [S, vocab]."""
+    c, n = model.cfg, plan.n_rows
+    rope = model._rope_tables(plan.positions)
+    x = model.embed[plan.token_ids]  # [n_padded, hidden]
+    attn = torch.zeros((x.shape[0], c.q_dim), device=x.device, dtype=x.dtype)  # padding rows stay 0
+    for li, layer in enumerate(model.layers):
+        q, k, v = model._qkv(layer, x, rope)  # q [n_padded, heads, dim]; k, v [n_padded, kv_heads, dim]
+        pool.write(li, plan.write_slots, k[:n], v[:n])
+        if plan.decode_rows is not None:
+            attn.index_copy_(0, plan.decode_rows, _decode_attention(model, pool, li, plan, q))
+        for chunk in plan.prefills:
+            attn[chunk.row0:chunk.row1] = _prefill_attention(pool, li, chunk, q)
+        x = model._mlp_residual(layer, x, attn)
+        if on_layer is not None:
+            on_layer(li)
+    n_sample = plan.sample_rows.shape[0]
+    if n_sample == 0:
+        return [] if greedy else np.zeros((0, c.vocab_size), dtype=np.float32)
+    rows = x.index_select(0, plan.sample_rows)
+    if n_sample < MIN_GEMM_ROWS:  # the LM head's matmul too keeps its row bits whatever S is
+        rows = torch.cat([rows, rows.new_zeros((MIN_GEMM_ROWS - n_sample, rows.shape[1]))])
+    logits = model._logits(rows)[:n_sample]  # [S, vocab] float32
+    if greedy:
+        return logits.argmax(dim=-1).tolist()
+    return logits.cpu().numpy()
