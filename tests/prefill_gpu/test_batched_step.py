@@ -220,10 +220,10 @@ def test_layer_exporter_ships_a_paged_sequence_on_layer(engine, model_config, wi
     table = [50, 7, 33]
     sender = InProcessSender(InProcessLink(), SlotHeader(wire, c.n_layers, c.n_kv_heads, c.head_dim, 45, c.model_id))
     sender.open()
-    exporter = LayerExporter(engine, table, sender)
+    exporter = LayerExporter(engine, sender)
     ready = []
     engine.step([chunk(0, prompt, table)], greedy=True,
-                on_layer=lambda layer: (exporter.write_layer(layer), ready.append(exporter.wait_layer(layer))))
+                on_layer=lambda layer: (exporter.write_layer(layer, table, 45), ready.append(exporter.wait_layer(layer))))
     assert [r.layer for r in ready] == list(range(c.n_layers))
     kv = engine.read_kv_blocks(table, 45)
     for layer in (0, c.n_layers - 1):
