@@ -207,9 +207,10 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """`/health`: "ok" when every engine answers, else "degraded" (and a 503)."""
+    """`/health`: "ok" when every engine answers, else "degraded" (and a 503); "draining" (a 503)
+    once the gateway is shutting down."""
 
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded", "draining"]
     engines: dict[str, Literal["up", "down"]]
 
 
