@@ -12,7 +12,7 @@ import logging
 import grpc
 import pytest
 
-from services.gateway.dispatch import MAX_ATTEMPTS, Dispatcher, EngineRequest
+from services.gateway.dispatch import MAX_ATTEMPTS, NEVER_MIGRATE, Dispatcher, EngineRequest
 from services.gateway.errors import APIError
 from services.gateway.router import Router
 from services.gateway.schemas import CompletionRequest
@@ -318,8 +318,7 @@ def test_a_failure_with_every_engine_up_is_not_a_migration():
     assert sorted(engines.checked) == ["fpga", "gpu"]
 
 
-@pytest.mark.parametrize("code", sorted(__import__("services.gateway.dispatch", fromlist=["x"]).NEVER_MIGRATE,
-                                        key=lambda c: c.name))
+@pytest.mark.parametrize("code", sorted(NEVER_MIGRATE, key=lambda c: c.name))
 def test_a_failure_about_the_request_is_never_migrated(code):
     engines = FakeEngines(scripts={"fpga": [[token(1), rpc_error(code)]]})
     engines.alive["fpga"] = False
