@@ -36,7 +36,8 @@ class Drain:
         self.draining = False
         self.in_flight = 0
         self._began: float | None = None
-        self.expired = asyncio.Event()  # set when the grace has run out: the gates end what is left
+        self.expired = False  # the grace has run out: the gates end what is left
+        self._waiters: set[asyncio.Future] = set()  # futures, not an Event: no loop is bound at construction
 
     def begin(self) -> None:
         if not self.draining:
@@ -50,11 +51,24 @@ class Drain:
             return False
         if self.in_flight == 0:
             return True
-        if time.monotonic() - self._began >= self.grace_s and not self.expired.is_set():
+        if time.monotonic() - self._began >= self.grace_s and not self.expired:
             log.warning("drain grace of %g s over: ending %d request(s) still in flight", self.grace_s,
                         self.in_flight)
-            self.expired.set()
+            self.expired = True
+            for waiter in list(self._waiters):
+                if not waiter.done():
+                    waiter.set_result(None)
         return False
+
+    def until_expired(self) -> asyncio.Future:
+        """A future of the running loop, done when the grace runs out."""
+        waiter = asyncio.get_running_loop().create_future()
+        if self.expired:
+            waiter.set_result(None)
+        else:
+            self._waiters.add(waiter)
+            waiter.add_done_callback(self._waiters.discard)
+        return waiter
 
 
 class DrainGate:
@@ -77,7 +91,7 @@ class DrainGate:
     async def _until_done_or_expired(self, scope, receive, send) -> None:
         response = _ResponseState(send)
         request = asyncio.ensure_future(self.app(scope, receive, response.send))
-        expired = asyncio.ensure_future(self.drain.expired.wait())
+        expired = self.drain.until_expired()
         try:
             await asyncio.wait({request, expired}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # this task itself was cancelled (uvicorn's own shutdown timeout)
