@@ -6,11 +6,12 @@
   picks among the candidates. The decision's reason is "forced", "auto" when every mode was a
   candidate on the first attempt, and "fallback" otherwise (an engine down, a window too small,
   or a retry).
-* Retry (`Dispatcher.open`): a call that fails with a status in `RETRY_ON` before its first
+* Retry (`Dispatcher.call`): a call that fails with a status in `RETRY_ON` before its first
   message, for a request whose mode was not forced, gets its mode's engines health-checked and is
   routed again among the other modes (both engines can answer their health check while the link
-  between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other failure is final, and so is one after
-  the first message: its tokens may already be on their way to the client.
+  between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other
+  failure before the first message is final. After it, tokens may be on their way to the client:
+  the same call cannot be made again, but the rest of the request can (migrate, below).
 * Migrate (`EngineStream.read`): a call that fails after its first message, when its engine is
   gone (UNAVAILABLE, or a health check finds an engine of its mode down after any failure that is
   not about the request itself), is re-submitted as prompt + the tokens generated so far, with
