@@ -1,4 +1,4 @@
-"""`python -m services.gateway`: the HTTP gateway (uvicorn, configured in server.py)."""
+"""`python -m services.gateway`: the HTTP gateway (uvicorn, configured in server.py; SIGTERM drains)."""
 from __future__ import annotations
 
 import logging
@@ -6,15 +6,13 @@ import sys
 
 
 def main() -> int:
-    import uvicorn
-
-    from services.gateway.server import config
+    from services.gateway.server import server
     from services.gateway.settings import GatewaySettings
 
     settings = GatewaySettings()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
-    uvicorn.Server(config(settings)).run()
+    server(settings).run()
     return 0
 
 

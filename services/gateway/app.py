@@ -6,7 +6,8 @@
 
 Tokenizing happens here, on one worker thread (the tokenizer is not safe to share between
 threads, and a long prompt must not stall the event loop); the engines see token ids only.
-Who may call which route is auth.py; the body limit, outside every route, body_limit.py; what
+Who may call which route is auth.py; the body limit, outside every route, body_limit.py; the
+drain on shutdown, outside that, drain.py; what
 the OpenAPI document declares, openapi.py. The shapes of every answer are in openai_format.py,
 the errors and their statuses in errors.py, and the watch over the engines
 (health, Profile → router) in engine_watch.py.
@@ -31,6 +32,7 @@ from services.gateway.auth import ApiKey, warn_if_exposed
 from services.gateway.body_limit import BodyLimit
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.dispatch import Dispatcher, EngineRequest
+from services.gateway.drain import Drain, DrainGate
 from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
 from services.gateway.errors import APIError, install
@@ -96,18 +98,22 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install(app)
     openapi.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.body_read_timeout_s)
+    app.state.drain = Drain(settings.drain_grace_s)  # begun by server.DrainingServer on SIGTERM
+    app.add_middleware(DrainGate, drain=app.state.drain)  # added last: outermost
 
     app.include_router(debug_routes(lambda: app.state.hs.router), dependencies=[api_key],
                        responses=openapi.errors(*openapi.EDGE))
 
-    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "an engine is down"},
-                                                          **openapi.errors(408, 413)})
+    @app.get("/health", response_model=Health,
+             responses={503: {"model": Health, "description": "an engine is down, or the gateway is draining"},
+                        **openapi.errors(408, 413)})
     async def health(st: State = Depends(state)):
         up = await st.clients.check_all()
-        body = Health(status="ok" if all(up.values()) else "degraded",
+        draining = app.state.drain.draining
+        body = Health(status="draining" if draining else "ok" if all(up.values()) else "degraded",
                       engines={ENGINE_NAMES[e]: "up" if ok else "down" for e, ok in up.items()})
         return Response(body.model_dump_json(), media_type="application/json",
-                        status_code=200 if all(up.values()) else 503)
+                        status_code=200 if all(up.values()) and not draining else 503)
 
     @app.get("/metrics", dependencies=[] if settings.metrics_open else [api_key], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

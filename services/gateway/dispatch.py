@@ -6,11 +6,23 @@
   picks among the candidates. The decision's reason is "forced", "auto" when every mode was a
   candidate on the first attempt, and "fallback" otherwise (an engine down, a window too small,
   or a retry).
-* Retry (`Dispatcher.open`): a call that fails with a status in `RETRY_ON` before its first
+* Retry (`Dispatcher.call`): a call that fails with a status in `RETRY_ON` before its first
   message, for a request whose mode was not forced, gets its mode's engines health-checked and is
   routed again among the other modes (both engines can answer their health check while the link
-  between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other failure is final, and so is one after
-  the first message: its tokens may already be on their way to the client.
+  between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other
+  failure before the first message is final. After it, tokens may be on their way to the client:
+  the same call cannot be made again, but the rest of the request can (migrate, below).
+* Migrate (`EngineStream.read`): a call that fails after its first message, when its engine is
+  gone (UNAVAILABLE, or a health check finds an engine of its mode down after any failure that is
+  not about the request itself), is re-submitted as prompt + the tokens generated so far, with
+  max_tokens less those tokens, to a mode whose engines are up (never one this request already
+  failed in; a forced mode too: the client asked for a mode to run in, not to lose the request).
+  The reader gets the new call's messages as if nothing happened: no token twice, none missing.
+  Greedy output is the same tokens as an uninterrupted run's (every mode gives the same greedy
+  tokens). A seeded sampled request is re-submitted with the same seed, and engines start a
+  seed's random stream at the first token of a call: after a migration the rest is a fresh draw
+  from that seed, a valid sample but not the tokens an uninterrupted run would have given.
+  With no mode left, the error is the route's 503.
 * Failures become `APIError`s through errors.ENGINE_FAILURES, here (before the first message) and
   in `EngineStream.read` (after it), so the serving loop never sees gRPC.
 
@@ -20,7 +32,8 @@ Engine calls are server-streaming `Generate` RPCs on the engine that serves the 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
@@ -36,6 +49,11 @@ log = logging.getLogger(__name__)
 
 RETRY_ON = frozenset({grpc.StatusCode.UNAVAILABLE})  # the engine may be gone: the health check tells
 MAX_ATTEMPTS = 2
+MIGRATE_ON = frozenset({grpc.StatusCode.UNAVAILABLE})  # mid-stream: the engine is gone or going, whatever health says
+# mid-stream failures about the request itself (or the client's deadline): another engine would fail it too
+NEVER_MIGRATE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                           grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           grpc.StatusCode.FAILED_PRECONDITION})
 
 
 @dataclass(frozen=True)
@@ -59,30 +77,102 @@ class EngineRequest:
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,
                    min(body.timeout or max_timeout_s, max_timeout_s))
 
+    def continuation(self, generated: list[int], timeout_s: float, n: int) -> "EngineRequest":
+        """The rest of this request once `generated` are out: they join the prompt and leave max_tokens.
+
+        `n`: the how-many-th migration, in the engine-side request id (the dead call's id may still
+        name KV or an arena slot on the engine that lives).
+        """
+        rest = self.max_tokens - len(generated)
+        sampling = pb.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        sampling.max_tokens = rest
+        return replace(self, request_id=f"{self.request_id}-m{n}", prompt_ids=self.prompt_ids + generated,
+                       max_tokens=rest, sampling=sampling, forced=None, timeout_s=timeout_s)
+
+
+@dataclass(frozen=True)
+class Migration:
+    """A request moved from one mode to another after `after_tokens` tokens."""
+
+    from_mode: str
+    to_mode: str
+    after_tokens: int
+
 
 class EngineStream:
-    """A Generate call whose first message has arrived.
+    """A Generate call whose first message has arrived, for one client request.
 
-    `read()` gives the next message; a failure or an end before the last message raises APIError.
+    `read()` gives the next message, migrating to another mode when the engine is lost (module
+    docstring); a failure it cannot get past, or an end before the last message, raises APIError.
+    `decision` is the mode serving now; `migrations` says where the request has been.
     `cancel()` ends the call, and the engine frees the request's KV and arena slot.
     """
 
-    def __init__(self, call, decision: Decision, first: pb.GenerateResponse, request_id: str):
-        self._call, self.decision, self.first, self.request_id = call, decision, first, request_id
+    def __init__(self, dispatcher: "Dispatcher", request: "EngineRequest", call, decision: Decision,
+                 first: pb.GenerateResponse, failed: frozenset[str] = frozenset()):
+        self._dispatcher, self._request, self._call = dispatcher, request, call
+        self.decision, self.first, self.request_id = decision, first, request.request_id
+        self._failed = failed  # modes this request failed in
+        self._opened = time.monotonic()
+        self.generated: list[int] = list(first.token_ids)  # every token id the client has been given
+        self.migrations: list[Migration] = []
 
     async def read(self) -> pb.GenerateResponse:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise engine_error(exc, self.decision.mode, self.request_id) from exc
+            if not await self._engine_lost(exc.code()):
+                raise engine_error(exc, self.decision.mode, self.request_id) from exc
+            log.warning("request %s (%s mode): the engine was lost after %d tokens (%s: %s)", self.request_id,
+                        self.decision.mode, len(self.generated), exc.code().name, exc.details())
+            return await self._migrate()
         if msg is grpc.aio.EOF:
+            if await self._engine_lost(None):
+                log.warning("request %s (%s mode): the engine was lost after %d tokens (the stream ended)",
+                            self.request_id, self.decision.mode, len(self.generated))
+                return await self._migrate()
             log.warning("request %s (%s mode): the engine ended the stream early", self.request_id,
                         self.decision.mode)
             raise APIError(502, "the engine ended the stream before the last token", code="engine_error")
+        self.generated.extend(msg.token_ids)
         return msg
 
     def cancel(self) -> None:
         self._call.cancel()
+
+    async def _engine_lost(self, code: grpc.StatusCode | None) -> bool:
+        """Whether a mid-stream failure (`code`; None: the stream just ended) means the engine is gone."""
+        if code in NEVER_MIGRATE:
+            return False
+        engines = MODES[self.decision.mode].engines
+        up = [await self._dispatcher.clients.check(e) for e in engines]  # the next route needs them anyway
+        return code in MIGRATE_ON or not all(up)
+
+    async def _migrate(self) -> pb.GenerateResponse:
+        """Re-submit the rest of the request to a mode that is up; the new call's first message."""
+        self._call.cancel()
+        old = self.decision.mode
+        self._failed |= {old}
+        if len(self.generated) >= self._request.max_tokens:  # only the finish was lost
+            return pb.GenerateResponse(finish_reason="length")
+        left_s = self._request.timeout_s - (time.monotonic() - self._opened)
+        if left_s <= 0:
+            raise APIError(504, "the request did not finish within its timeout", code="timeout")
+        rest = self._request.continuation(self.generated, left_s, len(self.migrations) + 1)
+        try:
+            call, decision, first = await self._dispatcher.call(rest, self._failed, "migration")
+        except APIError as err:
+            log.warning("request %s: no mode to migrate to from %s after %d tokens: %s", self.request_id, old,
+                        len(self.generated), err.message)
+            raise
+        m.MIGRATIONS.labels(**{"from": old, "to": decision.mode}).inc()
+        log.warning("request %s migrated from %s to %s mode after %d tokens", self.request_id, old, decision.mode,
+                    len(self.generated))
+        self.migrations.append(Migration(old, decision.mode, len(self.generated)))
+        self._call, self.decision = call, decision
+        self.generated.extend(first.token_ids)
+        return first
 
 
 class Engines(Protocol):
@@ -130,9 +220,19 @@ class Dispatcher:
 
     async def open(self, req: EngineRequest) -> EngineStream:
         """Route and call, retrying as the module docstring says; the call once its first message is in."""
-        attempt, failed = 0, frozenset()
+        call, decision, first = await self.call(req)
+        return EngineStream(self, req, call, decision, first)
+
+    async def call(self, req: EngineRequest, failed: frozenset[str] = frozenset(), reason: str | None = None):
+        """(call, decision, first message): routed among the modes up but `failed`, retried on RETRY_ON.
+
+        `reason`: the decision's reason when it is not the router's own ("migration").
+        """
+        attempt = 0
         while True:
             d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed)
+            if reason is not None:
+                d = Decision(d.mode, reason, d.estimates)
             mode = MODES[d.mode]
             call = self.clients.generate(mode.served_by, pb.GenerateRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto),
@@ -147,14 +247,16 @@ class Dispatcher:
                     attempt, failed = attempt + 1, failed | {d.mode}
                     continue
                 err = engine_error(exc, d.mode, req.request_id)
-                m.REQUESTS.labels(mode=d.mode, status=str(err.status)).inc()
+                if reason is None:  # a migrated request is counted once, by its serving loop
+                    m.REQUESTS.labels(mode=d.mode, status=str(err.status)).inc()
                 raise err from exc
             if first is grpc.aio.EOF:
                 log.warning("request %s (%s mode): the engine ended the call without a token", req.request_id, d.mode)
-                m.REQUESTS.labels(mode=d.mode, status="502").inc()
+                if reason is None:
+                    m.REQUESTS.labels(mode=d.mode, status="502").inc()
                 raise APIError(502, "the engine ended the call without a token", code="engine_error")
             m.DECISIONS.labels(mode=d.mode, reason=d.reason).inc()
-            return EngineStream(call, d, first, req.request_id)
+            return call, d, first
 
     @staticmethod
     def _retries(exc: grpc.aio.AioRpcError, req: EngineRequest, attempt: int) -> bool:

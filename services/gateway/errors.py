@@ -9,6 +9,10 @@ An engine's gRPC status becomes an HTTP status in one table, `ENGINE_FAILURES`. 
 a fixed message per status; the engine's own text (exception messages, shared-memory names,
 offsets) goes to the gateway's log with the request id. Only for 400s is the engine's message
 kept: it is about the client's own input.
+
+Every 503 the app answers (an engine down, no mode left, the gateway draining) carries
+`Retry-After`: the condition is temporary, and clients that honour it back off instead of
+hammering a stack that is restarting.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway.openai_format import ErrorBody, ErrorDetail
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5  # an engine restarting, or a drained gateway replaced, is seconds away
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
@@ -47,6 +53,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(error_body(status, message, param, code).model_dump(), status_code=status, headers=headers)
 
 

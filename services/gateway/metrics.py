@@ -17,3 +17,6 @@ ESTIMATE_ERROR = Histogram("hybridserve_router_estimate_error_ratio", "|predicte
                            ["mode"], buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10))
 PROMPT_TOKENS = Counter("hybridserve_prompt_tokens", "Prompt tokens processed")
 GENERATION_TOKENS = Counter("hybridserve_generation_tokens", "Tokens generated")
+# a request whose engine was lost mid-stream, re-submitted to another mode (dispatch.py); by mode
+MIGRATIONS = Counter("hybridserve_request_migrations", "Requests moved to another mode after their engine was lost",
+                     ["from", "to"])

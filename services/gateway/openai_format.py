@@ -57,13 +57,24 @@ class Timings(BaseModel):
     e2e_s: float  # as the gateway saw it
 
 
-class Hybridserve(BaseModel):
+class MigrationRecord(BaseModel):
+    """The request's engine was lost after `after_tokens` tokens; the rest ran in `to_mode`."""
+
+    from_mode: str
+    to_mode: str
+    after_tokens: int
+
+
+class Hybridserve(_LeavesOutNone):
     """The `hybridserve` object on a response: which mode served it, why, and what it cost."""
 
-    mode: str
+    _omit_if_none = ("migrations",)
+
+    mode: str  # the router's choice; where the request ended up after a migration: `migrations`
     reason: str  # "auto" | "forced" | "fallback"
     estimates: dict[str, float]  # the router's seconds per mode it considered
-    timings: Timings
+    timings: Timings  # the engine's timings of the last call (after a migration: of its part only)
+    migrations: list[MigrationRecord] | None = None  # only on a request that migrated
 
 
 # ---- unary responses ------------------------------------------------------------------
@@ -196,9 +207,10 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """`/health`: "ok" when every engine answers, else "degraded" (and a 503)."""
+    """`/health`: "ok" when every engine answers, else "degraded" (and a 503); "draining" (a 503)
+    once the gateway is shutting down."""
 
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded", "draining"]
     engines: dict[str, Literal["up", "down"]]
 
 

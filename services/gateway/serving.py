@@ -5,6 +5,11 @@ metrics; `unary_response` and `sse_events` are the two ways of handing that text
 However a request ends (its last token, a stop string, an engine failure, the client gone), `serve`
 cancels the engine call, which frees the request's KV and arena slot upstream, and settles the
 request's accounting once.
+
+An engine lost mid-stream is dispatch.py's business: `EngineStream.read` migrates the request and
+goes on with the next token, and `Run.follow` moves the request's accounting to the new mode. A
+failure the stream cannot get past ends a streamed response with an error event, then `[DONE]`,
+as any stream ends.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.dispatch import EngineStream
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion, ChunkWriter,
-                                            Completion, CompletionChoice, Hybridserve, Timings, Usage, sse)
+                                            Completion, CompletionChoice, Hybridserve, MigrationRecord, Timings,
+                                            Usage, sse)
 from services.gateway.router import Decision, Router, samples_from_timings
 from services.gateway.stops import StopMatcher
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
@@ -43,12 +49,24 @@ class Run:
         self.finish_reason: str | None = None
         self.engine_timings: pb.Timings | None = None  # from the engine's last message
         self.last_token_at: float | None = None
+        self.serving = decision  # differs from `decision` once the request migrated
+        self.migrations: list = []  # dispatch.Migration, as the stream made them
+        self._on_mode_since = started
         router.started(decision.mode)
+
+    def follow(self, stream: EngineStream) -> None:
+        """After a read: if the stream migrated, the request now queues on its new mode's engines."""
+        if stream.decision is self.serving:
+            return
+        now = time.perf_counter()
+        self.router.finished(self.serving.mode, now - self._on_mode_since)
+        self.router.started(stream.decision.mode)
+        self.serving, self.migrations, self._on_mode_since = stream.decision, list(stream.migrations), now
 
     def take(self, msg: pb.GenerateResponse) -> str:
         """Account for one engine message; the text it adds (after stop strings)."""
         now = time.perf_counter()
-        mode = self.decision.mode
+        mode = self.serving.mode
         for _ in msg.token_ids:
             if self.last_token_at is None:
                 m.TTFT.labels(mode=mode).observe(now - self.started)
@@ -72,10 +90,12 @@ class Run:
         m.REQUESTS.labels(mode=mode, status=status).inc()
         m.PROMPT_TOKENS.inc(self.n_in)
         m.GENERATION_TOKENS.inc(self.n_out)
-        self.router.finished(mode, e2e)
+        self.router.finished(self.serving.mode, time.perf_counter() - self._on_mode_since)
         if status != "200":
             return
         m.E2E.labels(mode=mode).observe(e2e)
+        if self.migrations:  # the estimates and the engine's timings were not of one whole run
+            return
         predicted = self.decision.estimates.get(mode)
         if predicted is not None and e2e > 0:
             m.ESTIMATE_ERROR.labels(mode=mode).observe(abs(predicted - e2e) / e2e)
@@ -92,7 +112,10 @@ class Run:
 
     def extension(self) -> Hybridserve:
         d = self.decision
-        return Hybridserve(mode=d.mode, reason=d.reason, estimates=d.estimates, timings=self.timings())
+        moves = [MigrationRecord(from_mode=mg.from_mode, to_mode=mg.to_mode, after_tokens=mg.after_tokens)
+                 for mg in self.migrations]
+        return Hybridserve(mode=d.mode, reason=d.reason, estimates=d.estimates, timings=self.timings(),
+                           migrations=moves or None)
 
     def usage(self) -> Usage:
         return Usage.of(self.n_in, self.n_out)
@@ -111,6 +134,7 @@ async def serve(run: Run, stream: EngineStream) -> AsyncIterator[str]:
             if run.finish_reason:
                 break
             msg = await stream.read()
+            run.follow(stream)
         status = "200"
     except APIError as err:
         status = str(err.status)
@@ -131,6 +155,9 @@ async def unary_response(run: Run, stream: EngineStream, request: Request, model
             pieces.append(text)
             if not run.finish_reason and await request.is_disconnected():
                 return Response(status_code=499)  # leaving the block closes `serve`: the call is cancelled
+    if run.migrations:  # the response has not started: its headers can say it
+        headers = {**headers, "x-hybridserve-migrations": ",".join(
+            f"{mg.from_mode}->{mg.to_mode}@{mg.after_tokens}" for mg in run.migrations)}
     text, rid, created = "".join(pieces), stream.request_id, int(time.time())
     if chat:
         body = ChatCompletion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
@@ -159,6 +186,8 @@ async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, includ
         yield SSE_DONE
     except APIError as err:
         yield sse(err.body())
+        yield SSE_DONE  # a client reading to [DONE] is told the stream is over, not left to hang
     except Exception:
         log.exception("request %s: unexpected error while streaming", stream.request_id)
         yield sse(error_body(500, "internal error in the gateway; see its log", code="internal_error"))
+        yield SSE_DONE

@@ -24,6 +24,9 @@ class GatewaySettings(CommonSettings):
     body_read_timeout_s: float = Field(30.0, gt=0)  # a request's whole body must arrive within it, else 408
     limit_concurrency: int = Field(256, gt=0)  # connections + requests at once; past it uvicorn answers 503
     keep_alive_timeout_s: float = Field(5.0, gt=0)  # an idle keep-alive connection is closed after it
+    # on SIGTERM, how long requests in flight may run on while new ones get 503 (compose's
+    # stop_grace_period must be longer, or the container is killed mid-drain)
+    drain_grace_s: float = Field(60.0, gt=0)
     request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
     calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile

@@ -136,8 +136,8 @@ def test_deadline_mid_stream_ends_the_stream_with_an_openai_error_event(stack):
             return
         assert r.status_code == 200
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
-    assert "[DONE]" not in events and len(events) >= 2  # some text, then the error instead of [DONE]
-    assert json.loads(events[-1]) == {"error": {"message": "the request did not finish within its timeout",
+    assert events[-1] == "[DONE]" and len(events) >= 3  # some text, the error, then [DONE] as any stream ends
+    assert json.loads(events[-2]) == {"error": {"message": "the request did not finish within its timeout",
                                                 "type": "timeout_error", "param": None, "code": "timeout"}}
 
 

@@ -25,3 +25,18 @@ def test_a_broken_compose_file_fails_validation(tmp_path):
     out = subprocess.run([str(_check_jsonschema()), "--builtin-schema", "vendor.compose-spec", str(bad)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
+
+
+def test_compose_gives_the_gateway_longer_than_its_drain_to_stop():
+    """Past stop_grace_period docker SIGKILLs the container: a drain cut short drops requests in flight."""
+    import re
+
+    import yaml
+
+    from services.gateway.settings import GatewaySettings
+
+    gateway = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["gateway"]
+    grace = re.fullmatch(r"(\d+)s", gateway["stop_grace_period"])
+    drain = float(gateway.get("environment", {}).get("HYBRIDSERVE_GATEWAY_DRAIN_GRACE_S")
+                  or GatewaySettings().drain_grace_s)
+    assert grace and int(grace.group(1)) > drain

@@ -12,7 +12,7 @@ import logging
 import grpc
 import pytest
 
-from services.gateway.dispatch import MAX_ATTEMPTS, Dispatcher, EngineRequest
+from services.gateway.dispatch import MAX_ATTEMPTS, NEVER_MIGRATE, Dispatcher, EngineRequest
 from services.gateway.errors import APIError
 from services.gateway.router import Router
 from services.gateway.schemas import CompletionRequest
@@ -265,3 +265,96 @@ def test_a_retry_routes_around_the_mode_that_failed_even_when_health_says_up():
     assert [(e, r.mode) for e, r, _, _ in engines.calls][0] == ("fpga", pb.MODE_HYBRID)
     assert stream.decision.mode != "hybrid" and stream.decision.reason == "fallback"
     assert len(engines.calls) == 2
+
+
+# ---- migration: the engine is lost after the first token ----------------------------------
+def read_all(engines: FakeEngines, req: EngineRequest):
+    """Open, then read to the finish; (stream, every token id read, the error that ended it or None)."""
+    async def run():
+        stream = await Dispatcher(engines, Router()).open(req)
+        ids, msg = list(stream.first.token_ids), stream.first
+        try:
+            while not msg.finish_reason:
+                msg = await stream.read()
+                ids.extend(msg.token_ids)
+        except APIError as err:
+            return stream, ids, err
+        finally:
+            stream.cancel()
+        return stream, ids, None
+
+    return asyncio.run(run())
+
+
+def migrations_counted(frm: str, to: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("hybridserve_request_migrations_total", {"from": frm, "to": to}) or 0.0
+
+
+@pytest.mark.parametrize("lost", [rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"),
+                                  rpc_error(grpc.StatusCode.UNKNOWN, "Stream removed"), None],
+                         ids=["unavailable", "stream-removed", "stream-ended"])
+def test_a_lost_decode_engine_migrates_prompt_and_tokens_so_far_to_the_engine_left(lost):
+    before = migrations_counted("hybrid", "gpu")
+    hybrid = [token(11), token(12)] + ([lost] if lost else [])  # None: the stream just ends
+    engines = FakeEngines(scripts={"fpga": [hybrid], "gpu": [[token(13), token(14), token(15, "length")]]})
+    engines.alive["fpga"] = False  # a health check finds decode_fpga gone
+    stream, ids, err = read_all(engines, request("hybrid", prompt_len=3, max_tokens=5, temperature=0.7, seed=9))
+    assert err is None and ids == [11, 12, 13, 14, 15]  # none twice, none missing
+    [(_, first, _, old), (engine, rest, _, _)] = engines.calls
+    assert old.cancelled and engine == "gpu" and rest.mode == pb.MODE_GPU
+    assert list(rest.prompt_token_ids) == [1, 2, 3, 11, 12] and rest.sampling.max_tokens == 3
+    assert rest.request_id == "cmpl-test-m1" and (rest.sampling.seed, rest.sampling.top_k) == (9, first.sampling.top_k)
+    assert (stream.decision.mode, stream.decision.reason) == ("gpu", "migration")
+    assert [(mg.from_mode, mg.to_mode, mg.after_tokens) for mg in stream.migrations] == [("hybrid", "gpu", 2)]
+    assert migrations_counted("hybrid", "gpu") == before + 1
+
+
+def test_a_failure_with_every_engine_up_is_not_a_migration():
+    engines = FakeEngines(scripts={"fpga": [[token(1), rpc_error(grpc.StatusCode.UNKNOWN)]]})
+    stream, ids, err = read_all(engines, request())
+    assert (err.status, err.code) == (500, "engine_error") and len(engines.calls) == 1 and not stream.migrations
+    assert sorted(engines.checked) == ["fpga", "gpu"]
+
+
+@pytest.mark.parametrize("code", sorted(NEVER_MIGRATE, key=lambda c: c.name))
+def test_a_failure_about_the_request_is_never_migrated(code):
+    engines = FakeEngines(scripts={"fpga": [[token(1), rpc_error(code)]]})
+    engines.alive["fpga"] = False
+    _, _, err = read_all(engines, request())
+    assert err is not None and len(engines.calls) == 1 and not engines.checked
+
+
+def test_unavailable_migrates_away_from_its_mode_even_when_health_says_up():
+    engines = FakeEngines(scripts={"gpu": [[token(1), rpc_error(grpc.StatusCode.UNAVAILABLE)]],
+                                   "fpga": [[token(2, "length")]]})
+    stream, ids, err = read_all(engines, request("gpu", max_tokens=2))
+    assert err is None and ids == [1, 2] and stream.decision.mode != "gpu"
+
+
+def test_both_engines_lost_is_503_after_the_tokens_already_out():
+    engines = FakeEngines(scripts={"fpga": [[token(1), rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    engines.alive = {"gpu": False, "fpga": False}
+    _, ids, err = read_all(engines, request())
+    assert ids == [1] and (err.status, err.code) == (503, "engine_unavailable") and len(engines.calls) == 1
+
+
+def test_a_second_loss_migrates_again_and_never_back_to_a_mode_that_failed():
+    engines = FakeEngines(scripts={"fpga": [[token(1), rpc_error(grpc.StatusCode.UNAVAILABLE)],
+                                            [token(3), rpc_error(grpc.StatusCode.UNAVAILABLE)]],
+                                   "gpu": [[token(2), rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    stream, ids, err = read_all(engines, request("hybrid", max_tokens=6))
+    # hybrid -> (gpu or fpga) -> the one left; then nothing is left
+    assert ids[:3] in ([1, 2, 3], [1, 3, 2]) and err.status == 503
+    modes = [mg.to_mode for mg in stream.migrations]
+    assert len(modes) == 2 and len(set(modes) | {"hybrid"}) == 3
+    assert [list(r.prompt_token_ids)[5:] for _, r, _, _ in engines.calls] == [[], ids[:1], ids[:2]]
+    assert [r.sampling.max_tokens for _, r, _, _ in engines.calls] == [6, 5, 4]
+
+
+def test_a_loss_after_the_last_token_only_finishes_the_request():
+    engines = FakeEngines(scripts={"fpga": [[token(1), token(2), rpc_error(grpc.StatusCode.UNAVAILABLE)]]})
+    engines.alive["fpga"] = False
+    stream, ids, err = read_all(engines, request(max_tokens=2))
+    assert err is None and ids == [1, 2] and len(engines.calls) == 1

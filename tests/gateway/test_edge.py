@@ -269,6 +269,40 @@ def test_tokenizing_and_the_chat_template_run_off_the_event_loop(edge):
     assert edge["loop_thread"].ident not in threads
 
 
+def test_a_tokenization_that_hangs_does_not_stop_health_from_answering(edge):
+    state = edge["app"].state.hs
+    real, entered, release = state.tokenizer, threading.Event(), threading.Event()
+
+    class Stuck:
+        """The real tokenizer, held inside its call until the test lets it go."""
+
+        def __call__(self, *a, **kw):
+            entered.set()
+            release.wait(120)
+            return real(*a, **kw)
+
+        def __len__(self):
+            return len(real)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    state.tokenizer = Stuck()
+    pending = {}
+    worker = threading.Thread(target=lambda: pending.update(r=post(edge, "/v1/completions", completion())))
+    try:
+        worker.start()
+        assert entered.wait(60), "the request never reached the tokenizer"
+        health = httpx.get(edge["url"] + "/health", timeout=20)  # answered while the tokenizer is stuck
+        assert health.status_code == 503 and health.json()["status"] == "degraded"  # no engine here
+        assert not pending  # the completion is still inside its tokenization
+    finally:
+        release.set()
+        worker.join(60)
+        state.tokenizer = real
+    assert pending["r"].status_code == 503  # then it went on to the dispatcher
+
+
 # ---- uvicorn's limits from the settings ------------------------------------------------------
 def test_uvicorn_gets_its_limits_from_the_settings():
     settings = GatewaySettings.from_environ({"HYBRIDSERVE_GATEWAY_LIMIT_CONCURRENCY": "7",
