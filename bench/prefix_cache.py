@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from serving.client import Target, closed_loop, served_model, warm_up  # noqa: E402
 from serving.probe import scrape  # noqa: E402
-from serving.report import ms  # noqa: E402
+from serving.report import command_line, ms  # noqa: E402
 from serving.servers import Servers  # noqa: E402
 from serving.stats import over_rounds, summarize  # noqa: E402
 from serving.workload import CORPUS_FILES, chat_workload, corpus_ids  # noqa: E402
@@ -179,7 +179,7 @@ def main() -> int:
     png = plot(out / "prefix_cache.png", results, speedups)
     print(f"wrote {png}")
     write_json("prefix_cache", {
-        "preset": preset, "rounds": rounds, "requests_per_run": requests, "clients": args.clients, "seed": args.seed,
+        "command": command_line(), "preset": preset, "rounds": rounds, "requests_per_run": requests, "clients": args.clients, "seed": args.seed,
         "system_tokens": p.system_tokens, "user_tokens": list(p.user_range), "output_tokens": p.output_tokens,
         "corpus": {"files": list(CORPUS_FILES), "tokens": len(corpus), "sha256_16": corpus_sha},
         "env": {s: caching_env(s == "on") for s in SETTINGS}, "processes": servers.pids,

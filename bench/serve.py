@@ -36,19 +36,18 @@ import argparse
 import asyncio
 import contextlib
 import os
-import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import ROOT, RESULTS, progress, table, write_json
+from _common import RESULTS, progress, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from serving.client import Target, closed_loop, loopback_url, served_model, warm_up  # noqa: E402
 from serving.long_prompts import streams_with_arrivals  # noqa: E402
 from serving.probe import Sampler, cpu_seconds, cpu_used  # noqa: E402
-from serving.report import LATENCY_PANELS, THROUGHPUT_PANELS, ms, plot_against_concurrency, serve_table  # noqa: E402
+from serving.report import (LATENCY_PANELS, THROUGHPUT_PANELS, command_line, ms,  # noqa: E402
+                            plot_against_concurrency, serve_table)
 from serving.servers import Servers, resolve_llama_server  # noqa: E402
 from serving.stats import merge_peaks, over_rounds, ratios_to, summarize  # noqa: E402
 from serving.workload import CORPUS_FILES, Salter, corpus_ids, workload  # noqa: E402
@@ -181,13 +180,6 @@ def long_prompts_table(results: dict) -> str:
                   "errors"], rows)
 
 
-def command_line() -> str:
-    """The exact command, the script named relative to the repository (the interpreter is in `machine`)."""
-    script = Path(sys.argv[0]).resolve()
-    script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
-    return shlex.join(["python", str(script), *sys.argv[1:]])
-
-
 def main() -> int:
     args = build_args().parse_args()
     preset_name = "quick" if args.quick else "default"
@@ -251,7 +243,8 @@ def main() -> int:
     write_json(name, {
         "command": command_line(), "preset": preset_name, "rounds": rounds,
         "concurrency": list(levels), "prompt_tokens": list(prompt_range), "output_tokens": list(output_range),
-        "requests_per_run": {str(c): len(work[c]) for c in levels}, "seed": args.seed,
+        "requests_per_run": {str(c): len(work[c]) for c in levels},
+        "output_tokens_per_run": {str(c): sum(n for _, n in work[c]) for c in levels}, "seed": args.seed,
         "unique_first_token": True,
         "corpus": {"files": list(CORPUS_FILES), "tokens": len(corpus), "sha256_16": corpus_sha},
         "targets": [{"name": t.name, "url": t.url, "extra_body": t.extra, "model": t.model} for t in targets],

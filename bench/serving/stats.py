@@ -27,6 +27,9 @@ def summarize(results: list[dict], wall: float) -> dict:
            "error_messages": first_distinct(r["error"] for r in results if r["error"])}
     # time per output token after the first: unlike ITL, it does not depend on how tokens are chunked
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    # ITL is per text chunk: a server that sends k tokens per chunk shows gaps k tokens long
+    chunks = sum(len(r["itl"]) + 1 for r in ok)
+    out["tokens_per_chunk"] = tokens / chunks if chunks else None
     for key, xs in (("ttft", [r["ttft"] for r in ok]), ("itl", itl), ("tpot", tpot), ("e2e", [r["e2e"] for r in ok])):
         out[f"{key}_p50"], out[f"{key}_p99"] = pct(xs, 50), pct(xs, 99)
     return out

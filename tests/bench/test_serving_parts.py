@@ -37,6 +37,7 @@ def test_summarize_counts_tokens_over_wall_time_and_keeps_errors_apart():
     # TPOT: (0.2 - 0.1) / 2 and (0.5 - 0.3) / 1
     assert s["tpot_p50"] == pytest.approx((0.05 + 0.2) / 2)
     assert s["error_messages"] == ["HTTP 503: busy"]
+    assert s["tokens_per_chunk"] == 1.0  # 3 + 2 chunks carried 5 tokens
 
 
 def test_summarize_with_only_errors_has_no_latencies():
@@ -114,6 +115,7 @@ def test_table_has_a_row_per_target_and_level_and_the_ratio():
     assert "x llama-server" in lines[0] and len(lines) == 2 + 4
     fpga_1 = lines[2].split()
     assert fpga_1[:4] == ["hybridserve-fpga", "1", "5.0", "0.50"] and fpga_1[-1] == "1.50"
+    assert fpga_1[8] == "5.00"  # 10 tokens in 2 chunks
     assert lines[3].split()[-1] == "-"
 
 
