@@ -180,6 +180,12 @@ def long_prompts_table(results: dict) -> str:
                   "errors"], rows)
 
 
+def shown_path(path: str) -> str:
+    """`path` with the home folder written as ~ (the llama-server binary lives under ~/.cache)."""
+    home = str(Path.home())
+    return "~" + path[len(home):] if path.startswith(home + os.sep) else Path(path).name
+
+
 def main() -> int:
     args = build_args().parse_args()
     preset_name = "quick" if args.quick else "default"
@@ -247,8 +253,9 @@ def main() -> int:
         "output_tokens_per_run": {str(c): sum(n for _, n in work[c]) for c in levels}, "seed": args.seed,
         "unique_first_token": True,
         "corpus": {"files": list(CORPUS_FILES), "tokens": len(corpus), "sha256_16": corpus_sha},
-        "targets": [{"name": t.name, "url": t.url, "extra_body": t.extra, "model": t.model} for t in targets],
-        "llama_server": args.llama_server, "baseline": baseline, "processes": servers.pids,
+        # a model id that is a file path (llama-server's) and the binary are recorded by name: not this machine's paths
+        "targets": [{"name": t.name, "url": t.url, "extra_body": t.extra, "model": Path(t.model).name} for t in targets],
+        "llama_server": args.llama_server and shown_path(args.llama_server), "baseline": baseline, "processes": servers.pids,
         "metrics_endpoints": servers.metrics,
         "results": {n: {str(c): v for c, v in per_c.items()} for n, per_c in results.items()},
         "tok_s_ratio_to_baseline": {n: {str(c): v for c, v in per_c.items()} for n, per_c in ratios.items()},

@@ -158,3 +158,13 @@ def test_prefix_cache_env_names_both_engines_and_reads_hit_ratios():
     after = {"hybridserve_engine_prefix_cache_hits_total": 130.0, "hybridserve_engine_prefix_cache_queries_total": 240.0}
     assert prefix_cache.hit_ratio(before, after) == pytest.approx(0.75)
     assert prefix_cache.hit_ratio({}, {"hybridserve_engine_queue_depth": 1.0}) is None
+
+
+def test_recorded_paths_do_not_carry_this_machines_folders():
+    from pathlib import Path
+
+    import serve
+
+    assert serve.shown_path(str(Path.home() / ".cache/hybridserve/llama-server/1/llama-server")) == \
+        "~/.cache/hybridserve/llama-server/1/llama-server"
+    assert serve.shown_path("/opt/llama/bin/llama-server") == "llama-server"
