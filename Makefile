@@ -48,7 +48,21 @@ bench: $(STAMP) system-deps
 	done
 	$(PY) bench/suite.py
 	$(PY) bench/router_fresh.py
-	$(PY) bench/serve.py --start-stack --rounds 1 $(if $(LLAMA_SERVER),--llama-server $(LLAMA_SERVER))
+	@$(MAKE) --no-print-directory bench-serve
+
+# the serving benchmarks against llama.cpp's server (bench/README.md): builds llama-server once
+# (~5-25 min on 2 cores; skipped when built), then serve.py and prefix_cache.py. Without a
+# llama-server build serve.py still runs, says so, and measures our modes only.
+# SERVE_REPEATS=1 for a quicker, noisier pass; LLAMA_SERVER=PATH to use another binary.
+SERVE_REPEATS ?= 3
+.PHONY: bench-serve llama-server
+llama-server: $(STAMP)
+	$(PY) bench/llama_server.py
+
+bench-serve: $(STAMP) system-deps
+	@$(PY) bench/llama_server.py >/dev/null || echo "WARNING: llama-server did not build: the serving benchmark runs WITHOUT it"
+	$(PY) bench/serve.py --start-stack --repeats $(SERVE_REPEATS) --llama-server $(or $(LLAMA_SERVER),auto)
+	$(PY) bench/prefix_cache.py --repeats $(SERVE_REPEATS)
 
 # the compose stack for real (tests/deploy/test_compose_live.py): builds the images, brings them up, kills an
 # engine and sees it heal. Needs root for Docker; tens of minutes on a cold cache, so not part of `make test`

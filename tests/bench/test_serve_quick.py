@@ -1,4 +1,5 @@
-"""`bench/serve.py --quick --start-stack` drives every mode of a stack it starts and writes sane JSON and plots."""
+"""`bench/serve.py --quick --start-stack [--llama-server auto]` drives every mode of a stack it starts
+(and llama-server, when bench/llama_server.py has built it) and writes sane JSON and plots."""
 from __future__ import annotations
 
 import json
@@ -9,14 +10,19 @@ from pathlib import Path
 
 import pytest
 
+import llama_server
+
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("gpu", "fpga", "hybrid", "auto")
 FIGURES = ("output_tok_s", "req_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99")
+STACK = {"prefill_gpu", "decode_fpga", "gateway"}
 
 
 @pytest.mark.slow
-def test_quick_serve_bench_measures_every_mode_without_errors(tmp_path, pytestconfig):
-    cmd = [sys.executable, str(ROOT / "bench/serve.py"), "--quick", "--start-stack", "--out", str(tmp_path)]
+def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, pytestconfig):
+    with_llama = llama_server.find() is not None
+    cmd = [sys.executable, str(ROOT / "bench/serve.py"), "--quick", "--start-stack", "--out", str(tmp_path),
+           "--name", "serve"] + (["--llama-server", "auto"] if with_llama else [])
     # the engines' start-up profile sweep is cached in pytest's cache directory, as tests/bench/test_suite.py does
     profile = pytestconfig.cache.mkdir("hybridserve-profile")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -25,30 +31,39 @@ def test_quick_serve_bench_measures_every_mode_without_errors(tmp_path, pytestco
     data = json.loads((tmp_path / "serve.json").read_text())
     assert data["preset"] == "quick" and "--quick" in data["command"]
     assert data["concurrency"] == [1, 2] and data["machine"]["cpu_count"] >= 1
-    assert set(data["results"]) == {f"hybridserve-{m}" for m in MODES}
+    targets = {f"hybridserve-{m}" for m in MODES} | ({"llama-server"} if with_llama else set())
+    assert set(data["results"]) == targets
     for name, per_c in data["results"].items():
         assert set(per_c) == {"1", "2"}
         for c, v in per_c.items():
             m, totals = v["median"], v["totals"]
             assert totals["errors"] == 0 and v["error_messages"] == [], (name, c, v["error_messages"])
             assert totals["requests"] == data["rounds"] * data["requests_per_run"][c]
-            # ignore_eos: every request produced all its tokens
-            assert totals["short_outputs"] == 0 and totals["tokens"] >= totals["requests"] * data["output_tokens"][0]
+            # max_tokens with ignore_eos: every server generated exactly what was asked, by its own count
+            assert totals["short_outputs"] == 0
+            assert totals["tokens"] == data["rounds"] * data["output_tokens_per_run"][c], (name, c)
             assert all(m[k] is not None and m[k] > 0 for k in FIGURES), (name, c, m)
             for k in ("ttft", "itl", "e2e"):
                 assert m[f"{k}_p99"] >= m[f"{k}_p50"]
             assert m["e2e_p50"] > m["ttft_p50"]
             assert len(v["rounds"]) == data["rounds"]
-    # the stack's three processes were found and measured under load at the highest concurrency
+            assert all(set(rd["cpu_s"]) >= STACK for rd in v["rounds"])
+    # every process was found and measured under load at the highest concurrency
     rss = data["memory"]["rss_mb"]
-    assert set(rss) == set(data["results"])
+    assert set(rss) == targets
     for per_process in rss.values():
-        assert set(per_process) == {"prefill_gpu", "decode_fpga", "gateway"}
+        assert set(per_process) == STACK | ({"llama-server"} if with_llama else set())
         assert all(mb > 10 for mb in per_process.values())
+    # long prompts arrived while the streams ran, for every target
+    long = data["long_prompts"]["results"]
+    assert set(long) == targets
+    for name, per in long.items():
+        assert per["arrivals"]["median"]["arrivals"] >= 1 and per["quiet"]["median"]["arrivals"] == 0
+        assert per["arrivals"]["median"]["stream_itl_p99"] > 0 and per["arrivals"]["error_messages"] == []
     import matplotlib.image
 
-    for name in ("serve_throughput.png", "serve_latency.png"):
-        png = tmp_path / name
+    for png_name in ("serve_throughput.png", "serve_latency.png"):
+        png = tmp_path / png_name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         h, w = matplotlib.image.imread(png).shape[:2]
         assert h > 200 and w > 400
