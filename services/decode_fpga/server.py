@@ -18,6 +18,7 @@ from services.kv.arena import ArenaReader
 from services.kv.handoff import HandoffEvent, SlotGrant
 from services.kv.header import SlotHeader, request_nonce
 from services.kv.shm import ShmReceiver
+from services.rpc.engine_token import engine_channel
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
@@ -31,9 +32,9 @@ class GrpcPrefillPeer:
     successor removed a killed one's) or when a grant does not fit it (the receiver's `remap`):
     then Info names the arena prefill_gpu uses now."""
 
-    def __init__(self, address: str, model_id: str, timeout_s: float):
+    def __init__(self, address: str, model_id: str, timeout_s: float, token: str | None = None):
         self.address, self.model_id, self.timeout_s = address, model_id, timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = engine_channel(address, token)  # sends the shared token when there is one
         self._stub = pb_grpc.EngineStub(self._channel)
         self._reader: ArenaReader | None = None
         self._wire_dtype = ""
@@ -106,5 +107,6 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
 
     log.info("building kernels and uploading weights")
     engine = OpenCLEngine.from_settings(loaded, settings)
-    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s)
+    token = settings.engine_token.get_secret_value() if settings.engine_token else None
+    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s, token)
     return EngineServicer(DecodeRuntime(engine, loaded, settings, peer), "decode_fpga")
