@@ -81,7 +81,7 @@ def engine_channel(address: str, token: str | None) -> grpc.Channel:
     return grpc.intercept_channel(channel, _SendToken(token)) if token else channel
 
 
-class _AioSendToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _AioTokenDetails:
     def __init__(self, token: str):
         self.token = token
 
@@ -89,13 +89,18 @@ class _AioSendToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamCl
         return grpc.aio.ClientCallDetails(d.method, d.timeout, with_token(d.metadata, self.token), d.credentials,
                                           d.wait_for_ready)
 
+
+class _AioUnaryUnaryToken(_AioTokenDetails, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _AioUnaryStreamToken(_AioTokenDetails, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
 
 def aio_interceptors(token: str | None) -> list:
-    """The interceptors an asyncio channel to an engine needs to send the token (none without one)."""
-    return [_AioSendToken(token)] if token else []
+    """The interceptors an asyncio channel to an engine needs to send the token (none without one). One
+    object per kind of call: an asyncio channel files an interceptor under the first kind it implements."""
+    return [_AioUnaryUnaryToken(token), _AioUnaryStreamToken(token)] if token else []

@@ -11,7 +11,6 @@ from __future__ import annotations
 import signal
 
 import grpc
-import pytest
 
 from services.decode_fpga.settings import DecodeSettings
 from services.kv.arena import SHM_DIR
@@ -33,7 +32,6 @@ def generate(stub, prompt, mode, max_tokens=8) -> list[int]:
                                        timeout=180) for t in msg.token_ids]
 
 
-@pytest.mark.slow
 def test_hybrid_after_prefill_restart_gives_a_fresh_stacks_tokens(tmp_path):
     prefill, decode = engine_pair(tmp_path, PREFILL_ENV, DECODE_ENV)
     try:
