@@ -174,6 +174,11 @@ class Arena:
         return memoryview(self._map.mm)
 
     def data_view(self, slot: Slot, nbytes: int) -> np.ndarray:
+        """The slot's first `nbytes` of KV, writable; never a byte of the next slot."""
+        if self._used.get(slot.offset) != slot:
+            raise ValueError(f"slot at {slot.offset} is not allocated: its bytes are not ours to write")
+        if not 0 <= nbytes <= slot.size - HEADER_SIZE:
+            raise ValueError(f"{nbytes} bytes do not fit a {slot.size}-byte slot after its header")
         return self._map.array[slot.data_offset: slot.data_offset + nbytes]
 
     # ---- slots --------------------------------------------------------------

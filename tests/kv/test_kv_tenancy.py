@@ -204,3 +204,13 @@ def test_a_reader_of_a_replaced_arena_maps_the_new_one(arena, torch_engine, mode
                 ShmReceiver(old_reader, torch_engine, seq, header).consume(iter(msgs))
     finally:
         new_arena.close()
+
+
+def test_a_slot_view_never_reaches_past_its_slot_or_into_a_freed_one(arena):
+    slot = arena.allocate(5000, timeout=0)
+    assert arena.data_view(slot, slot.size - HEADER_SIZE).size == slot.size - HEADER_SIZE
+    with pytest.raises(ValueError, match="do not fit"):
+        arena.data_view(slot, slot.size - HEADER_SIZE + 1)
+    arena.free(slot)
+    with pytest.raises(ValueError, match="not allocated"):
+        arena.data_view(slot, 8)
