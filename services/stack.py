@@ -2,7 +2,12 @@
 
 Starts the three processes, relays their start-up progress (model load, kernel
 build, profiling), waits until the gateway's /health says both engines answer,
-prints where to send requests, and on Ctrl-C or SIGTERM stops all three.
+and prints where to send requests. From then on it keeps them running
+(supervisor.py): a process that exits is started again with backoff, decode_fpga
+with prefill_gpu (it maps prefill_gpu's KV arena), each restart logged and counted
+on `up`'s metrics port. Only Ctrl-C or SIGTERM stops the stack, all three processes.
+A process that exits before the stack first comes up stops it (a setting or a
+model that is wrong would only fail again).
 """
 from __future__ import annotations
 
@@ -15,12 +20,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import ClassVar
+from typing import Callable, ClassVar
+
+from prometheus_client import start_http_server
 
 from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
 from services.prefill_gpu.settings import PrefillSettings
 from services.settings import CommonSettings
+from services.supervisor import ChildSpec, Supervisor
 
 # the fields `up` always chooses per child itself; their old shared names (HYBRIDSERVE_PORT, ...)
 # never reached a child from `up`, so they do not count here either
@@ -32,9 +40,15 @@ class UpSettings(CommonSettings):
 
     service: ClassVar[str] = "hybridserve up"
     own_prefix: ClassVar[str] = "HYBRIDSERVE_UP_"
+    # fields newer than the per-process prefixes: no deprecated bare name
+    old_field_names: ClassVar[dict[str, str]] = {f: "up_" + f for f in (
+        "metrics_port", "restart_backoff_s", "restart_backoff_max_s")}
 
     host: str = "127.0.0.1"
     startup_timeout_s: float = 900.0
+    metrics_port: int = 9103  # hybridserve_engine_restarts_total; 0: none
+    restart_backoff_s: float = 1.0  # before the first restart of a process; doubles while it keeps exiting
+    restart_backoff_max_s: float = 30.0
 
 
 def _children_environment() -> dict[str, str]:
@@ -62,6 +76,29 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _grpc_serving(address: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(address) as ch:  # health needs no engine token
+            try:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return probe
+
+
+def _serve_metrics(host: str, port: int) -> None:
+    if not port:
+        return
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:  # the stack serves without it
+        print(f"hybridserve up: no metrics on {host}:{port} ({exc.strerror})", file=sys.stderr, flush=True)
+
+
 def up() -> int:
     base = _children_environment()
     # read here as each child will, so a typo stops `up` before anything starts
@@ -79,58 +116,58 @@ def up() -> int:
                                             decode_address=f"{s.host}:{decode.port}")),
     }
     quiet = threading.Event()
-    procs: dict[str, subprocess.Popen] = {}
+    specs = [ChildSpec(name, [sys.executable, "-m", module],
+                       {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in env.items()}},
+                       follows="prefill_gpu" if name == "decode_fpga" else None,
+                       ready=_grpc_serving(f"{s.host}:{prefill.port}") if name == "prefill_gpu" else lambda: True)
+             for name, (module, env) in children.items()]
+
+    def start(spec: ChildSpec) -> subprocess.Popen:
+        proc = subprocess.Popen(spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        threading.Thread(target=_relay, args=(spec.name, proc, quiet), daemon=True).start()
+        return proc
+
+    sup = Supervisor(specs, start, say=lambda msg: print(f"hybridserve up: {msg}", file=sys.stderr, flush=True),
+                     backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    _serve_metrics(s.host, s.metrics_port)
     print(f"starting the stack on {s.host}: prefill_gpu :{prefill.port}, decode_fpga :{decode.port}, "
           f"gateway :{gateway.port} (first start profiles each engine; later starts use the cache)", flush=True)
     try:
-        for name, (module, env) in children.items():
-            env = {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in env.items()}}
-            procs[name] = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-            threading.Thread(target=_relay, args=(name, procs[name], quiet), daemon=True).start()
+        sup.start_all()
         url = f"http://{s.host}:{gateway.port}"
         deadline = time.monotonic() + s.startup_timeout_s
         while not _healthy(url + "/health"):
-            dead = [n for n, p in procs.items() if p.poll() is not None]
+            dead = sup.exited()
             if dead or stop.is_set() or time.monotonic() > deadline:
                 why = f"{', '.join(dead)} exited" if dead else ("interrupted" if stop.is_set() else "timed out")
                 print(f"hybridserve up: the stack did not come up ({why})", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
         quiet.set()
-        key = gateway.api_key
-        auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-        with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
-            model = json.load(r)["data"][0]["id"]
-        key_header = f"-H 'Authorization: Bearer ${GatewaySettings.env_name('api_key')}' " if key else ""
-        print(f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics)\n"
-              f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
-              f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-              f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-              f"Ctrl-C stops all three processes.", flush=True)
+        _print_ready(url, gateway, s)
         while not stop.is_set():
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead:
-                print(f"hybridserve up: {', '.join(dead)} exited; stopping the stack", file=sys.stderr, flush=True)
-                return 1
+            sup.poll()
             stop.wait(0.5)
         return 0
     finally:
-        _stop_all(procs)
+        # the gateway first, so no new request reaches an engine that is going away
+        sup.stop_all(["gateway", "decode_fpga", "prefill_gpu"])
+        print("stopped", flush=True)
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    # the gateway first, so no new request reaches an engine that is going away
-    for name in ("gateway", "decode_fpga", "prefill_gpu"):
-        p = procs.get(name)
-        if p and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    print("stopped", flush=True)
+def _print_ready(url: str, gateway: GatewaySettings, s: UpSettings) -> None:
+    key = gateway.api_key
+    auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
+        model = json.load(r)["data"][0]["id"]
+    key_header = f"-H 'Authorization: Bearer ${GatewaySettings.env_name('api_key')}' " if key else ""
+    metrics = f"; restarts on http://{s.host}:{s.metrics_port}/metrics" if s.metrics_port else ""
+    print(f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics{metrics})\n"
+          f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+          f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
+          f"A process that exits is started again; Ctrl-C stops all three.", flush=True)

@@ -3,6 +3,7 @@ prefill_gpu peer over gRPC and the shared-memory arena, and its start-up."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from typing import Iterator
@@ -14,9 +15,10 @@ from services.engine.requests import Cancellation, EngineRequest, PeerMismatch, 
 from services.engine.service import EngineServicer, sampling_to_proto
 from services.engine.status import error_from_peer
 from services.kv.arena import ArenaReader
-from services.kv.handoff import HandoffEvent
-from services.kv.header import SlotHeader
+from services.kv.handoff import HandoffEvent, SlotGrant
+from services.kv.header import SlotHeader, request_nonce
 from services.kv.shm import ShmReceiver
+from services.rpc.engine_token import engine_channel
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
@@ -24,40 +26,59 @@ log = logging.getLogger(__name__)
 
 
 class GrpcPrefillPeer:
-    """prefill_gpu as hybrid mode's PrefillPeer: its Prefill RPC, its arena mapped by name."""
+    """prefill_gpu as hybrid mode's PrefillPeer: its Prefill RPC, its arena mapped by name.
 
-    def __init__(self, address: str, model_id: str, timeout_s: float):
+    The arena is mapped again when the mapped segment is gone (prefill_gpu stopped, or its
+    successor removed a killed one's) or when a grant does not fit it (the receiver's `remap`):
+    then Info names the arena prefill_gpu uses now."""
+
+    def __init__(self, address: str, model_id: str, timeout_s: float, token: str | None = None):
         self.address, self.model_id, self.timeout_s = address, model_id, timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = engine_channel(address, token)  # sends the shared token when there is one
         self._stub = pb_grpc.EngineStub(self._channel)
         self._reader: ArenaReader | None = None
         self._wire_dtype = ""
         self._lock = threading.Lock()
 
-    def _connect(self) -> ArenaReader:
-        """Map prefill_gpu's arena once, by the name its Info gives."""
+    def _arena(self) -> ArenaReader:
+        """The mapped arena, mapped (again) by the name Info gives if there is none or it is gone."""
         with self._lock:
-            if self._reader is None:
-                try:
-                    info = self._stub.Info(pb.InfoRequest(), timeout=5)
-                except grpc.RpcError as exc:
-                    raise PeerUnavailable(f"prefill_gpu at {self.address} is unavailable: {exc.code().name}") from None
-                if info.model_id != self.model_id:
-                    raise PeerMismatch(f"prefill_gpu serves {info.model_id!r}, this engine {self.model_id!r}")
-                try:
-                    self._reader = ArenaReader(info.arena_name)
-                except FileNotFoundError as exc:
-                    raise PeerMismatch(str(exc)) from None
-                self._wire_dtype = info.kv_dtype
-                log.info("mapped KV arena %s (%d MiB)", info.arena_name, self._reader.size >> 20)
+            if self._reader is None or not self._reader.is_current():
+                self._map_current()
             return self._reader
 
+    def _remap(self, seen: ArenaReader) -> ArenaReader:
+        """The arena prefill_gpu uses now; `seen` (what a receiver read) when Info still names it."""
+        with self._lock:
+            if self._reader is seen:
+                self._map_current()
+            return self._reader
+
+    def _map_current(self) -> None:
+        try:
+            info = self._stub.Info(pb.InfoRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"prefill_gpu at {self.address} is unavailable: {exc.code().name}") from None
+        if info.model_id != self.model_id:
+            raise PeerMismatch(f"prefill_gpu serves {info.model_id!r}, this engine {self.model_id!r}")
+        self._wire_dtype = info.kv_dtype
+        old = self._reader
+        if old is not None and old.name == info.arena_name and old.is_current():
+            return
+        try:
+            self._reader = ArenaReader(info.arena_name)
+        except FileNotFoundError as exc:
+            raise PeerMismatch(str(exc)) from None
+        # the old mapping goes when the last receiver reading it lets go
+        log.info("mapped KV arena %s (%d MiB)%s", info.arena_name, self._reader.size >> 20,
+                 f", replacing {old.name}" if old is not None else "")
+
     def wire_dtype(self) -> str:
-        self._connect()
+        self._arena()
         return self._wire_dtype
 
     def receiver(self, engine, seq, expected: SlotHeader) -> ShmReceiver:
-        return ShmReceiver(self._connect(), engine, seq, expected)
+        return ShmReceiver(self._arena(), engine, seq, expected, remap=self._remap)
 
     def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation) -> Iterator[HandoffEvent]:
         call = self._stub.Prefill(pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_ids,
@@ -65,8 +86,11 @@ class GrpcPrefillPeer:
                                                     wire_dtype=wire_dtype),
                                   timeout=self.timeout_s)
         try:
+            nonce = request_nonce(request.request_id)
             for msg in call:
-                yield handoff_from_proto(msg)
+                ev = handoff_from_proto(msg)
+                # the nonce the slot must carry is the one of the request sent, not what came back
+                yield dataclasses.replace(ev, nonce=nonce) if isinstance(ev, SlotGrant) else ev
         except grpc.RpcError as exc:
             raise error_from_peer("prefill_gpu", exc) from None
         finally:
@@ -83,5 +107,6 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
 
     log.info("building kernels and uploading weights")
     engine = OpenCLEngine.from_settings(loaded, settings)
-    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s)
+    token = settings.engine_token.get_secret_value() if settings.engine_token else None
+    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s, token)
     return EngineServicer(DecodeRuntime(engine, loaded, settings, peer), "decode_fpga")

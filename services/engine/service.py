@@ -5,6 +5,12 @@ whose methods turn a request proto into plain objects (requests.py), call the
 runtime (runtime.py), and turn what comes back into protos. A call that ends for
 any reason cancels the request's `Cancellation`; a typed error becomes its status
 through the one table in status.py.
+
+The server's edge (`build_server`): one worker thread for every call the admissions
+can hold (running or queued) plus `CONTROL_CALLS` for health, Info and Profile, and
+`maximum_concurrent_rpcs` at that same number, so a flood is refused at once instead
+of queueing for threads that health checks then wait behind; the shared token checked
+when one is set (services/rpc/engine_token.py); reflection only when a setting asks.
 """
 from __future__ import annotations
 
@@ -27,10 +33,12 @@ from services.engine.runtime import EngineRuntime
 from services.engine.sampling import SamplingParams
 from services.engine.status import abort
 from services.modes import mode_name_of_proto
+from services.rpc.engine_token import TokenCheck
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+ENGINE_SERVICE = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
 # ---- proto ↔ plain ------------------------------------------------------------------------
@@ -85,6 +93,10 @@ class EngineServicer(pb_grpc.EngineServicer):
     def __init__(self, runtime: EngineRuntime, process: str):
         self.runtime, self.process = runtime, process  # process: "prefill_gpu" | "decode_fpga", for messages
 
+    def admitted_calls(self, settings) -> int:
+        """The most calls the admissions hold at once, running or queued (each holds a server thread)."""
+        return settings.max_concurrency + settings.queue_depth
+
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         cancel, request_id = cancellation_of(context), request_id_of(request)
         try:
@@ -102,30 +114,45 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.ProfileResponse(samples=[pb.StageSample(**s) for s in samples])
 
 
-def serve(servicer: EngineServicer, settings, on_shutdown: Callable[[], None] = lambda: None,
-          grace_s: float = 10.0) -> None:
-    """Run the gRPC server (+ health, reflection, metrics) until SIGTERM/SIGINT."""
-    server = grpc.server(ThreadPoolExecutor(max_workers=settings.max_concurrency + settings.queue_depth + 8))
+CONTROL_CALLS = 8  # threads beyond the admissions: health checks, Info, Profile
+
+
+def build_server(servicer: EngineServicer, settings) -> tuple[grpc.Server, health.HealthServicer]:
+    """The gRPC server (bound, not started) and its health servicer (every service NOT_SERVING yet)."""
+    threads = servicer.admitted_calls(settings) + CONTROL_CALLS
+    token = settings.engine_token.get_secret_value() if settings.engine_token else ""
+    server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+                         interceptors=[TokenCheck(token)] if token else [], maximum_concurrent_rpcs=threads)
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Engine"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    for name in ("", ENGINE_SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if settings.engine_reflection:
+        reflection.enable_server_reflection((ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{settings.host}:{settings.port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
+    return server, health_servicer
+
+
+def serve(servicer: EngineServicer, settings, on_shutdown: Callable[[], None] = lambda: None,
+          grace_s: float = 10.0) -> None:
+    """Run the gRPC server (+ health, metrics, reflection when asked for) until SIGTERM/SIGINT."""
+    server, health_servicer = build_server(servicer, settings)
     start_http_server(settings.metrics_port, addr=settings.host)
     server.start()
-    for name in ("", names[0]):
+    for name in ("", ENGINE_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving gRPC on %s, metrics on http://%s:%d/metrics", servicer.process, address,
-             settings.host, settings.metrics_port)
+    log.info("%s serving gRPC on %s:%d (%s), metrics on http://%s:%d/metrics", servicer.process, settings.host,
+             settings.port, "token required" if settings.engine_token else "no token", settings.host,
+             settings.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("shutting down: finishing in-flight requests (up to %.0fs)", grace_s)
-    for name in ("", names[0]):
+    for name in ("", ENGINE_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server.stop(grace_s).wait()
     on_shutdown()

@@ -78,7 +78,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         ckpt = locate(settings.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, ckpt)
-        clients = EngineClients(settings.prefill_address, settings.decode_address)
+        token = settings.engine_token.get_secret_value() if settings.engine_token else None
+        clients = EngineClients(settings.prefill_address, settings.decode_address, token)
         file_samples = json.loads(open(settings.calibration_file).read()) if settings.calibration_file else []
         router = Router(file_samples, explore_share=settings.router_explore_share)
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.modes import ENGINE_NAMES, ENGINES
+from services.rpc.engine_token import aio_interceptors
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
@@ -18,9 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class EngineClients:
-    def __init__(self, prefill_address: str, decode_address: str):
+    def __init__(self, prefill_address: str, decode_address: str, engine_token: str | None = None):
         addresses = {"gpu": prefill_address, "fpga": decode_address}
-        self.channels = {e: grpc.aio.insecure_channel(addresses[e]) for e in ENGINES}
+        self.channels = {e: grpc.aio.insecure_channel(addresses[e], interceptors=aio_interceptors(engine_token))
+                         for e in ENGINES}
         self.stubs = {e: pb_grpc.EngineStub(ch) for e, ch in self.channels.items()}
         self._health = {e: health_pb2_grpc.HealthStub(ch) for e, ch in self.channels.items()}
         self.up = {e: False for e in ENGINES}  # as of the last health check

@@ -22,8 +22,13 @@ State of either half (`HandoffState`):
        └───────────────────────────┴── a failed check, the peer gone, cancelled ──► FAILED
 
 The receiver checks what it is told against what it expects from its own request
-(the prompt's token count, the wire dtype, the model's KV shape): a mismatch is
-`HeaderMismatch`, never garbage tokens. Copying a framework's tensor into
+(the prompt's token count, the wire dtype, the model's KV shape, the request's
+nonce): a mismatch is `HeaderMismatch`, never garbage tokens. The KV belongs to
+exactly one request: before and after copying each layer the receiver reads the
+slot's header again, and a header that changed (the slot freed, or handed to
+another request, while this reader was slow) fails the hand-off with `SlotChanged`
+(a `HandoffFailed`). The check after the last layer comes once the engine has the
+bytes on its device (`finish`), since an engine may only enqueue its copies. Copying a framework's tensor into
 `layer_buffer` is the sender's caller's business (prefill_gpu/kv_export.py for torch).
 
 Transports, one module each: shm.py (the shared-memory arena; the one the services
@@ -34,6 +39,7 @@ would follow its shape). A new transport is one more module with a `KVSender` an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import time
 from abc import ABC, abstractmethod
@@ -42,6 +48,7 @@ from typing import Callable, Iterable, Iterator, Union
 
 import numpy as np
 
+from services.engine.requests import HandoffFailed
 from services.kv.header import HeaderMismatch, SlotHeader
 from services.kv.layout import WireLayout, wire_dtype
 
@@ -61,6 +68,13 @@ class SlotGrant:
     size: int
     n_tokens: int
     dtype: str
+    # the request's nonce (header.request_nonce) as the *receiver* knows it: filled in on the receiving
+    # side from its own request, never read off the wire; 0: not known, the header's is taken as it is
+    nonce: int = 0
+
+
+class SlotChanged(HandoffFailed):
+    """The slot's header changed while the receiver was reading it: freed or handed to another request."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +178,9 @@ class KVReceiver(ABC):
         self.layout = layout_of(expected)
         self.state = HandoffState.WAITING
         self.grant: SlotGrant | None = None
+        self.accepted: SlotHeader | None = None  # the header as accepted: every later read must equal it
         self.bytes = 0
-        self.layers_imported = 0
+        self.layers: set[int] = set()  # the layers imported so far
         self.first_written_at: float | None = None
         self.on_device_at: float | None = None
 
@@ -178,8 +193,13 @@ class KVReceiver(ABC):
             if (grant.n_tokens, grant.dtype) != (e.n_tokens, e.dtype):
                 raise HeaderMismatch(f"the slot holds {grant.n_tokens} tokens of {grant.dtype}; this request "
                                      f"expects {e.n_tokens} tokens of {e.dtype}")
-            self._read_header(grant).check_against(e)
-            self.grant = grant
+            if e.nonce and grant.nonce and e.nonce != grant.nonce:
+                raise HeaderMismatch("the slot was granted for another request")
+            if not e.nonce and grant.nonce:
+                e = dataclasses.replace(e, nonce=grant.nonce)
+            header = self._read_header(grant)
+            header.check_against(e)
+            self.grant, self.accepted = grant, header
             self.state = HandoffState.TRANSFERRING
 
     def import_layer(self, msg: LayerReady) -> None:
@@ -191,27 +211,49 @@ class KVReceiver(ABC):
             if msg.nbytes != lay.layer_nbytes or not 0 <= msg.layer < lay.n_layers:
                 raise HeaderMismatch(f"layer {msg.layer} of {msg.nbytes} bytes does not match the slot's layout "
                                      f"({lay.n_layers} layers of {lay.layer_nbytes} bytes)")
+            if msg.layer in self.layers:
+                raise HeaderMismatch(f"layer {msg.layer} arrived twice")
+            self._check_unchanged(f"before layer {msg.layer}")
             raw = self._layer_bytes(msg)
             kv = np.frombuffer(raw, dtype=lay.dtype).reshape(lay.layer_shape)  # [2, kv_heads, n_tokens, dim]
             self.engine.import_kv_layer(self.seq, msg.layer, kv)
+            self._check_unchanged(f"while layer {msg.layer} was copied")
             self.bytes += msg.nbytes
-            self.layers_imported += 1
+            self.layers.add(msg.layer)
             if self.first_written_at is None:
                 self.first_written_at = msg.written_at
 
     def finish(self) -> None:
         """Every layer sent: wait until they are on the device. Only then may the sender free them."""
         with self._failing():
-            if self.state is not HandoffState.TRANSFERRING or self.layers_imported != self.layout.n_layers:
-                raise HeaderMismatch(f"the hand-off ended after {self.layers_imported} of "
-                                     f"{self.layout.n_layers} layers")
+            missing = sorted(set(range(self.layout.n_layers)) - self.layers)
+            if self.state is not HandoffState.TRANSFERRING or missing:
+                raise HeaderMismatch(f"the hand-off ended after {len(self.layers)} of {self.layout.n_layers} layers "
+                                     f"(missing {missing[:8]}{'...' if len(missing) > 8 else ''})")
             self.engine.finish_import(self.seq, self.layout.n_tokens)
+            # the engine's copies have read the slot now (they may have been only enqueued before)
+            self._check_unchanged("while the layers went to the device")
             self.on_device_at = time.time()
             self.state = HandoffState.DONE
+
+    @property
+    def layers_imported(self) -> int:
+        return len(self.layers)
 
     def fail(self) -> None:
         if self.state is not HandoffState.DONE:
             self.state = HandoffState.FAILED
+
+    def _check_unchanged(self, when: str) -> None:
+        """SlotChanged unless the slot's header still reads exactly as it did when accepted. The sender
+        zeroes it before the slot may be reused, so an equal header after a copy means the copy read
+        this request's bytes (stores and loads are ordered on the hosts this runs on: x86-64 TSO)."""
+        try:
+            now = self._read_header(self.grant)
+        except HeaderMismatch:
+            now = None
+        if now != self.accepted:
+            raise SlotChanged(f"the KV slot was freed or given to another request {when}")
 
     def consume(self, events: Iterable[HandoffEvent], keep_going: Callable[[], bool] = lambda: True
                 ) -> PrefillDone | None:

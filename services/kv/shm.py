@@ -2,8 +2,16 @@
 
 The grant's offset is the slot header's offset in the arena; a layer's offset is
 where its bytes start in the arena, right after the header and the layers before it.
+
+The receiver maps the arena by the name prefill_gpu gives; after a prefill_gpu
+restart that name is another. `remap` (from whoever knows the name: the decode
+service's peer) gives the arena to read now: the receiver asks for it when the
+granted slot does not carry its request's nonce in the arena it has mapped, so
+the first request after a restart reads the new arena, never the old one's KV.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -23,7 +31,7 @@ class ShmSender(KVSender):
 
     def _open(self) -> SlotGrant:
         self.slot = self.arena.allocate(self.layout.nbytes, timeout=self.wait_s)
-        self.arena.write_header(self.slot, self.header)
+        self.header = self.arena.write_header(self.slot, self.header)  # now with the slot's generation
         self._bytes = self.arena.data_view(self.slot, self.layout.nbytes)
         return SlotGrant(self.slot.offset, self.slot.size, self.header.n_tokens, self.header.dtype)
 
@@ -39,11 +47,25 @@ class ShmSender(KVSender):
 
 
 class ShmReceiver(KVReceiver):
-    """decode_fpga's side: reads the slot through its read-only mapping of the arena."""
+    """decode_fpga's side: reads the slot through its mapping of the arena; `remap(reader)` returns the
+    arena prefill_gpu uses now (the same reader when it has not changed)."""
 
-    def __init__(self, reader: ArenaReader, engine, seq, expected: SlotHeader):
+    def __init__(self, reader: ArenaReader, engine, seq, expected: SlotHeader,
+                 remap: Callable[[ArenaReader], ArenaReader] | None = None):
         super().__init__(engine, seq, expected)
-        self.reader = reader
+        self.reader, self._remap = reader, remap
+
+    def accept(self, grant: SlotGrant) -> None:
+        if self._remap is not None and not self._carries_our_nonce(grant):
+            self.reader = self._remap(self.reader)  # prefill_gpu may have restarted with a new arena
+        super().accept(grant)
+
+    def _carries_our_nonce(self, grant: SlotGrant) -> bool:
+        nonce = self.expected.nonce or grant.nonce
+        try:
+            return self.reader.is_current() and (not nonce or self.reader.read_header(grant.offset).nonce == nonce)
+        except HeaderMismatch:
+            return False
 
     def _read_header(self, grant: SlotGrant) -> SlotHeader:
         return self.reader.read_header(grant.offset)

@@ -6,6 +6,7 @@ request into plain objects and the hand-off's messages back into protos.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import grpc
@@ -14,18 +15,27 @@ from services.engine.handoff_wire import handoff_to_proto
 from services.engine.requests import EngineRequest
 from services.engine.service import EngineServicer, cancellation_of, request_id_of, sampling_from_proto
 from services.engine.status import abort
+from services.kv.header import SlotHeader, request_nonce
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
 class PrefillServicer(EngineServicer):
+    def admitted_calls(self, settings) -> int:
+        return super().admitted_calls(settings) + settings.prefill_max_concurrency + settings.prefill_queue_depth
+
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext):
         cancel, request_id = cancellation_of(context), request_id_of(request)
         try:
             plain = EngineRequest(tuple(request.prompt_token_ids), sampling_from_proto(request.sampling), "hybrid",
                                   request_id)
-            for ev in self.runtime.prefill(plain, request.wire_dtype, cancel):
+            nonce = request_nonce(request_id)  # the reader derives the same from the id it sent
+
+            def sender(header: SlotHeader):
+                return self.runtime.shm_sender(dataclasses.replace(header, nonce=nonce))
+
+            for ev in self.runtime.prefill(plain, request.wire_dtype, cancel, new_sender=sender):
                 yield handoff_to_proto(ev)
         except Exception as exc:
             abort(context, exc, self.process, request_id)
@@ -33,11 +43,13 @@ class PrefillServicer(EngineServicer):
 
 def build(loaded, settings, resources: contextlib.ExitStack) -> PrefillServicer:
     """The engine, its arena (removed on the way out) and the servicer over them."""
-    from services.kv.arena import Arena
+    from services.kv.arena import Arena, remove_stale_segments
     from services.prefill_gpu.engine import TorchEngine
     from services.prefill_gpu.runtime import PrefillRuntime
 
     engine = TorchEngine.from_settings(loaded, settings)
+    for name in remove_stale_segments():
+        log.warning("removed KV arena %s: the prefill_gpu that made it is gone", name)
     arena = Arena(settings.arena_bytes, pin_cuda=engine.device.type == "cuda")
     resources.callback(arena.close)
     log.info("KV arena %s: %d MiB, pre-faulted%s", arena.name, arena.size >> 20, ", pinned" if arena.pinned else "")

@@ -54,16 +54,17 @@ def test_a_freed_slot_wakes_a_waiter(arena):
 
 def test_reader_maps_by_name_and_sees_the_bytes(arena):
     slot = arena.allocate(4096, timeout=0)
-    arena.write_header(slot, HEADER)
+    written = arena.write_header(slot, HEADER)
     arena.data_view(slot, 8)[:] = np.arange(8, dtype=np.uint8)
     reader = ArenaReader(arena.name)
-    assert reader.read_header(slot.offset) == HEADER
+    assert written == dataclasses.replace(HEADER, generation=slot.generation) and slot.generation > 0
+    assert reader.read_header(slot.offset) == written
     assert bytes(reader.view(slot.data_offset, 8)) == bytes(range(8))
     with pytest.raises(HeaderMismatch, match="outside"):
         reader.view(arena.size - 4, 8)
 
 
-@pytest.mark.parametrize("field,value", [("version", 2), ("dtype", "fp16"), ("n_tokens", 18), ("model_id", "other")])
+@pytest.mark.parametrize("field,value", [("version", 1), ("dtype", "fp16"), ("n_tokens", 18), ("model_id", "other")])
 def test_header_mismatch_is_refused_with_the_field_named(arena, field, value):
     slot = arena.allocate(4096, timeout=0)
     arena.write_header(slot, dataclasses.replace(HEADER, **{field: value}))

@@ -11,9 +11,10 @@ from tests.services_harness import engine_pair
 PREFILL_ENV = {"HYBRIDSERVE_ARENA_BYTES": str(32 << 20), "HYBRIDSERVE_ARENA_WAIT_S": "1.0",
                "HYBRIDSERVE_MAX_CONCURRENCY": "1", "HYBRIDSERVE_QUEUE_DEPTH": "1",
                "HYBRIDSERVE_PREFILL_MAX_CONCURRENCY": "2", "HYBRIDSERVE_PREFILL_QUEUE_DEPTH": "64",
-               "HYBRIDSERVE_SLOT_HOLD_S": "5"}
+               "HYBRIDSERVE_SLOT_HOLD_S": "5", "HYBRIDSERVE_ENGINE_REFLECTION": "true"}
 DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "1024", "HYBRIDSERVE_MAX_SEQUENCES": "4",
-              "HYBRIDSERVE_MAX_CONCURRENCY": "4", "HYBRIDSERVE_QUEUE_DEPTH": "64"}
+              "HYBRIDSERVE_MAX_CONCURRENCY": "4", "HYBRIDSERVE_QUEUE_DEPTH": "64",
+              "HYBRIDSERVE_ENGINE_REFLECTION": "true"}  # reflection is off unless asked for
 
 
 @pytest.fixture(scope="package")
