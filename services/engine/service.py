@@ -94,8 +94,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         self.runtime, self.process = runtime, process  # process: "prefill_gpu" | "decode_fpga", for messages
 
     def admitted_calls(self, settings) -> int:
-        """The most calls the admissions hold at once, running or queued (each holds a server thread)."""
-        return settings.max_concurrency + settings.queue_depth
+        """The most Generate calls the engine loop holds at once, batched or queued (each holds a server
+        thread): max_num_seqs + queue_depth (engine_loop.py's back-pressure)."""
+        return settings.max_num_seqs + settings.queue_depth
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         cancel, request_id = cancellation_of(context), request_id_of(request)

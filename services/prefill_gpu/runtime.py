@@ -7,8 +7,9 @@ messages: the SlotGrant, one LayerReady per layer as soon as that layer is there
 prompt runs through the engine loop like any request (batched, chunked, its prefix
 cached), with one sampled token and an export hook that copies each layer out of
 the pool during the step that completes the prompt. The sender's memory is freed
-when the caller stops iterating (closing the generator) or, at the latest,
-`slot_hold_s` after PrefillDone.
+when the caller stops iterating (closing the generator: the reader ends the call) or
+when the call's deadline passes, never earlier (`slot_hold_s` after PrefillDone only for
+a call without a deadline).
 """
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ class PrefillRuntime(EngineRuntime):
                     sender.finish()
                     yield PrefillDone(ev[1], t.prefill_s, queue_s + t.queue_s, time.time())
                     m.REQUESTS.labels(status="ok").inc()
-                    # keep the memory until the reader ends the call (its layers are on its device)
-                    cancel.wait(self.settings.slot_hold_s)
+                    # keep the memory until the reader ends the call (its layers are on its device) or
+                    # the call's deadline passes; slot_hold_s bounds only a call that has no deadline
+                    cancel.wait(None if cancel.deadline is not None else self.settings.slot_hold_s)
                     return
                 elif isinstance(ev[1], Cancelled):
                     return

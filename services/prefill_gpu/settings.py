@@ -23,7 +23,7 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # auto = fp32, for parity across modes
     arena_bytes: int = 256 * 1024 * 1024
     arena_wait_s: float = 2.0  # bounded wait for a slot; then RESOURCE_EXHAUSTED
-    slot_hold_s: float = 30.0  # longest a finished Prefill keeps its slot for a silent client
+    slot_hold_s: float = 30.0  # longest a finished Prefill without a deadline keeps its slot for a silent reader
     wire_dtype: Literal["fp32", "fp16"] = "fp32"  # fp32 = the KV cache's own dtype on the CPU: identical tokens
     max_concurrency: int = 2  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     queue_depth: int = 16  # generations waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED

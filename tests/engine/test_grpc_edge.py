@@ -24,7 +24,8 @@ from tests.services_harness import Service
 TOKEN = "s3cret-engine-token"
 HANDOFF_QUEUE = 12
 ENV = {"HYBRIDSERVE_ENGINE_TOKEN": TOKEN, **{PrefillSettings.env_name(k): str(v) for k, v in {
-    "max_concurrency": 1, "queue_depth": 1, "prefill_max_concurrency": 1, "prefill_queue_depth": HANDOFF_QUEUE,
+    "max_num_seqs": 1, "queue_depth": 1, "kv_cache_mb": 64, "prefill_max_concurrency": 1,
+    "prefill_queue_depth": HANDOFF_QUEUE,
     "slot_hold_s": 300, "arena_bytes": 32 << 20}.items()}}
 
 
