@@ -13,7 +13,9 @@ other rows hold, while M = 1..3 take another kernel and differ in the last bits.
 matmul here gets at least MIN_GEMM_ROWS rows (zero rows pad the batch), and tests check the
 property itself (tests/prefill_gpu/test_batched_step.py). Decode attention pads every context to
 a multiple of ATTN_LEN_MULTIPLE: masked positions past that add exact zeros, so a row attends
-bit-identically whatever the batch's longest context.
+bit-identically whatever the batch's longest context; its batched matmuls read contiguous K/V
+(with strided operands a row's bits changed with the number of rows). Measured on the CPU only:
+cuBLAS picks kernels by shape, so on CUDA rows agree to rounding, not to the bit.
 """
 from __future__ import annotations
 
