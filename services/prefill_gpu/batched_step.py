@@ -13,7 +13,9 @@ other rows hold, while M = 1..3 take another kernel and differ in the last bits.
 matmul here gets at least MIN_GEMM_ROWS rows (zero rows pad the batch), and tests check the
 property itself (tests/prefill_gpu/test_batched_step.py). Decode attention pads every context to
 a multiple of ATTN_LEN_MULTIPLE: masked positions past that add exact zeros, so a row attends
-bit-identically whatever the batch's longest context.
+bit-identically whatever the batch's longest context; its batched matmuls read contiguous K/V
+(with strided operands a row's bits changed with the number of rows). Measured on the CPU only:
+cuBLAS picks kernels by shape, so on CUDA rows agree to rounding, not to the bit.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ class StepPlan:
     write_slots: torch.Tensor  # [n_rows]
     decode_rows: torch.Tensor | None  # [B] rows of the one-token chunks
     decode_slots: torch.Tensor | None  # [B, L]: slots of each decode row's context, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = a real position
+    decode_bias: torch.Tensor | None  # [kv_heads * B, 1, L]: 0 at a real position, -inf at padding
     prefills: list[PrefillRows]
     sample_rows: torch.Tensor  # [S]: each sampling chunk's last row, in chunk order
 
@@ -111,7 +113,9 @@ def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: i
             real[b, :len(s)] = True
         plan.decode_rows = pool.index(np.asarray(decode_rows, dtype=np.int64))
         plan.decode_slots = pool.index(gather)
-        plan.decode_mask = pool.index(real)[:, None, None, :]
+        bias = np.where(real, np.float32(0), np.float32(-np.inf))  # [B, L]
+        kv_heads = pool.cfg.n_kv_heads  # rows ordered (kv head, decode row) as _decode_attention's
+        plan.decode_bias = pool.index(np.tile(bias, (kv_heads, 1))[:, None, :]).to(pool.dtype)
     return plan
 
 
@@ -119,21 +123,22 @@ def _decode_attention(model: LlamaTorch, pool: PagedKVPool, layer: int, plan: St
                       q: torch.Tensor) -> torch.Tensor:
     """Attention of every one-token row over its gathered context; [B, q_dim]."""
     c = model.cfg
-    b = plan.decode_slots.shape[0]
-    # contiguous operands: with strided ones torch's batched matmul changes a row's bits with B
-    k, v = pool.gather(layer, plan.decode_slots).permute(2, 0, 3, 1, 4).contiguous()  # [B, kvh, L, dim] each
-    # query head h reads kv head h // group (as SDPA's enable_gqa): group the heads under their kv head
-    qg = q.index_select(0, plan.decode_rows).view(b, c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim)
-    scores = (qg @ k.transpose(-1, -2)).float() * c.head_dim ** -0.5  # [B, kvh, group, L]
-    scores = scores.masked_fill(~plan.decode_mask, float("-inf"))
-    out = scores.softmax(dim=-1).to(v.dtype) @ v  # [B, kvh, group, dim]
-    return out.reshape(b, c.q_dim)
+    b, length = plan.decode_slots.shape
+    group = c.n_heads // c.n_kv_heads
+    # [2, kvh, B * L, dim], contiguous: with strided operands torch's batched matmul changes a row's bits with B
+    k, v = pool.gather(layer, plan.decode_slots).view(2, c.n_kv_heads * b, length, c.head_dim)
+    # query head h reads kv head h // group (as SDPA's enable_gqa): [kvh * B, group, dim]
+    qg = q.index_select(0, plan.decode_rows).view(b, c.n_kv_heads, group, c.head_dim).transpose(0, 1)
+    qg = qg.reshape(c.n_kv_heads * b, group, c.head_dim)
+    # scale, mask and q @ k^T in one call: [kvh * B, group, L]
+    scores = torch.baddbmm(plan.decode_bias, qg, k.transpose(1, 2), alpha=c.head_dim ** -0.5)
+    out = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype) @ v  # [kvh * B, group, dim]
+    return out.view(c.n_kv_heads, b, group, c.head_dim).transpose(0, 1).reshape(b, c.q_dim)
 
 
 def _prefill_attention(pool: PagedKVPool, layer: int, chunk: PrefillRows, q: torch.Tensor) -> torch.Tensor:
     """One chunk's causal attention over its cached context and itself; [n, q_dim]."""
-    kv = pool.gather(layer, chunk.context_slots)  # [ctx, 2, kvh, dim]
-    k, v = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, kvh, ctx, dim]
+    k, v = pool.gather(layer, chunk.context_slots)[:, None]  # [1, kvh, ctx, dim] each
     qc = q[chunk.row0:chunk.row1].transpose(0, 1)[None]  # [1, heads, n, dim]
     if chunk.mask is None:
         out = F.scaled_dot_product_attention(qc, k, v, is_causal=True, enable_gqa=True)

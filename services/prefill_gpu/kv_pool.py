@@ -1,11 +1,11 @@
 """The torch engine's paged KV pool: one tensor of fixed-size blocks, addressed through block tables.
 
-Layout, slot-major: `data[layer, slot, k|v, kv_head, dim]` with slot = block * block_size + offset,
+Layout, heads-major: `data[layer, k|v, kv_head, slot, dim]` with slot = block * block_size + offset,
 so position p of a sequence lives in slot table[p // block_size] * block_size + p % block_size.
-A slot's K and V of every kv head are one contiguous row (2 * n_kv_heads * head_dim values), so
-writing all of a step's rows is one `index_copy_` and gathering any set of positions (a decode's
-whole context through its block table) is one `index_select` of whole rows; the heads-major wire
-layout [2, n_kv_heads, n, head_dim] is a permuted view of such a gather.
+Why: a gather along the slot axis (one `index_select` per layer, for any set of positions: every
+decode's whole context through its block table) comes out as [2, kv_heads, n, dim], contiguous,
+which is both what attention's batched matmuls read without another copy and the wire layout
+[2, n_kv_heads, n, head_dim] of the hybrid hand-off. Writing a step's rows is one `index_copy_`.
 
 Block ids come from the scheduler's BlockManager; the pool only checks that they index memory it has.
 """
@@ -33,7 +33,7 @@ class PagedKVPool:
         if self.num_blocks < 1:
             raise ValueError(f"a KV budget of {kv_cache_mb} MiB holds no block of {block_size} tokens")
         # torch.empty: pages are touched only when a block is first written
-        self.data = torch.empty((cfg.n_layers, self.num_blocks * block_size, 2, cfg.n_kv_heads, cfg.head_dim),
+        self.data = torch.empty((cfg.n_layers, 2, cfg.n_kv_heads, self.num_blocks * block_size, cfg.head_dim),
                                 device=device, dtype=dtype)
 
     @property
@@ -63,11 +63,11 @@ class PagedKVPool:
     # ---- one layer -------------------------------------------------------------------------
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, n_kv_heads, head_dim] into the n slots."""
-        self.data[layer].index_copy_(0, slots, torch.stack([k, v], dim=1))
+        self.data[layer].index_copy_(2, slots, torch.stack([k, v]).transpose(1, 2))
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """The slots' rows, [*slots.shape, 2, n_kv_heads, head_dim] (a copy)."""
-        return self.data[layer].index_select(0, slots.reshape(-1)).view(*slots.shape, *self.data.shape[2:])
+        """The slots' K and V, [2, n_kv_heads, slots.numel(), head_dim] (a contiguous copy)."""
+        return self.data[layer].index_select(2, slots.reshape(-1))
 
     # ---- wire layout (hybrid hand-off, tests) ----------------------------------------------
     def import_layer(self, block_table: Sequence[int], layer: int, kv: np.ndarray) -> None:
@@ -82,17 +82,15 @@ class PagedKVPool:
             raise ValueError(f"kv must be float32 or float16, got {kv.dtype}")
         slots = self.index(self.slots(block_table, 0, kv.shape[2]))
         src = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device, self.dtype)  # [2, kvh, n, dim]
-        self.data[layer].index_copy_(0, slots, src.permute(2, 0, 1, 3))
+        self.data[layer].index_copy_(2, slots, src)
 
     def export_layer(self, block_table: Sequence[int], layer: int, n_tokens: int) -> torch.Tensor:
         """Positions [0, n) of one layer in wire layout [2, n_kv_heads, n, head_dim], on the device."""
         if not 0 <= layer < self.cfg.n_layers:
             raise ValueError(f"layer {layer} is not in [0, {self.cfg.n_layers})")
-        rows = self.gather(layer, self.index(self.slots(block_table, 0, n_tokens)))  # [n, 2, kvh, dim]
-        return rows.permute(1, 2, 0, 3).contiguous()
+        return self.gather(layer, self.index(self.slots(block_table, 0, n_tokens)))
 
     def read(self, block_table: Sequence[int], n_tokens: int) -> np.ndarray:
         """Positions [0, n) of every layer, [n_layers, 2, n_kv_heads, n, head_dim] float32."""
         slots = self.index(self.slots(block_table, 0, n_tokens))
-        rows = self.data.index_select(1, slots)  # [layers, n, 2, kvh, dim]
-        return rows.permute(0, 2, 3, 1, 4).float().cpu().numpy()
+        return self.data.index_select(3, slots).float().cpu().numpy()
