@@ -1,7 +1,9 @@
 """The OpenCL engine's paged step (continuous batching) against its slot path's decode steps.
 
 ms per decode step at batch 1, 4, 8, 16 and a context of 128 and 512 tokens, gguf weights:
-  * paged       OpenCLEngine.step over the paged pool, every row a decode, greedy
+  * paged       OpenCLEngine.step over the paged pool, every row a decode, greedy (at batch 1 its
+                one-launch layers, paged_decode_layers)
+  * paged-LbL   the same launch by launch (an engine with layer_kernels off)
   * slot-1L     decode_greedy on slots, the one-launch layers (batch 1 only: decode_layers.cl)
   * slot-LbL    decode_greedy on slots, launch by launch
 The KV is random (imported, not prefilled: a step's cost does not depend on its values).
@@ -99,12 +101,13 @@ def main() -> None:
         for ctx in CONTEXTS:
             for batch in BATCHES:
                 runs = [("paged", lambda: time_paged(one, cfg, batch, ctx, args.steps)),
+                        ("paged-LbL", lambda: time_paged(lbl, cfg, batch, ctx, args.steps)),
                         ("slot-LbL", lambda: time_slot(lbl, cfg, batch, ctx, args.steps))]
                 if batch == 1:
                     runs.append(("slot-1L", lambda: time_slot(one, cfg, batch, ctx, args.steps)))
                 for name, run in runs:
                     cells.setdefault((name, ctx, batch), []).extend(run())
-    names = ["paged", "slot-1L", "slot-LbL"]
+    names = ["paged", "paged-LbL", "slot-1L", "slot-LbL"]
     rows, lines = [], []
     for ctx in CONTEXTS:
         for batch in BATCHES:

@@ -72,7 +72,7 @@ class OpenCLEngine:
         self.step_inputs = PagedStepInputs(dev, self.paged.layout, cfg.vocab_size, config.max_num_batched_tokens,
                                            config.max_num_seqs, self.paged.max_blocks, self.fit.max_context)
         self.paged_plans = PagedStepPlans(dev, cfg, weights, self.paged, self.scratch, self.step_inputs,
-                                          config.max_num_seqs)
+                                          config.max_num_seqs, self.fit.one_launch_layers, self.fit.layer_groups)
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
@@ -142,23 +142,48 @@ class OpenCLEngine:
             self._keep_awake()
             q, plans, keep = self.dev.queue, self.paged_plans, []
             self.step_inputs.upload(rows, keep)
-            plans.embed.enqueue(q, *rows.span("all"))
-            for li in range(self.cfg.n_layers):
-                plans.enqueue_layer(q, li, rows)
-                if on_layer is not None:
-                    q.finish()  # layer li's K and V of every chunk are in the pool
-                    on_layer(li)
+            failed = self._enqueue_paged_step(rows, greedy, on_layer)
             if rows.n_samples == 0:
                 q.finish()
+            else:
+                out = (np.empty(rows.n_samples, np.int32) if greedy
+                       else np.empty((rows.n_samples, self.cfg.vocab_size), np.float32))
+                cl.enqueue_copy(q, out, plans.picks if greedy else plans.logits, is_blocking=True)  # the one wait
+            if failed is not None and failed[0]:
+                log.warning("paged_decode_layers' work-groups did not all run at once on %s; paged steps run "
+                            "launch by launch from now on", self.device_name)
+                plans.drop_one_launch()
+                return self.step(chunks, greedy, on_layer)  # the KV it wrote is rewritten with the same values
+            if rows.n_samples == 0:
                 return [] if greedy else np.empty((0, self.cfg.vocab_size), np.float32)
-            plans.enqueue_head(q, rows, greedy)
-            if greedy:
-                picks = np.empty(rows.n_samples, np.int32)
-                cl.enqueue_copy(q, picks, plans.picks, is_blocking=True)  # the one wait of this step
-                return picks.tolist()
-            logits = np.empty((rows.n_samples, self.cfg.vocab_size), np.float32)
-            cl.enqueue_copy(q, logits, plans.logits, is_blocking=True)
-            return logits
+            return out.tolist() if greedy else out
+
+    def _enqueue_paged_step(self, rows, greedy: bool, on_layer) -> np.ndarray | None:
+        """Enqueue the embedding, every layer and the head of a paged step; returns the host array a
+        one-launch step's failure flag is read into (see step), else None."""
+        q, plans = self.dev.queue, self.paged_plans
+        if on_layer is None and plans.uses_one_launch(rows):
+            # as in _enqueue_decode: enqueued whole behind a gate, so the spinning work-groups never
+            # wait for this thread to enqueue the rest
+            gate = cl.UserEvent(self.dev.context)
+            try:
+                cl.enqueue_nd_range_kernel(q, plans.embed.kernel, (1,), None, wait_for=[gate])
+                for launch in plans.one_launch:
+                    launch.enqueue(q, 0, 1)
+                plans.enqueue_head(q, rows, greedy)
+            finally:
+                gate.set_status(cl.command_execution_status.COMPLETE)
+            failed = np.zeros(1, np.int32)
+            cl.enqueue_copy(q, failed, self.scratch.sync, is_blocking=False)
+            return failed
+        plans.embed.enqueue(q, *rows.span("all"))
+        for li in range(self.cfg.n_layers):
+            plans.enqueue_layer(q, li, rows)
+            if on_layer is not None:
+                q.finish()  # layer li's K and V of every chunk are in the pool
+                on_layer(li)
+        plans.enqueue_head(q, rows, greedy)
+        return None
 
     def import_kv_blocks(self, block_table, layer: int, kv: np.ndarray) -> None:
         """Hybrid, receiving side: one layer of wire-layout KV [2, n_kv_heads, n, head_dim] (fp32 or fp16)

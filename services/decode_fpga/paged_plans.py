@@ -12,6 +12,11 @@ of gemv / gemv_quant); RMSNorm, SiLU and the attention kernels are per row alrea
 chunks always take the decode attention kernel and longer chunks always the prefill one
 (paged_step_rows.py). The one-row fused kernels (norm and SiLU prologues) compute the same
 bits as the launches here, but are not used: one set of launches serves every step.
+
+On a CPU device with packed block weights, a step of one decode row runs every layer in one
+launch (paged_decode_layers, decode_layers.cl built over the pool): the same bits as the layers'
+launches here, ~half the time at batch 1 on PoCL (bench/paged_step.py). `drop_one_launch` goes
+back to launch by launch for good, as LaunchPlans does.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_step_rows import PagedStepInputs, StepRows
 from services.decode_fpga.plans import ARGMAX_WG
-from services.decode_fpga.scratch import Scratch, blocks32
+from services.decode_fpga.quant_gemv import QFMT_CODES
+from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
 from services.model.config import ModelConfig
 
 Span = str  # which rows a launch covers: StepRows.span's names, "all", "decodes", "chunks", "samples"
@@ -37,7 +43,8 @@ def spanning(launch: Launch, rows_dim: int = 0) -> RowLaunch:
 
 class PagedStepPlans:
     def __init__(self, dev: DeviceContext, cfg: ModelConfig, weights: DeviceWeights, store: PagedKVStore,
-                 scratch: Scratch, inputs: PagedStepInputs, max_samples: int):
+                 scratch: Scratch, inputs: PagedStepInputs, max_samples: int, one_launch: bool = False,
+                 layer_groups: int = 1):
         self.dev, self.cfg, self.weights, self.store, self.s, self.inputs = dev, cfg, weights, store, scratch, inputs
         self._norm = dev.build("norm.cl")
         self._elementwise = dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
@@ -54,6 +61,16 @@ class PagedStepPlans:
         self.argmax = bind_rows(self._elementwise, "argmax_rows", (ARGMAX_WG,), self.logits,
                                 np.int32(cfg.vocab_size), self.picks, self._argmax_pos, rows_scale=ARGMAX_WG,
                                 local_size=(ARGMAX_WG,))
+        # one decode row: [clear_ints, paged_decode_layers], or None
+        self.one_launch = self._bind_one_launch(layer_groups) if one_launch and weights.packed is not None else None
+
+    def uses_one_launch(self, rows: StepRows) -> bool:
+        """Whether this step's layers run as one launch (a step of one decode row)."""
+        return self.one_launch is not None and rows.n_rows == 1 and rows.n_decodes == 1
+
+    def drop_one_launch(self) -> None:
+        """From now on every step runs launch by launch (paged_decode_layers' work-groups did not all run at once)."""
+        self.one_launch = None
 
     # ---- replay -------------------------------------------------------------------------
     def enqueue_layer(self, queue: cl.CommandQueue, li: int, rows: StepRows) -> None:
@@ -98,6 +115,22 @@ class PagedStepPlans:
             ("all", layer.down.bind_gemv_rows(s.act, s.x, n_rows, accumulate=True, x_sums=s.act_sums)),
         ]
         return out
+
+    def _bind_one_launch(self, layer_groups: int) -> list[RowLaunch]:
+        """Every layer of a one-decode step as one launch, after its counters are zeroed."""
+        c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
+        b = self.inputs.buffers
+        program = self.dev.build("decode_layers.cl", {
+            "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
+            "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size})
+        clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
+        layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
+                           np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
+                           s.act_sums, b["seq_of_row"], b["pos"], s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)),
+                           st.pool, np.int64(st.layout.layer_elems), b["block_tables"], np.int32(st.max_blocks),
+                           s.sync, rows_dim=None, local_size=(1,))
+        return [clear, layers]
 
     def _bind_head(self) -> list[tuple[Span, RowLaunch]]:
         """The sampling rows of scratch.x gathered into self.sampled, the final norm, the LM head."""

@@ -201,3 +201,48 @@ def test_a_step_without_sampling_chunks_returns_nothing(ocl_gguf_engine):
     e = ocl_gguf_engine
     assert e.step([chunk(0, 0, [5, 6, 7], [1], samples=False)], greedy=True) == []
     assert e.step([chunk(0, 0, [5, 6, 7], [1], samples=False)], greedy=False).shape == (0, e.cfg.vocab_size)
+
+
+def decode_logits(engine, prompt, table, n_new):
+    """The prompt in one step, then n_new one-row decode steps: their logits [n_new, vocab]."""
+    token = int(np.argmax(engine.step([chunk(0, 0, prompt, table)], greedy=False)[0]))
+    out = []
+    for i in range(n_new):
+        out.append(engine.step([chunk(0, len(prompt) + i, [token], table)], greedy=False)[0])
+        token = int(np.argmax(out[-1]))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("n_prompt", [9, 31])  # 31: decodes cross position 31, where attention tiles end
+def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
+                                                       n_prompt):
+    one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
+    assert one.paged_plans.one_launch is not None and launches.paged_plans.one_launch is None
+    rows = one.step_inputs.rows([chunk(0, 0, [5], [0])])
+    assert one.paged_plans.uses_one_launch(rows)
+    assert not one.paged_plans.uses_one_launch(one.step_inputs.rows([chunk(0, 0, [5], [0]), chunk(1, 0, [6], [1])]))
+    prompt = random_prompt(n_prompt, model_config.vocab_size, seed=24)
+    table = scattered_tables(one, [n_prompt + 8], seed=10)[0]
+    np.testing.assert_array_equal(decode_logits(one, prompt, table, 6), decode_logits(launches, prompt, table, 6))
+
+
+def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
+                                                                model_config, caplog):
+    """More work-groups than PoCL has threads: the barrier gives up, the step is redone launch by
+    launch with the same results, and the engine stays there."""
+    import logging
+
+    from services.model.gguf_blocks import read_block_tensors
+    from tests.decode_fpga.conftest import make_engine
+
+    engine = make_engine(loaded_model, cl_dev, weights_dtype="gguf", max_context=64, max_sequences=1,
+                         blocks=read_block_tensors(loaded_model.checkpoint, model_config))
+    plans = engine.paged_plans
+    plans.one_launch = plans._bind_one_launch(2 * cl_dev.device.max_compute_units + 1)
+    prompt = random_prompt(9, model_config.vocab_size, seed=25)
+    table = scattered_tables(engine, [20], seed=11)[0]
+    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
+        got = decode_logits(engine, prompt, table, 3)
+    assert any("paged_decode_layers" in r.getMessage() for r in caplog.records)
+    assert plans.one_launch is None
+    np.testing.assert_array_equal(got, decode_logits(ocl_gguf_launches_engine, prompt, table, 3))
