@@ -15,6 +15,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import WEIGHT_FORMATS
 from services.decode_fpga.settings import DecodeSettings
+from services.engine.batching_settings import DEFAULT_KV_CACHE_MB
 from services.model.config import ModelConfig
 
 PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
@@ -30,11 +31,17 @@ class EngineConfig:
     max_sequences: int = 4  # sequences resident on the device at once
     keep_cores_awake: bool = True  # on a CPU device: hold a 0 µs wake-up latency while steps run (cpu_wake.py)
     layer_kernels: bool = True  # on a CPU device with block weights: a one-sequence step in one launch
+    # continuous batching (step over the paged pool, services/engine/batching_settings.py)
+    kv_cache_mb: int = DEFAULT_KV_CACHE_MB  # the paged KV pool's budget, MiB
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # chunks (sequences) one step computes at most
+    max_num_batched_tokens: int = 512  # rows one step computes at most
 
     def __post_init__(self) -> None:
         if self.weights_dtype not in WEIGHT_FORMATS:
             raise ValueError(f"weights_dtype must be one of {WEIGHT_FORMATS}, got {self.weights_dtype!r}")
-        for name in ("kv_channels", "max_context", "max_sequences"):
+        for name in ("kv_channels", "max_context", "max_sequences", "kv_cache_mb", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -48,7 +55,9 @@ class EngineConfig:
             fmt = "gguf" if checkpoint_kind == "gguf" else "fp32"
         return cls(weights_dtype=fmt, kv_channels=settings.kv_channels, max_context=settings.max_context,
                    max_sequences=settings.max_sequences, keep_cores_awake=settings.opencl_keep_cores_awake,
-                   layer_kernels=settings.opencl_layer_kernels)
+                   layer_kernels=settings.opencl_layer_kernels, kv_cache_mb=settings.kv_cache_mb,
+                   block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
+                   max_num_batched_tokens=settings.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class DeviceFit:
     """What an EngineConfig comes to for one model on one device, decided once at start-up."""
 
     max_context: int  # positions per sequence: the config's, capped by the model's
-    max_rows: int  # rows the scratch buffers hold: a prefill chunk or a decode step's sequences
+    max_rows: int  # rows the scratch buffers hold: a prefill chunk, a decode step's sequences or a paged step
     keep_cores_awake: bool  # asked for, and the device is a CPU
     one_launch_layers: bool  # a one-sequence decode step's layers may run as one launch (decode_layers.cl)
     layer_groups: int  # work-groups of that launch: one per compute unit (worker thread)
@@ -69,7 +78,7 @@ class DeviceFit:
         # decode_layers.cl: one work-item per row (a CPU's kernels), one KV channel, whole 32-column blocks
         whole_blocks = not (cfg.hidden % 32 or cfg.intermediate % 32 or cfg.q_dim % 32 or cfg.head_dim % 32)
         return cls(max_context=min(config.max_context, cfg.max_context),
-                   max_rows=max(PREFILL_CHUNK, config.max_sequences),
+                   max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),
                    keep_cores_awake=config.keep_cores_awake and cpu,
                    one_launch_layers=(config.layer_kernels and cpu and dev.lanes_per_row == 1
                                       and config.kv_channels == 1 and whole_blocks),

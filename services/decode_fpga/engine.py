@@ -5,6 +5,13 @@
     kv_store.py        KVStore: sequences and their KV on the device, KV handed off by prefill_gpu
     scratch.py         the forward's working buffers, and the rows a step runs over
     plans.py           LaunchPlans: the bound launches of a prefill chunk, a decode step, the logits
+    paged_kv_store.py  PagedKVStore: the paged KV pool (continuous batching), KV imported into its blocks
+    paged_step_rows.py a paged step's rows from the scheduler's chunks, checked, and their upload
+    paged_plans.py     PagedStepPlans: the bound launches of a paged step, for any rows
+
+Two paths share the weights and the scratch buffers: sequences in slots (new_sequence,
+prefill, decode: the Engine protocol) and steps over the paged pool (step: the BatchEngine
+protocol, services/engine/api.py, which the engine loop drives). They keep their KV apart.
 
 One forward serves prefill and decode: it runs a set of *rows* (token, slot,
 position) through every layer. A prefill is the prompt's rows in chunks; a
@@ -32,6 +39,9 @@ from services.decode_fpga.cpu_wake import CpuWakeLatency
 from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.device_weights import DeviceWeights, build_device_weights
 from services.decode_fpga.kv_store import KVStore, OpenCLSequence
+from services.decode_fpga.paged_kv_store import PagedKVStore
+from services.decode_fpga.paged_plans import PagedStepPlans
+from services.decode_fpga.paged_step_rows import PagedStepInputs
 from services.decode_fpga.plans import LaunchPlans, StepKind
 from services.decode_fpga.scratch import RowInputs, Scratch
 from services.decode_fpga.settings import DecodeSettings
@@ -57,6 +67,12 @@ class OpenCLEngine:
         self.scratch = Scratch.allocate(dev, cfg, self.fit.max_rows, config.max_sequences, self.fit.max_context)
         self.rows = RowInputs(dev.queue, self.scratch)
         self.plans = LaunchPlans(dev, cfg, weights, self.kv, self.scratch, self.fit)
+        # the continuous-batching path: the paged pool, a step's int inputs and its launches
+        self.paged = PagedKVStore.from_budget(dev, cfg, config.kv_cache_mb, config.block_size, self.fit.max_context)
+        self.step_inputs = PagedStepInputs(dev, self.paged.layout, cfg.vocab_size, config.max_num_batched_tokens,
+                                           config.max_num_seqs, self.paged.max_blocks, self.fit.max_context)
+        self.paged_plans = PagedStepPlans(dev, cfg, weights, self.paged, self.scratch, self.step_inputs,
+                                          config.max_num_seqs, self.fit.one_launch_layers, self.fit.layer_groups)
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
@@ -72,8 +88,9 @@ class OpenCLEngine:
         weights = build_device_weights(dev, cfg, host_weights, config.weights_dtype, blocks, pack_layers=pack)
         engine = cls(cfg, dev, config, weights)
         log.info("OpenCL engine on %s: %.1f MB of %s weights resident, %.1f MB KV over %d channel(s), "
-                 "uploaded in %.2fs", dev.name, weights.nbytes / 1e6, weights.fmt, engine.kv.nbytes / 1e6,
-                 config.kv_channels, time.perf_counter() - start)
+                 "a paged KV pool of %.1f MB (%d blocks of %d tokens), uploaded in %.2fs", dev.name,
+                 weights.nbytes / 1e6, weights.fmt, engine.kv.nbytes / 1e6, config.kv_channels,
+                 engine.paged.nbytes / 1e6, engine.num_blocks, engine.block_size, time.perf_counter() - start)
         return engine
 
     @classmethod
@@ -97,6 +114,91 @@ class OpenCLEngine:
     @property
     def max_context(self) -> int:
         return self.fit.max_context
+
+    # ---- BatchEngine: what the engine loop reads -------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.paged.layout.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.paged.layout.num_blocks
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    # ---- BatchEngine API -----------------------------------------------------------------
+    def step(self, chunks, greedy: bool, on_layer=None) -> list[int] | np.ndarray:
+        """One forward over every row of every chunk (services/engine/api.py's BatchEngine.step): the
+        sampling chunks' argmax tokens (greedy) or their logits [n_sampling, vocab]. One wait, when
+        the results are read back (and one a layer while on_layer is given)."""
+        with self._lock:
+            rows = self.step_inputs.rows(chunks)
+            self._keep_awake()
+            q, plans, keep = self.dev.queue, self.paged_plans, []
+            self.step_inputs.upload(rows, keep)
+            failed = self._enqueue_paged_step(rows, greedy, on_layer)
+            if rows.n_samples == 0:
+                q.finish()
+            else:
+                out = (np.empty(rows.n_samples, np.int32) if greedy
+                       else np.empty((rows.n_samples, self.cfg.vocab_size), np.float32))
+                cl.enqueue_copy(q, out, plans.picks if greedy else plans.logits, is_blocking=True)  # the one wait
+            if failed is not None and failed[0]:
+                log.warning("paged_decode_layers' work-groups did not all run at once on %s; paged steps run "
+                            "launch by launch from now on", self.device_name)
+                plans.drop_one_launch()
+                return self.step(chunks, greedy, on_layer)  # the KV it wrote is rewritten with the same values
+            if rows.n_samples == 0:
+                return [] if greedy else np.empty((0, self.cfg.vocab_size), np.float32)
+            return out.tolist() if greedy else out
+
+    def _enqueue_paged_step(self, rows, greedy: bool, on_layer) -> np.ndarray | None:
+        """Enqueue the embedding, every layer and the head of a paged step; returns the host array a
+        one-launch step's failure flag is read into (see step), else None."""
+        q, plans = self.dev.queue, self.paged_plans
+        if on_layer is None and plans.uses_one_launch(rows):
+            # as in _enqueue_decode: enqueued whole behind a gate, so the spinning work-groups never
+            # wait for this thread to enqueue the rest
+            gate = cl.UserEvent(self.dev.context)
+            try:
+                cl.enqueue_nd_range_kernel(q, plans.embed.kernel, (1,), None, wait_for=[gate])
+                for launch in plans.one_launch:
+                    launch.enqueue(q, 0, 1)
+                plans.enqueue_head(q, rows, greedy)
+            finally:
+                gate.set_status(cl.command_execution_status.COMPLETE)
+            failed = np.zeros(1, np.int32)
+            cl.enqueue_copy(q, failed, self.scratch.sync, is_blocking=False)
+            return failed
+        plans.embed.enqueue(q, *rows.span("all"))
+        for li in range(self.cfg.n_layers):
+            plans.enqueue_layer(q, li, rows)
+            if on_layer is not None:
+                q.finish()  # layer li's K and V of every chunk are in the pool
+                on_layer(li)
+        plans.enqueue_head(q, rows, greedy)
+        return None
+
+    def import_kv_blocks(self, block_table, layer: int, kv: np.ndarray) -> None:
+        """Hybrid, receiving side: one layer of wire-layout KV [2, n_kv_heads, n, head_dim] (fp32 or fp16)
+        into positions [0, n) of the blocks; only enqueued (finish_import_blocks waits)."""
+        with self._lock:
+            self.paged.import_layer(block_table, layer, kv)
+
+    def finish_import_blocks(self) -> None:
+        with self._lock:
+            self.paged.finish_import()
+
+    def read_kv_blocks(self, block_table, n_tokens: int) -> np.ndarray:
+        """Positions [0, n) in wire layout, [n_layers, 2, n_kv_heads, n, head_dim] float32."""
+        with self._lock:
+            return self.paged.read(block_table, n_tokens)
 
     # ---- Engine API ---------------------------------------------------------
     def new_sequence(self, capacity: int) -> OpenCLSequence:

@@ -13,7 +13,7 @@ import numpy as np
 import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
-from services.decode_fpga.launch import Launch, bind
+from services.decode_fpga.launch import Launch, RowLaunch, bind, bind_rows
 
 DENSE_FORMATS = {"fp32": (np.float32, 0), "fp16": (np.float16, 1)}
 
@@ -32,6 +32,11 @@ class DeviceMatrix(Protocol):
                   x_sums: cl.Buffer | None = None) -> Launch:
         """The launch of y[b, r] (+)= sum_c W[r, c] * x[b, c] for b < batch. x: [batch, cols] float32
         row-major, y: [batch, rows] float32 row-major, x_sums: [batch, cols / 32] float32."""
+
+    def bind_gemv_rows(self, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool = False,
+                       x_sums: cl.Buffer | None = None) -> RowLaunch:
+        """bind_gemv for any number of rows, each computed as one row alone would be (batch invariance):
+        the row count is n_rows[0] on the device, or the RowLaunch's rows when it spans them."""
 
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """The launch of x[r, :] = W[tokens[r], :] for r < n_rows: the embedding lookup."""
@@ -77,6 +82,10 @@ class DenseMatrix(EnqueueOnce):
             raise ValueError(f"batch must be >= 1, got {batch}")
         return bind(self._program, "gemv", (self.rows,), self.buffer, x, y, np.int32(self.cols),
                     np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+
+    def bind_gemv_rows(self, x, y, n_rows, accumulate=False, x_sums=None) -> RowLaunch:
+        return bind_rows(self._program, "gemv_rows", (self.rows,), self.buffer, x, y, np.int32(self.cols),
+                         np.int32(self.rows), n_rows, np.int32(bool(accumulate)), rows_dim=None)
 
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""

@@ -30,3 +30,38 @@ def bind(program: cl.Program, name: str, global_size: tuple[int, ...], *args,
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
     return Launch(kernel, tuple(global_size), local_size)
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """A launch bound once whose global size follows a step's rows (the paged step, paged_plans.py).
+
+    `rows_dim` is the dimension that spans rows: the launch covers rows [start, start + count) of the
+    step through a global size of `count` there (times `rows_scale`) and a global offset of `start`,
+    so one kernel object serves every step, whatever its rows. rows_dim None: a fixed global size
+    (a kernel that reads its row count from the device)."""
+
+    kernel: cl.Kernel
+    global_size: tuple[int, ...]  # rows_dim's entry is ignored
+    rows_dim: int | None = 0
+    rows_scale: int = 1  # work-items per row along rows_dim (a GPU's lanes)
+    local_size: tuple[int, ...] | None = None
+
+    def enqueue(self, queue: cl.CommandQueue, start: int, count: int) -> None:
+        if count <= 0:
+            return
+        size, offset = list(self.global_size), None
+        if self.rows_dim is not None:
+            size[self.rows_dim] = count * self.rows_scale
+            if start:
+                offset = [0] * len(size)
+                offset[self.rows_dim] = start * self.rows_scale
+        cl.enqueue_nd_range_kernel(queue, self.kernel, tuple(size), self.local_size, global_work_offset=offset)
+
+
+def bind_rows(program: cl.Program, name: str, global_size: tuple[int, ...], *args, rows_dim: int | None = 0,
+              rows_scale: int = 1, local_size: tuple[int, ...] | None = None) -> RowLaunch:
+    """bind, for a RowLaunch."""
+    kernel = cl.Kernel(program, name)
+    kernel.set_args(*args)
+    return RowLaunch(kernel, tuple(global_size), rows_dim, rows_scale, local_size)

@@ -22,7 +22,7 @@ import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
-from services.decode_fpga.launch import Launch, bind
+from services.decode_fpga.launch import Launch, RowLaunch, bind, bind_rows
 from services.model.gguf_blocks import BlockTensor
 
 QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80}
@@ -108,6 +108,22 @@ class QuantMatrix(EnqueueOnce):
                         local_size=(self.lanes, 1))
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+
+    def bind_gemv_rows(self, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool = False,
+                       x_sums: cl.Buffer | None = None) -> RowLaunch:
+        """bind_gemv for any number of rows, each with the one-row arithmetic (batch invariance): on a
+        CPU gemv_quant_rows, which reads the row count from n_rows[0]; on a GPU gemv_quant_wg, whose
+        work-groups already compute each row alone, over the RowLaunch's rows."""
+        if self.lanes > 1:
+            return bind_rows(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, 1), self._d, self._m,
+                             self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),
+                             rows_dim=1, local_size=(self.lanes, 1))
+        if x_sums is None:
+            if self.needs_block_sums:
+                raise ValueError(f"{self.name}: a {self.fmt} GEMV needs the block sums of x (x_sums)")
+            x_sums = x  # unread
+        return bind_rows(self._program, "gemv_quant_rows", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
+                         np.int32(self.cols), np.int32(self.rows), n_rows, np.int32(bool(accumulate)), rows_dim=None)
 
     fuses_norm = True  # bind_gemv_norm runs with any lanes per row
 

@@ -12,10 +12,12 @@ def cl_dev():
 
 
 def make_engine(loaded_model, cl_dev, blocks=None, **config):
-    """An engine on the test model; config: EngineConfig's fields, blocks: the checkpoint's (gguf storage)."""
+    """An engine on the test model; config: EngineConfig's fields, blocks: the checkpoint's (gguf storage).
+    The paged pool is 64 MiB unless asked (the default budget is for serving, not for tests)."""
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.engine import OpenCLEngine
 
+    config.setdefault("kv_cache_mb", 64)
     return OpenCLEngine.create(loaded_model.config, loaded_model.weights, cl_dev, EngineConfig(**config), blocks)
 
 

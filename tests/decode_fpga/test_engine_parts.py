@@ -23,7 +23,8 @@ from services.model.gguf_blocks import BlockTensor
 # ---- EngineConfig / DeviceFit ----------------------------------------------------------------
 @pytest.mark.parametrize("bad", [{"weights_dtype": "auto"}, {"weights_dtype": "int8"}, {"kv_channels": 0},
                                  {"max_sequences": -1}, {"max_context": 0}, {"max_context": 2.5},
-                                 {"max_sequences": True}])
+                                 {"max_sequences": True}, {"kv_cache_mb": 0}, {"block_size": -16},
+                                 {"max_num_seqs": 0}, {"max_num_batched_tokens": 1.5}])
 def test_config_refuses_bad_values(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
@@ -33,6 +34,10 @@ def test_config_refuses_bad_values(bad):
 def test_config_is_frozen_and_auto_storage_follows_the_checkpoint():
     config = EngineConfig.from_settings(DecodeSettings(kv_channels=3, max_sequences=2), "gguf")
     assert (config.weights_dtype, config.kv_channels, config.max_sequences) == ("gguf", 3, 2)
+    batching = EngineConfig.from_settings(DecodeSettings(kv_cache_mb=64, block_size=32, max_num_seqs=8,
+                                                         max_num_batched_tokens=256), "gguf")
+    assert (batching.kv_cache_mb, batching.block_size, batching.max_num_seqs, batching.max_num_batched_tokens) == \
+        (64, 32, 8, 256)
     assert EngineConfig.from_settings(DecodeSettings(), "hf").weights_dtype == "fp32"
     assert EngineConfig.from_settings(DecodeSettings(weights_dtype="fp16"), "gguf").weights_dtype == "fp16"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -40,8 +45,10 @@ def test_config_is_frozen_and_auto_storage_follows_the_checkpoint():
 
 
 def test_device_fit_caps_the_context_and_decides_the_one_launch_step(model_config, cl_dev):
-    fit = DeviceFit.of(EngineConfig(max_context=10 ** 6, max_sequences=200), model_config, cl_dev)
+    fit = DeviceFit.of(EngineConfig(max_context=10 ** 6, max_sequences=200, max_num_batched_tokens=100), model_config,
+                       cl_dev)
     assert fit.max_context == model_config.max_context and fit.max_rows == 200
+    assert DeviceFit.of(EngineConfig(max_num_batched_tokens=600), model_config, cl_dev).max_rows == 600  # a paged step
     assert fit.one_launch_layers and fit.keep_cores_awake  # PoCL's device is a CPU
     for config in (EngineConfig(kv_channels=2), EngineConfig(layer_kernels=False)):
         assert not DeviceFit.of(config, model_config, cl_dev).one_launch_layers

@@ -29,10 +29,17 @@
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), and LINE: ints between two counters of sync, each on a
 // cache line of its own (spinning reads and claims), the host's SYNC_LINE.
 // HIDDEN, FF, Q_DIM: multiples of 32.
+//
+// Built with -DBLOCK_SIZE, the kernel is paged_decode_layers: the same phases over the paged KV
+// pool (paged_attention.h's paged_attend_decode in phase 2), one decode row of the paged step
+// (paged_plans.py), bit for bit its launches.
 
 #define XAS __local
 #include "quant_blocks.h"
 #include "attention_decode.h"
+#ifdef BLOCK_SIZE
+#include "paged_attention.h"
+#endif
 #include "norm_row.h"
 #include "silu.h"
 
@@ -78,6 +85,23 @@ inline bool all_arrived(__global int *sync, const int n)
 #define F16(k) ((__global const half *)(w + tab[k]))
 #define U8(k) (w + tab[k])
 
+#ifdef BLOCK_SIZE
+// pool: [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM], layer_elems floats a layer;
+// row 0 is sequence seq_of_row[0] (its table: block_tables[seq_of_row[0]][0:max_blocks]) at pos[0]
+__kernel void paged_decode_layers(__global float *x, __global const uchar *w, __global const int *table,
+                                  const int n_layers, const float eps,
+                                  __global float *qkv, __global float *attn, __global float *attn_sums,
+                                  __global float *gu, __global float *act, __global float *act_sums,
+                                  __global const int *seq_of_row, __global const int *pos,
+                                  __global const float *rope_cs, const float scale, __global float *pool,
+                                  const long layer_elems, __global const int *block_tables, const int max_blocks,
+                                  __global int *sync)
+{
+    __global const int *seq_table = block_tables + (size_t)seq_of_row[0] * max_blocks;
+#define ATTEND_HEAD(h) paged_attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,             \
+                                           pool + layer * layer_elems + ((h) / GROUP) * BLOCK_ELEMS,       \
+                                           seq_table, attn, attn_sums)
+#else
 __kernel void decode_layers(__global float *x, __global const uchar *w, __global const int *table,
                             __global const long *kv_bases, const int n_layers, const float eps,
                             __global float *qkv, __global float *attn, __global float *attn_sums,
@@ -86,8 +110,14 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
                             const float scale, __global float *kv_chan, const long slot_stride,
                             const long head_stride, __global int *sync)
 {
+    const int slot = slots[0];
+#define ATTEND_HEAD(h) attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,                    \
+                                     kv_chan + kv_bases[2 * layer] + ((h) / GROUP) * head_stride + slot * slot_stride, \
+                                     kv_chan + kv_bases[2 * layer + 1] + ((h) / GROUP) * head_stride + slot * slot_stride, \
+                                     attn, attn_sums)
+#endif
     __local float xl[XL], xsl[XL / 32];  // the current phase's input vector and its block sums
-    const int slot = slots[0], p = pos[0];
+    const int p = pos[0];
     int n = 0;  // barriers passed
     for (int layer = 0; layer < n_layers; ++layer) {
         __global const int *tab = table + 14 * layer;
@@ -100,13 +130,7 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
         if (!all_arrived(sync, ++n)) return;
 
         // 2. RoPE, the KV write and attention, a query head at a time
-        for (int h = atomic_inc(heads_taken); h < N_HEADS; h = atomic_inc(heads_taken)) {
-            const int kv_head = h / GROUP;
-            attend_decode(qkv, 0, kv_head, h % GROUP, p, rope_cs, scale,
-                          kv_chan + kv_bases[2 * layer] + kv_head * head_stride + slot * slot_stride,
-                          kv_chan + kv_bases[2 * layer + 1] + kv_head * head_stride + slot * slot_stride,
-                          attn, attn_sums);
-        }
+        for (int h = atomic_inc(heads_taken); h < N_HEADS; h = atomic_inc(heads_taken)) ATTEND_HEAD(h);
         if (!all_arrived(sync, ++n)) return;
 
         // 3. the output projection into the residual

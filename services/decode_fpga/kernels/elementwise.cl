@@ -76,3 +76,13 @@ __kernel void clear_ints(__global int *a)
 {
     a[get_global_id(0)] = 0;
 }
+
+// dst[i, :] = src[rows[i], :] for i < the global size: a step's sampling rows gathered into
+// consecutive rows, so the final norm and the LM head run over them alone
+__kernel void gather_rows(__global const float *src, __global const int *rows, __global float *dst, const int cols)
+{
+    const int i = get_global_id(0);
+    __global const float *s = src + (size_t)rows[i] * cols;
+    __global float *t = dst + (size_t)i * cols;
+    for (int c = 0; c < cols / 4; ++c) vstore4(vload4(c, s), c, t);
+}

@@ -58,6 +58,33 @@ __kernel void gemv(__global const wtype *W, __global const float *x, __global fl
     }
 }
 
+// y[r, o] (+)= sum_c W[o, c] * x[r, c] for r < n_rows[0], every row with the one-row loop above
+// (four accumulators): a row's result never depends on how many rows run beside it (batch
+// invariance), where gemv's four-row passes round differently. The row count is read from the
+// device, so a launch bound once serves a step of any size.
+__kernel void gemv_rows(__global const wtype *W, __global const float *x, __global float *y,
+                        const int cols, const int out_rows, __global const int *n_rows, const int accumulate)
+{
+    const int o = get_global_id(0);
+    if (o >= out_rows) return;
+    __global const wtype *w = W + (size_t)o * cols;
+    const int c4 = cols / 4, n = n_rows[0];
+    for (int r = 0; r < n; ++r) {
+        __global const float *xr = x + (size_t)r * cols;
+        float4 a0 = (float4)(0.0f), a1 = (float4)(0.0f), a2 = (float4)(0.0f), a3 = (float4)(0.0f);
+        for (int i = 0; i < c4; i += 4) {
+            a0 = fma(LOADW(i, w), vload4(i, xr), a0);
+            a1 = fma(LOADW(i + 1, w), vload4(i + 1, xr), a1);
+            a2 = fma(LOADW(i + 2, w), vload4(i + 2, xr), a2);
+            a3 = fma(LOADW(i + 3, w), vload4(i + 3, xr), a3);
+        }
+        const float4 s = (a0 + a1) + (a2 + a3);
+        const float acc = (s.x + s.y) + (s.z + s.w);
+        const size_t k = (size_t)r * out_rows + o;
+        y[k] = accumulate ? y[k] + acc : acc;
+    }
+}
+
 // x[r, :] = E[tokens[r], :]   E: [vocab, cols] in the weight storage format
 __kernel void embed_rows(__global const wtype *E, __global const int *tokens, __global float *x, const int cols)
 {

@@ -130,6 +130,31 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
     }
 }
 
+// y[r, o] (+)= sum_c W[o, c] * x[r, c] for r < n_rows[0], every row with the one-row arithmetic
+// above (ROW_DOT, as gemv_quant_norm, gemv_quant_silu and decode_layers.cl compute it): a row's
+// result never depends on how many rows run beside it (batch invariance), where gemv_quant's
+// several-row passes round differently from its one-row path. The row count is read from the
+// device, so a launch bound once serves a step of any size; output o's blocks stay in L1 across
+// the rows. xsum: [n_rows, nb], read for Q4_1.
+__kernel void gemv_quant_rows(__global const float *d, __global const half *m, __global const uchar *q,
+                              __global const float *x, __global const float *xsum, __global float *y,
+                              const int cols, const int out_rows, __global const int *n_rows,
+                              const int accumulate)
+{
+    const int o = get_global_id(0);
+    if (o >= out_rows) return;
+    const int nb = cols / 32, nbp = (nb + 3) & ~3, n = n_rows[0];
+    __global const float *drow = d + (size_t)o * nbp;
+    __global const half *mrow = m + (size_t)o * nbp;
+    __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
+    for (int r = 0; r < n; ++r) {
+        float acc;
+        ROW_DOT(acc, drow, mrow, qrow, x + (size_t)r * cols, xsum + (size_t)r * nb, nb);
+        const size_t k = (size_t)r * out_rows + o;
+        y[k] = accumulate ? y[k] + acc : acc;
+    }
+}
+
 // x[r, :] = E[tokens[r], :] dequantized (the embedding lookup from the blocks), one work-item per row
 __kernel void embed_rows(__global const float *d, __global const half *m, __global const uchar *q,
                          __global const int *tokens, __global float *x, const int cols)

@@ -1,0 +1,144 @@
+"""The launches of a paged step (the continuous-batching path), bound once and replayed for every step.
+
+A step runs rows of several sequences through every layer, K and V read and written through
+block tables (kernels/paged_attention.cl), and the logits of its sampling rows only. Every
+launch is bound once to the scratch buffers, the pool and the step's int inputs
+(paged_step_rows.py); a step only changes global sizes and offsets (launch.RowLaunch), so steps
+of any shape cost no argument setting (~40 µs a kernel in pyopencl).
+
+Batch invariance: every launch computes each row as it would alone. The GEMVs are the
+`*_rows` kernels (the one-row arithmetic for any number of rows, never the several-row passes
+of gemv / gemv_quant); RMSNorm, SiLU and the attention kernels are per row already; one-token
+chunks always take the decode attention kernel and longer chunks always the prefill one
+(paged_step_rows.py). The one-row fused kernels (norm and SiLU prologues) compute the same
+bits as the launches here, but are not used: one set of launches serves every step.
+
+On a CPU device with packed block weights, a step of one decode row runs every layer in one
+launch (paged_decode_layers, decode_layers.cl built over the pool): the same bits as the layers'
+launches here, ~half the time at batch 1 on PoCL (bench/paged_step.py). `drop_one_launch` goes
+back to launch by launch for good, as LaunchPlans does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyopencl as cl
+
+from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.device_weights import DeviceWeights
+from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
+from services.decode_fpga.paged_kv_store import PagedKVStore
+from services.decode_fpga.paged_step_rows import PagedStepInputs, StepRows
+from services.decode_fpga.plans import ARGMAX_WG
+from services.decode_fpga.quant_gemv import QFMT_CODES
+from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
+from services.model.config import ModelConfig
+
+Span = str  # which rows a launch covers: StepRows.span's names, "all", "decodes", "chunks", "samples"
+
+
+def spanning(launch: Launch, rows_dim: int = 0) -> RowLaunch:
+    """A Launch whose rows_dim counts rows, as a RowLaunch."""
+    return RowLaunch(launch.kernel, launch.global_size, rows_dim, 1, launch.local_size)
+
+
+class PagedStepPlans:
+    def __init__(self, dev: DeviceContext, cfg: ModelConfig, weights: DeviceWeights, store: PagedKVStore,
+                 scratch: Scratch, inputs: PagedStepInputs, max_samples: int, one_launch: bool = False,
+                 layer_groups: int = 1):
+        self.dev, self.cfg, self.weights, self.store, self.s, self.inputs = dev, cfg, weights, store, scratch, inputs
+        self._norm = dev.build("norm.cl")
+        self._elementwise = dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
+        ctx = dev.context
+        # the sampling rows gathered, their logits [max_samples, vocab] and greedy picks
+        self.sampled = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * cfg.hidden * 4)
+        self.logits = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * cfg.vocab_size * 4)
+        self.picks = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * 4)
+        self._argmax_pos = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * 4)  # argmax_rows' +1s, unread
+        b = inputs.buffers
+        self.embed = spanning(weights.embed.bind_embed(b["tokens"], scratch.x, 1))
+        self.layers = [self._bind_layer(li) for li in range(cfg.n_layers)]
+        self.head = self._bind_head()
+        self.argmax = bind_rows(self._elementwise, "argmax_rows", (ARGMAX_WG,), self.logits,
+                                np.int32(cfg.vocab_size), self.picks, self._argmax_pos, rows_scale=ARGMAX_WG,
+                                local_size=(ARGMAX_WG,))
+        # one decode row: [clear_ints, paged_decode_layers], or None
+        self.one_launch = self._bind_one_launch(layer_groups) if one_launch and weights.packed is not None else None
+
+    def uses_one_launch(self, rows: StepRows) -> bool:
+        """Whether this step's layers run as one launch (a step of one decode row)."""
+        return self.one_launch is not None and rows.n_rows == 1 and rows.n_decodes == 1
+
+    def drop_one_launch(self) -> None:
+        """From now on every step runs launch by launch (paged_decode_layers' work-groups did not all run at once)."""
+        self.one_launch = None
+
+    # ---- replay -------------------------------------------------------------------------
+    def enqueue_layer(self, queue: cl.CommandQueue, li: int, rows: StepRows) -> None:
+        for span, launch in self.layers[li]:
+            launch.enqueue(queue, *rows.span(span))
+
+    def enqueue_head(self, queue: cl.CommandQueue, rows: StepRows, greedy: bool) -> None:
+        """Logits of the sampling rows into self.logits[0:n_samples]; greedy: their argmax into self.picks."""
+        for span, launch in self.head:
+            launch.enqueue(queue, *rows.span(span))
+        if greedy:
+            self.argmax.enqueue(queue, *rows.span("samples"))
+
+    # ---- binding --------------------------------------------------------------------------
+    def _rms_norm(self, rows: cl.Buffer, norm_w: cl.Buffer) -> RowLaunch:
+        c, s = self.cfg, self.s
+        return bind_rows(self._norm, "rms_norm", (1,), rows, norm_w, s.xn, s.xn_sums, np.int32(c.hidden),
+                         np.float32(c.rms_eps))
+
+    def _bind_layer(self, li: int) -> list[tuple[Span, RowLaunch]]:
+        """Layer li over the step's rows of scratch.x, in order."""
+        c, s, layer, st = self.cfg, self.s, self.weights.layers[li], self.store
+        b, n_rows = self.inputs.buffers, self.inputs.buffers["n_rows"]
+        pool, mb, pa = st.pool, st.max_blocks, st.kernels
+        seq, pos, tables = b["seq_of_row"], b["pos"], b["block_tables"]
+        out: list[tuple[Span, RowLaunch]] = [
+            ("all", self._rms_norm(s.x, layer.attn_norm)),
+            ("all", layer.qkv.bind_gemv_rows(s.xn, s.qkv, n_rows, x_sums=s.xn_sums)),
+            ("decodes", spanning(pa.bind_decode(1, s.qkv, seq, pos, s.rope_cs, tables, mb, pool, li, s.attn,
+                                                s.attn_sums))),
+            ("chunks", spanning(pa.bind_rope_store(1, s.qkv, seq, pos, s.rope_cs, tables, mb, pool, li))),
+            ("chunks", spanning(pa.bind_attention(1, s.qkv, seq, pos, tables, mb, pool, li, s.attn, s.attn_sums))),
+        ]
+        if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
+            out.append(("all", spanning(layer.o.bind_block_sums(s.attn, s.attn_sums, 1))))
+        out += [
+            ("all", layer.o.bind_gemv_rows(s.attn, s.x, n_rows, accumulate=True, x_sums=s.attn_sums)),  # residual
+            ("all", self._rms_norm(s.x, layer.ffn_norm)),
+            ("all", layer.gate_up.bind_gemv_rows(s.xn, s.gu, n_rows, x_sums=s.xn_sums)),
+            ("all", bind_rows(self._elementwise, "silu_mul", (1, blocks32(c.intermediate)), s.gu, s.act, s.act_sums,
+                              np.int32(c.intermediate))),
+            ("all", layer.down.bind_gemv_rows(s.act, s.x, n_rows, accumulate=True, x_sums=s.act_sums)),
+        ]
+        return out
+
+    def _bind_one_launch(self, layer_groups: int) -> list[RowLaunch]:
+        """Every layer of a one-decode step as one launch, after its counters are zeroed."""
+        c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
+        b = self.inputs.buffers
+        program = self.dev.build("decode_layers.cl", {
+            "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
+            "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size})
+        clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
+        layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
+                           np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
+                           s.act_sums, b["seq_of_row"], b["pos"], s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)),
+                           st.pool, np.int64(st.layout.layer_elems), b["block_tables"], np.int32(st.max_blocks),
+                           s.sync, rows_dim=None, local_size=(1,))
+        return [clear, layers]
+
+    def _bind_head(self) -> list[tuple[Span, RowLaunch]]:
+        """The sampling rows of scratch.x gathered into self.sampled, the final norm, the LM head."""
+        c, s, w = self.cfg, self.s, self.weights
+        b = self.inputs.buffers
+        return [
+            ("samples", bind_rows(self._elementwise, "gather_rows", (1,), s.x, b["sample_rows"], self.sampled,
+                                  np.int32(c.hidden))),
+            ("samples", self._rms_norm(self.sampled, w.final_norm)),
+            ("samples", w.lm_head.bind_gemv_rows(s.xn, self.logits, b["n_samples"], x_sums=s.xn_sums)),
+        ]

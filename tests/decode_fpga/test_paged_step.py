@@ -1,0 +1,248 @@
+"""The OpenCL engine's paged step (BatchEngine, services/engine/api.py) on the real model: batch
+invariance bit for bit, the slot path's and transformers' tokens, chunked prefill, KV import and
+export through scattered blocks, and refusals of bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.engine.scheduler import ScheduledChunk
+from tests.conftest import random_prompt
+
+N_NEW = 6  # tokens sampled per sequence (the prefill's and five decodes')
+
+
+def chunk(seq_id: int, start: int, tokens, table, samples: bool = True) -> ScheduledChunk:
+    return ScheduledChunk(seq_id, start, tuple(int(t) for t in tokens), tuple(int(b) for b in table), samples, None)
+
+
+def scattered_tables(engine, lengths, seed):
+    """Disjoint tables of random, non-monotonic block ids, each covering its length."""
+    need = [-(-n // engine.block_size) for n in lengths]
+    ids = np.random.default_rng(seed).permutation(engine.num_blocks)[:sum(need)].tolist()
+    if len(ids) < sum(need):
+        raise ValueError("the test's pool is too small")
+    return [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lengths))]
+
+
+def run_alone(engine, prompt, table, n_new=N_NEW):
+    """One sequence, alone in every step: the prompt in one chunk, then one decode a step.
+    Returns (tokens, logits [n_new, vocab])."""
+    logits = [engine.step([chunk(0, 0, prompt, table)], greedy=False)[0]]
+    tokens = [int(np.argmax(logits[-1]))]
+    for i in range(n_new - 1):
+        logits.append(engine.step([chunk(0, len(prompt) + i, [tokens[-1]], table)], greedy=False)[0])
+        tokens.append(int(np.argmax(logits[-1])))
+    return tokens, np.stack(logits)
+
+
+def run_together(engine, prompts, tables, budget, greedy, n_new=N_NEW):
+    """Every sequence in shared steps, as the scheduler would run them: each step the running
+    decodes first, then prompts in chunks (never of one token) within `budget` tokens, one
+    arriving every step. Returns per sequence (tokens, logits [n_new, vocab] or None)."""
+    tokens = [[] for _ in prompts]
+    logits = [[] for _ in prompts]
+    done = [0] * len(prompts)  # prompt tokens computed
+    arrived = 0
+    while any(len(t) < n_new for t in tokens):
+        arrived = min(arrived + 1, len(prompts))
+        chunks, owners = [], []
+        for i in range(arrived):  # decodes
+            if done[i] == len(prompts[i]) and 0 < len(tokens[i]) < n_new:
+                chunks.append(chunk(i, len(prompts[i]) + len(tokens[i]) - 1, [tokens[i][-1]], tables[i]))
+                owners.append(i)
+        left = budget - len(chunks)
+        for i in range(arrived):  # prefill chunks
+            rest = len(prompts[i]) - done[i]
+            take = min(rest, left)
+            if rest - take == 1:
+                take -= 1
+            if take < 2:
+                continue
+            samples = take == rest
+            chunks.append(chunk(i, done[i], prompts[i][done[i]:done[i] + take], tables[i], samples))
+            if samples:
+                owners.append(i)
+            done[i] += take
+            left -= take
+        out = engine.step(chunks, greedy=greedy)
+        assert len(out) == len(owners)
+        for i, o in zip(owners, out):
+            if greedy:
+                tokens[i].append(int(o))
+            else:
+                logits[i].append(o)
+                tokens[i].append(int(np.argmax(o)))
+    return [(t, np.stack(lg) if lg else None) for t, lg in zip(tokens, logits)]
+
+
+PROMPT_LENGTHS = [5, 12, 28, 45, 60, 90, 121, 139]  # decode positions 15, 31, 47, 63, 143: where the two attention paths round apart
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_name", ["ocl_gguf_engine", "ocl_engine"])
+def test_eight_prompts_alone_and_together_are_bit_identical(engine_name, request, model_config):
+    engine = request.getfixturevalue(engine_name)
+    prompts = [random_prompt(n, model_config.vocab_size, seed=40 + i) for i, n in enumerate(PROMPT_LENGTHS)]
+    tables = scattered_tables(engine, [n + N_NEW for n in PROMPT_LENGTHS], seed=3)
+    alone = [run_alone(engine, p, t) for p, t in zip(prompts, tables)]
+    # the same blocks again, in shared steps: every position is rewritten before it is read
+    together = run_together(engine, prompts, tables, budget=96, greedy=False)
+    for i, ((ta, la), (tt, lt)) in enumerate(zip(alone, together)):
+        assert ta == tt, f"prompt {i}"
+        assert np.array_equal(la, lt), f"prompt {i}: logits differ by {np.abs(la - lt).max()}"
+    greedy = run_together(engine, prompts, scattered_tables(engine, [n + N_NEW for n in PROMPT_LENGTHS], seed=4),
+                          budget=64, greedy=True)
+    assert [t for t, _ in greedy] == [t for t, _ in alone]  # the device's argmax, other blocks, other chunks
+
+
+def slot_greedy(engine, prompt, n_new):
+    seq = engine.new_sequence(len(prompt) + n_new)
+    try:
+        out = [int(np.argmax(engine.prefill(seq, prompt)))]
+        for _ in range(n_new - 1):
+            out += engine.decode_greedy([seq], [out[-1]])
+        return out
+    finally:
+        engine.release(seq)
+
+
+@pytest.mark.parametrize("n_prompt", [1, 17, 129])
+def test_step_gives_the_slot_paths_tokens(ocl_gguf_engine, model_config, n_prompt):
+    e = ocl_gguf_engine
+    prompt = random_prompt(n_prompt, model_config.vocab_size, seed=21)
+    table = scattered_tables(e, [n_prompt + 12], seed=n_prompt)[0]
+    out = e.step([chunk(7, 0, prompt, table)], greedy=True)
+    for i in range(11):
+        out += e.step([chunk(7, n_prompt + i, [out[-1]], table)], greedy=True)
+    assert out == slot_greedy(e, prompt, 12)
+
+
+@pytest.mark.slow
+def test_step_gives_transformers_tokens(ocl_gguf_engine, hf_model, model_config):
+    from tests.conftest import hf_greedy
+
+    e = ocl_gguf_engine
+    prompts = [random_prompt(n, model_config.vocab_size, seed=11) for n in (17, 128)]
+    tables = scattered_tables(e, [n + 16 for n in (17, 128)], seed=5)
+    together = run_together(e, prompts, tables, budget=80, greedy=True, n_new=16)
+    for p, (tokens, _) in zip(prompts, together):
+        assert tokens == hf_greedy(hf_model, p, 16)
+
+
+def test_chunked_prefill_of_300_tokens_equals_one_chunk(ocl_gguf_engine, model_config):
+    e = ocl_gguf_engine
+    prompt = random_prompt(300, model_config.vocab_size, seed=22)
+    one, chunked = scattered_tables(e, [300, 300], seed=6)
+    whole = e.step([chunk(0, 0, prompt, one)], greedy=False)[0]
+    for start in range(0, 300, 64):
+        part = prompt[start:start + 64]
+        got = e.step([chunk(0, start, part, chunked, samples=start + len(part) == 300)], greedy=False)
+    assert got.shape == (1, model_config.vocab_size)
+    assert np.argmax(got[0]) == np.argmax(whole)
+    np.testing.assert_array_equal(got[0], whole)  # every row computed as alone: the same bits
+    np.testing.assert_array_equal(e.read_kv_blocks(chunked, 300), e.read_kv_blocks(one, 300))
+
+
+@pytest.mark.parametrize("wire", [np.float32, np.float16])
+def test_imported_kv_round_trips_through_scattered_blocks(ocl_gguf_engine, model_config, wire):
+    e, c = ocl_gguf_engine, model_config
+    n = 2 * e.block_size + 5
+    table, other = scattered_tables(e, [n, 3 * e.block_size], seed=7)
+    before = e.read_kv_blocks(other, 3 * e.block_size)
+    kv = np.random.default_rng(8).standard_normal((c.n_layers, 2, c.n_kv_heads, n, c.head_dim)).astype(wire)
+    for layer in range(c.n_layers):
+        e.import_kv_blocks(table, layer, kv[layer])
+    e.finish_import_blocks()
+    np.testing.assert_array_equal(e.read_kv_blocks(table, n), kv.astype(np.float32))
+    np.testing.assert_array_equal(e.read_kv_blocks(other, 3 * e.block_size), before)  # nothing else written
+
+
+def test_imported_kv_decodes_as_the_kv_it_came_from(ocl_gguf_engine, model_config):
+    """Hybrid in small: a prompt's KV read out of its blocks and imported into others decodes to the
+    same logits, bit for bit."""
+    e = ocl_gguf_engine
+    prompt = random_prompt(40, model_config.vocab_size, seed=23)
+    src, dst = scattered_tables(e, [48, 48], seed=9)
+    first = int(np.argmax(e.step([chunk(0, 0, prompt, src)], greedy=False)[0]))
+    kv = e.read_kv_blocks(src, 40)
+    for layer in range(model_config.n_layers):
+        e.import_kv_blocks(dst, layer, kv[layer])
+    e.finish_import_blocks()
+    a = e.step([chunk(0, 40, [first], src)], greedy=False)
+    b = e.step([chunk(1, 40, [first], dst)], greedy=False)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_bad_steps_are_refused(ocl_gguf_engine, model_config):
+    e = ocl_gguf_engine
+    table = list(range(4))
+    bad = {
+        "at least one chunk": [],
+        "at most 512": [chunk(0, 0, [5] * 513, list(range(33)))],
+        "table holds 4": [chunk(0, 60, [5] * 5, table)],  # positions 60..64 need a fifth block
+        "outside": [chunk(0, 0, [5], [e.num_blocks])],
+        "two chunks": [chunk(0, 0, [5], table), chunk(0, 1, [6], table)],
+        "vocabulary|outside \\[0": [chunk(0, 0, [model_config.vocab_size], table)],
+        "positions: need": [chunk(0, e.max_context, [5], list(range(e.max_context // e.block_size + 1)))],
+    }
+    for match, chunks in bad.items():
+        with pytest.raises(ValueError, match=match):
+            e.step(chunks, greedy=True)
+    with pytest.raises(ValueError, match="outside"):
+        e.import_kv_blocks([-1], 0, np.zeros((2, model_config.n_kv_heads, 3, model_config.head_dim), np.float32))
+    with pytest.raises(ValueError, match="table holds"):
+        e.read_kv_blocks([0], e.block_size + 1)
+    # and a good step still runs after the refusals
+    assert len(e.step([chunk(0, 0, [5, 6, 7], table)], greedy=True)) == 1
+
+
+def test_a_step_without_sampling_chunks_returns_nothing(ocl_gguf_engine):
+    e = ocl_gguf_engine
+    assert e.step([chunk(0, 0, [5, 6, 7], [1], samples=False)], greedy=True) == []
+    assert e.step([chunk(0, 0, [5, 6, 7], [1], samples=False)], greedy=False).shape == (0, e.cfg.vocab_size)
+
+
+def decode_logits(engine, prompt, table, n_new):
+    """The prompt in one step, then n_new one-row decode steps: their logits [n_new, vocab]."""
+    token = int(np.argmax(engine.step([chunk(0, 0, prompt, table)], greedy=False)[0]))
+    out = []
+    for i in range(n_new):
+        out.append(engine.step([chunk(0, len(prompt) + i, [token], table)], greedy=False)[0])
+        token = int(np.argmax(out[-1]))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("n_prompt", [9, 31])  # 31: decodes cross position 31, where attention tiles end
+def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
+                                                       n_prompt):
+    one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
+    assert one.paged_plans.one_launch is not None and launches.paged_plans.one_launch is None
+    rows = one.step_inputs.rows([chunk(0, 0, [5], [0])])
+    assert one.paged_plans.uses_one_launch(rows)
+    assert not one.paged_plans.uses_one_launch(one.step_inputs.rows([chunk(0, 0, [5], [0]), chunk(1, 0, [6], [1])]))
+    prompt = random_prompt(n_prompt, model_config.vocab_size, seed=24)
+    table = scattered_tables(one, [n_prompt + 8], seed=10)[0]
+    np.testing.assert_array_equal(decode_logits(one, prompt, table, 6), decode_logits(launches, prompt, table, 6))
+
+
+def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
+                                                                model_config, caplog):
+    """More work-groups than PoCL has threads: the barrier gives up, the step is redone launch by
+    launch with the same results, and the engine stays there."""
+    import logging
+
+    from services.model.gguf_blocks import read_block_tensors
+    from tests.decode_fpga.conftest import make_engine
+
+    engine = make_engine(loaded_model, cl_dev, weights_dtype="gguf", max_context=64, max_sequences=1,
+                         blocks=read_block_tensors(loaded_model.checkpoint, model_config))
+    plans = engine.paged_plans
+    plans.one_launch = plans._bind_one_launch(2 * cl_dev.device.max_compute_units + 1)
+    prompt = random_prompt(9, model_config.vocab_size, seed=25)
+    table = scattered_tables(engine, [20], seed=11)[0]
+    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
+        got = decode_logits(engine, prompt, table, 3)
+    assert any("paged_decode_layers" in r.getMessage() for r in caplog.records)
+    assert plans.one_launch is None
+    np.testing.assert_array_equal(got, decode_logits(ocl_gguf_launches_engine, prompt, table, 3))
