@@ -8,6 +8,7 @@ inside reaches decode's client as INTERNAL with a fixed message, never UNAVAILAB
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -90,9 +91,15 @@ def decode(ocl_engine, loaded_model, peer):
     runtime.close()
 
 
-def all_free(runtime) -> bool:
-    """Every request gone from the runtime's loop and every KV block back."""
-    return runtime.loop.num_unfinished == 0 and runtime.loop.scheduler.block_manager.usage == 0.0
+def all_free(runtime, timeout: float = 5.0) -> bool:
+    """Every request gone from the runtime's loop and every KV block back (the loop frees a cancelled
+    request between two steps, so this waits for the next one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        free = runtime.loop.num_unfinished == 0 and runtime.loop.scheduler.block_manager.usage == 0.0
+        if free or time.monotonic() > deadline:
+            return free
+        time.sleep(0.01)
 
 
 def tokens_and_last(runtime, prompt, mode, params=GREEDY, cancel=None):
