@@ -156,10 +156,13 @@ class EngineLoop:
         self._thread.start()
 
     # ---- what handlers call (any thread) ------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None = None) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None = None,
+               bounded_elsewhere: bool = False) -> RequestStream:
         """Queue a request; its stream. Raises InvalidRequest/PromptTooLong at once, QueueFull when
-        max_num_seqs + max_waiting requests are already running or waiting."""
-        stream = self._new_stream(prompt_ids, params, export)
+        max_num_seqs + max_waiting requests are already running or waiting (unless
+        `bounded_elsewhere`: an admission of the caller's own bounds such requests, e.g. hand-off
+        prefills, which must not be refused because generations fill the queue)."""
+        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere)
         self._post(("add", stream))
         return stream
 
@@ -190,7 +193,8 @@ class EngineLoop:
         return self.scheduler.num_waiting + len(self._remote_pending)
 
     # ---- internals ----------------------------------------------------------------------------
-    def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None) -> RequestStream:
+    def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None,
+                    counted: bool = True) -> RequestStream:
         if self._closed:
             raise ShuttingDown("the engine is shutting down")
         if not prompt_ids:
@@ -204,13 +208,14 @@ class EngineLoop:
             raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params)
-        with self._wake:
-            if self._n_live >= self.config.max_num_seqs + self.max_waiting:
-                raise QueueFull(f"engine queue full ({self.config.max_num_seqs} running, {self.max_waiting} "
-                                f"waiting); retry later")
-            self._n_live += 1
         stream = RequestStream(self, seq, Sampler(params), export)
-        stream._counted = True
+        if counted:
+            with self._wake:
+                if self._n_live >= self.config.max_num_seqs + self.max_waiting:
+                    raise QueueFull(f"engine queue full ({self.config.max_num_seqs} running, {self.max_waiting} "
+                                    f"waiting); retry later")
+                self._n_live += 1
+            stream._counted = True
         return stream
 
     def _post(self, item: tuple) -> None:

@@ -102,7 +102,8 @@ class PrefillRuntime(EngineRuntime):
             exporter.write_layer(layer, block_table, n_tokens)
             events.put(("layer", layer))
 
-        stream = self.loop.submit(prompt, dataclasses.replace(params, max_tokens=1), export)
+        stream = self.loop.submit(prompt, dataclasses.replace(params, max_tokens=1), export,
+                                  bounded_elsewhere=True)  # by prefill_admission
 
         def follow() -> None:  # the stream's one token (or its error) into the same queue
             try:

@@ -9,11 +9,12 @@ from tests.services_harness import engine_pair
 
 # a 32 MiB arena holds one 512-token fp32 prompt (23.6 MB) but not two: the full-arena test uses that
 PREFILL_ENV = {"HYBRIDSERVE_ARENA_BYTES": str(32 << 20), "HYBRIDSERVE_ARENA_WAIT_S": "1.0",
-               "HYBRIDSERVE_MAX_CONCURRENCY": "1", "HYBRIDSERVE_QUEUE_DEPTH": "1",
+               "HYBRIDSERVE_PREFILL_MAX_NUM_SEQS": "1", "HYBRIDSERVE_QUEUE_DEPTH": "1",
+               "HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256",
                "HYBRIDSERVE_PREFILL_MAX_CONCURRENCY": "2", "HYBRIDSERVE_PREFILL_QUEUE_DEPTH": "64",
                "HYBRIDSERVE_SLOT_HOLD_S": "5", "HYBRIDSERVE_ENGINE_REFLECTION": "true"}
 DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "1024", "HYBRIDSERVE_MAX_SEQUENCES": "4",
-              "HYBRIDSERVE_MAX_CONCURRENCY": "4", "HYBRIDSERVE_QUEUE_DEPTH": "64",
+              "HYBRIDSERVE_DECODE_KV_CACHE_MB": "256", "HYBRIDSERVE_QUEUE_DEPTH": "64",
               "HYBRIDSERVE_ENGINE_REFLECTION": "true"}  # reflection is off unless asked for
 
 

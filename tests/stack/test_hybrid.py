@@ -157,7 +157,7 @@ def test_full_arena_is_resource_exhausted_within_the_bounded_wait(services, stub
 
 
 def test_queue_over_depth_is_resource_exhausted(stubs):
-    pre, _ = stubs  # prefill_gpu runs 1 gpu-mode request and queues 1 (PREFILL_ENV)
+    pre, _ = stubs  # prefill_gpu batches 1 gpu-mode request and queues 1 (PREFILL_ENV)
     assert PREFILL_ENV["HYBRIDSERVE_QUEUE_DEPTH"] == "1"
 
     def one(i):
