@@ -130,12 +130,52 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
     }
 }
 
+// the 32 weights of block b as block_dot (quant_blocks.h) converts them, before the scale
+inline void block_weights(__global const uchar *q, const int b, float16 *w0, float16 *w1)
+{
+#if QFMT == 80
+    __global const char *qc = (__global const char *)q;
+    *w0 = convert_float16(vload16(2 * b, qc));
+    *w1 = convert_float16(vload16(2 * b + 1, qc));
+#else
+    const uint16 qi = convert_uint16(vload16(b, q));
+#if QFMT == 40
+    *w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
+    *w1 = convert_float16(convert_int16(qi >> (uint16)(4)) - 8);
+#else
+    *w0 = convert_float16(qi & (uint16)(0x0F));
+    *w1 = convert_float16(qi >> (uint16)(4));
+#endif
+#endif
+}
+
+// ROW_DOT's step for block B of row X into accumulator A: block_dot's expression, then the scale
+#define ROWS_BLOCK(A, X, B, W0, W1, D) A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))), (float16)(D), A)
+
+// ROW_DOT's ending of one row: its two accumulators' sum, then Q4_1's minimums over the block sums
+inline float rows_finish(const float16 a0, const float16 a1, __global const half *mrow, __global const float *xsum,
+                         const int nb)
+{
+    float acc = hsum16(a0 + a1);
+    if (QFMT == 41) {
+        const int ng = nb / 4;
+        float4 ms = (float4)(0.0f);
+        for (int g = 0; g < ng; ++g) ms = fma(vload_half4(g, mrow), vload4(g, xsum), ms);
+        acc += (ms.x + ms.y) + (ms.z + ms.w);
+        if (nb > 4 * ng) {
+            const float4 m4 = vload_half4(ng, mrow);
+            for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
+        }
+    }
+    return acc;
+}
+
 // y[r, o] (+)= sum_c W[o, c] * x[r, c] for r < n_rows[0], every row with the one-row arithmetic
-// above (ROW_DOT, as gemv_quant_norm, gemv_quant_silu and decode_layers.cl compute it): a row's
-// result never depends on how many rows run beside it (batch invariance), where gemv_quant's
-// several-row passes round differently from its one-row path. The row count is read from the
-// device, so a launch bound once serves a step of any size; output o's blocks stay in L1 across
-// the rows. xsum: [n_rows, nb], read for Q4_1.
+// (ROW_DOT, as gemv_quant at one row, gemv_quant_norm/silu and decode_layers.cl compute it, term
+// for term): a row's result never depends on how many rows run beside it (batch invariance),
+// where gemv_quant's several-row passes round differently. Four rows a pass share each block's
+// conversion. The row count is read from the device, so a launch bound once serves a step of any
+// size. xsum: [n_rows, nb], read for Q4_1.
 __kernel void gemv_quant_rows(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *x, __global const float *xsum, __global float *y,
                               const int cols, const int out_rows, __global const int *n_rows,
@@ -147,11 +187,38 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     __global const float *drow = d + (size_t)o * nbp;
     __global const half *mrow = m + (size_t)o * nbp;
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
-    for (int r = 0; r < n; ++r) {
-        float acc;
-        ROW_DOT(acc, drow, mrow, qrow, x + (size_t)r * cols, xsum + (size_t)r * nb, nb);
-        const size_t k = (size_t)r * out_rows + o;
-        y[k] = accumulate ? y[k] + acc : acc;
+    float16 w0, w1;
+    for (int r0 = 0; r0 < n; r0 += 4) {
+        // rows past n re-read the last row (harmless) and are not stored
+        const int r1 = min(r0 + 1, n - 1), r2 = min(r0 + 2, n - 1), r3 = min(r0 + 3, n - 1);
+        __global const float *x0 = x + (size_t)r0 * cols, *x1 = x + (size_t)r1 * cols;
+        __global const float *x2 = x + (size_t)r2 * cols, *x3 = x + (size_t)r3 * cols;
+        float16 a00 = (float16)(0.0f), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            float dd = drow[b];
+            block_weights(qrow, b, &w0, &w1);
+            ROWS_BLOCK(a00, x0, b, w0, w1, dd); ROWS_BLOCK(a10, x1, b, w0, w1, dd);
+            ROWS_BLOCK(a20, x2, b, w0, w1, dd); ROWS_BLOCK(a30, x3, b, w0, w1, dd);
+            dd = drow[b + 1];
+            block_weights(qrow, b + 1, &w0, &w1);
+            ROWS_BLOCK(a01, x0, b + 1, w0, w1, dd); ROWS_BLOCK(a11, x1, b + 1, w0, w1, dd);
+            ROWS_BLOCK(a21, x2, b + 1, w0, w1, dd); ROWS_BLOCK(a31, x3, b + 1, w0, w1, dd);
+        }
+        if (b < nb) {
+            const float dd = drow[b];
+            block_weights(qrow, b, &w0, &w1);
+            ROWS_BLOCK(a00, x0, b, w0, w1, dd); ROWS_BLOCK(a10, x1, b, w0, w1, dd);
+            ROWS_BLOCK(a20, x2, b, w0, w1, dd); ROWS_BLOCK(a30, x3, b, w0, w1, dd);
+        }
+        const float v[4] = {rows_finish(a00, a01, mrow, xsum + (size_t)r0 * nb, nb),
+                            rows_finish(a10, a11, mrow, xsum + (size_t)r1 * nb, nb),
+                            rows_finish(a20, a21, mrow, xsum + (size_t)r2 * nb, nb),
+                            rows_finish(a30, a31, mrow, xsum + (size_t)r3 * nb, nb)};
+        for (int r = 0; r < 4 && r0 + r < n; ++r) {
+            const size_t k = (size_t)(r0 + r) * out_rows + o;
+            y[k] = accumulate ? y[k] + v[r] : v[r];
+        }
     }
 }
 
