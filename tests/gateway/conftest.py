@@ -11,9 +11,11 @@ from tests.services_harness import engine_pair, start_gateway, wait_http_ok
 
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-# prefill_gpu runs one gpu-mode request and queues none, so a burst gets 429s
-PREFILL_ENV = {"HYBRIDSERVE_MAX_CONCURRENCY": "1", "HYBRIDSERVE_QUEUE_DEPTH": "0", "HYBRIDSERVE_ARENA_BYTES": str(64 << 20)}
-DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "2048", "HYBRIDSERVE_MAX_SEQUENCES": "4"}
+# prefill_gpu batches two gpu-mode requests and queues none, so a burst gets 429s
+PREFILL_ENV = {"HYBRIDSERVE_PREFILL_MAX_NUM_SEQS": "2", "HYBRIDSERVE_QUEUE_DEPTH": "0",
+               "HYBRIDSERVE_ARENA_BYTES": str(64 << 20), "HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256"}
+DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "2048", "HYBRIDSERVE_MAX_SEQUENCES": "4",
+              "HYBRIDSERVE_DECODE_KV_CACHE_MB": "512"}
 
 
 def wait_calibrated(url: str, timeout: float = 240.0) -> None:

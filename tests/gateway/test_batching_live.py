@@ -15,7 +15,8 @@ import urllib.request
 import pytest
 
 from services.modes import MODE_NAMES
-from tests.gateway.conftest import API_KEY, MODEL
+from tests.gateway.conftest import API_KEY, MODEL, wait_calibrated
+from tests.services_harness import engine_pair, start_gateway, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +24,15 @@ N_CLIENTS = 16
 WALK_AWAY = {3, 7, 11, 14}  # these clients close their stream after two chunks
 
 
-def stream_completion(url: str, prompt: str, mode: str, max_tokens: int, stop_after: int | None = None) -> list[str]:
-    """The streamed text pieces of one greedy completion; stop_after: hang up after that many pieces."""
+def stream_completion(url: str, prompt: str, mode: str, max_tokens: int,
+                      stop_after: int | None = None) -> tuple[str, int]:
+    """(text, completion tokens) of one streamed greedy completion; stop_after: hang up after that many
+    text pieces (the tokens are then the pieces seen)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "mode": mode}
+            "ignore_eos": True, "mode": mode, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
-    pieces = []
+    pieces, tokens = [], 0
     with urllib.request.urlopen(req, timeout=300) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -38,10 +41,13 @@ def stream_completion(url: str, prompt: str, mode: str, max_tokens: int, stop_af
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
-            pieces.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                pieces.append(chunk["choices"][0]["text"])
             if stop_after is not None and len(pieces) >= stop_after:
-                return pieces  # closing the response hangs up mid-stream
-    return pieces
+                return "".join(pieces), len(pieces)  # closing the response hangs up mid-stream
+    return "".join(pieces), tokens
 
 
 def threads_of(pid: int) -> int:
@@ -59,11 +65,31 @@ def wait_idle(service, timeout: float = 60.0) -> tuple[float, float]:
         time.sleep(0.5)
 
 
-def test_sixteen_streams_some_walk_away_all_blocks_come_back(stack):
-    url, engines = stack["url"], (stack["prefill"], stack["decode"])
+@pytest.fixture(scope="module")
+def batching_stack(tmp_path_factory):
+    """A stack of its own with the batching defaults (the package's stack batches only two gpu-mode
+    requests, for its 429 test), on small KV pools."""
+    tmp = tmp_path_factory.mktemp("batching")
+    prefill, decode = engine_pair(tmp, {"HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256"},
+                                  {"HYBRIDSERVE_DECODE_KV_CACHE_MB": "256", "HYBRIDSERVE_DECODE_MAX_CONTEXT": "2048"})
+    gateway = start_gateway(tmp, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY})
+    try:
+        prefill.wait_healthy(timeout=420)
+        decode.wait_healthy(timeout=420)
+        wait_http_ok(gateway)
+        wait_calibrated(f"http://127.0.0.1:{gateway.port}")
+        yield {"prefill": prefill, "decode": decode, "url": f"http://127.0.0.1:{gateway.port}"}
+    finally:
+        gateway.stop()
+        decode.stop()
+        prefill.stop()
+
+
+def test_sixteen_streams_some_walk_away_all_blocks_come_back(batching_stack):
+    url, engines = batching_stack["url"], (batching_stack["prefill"], batching_stack["decode"])
     prompts = [f"Request {i}: tell me about the number {i * 7} in one sentence." for i in range(N_CLIENTS)]
     modes = [MODE_NAMES[i % len(MODE_NAMES)] for i in range(N_CLIENTS)]
-    alone = {i: "".join(stream_completion(url, prompts[i], modes[i], 24)) for i in range(len(MODE_NAMES) * 2)}
+    alone = {i: stream_completion(url, prompts[i], modes[i], 24)[0] for i in range(len(MODE_NAMES) * 2)}
     for svc in engines:
         wait_idle(svc)
     threads_before = [threads_of(svc.proc.pid) for svc in engines]
@@ -71,13 +97,13 @@ def test_sixteen_streams_some_walk_away_all_blocks_come_back(stack):
     results = burst(url, prompts, modes)
     errors = {i: r for i, r in results.items() if isinstance(r, Exception)}
     assert not errors and len(results) == N_CLIENTS
-    for i, pieces in results.items():
+    for i, (text, tokens) in results.items():
         if i in WALK_AWAY:
-            assert len(pieces) == 2
+            assert tokens == 2
         else:
-            assert len(pieces) == 24
+            assert tokens == 24
             if i in alone:  # the same tokens as alone, whatever else ran beside it
-                assert "".join(pieces) == alone[i], (i, modes[i])
+                assert text == alone[i], (i, modes[i])
     for svc in engines:
         assert wait_idle(svc) == (0.0, 0.0), svc.module
         assert svc.metric("hybridserve_engine_num_requests_waiting") == 0.0
