@@ -120,9 +120,11 @@ class LlamaTorch:
         `on_layer(l)` is called as soon as layer l's K/V are in the cache, so a
         caller can ship that layer while the next one computes.
         """
-        assert seq.length == 0, "prefill starts from an empty cache"
+        if seq.length != 0:
+            raise ValueError("prefill starts from an empty cache")
         n = len(token_ids)
-        assert 0 < n <= seq.capacity, f"prompt of {n} tokens does not fit capacity {seq.capacity}"
+        if not 0 < n <= seq.capacity:
+            raise ValueError(f"prompt of {n} tokens does not fit capacity {seq.capacity}")
         ids = torch.tensor(token_ids, device=self.device)
         rope = self._rope_tables(torch.arange(n, device=self.device))
         x = self.embed[ids]  # [T, hidden]
@@ -143,9 +145,11 @@ class LlamaTorch:
     @torch.inference_mode()
     def decode(self, seqs: list[TorchSequence], tokens: list[int]) -> torch.Tensor:
         """One step for a batch of sequences of any lengths; logits [B, vocab]."""
-        assert len(seqs) == len(tokens) and seqs
+        if not seqs or len(seqs) != len(tokens):
+            raise ValueError(f"a decode step of {len(seqs)} sequences and {len(tokens)} tokens")
         for s in seqs:
-            assert s.length < s.capacity, "sequence is full"
+            if s.length >= s.capacity:
+                raise ValueError("sequence is full")
         rope = self._rope_tables(torch.tensor([s.length for s in seqs], device=self.device))
         x = self.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
         for li, layer in enumerate(self.layers):
