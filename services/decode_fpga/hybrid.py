@@ -1,7 +1,8 @@
 """decode_fpga's request handling in plain Python: fpga-mode Generate, and hybrid mode.
 
 In hybrid mode this engine orchestrates: the engine loop reserves KV blocks for the
-prompt, its `PrefillPeer` (prefill_gpu, over gRPC and the shared-memory arena in the
+prompt (the blocks of its longest cached prefix, and fresh ones for the rest: only the
+rest is asked for and handed over), its `PrefillPeer` (prefill_gpu, over gRPC and the shared-memory arena in the
 service; in process in tests) prefills, each layer is imported into those blocks as
 the message for it arrives (while the peer computes the next), the peer's call is
 ended once every layer is on the device (which frees its memory), then the request
@@ -35,9 +36,11 @@ class PrefillPeer(Protocol):
     def receiver(self, engine, seq, expected: SlotHeader) -> KVReceiver:
         """The receiving half of the hand-off on this peer's transport."""
 
-    def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation) -> Iterator[HandoffEvent]:
-        """The hand-off's messages; closing the iterator ends the peer's call (it frees its memory).
-        Raises the typed errors of services/engine/requests.py."""
+    def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation,
+                skip_tokens: int = 0) -> Iterator[HandoffEvent]:
+        """The hand-off's messages, for the prompt's positions from `skip_tokens` on (the ones before
+        are in this engine's prefix cache); closing the iterator ends the peer's call (it frees its
+        memory). Raises the typed errors of services/engine/requests.py."""
 
     def close(self) -> None: ...
 
@@ -62,17 +65,20 @@ class DecodeRuntime(EngineRuntime):
         wire = self.peer.wire_dtype()
         stream = self.loop.reserve_remote(list(prompt), request.params)
         try:
-            blocks = BlockImport(self.engine, stream.wait_reserved(cancel.is_cancelled))
-            expected = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt), cfg.model_id)
-            first = self._pull_kv(self.peer.receiver(blocks, None, expected), request, wire, timings, cancel)
+            table = stream.wait_reserved(cancel.is_cancelled)
+            # the prompt's cached prefix (whole blocks) is here already: only the rest comes over
+            skip = stream.seq.num_cached_tokens
+            blocks = BlockImport(self.engine, table[skip // self.engine.block_size:])
+            expected = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) - skip, cfg.model_id)
+            first = self._pull_kv(self.peer.receiver(blocks, None, expected), request, wire, timings, cancel, skip)
             self.loop.activate_remote(stream, first)
             yield from stream_tokens(stream, timings, cancel)
         finally:
             stream.cancel()  # a no-op once it finished; frees the blocks of a failed hand-off
 
     def _pull_kv(self, receiver: KVReceiver, request: EngineRequest, wire: str, timings: RequestTimings,
-                 cancel: Cancellation) -> int:
-        events = self.peer.prefill(request, wire, cancel)
+                 cancel: Cancellation, skip_tokens: int = 0) -> int:
+        events = self.peer.prefill(request, wire, cancel, skip_tokens)
         try:
             d = receiver.consume(events, lambda: not cancel.is_cancelled())
             if d is None:

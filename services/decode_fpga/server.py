@@ -80,10 +80,11 @@ class GrpcPrefillPeer:
     def receiver(self, engine, seq, expected: SlotHeader) -> ShmReceiver:
         return ShmReceiver(self._arena(), engine, seq, expected, remap=self._remap)
 
-    def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation) -> Iterator[HandoffEvent]:
+    def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation,
+                skip_tokens: int = 0) -> Iterator[HandoffEvent]:
         call = self._stub.Prefill(pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_ids,
                                                     sampling=sampling_to_proto(request.params),
-                                                    wire_dtype=wire_dtype),
+                                                    wire_dtype=wire_dtype, skip_tokens=skip_tokens),
                                   timeout=self.timeout_s)
         try:
             nonce = request_nonce(request.request_id)

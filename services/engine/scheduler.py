@@ -82,9 +82,6 @@ class Sequence:
     num_computed_tokens: int = 0  # positions whose KV is in the blocks
     num_cached_tokens: int = 0  # of those, how many the prefix cache gave at the last admission
     status: RequestState = RequestState.WAITING
-    # its full blocks may enter the prefix cache; False while they hold KV another engine computed
-    # (hybrid): a later local request must never reuse KV of slightly different bits
-    cacheable: bool = True
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -205,24 +202,28 @@ class Scheduler:
             raise RequestTooLarge(f"{max_kv_tokens} tokens of KV exceed the {self.config.num_blocks}-block cache")
 
     def reserve_remote(self, seq: Sequence) -> list[int] | None:
-        """Hybrid mode: fresh blocks for the prompt of `seq`, whose KV another engine computes and the
-        caller imports into them; None when they do not fit now (try again after a step). The sequence
-        waits outside the queues (WAITING_FOR_REMOTE_KV) until activate_remote or abort."""
+        """Hybrid mode: blocks for the prompt of `seq`, whose KV another engine computes: the blocks of
+        its longest cached prefix (their KV is here already: `seq.num_cached_tokens` positions, whole
+        blocks) and fresh ones for the rest, which the caller imports; None when they do not fit now
+        (try again after a step). The sequence waits outside the queues (WAITING_FOR_REMOTE_KV) until
+        activate_remote or abort."""
         self._check_new(seq)
-        if not self.block_manager.can_allocate(seq.token_ids, use_cache=False):
+        if not self.block_manager.can_allocate(seq.token_ids):
             return None
-        self.block_manager.allocate(seq.seq_id, seq.token_ids, use_cache=False)
-        seq.status, seq.cacheable = RequestState.WAITING_FOR_REMOTE_KV, False
+        seq.num_cached_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+        seq.status = RequestState.WAITING_FOR_REMOTE_KV
         self._seqs[seq.seq_id] = seq
         return self.block_manager.block_table(seq.seq_id)
 
     def activate_remote(self, seq_id: int, first_token: int) -> Sequence:
         """The prompt's KV is in the reserved blocks and `first_token` was sampled from its logits:
-        the sequence joins the running decodes (or finishes now, returned with a finished status)."""
+        its full blocks enter the prefix cache and the sequence joins the running decodes (or
+        finishes now, returned with a finished status)."""
         seq = self._seqs.get(seq_id)
         if seq is None or seq.status is not RequestState.WAITING_FOR_REMOTE_KV:
             raise ValueError(f"sequence {seq_id} is not waiting for remote KV")
         seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_full_blocks(seq_id, seq.token_ids, seq.num_computed_tokens)
         self._append_token(seq, first_token)
         if seq.status.finished:
             self.block_manager.free(seq_id)
@@ -269,8 +270,7 @@ class Scheduler:
             if seq is None or seq.status is RequestState.WAITING:
                 continue  # aborted (and maybe added anew) since schedule(); its blocks are already free
             seq.num_computed_tokens += chunk.num_tokens
-            if seq.cacheable:
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if not chunk.samples:
                 continue
             if chunk.seq_id not in sampled_tokens:
@@ -348,7 +348,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
-        seq.status, seq.cacheable = RequestState.WAITING, True  # recomputed here from now on
+        seq.status = RequestState.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

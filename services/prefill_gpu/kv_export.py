@@ -16,19 +16,19 @@ from services.kv.handoff import KVSender, LayerReady
 class LayerExporter:
     """Copies layers of one prompt's KV, read from the engine's pool through its block table."""
 
-    def __init__(self, engine, sender: KVSender):
-        self.engine, self.sender = engine, sender
+    def __init__(self, engine, sender: KVSender, skip_tokens: int = 0):
+        self.engine, self.sender, self.skip = engine, sender, skip_tokens  # skip: positions the reader holds
         self._cuda = engine.device.type == "cuda"
         self._stream = torch.cuda.Stream(engine.device) if self._cuda else None
         self._events: dict[int, torch.cuda.Event] = {}
         self._written_at: dict[int, float] = {}
 
     def write_layer(self, layer: int, block_table, n_tokens: int) -> None:
-        """Start copying layer `layer` of positions [0, n_tokens) (from the engine loop's export hook)."""
-        if n_tokens != self.sender.layout.n_tokens:
-            raise ValueError(f"{n_tokens} tokens of KV for a slot of {self.sender.layout.n_tokens}")
-        dst = torch.from_numpy(self.sender.layer_buffer(layer))  # [2, kv_heads, n_tokens, dim], wire dtype
-        src = self.engine.export_kv_blocks(block_table, layer, n_tokens).to(dst.dtype)
+        """Start copying layer `layer` of positions [skip, n_tokens) (from the engine loop's export hook)."""
+        if n_tokens - self.skip != self.sender.layout.n_tokens:
+            raise ValueError(f"{n_tokens - self.skip} tokens of KV for a slot of {self.sender.layout.n_tokens}")
+        dst = torch.from_numpy(self.sender.layer_buffer(layer))  # [2, kv_heads, n_tokens - skip, dim], wire dtype
+        src = self.engine.export_kv_blocks(block_table, layer, n_tokens)[:, :, self.skip:].to(dst.dtype)
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.engine.device))
             with torch.cuda.stream(self._stream):

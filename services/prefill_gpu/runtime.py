@@ -57,9 +57,11 @@ class PrefillRuntime(EngineRuntime):
         m.ARENA_SLOTS_IN_USE.set(self.arena.slots_in_use)
 
     def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation,
-                new_sender: Callable[[SlotHeader], KVSender] | None = None) -> Iterator[HandoffEvent]:
-        """Hand `request`'s prompt KV over through `new_sender(header)` (default: the arena).
-        Raises InvalidRequest, QueueFull, ArenaFull, Cancelled (while queued)."""
+                new_sender: Callable[[SlotHeader], KVSender] | None = None,
+                skip_tokens: int = 0) -> Iterator[HandoffEvent]:
+        """Hand `request`'s prompt KV over through `new_sender(header)` (default: the arena), from
+        position `skip_tokens` on (the reader holds the ones before). Raises InvalidRequest,
+        QueueFull, ArenaFull, Cancelled (while queued)."""
         cfg = self.loaded.config
         prompt = list(request.prompt_ids)
         if not prompt or len(prompt) >= self.max_context or max(prompt) >= cfg.vocab_size:
@@ -67,7 +69,10 @@ class PrefillRuntime(EngineRuntime):
         wire = wire_dtype or self.settings.wire_dtype
         if wire not in WIRE_DTYPES:
             raise InvalidRequest(f"wire_dtype must be {' or '.join(WIRE_DTYPES)}, not {wire!r}")
-        header = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt), cfg.model_id)
+        if not 0 <= skip_tokens < len(prompt):
+            raise InvalidRequest(f"skip_tokens must be below the prompt's {len(prompt)} tokens, got {skip_tokens}")
+        header = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) - skip_tokens,
+                            cfg.model_id)
         try:
             with self.prefill_admission.admit(cancel) as queue_s:
                 sender = (new_sender or self.shm_sender)(header)
@@ -78,7 +83,8 @@ class PrefillRuntime(EngineRuntime):
                     raise
                 try:
                     self._update_arena_gauges()
-                    yield from self._prefill_into(sender, grant, prompt, request.params, queue_s, cancel)
+                    yield from self._prefill_into(sender, grant, prompt, request.params, queue_s, cancel,
+                                                  skip_tokens)
                 finally:
                     sender.close()
                     self._update_arena_gauges()
@@ -90,9 +96,9 @@ class PrefillRuntime(EngineRuntime):
             raise
 
     def _prefill_into(self, sender: KVSender, grant: SlotGrant, prompt: list[int], params: SamplingParams,
-                      queue_s: float, cancel: Cancellation) -> Iterator[HandoffEvent]:
+                      queue_s: float, cancel: Cancellation, skip_tokens: int = 0) -> Iterator[HandoffEvent]:
         yield grant
-        exporter = LayerExporter(self.engine, sender)
+        exporter = LayerExporter(self.engine, sender, skip_tokens)
         events: queue.Queue = queue.Queue()
         stop = threading.Event()  # this generator is done: nothing may write into the sender any more
 

@@ -35,7 +35,8 @@ class PrefillServicer(EngineServicer):
             def sender(header: SlotHeader):
                 return self.runtime.shm_sender(dataclasses.replace(header, nonce=nonce))
 
-            for ev in self.runtime.prefill(plain, request.wire_dtype, cancel, new_sender=sender):
+            for ev in self.runtime.prefill(plain, request.wire_dtype, cancel, new_sender=sender,
+                                           skip_tokens=request.skip_tokens):
                 yield handoff_to_proto(ev)
         except Exception as exc:
             abort(context, exc, self.process, request_id)

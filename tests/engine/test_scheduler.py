@@ -296,35 +296,41 @@ def test_seeded_soak_runs_everything_to_completion_and_frees_every_block():
 
 
 # ---- hybrid: KV computed by another engine ------------------------------------------------
-def test_remote_kv_reserves_fresh_blocks_then_joins_the_decodes():
+def test_remote_kv_reserves_blocks_past_the_cached_prefix_then_joins_the_decodes():
     s = make_scheduler(num_blocks=8)
-    s.add(make_seq(1, 2 * BS))
-    step(s, {1: 7})  # the local prompt fills two blocks and enters the prefix cache
-    remote = make_seq(2, 2 * BS, first_token=1000)  # the same prompt tokens: fresh blocks all the same
+    s.add(make_seq(1, 2 * BS + 1))
+    step(s, {1: 7})  # the local prompt's two full blocks enter the prefix cache
+    remote = make_seq(2, 2 * BS + 1, first_token=1000)  # the same prompt tokens
     table = s.reserve_remote(remote)
-    assert table is not None and len(table) == 2
-    assert not set(table) & set(s.block_manager.block_table(1))
+    local_table = s.block_manager.block_table(1)
+    assert table[:2] == local_table[:2] and table[2] not in local_table  # cached prefix + one fresh block
+    assert remote.num_cached_tokens == 2 * BS  # only the last position's KV needs importing
     assert remote.status is RequestState.WAITING_FOR_REMOTE_KV
     out = s.schedule()  # a reserved sequence is not scheduled until it is activated
     assert [c.seq_id for c in out.chunks] == [1]
     s.update(out, {1: 5})
     s.activate_remote(2, 9)
     out = s.schedule()
-    assert [(c.seq_id, c.start, c.token_ids) for c in out.decodes] == [(1, 2 * BS + 1, (5,)), (2, 2 * BS, (9,))]
+    assert [(c.seq_id, c.start, c.token_ids) for c in out.decodes] == [(1, 2 * BS + 2, (5,)),
+                                                                        (2, 2 * BS + 1, (9,))]
     s.update(out, {1: 5, 2: 4})
     assert s.running[1].output_token_ids == [9, 4]
 
 
-def test_remote_kv_blocks_never_enter_the_prefix_cache():
+def test_imported_blocks_enter_the_prefix_cache_once_activated():
     s = make_scheduler(num_blocks=8)
-    s.reserve_remote(make_seq(1, 2 * BS + 1, max_tokens=4))
+    first = make_seq(1, 2 * BS + 1, max_tokens=4)
+    s.reserve_remote(first)
+    assert first.num_cached_tokens == 0
+    second = make_seq(2, 2 * BS + 1, max_tokens=4, first_token=1000)
+    s.reserve_remote(second)  # the first one's KV is not there yet: no hit
+    assert second.num_cached_tokens == 0
     s.activate_remote(1, 3)
     for _ in range(3):
         step(s, {1: 3})
-    assert not s.has_unfinished()
-    s.add(make_seq(2, 2 * BS + 1, first_token=1000))  # the same prompt again
+    s.add(make_seq(3, 2 * BS + 1, first_token=1000))  # the same prompt, computed here
     out = s.schedule()
-    assert out.prefills[0].start == 0  # nothing reused
+    assert out.prefills[0].start == 2 * BS  # the imported blocks are reused
 
 
 def test_remote_kv_waits_when_no_blocks_are_free_and_aborting_it_frees_them():

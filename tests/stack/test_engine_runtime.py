@@ -46,6 +46,7 @@ class InProcessPeer:
         self.sends = prefill.settings.wire_dtype
         self.reserved_when_called: int | None = None  # decode's requests waiting for remote KV then
         self.watch = None  # a DecodeRuntime to look at when prefill is called
+        self.skipped: list[int] = []  # skip_tokens of each prefill asked for
 
     def wire_dtype(self) -> str:
         return self.prefill_runtime.settings.wire_dtype
@@ -53,11 +54,13 @@ class InProcessPeer:
     def receiver(self, engine, seq, expected):
         return InProcessReceiver(self.link, engine, seq, expected)
 
-    def prefill(self, request, wire_dtype, cancel):
+    def prefill(self, request, wire_dtype, cancel, skip_tokens=0):
         if self.watch is not None:
             self.reserved_when_called = self.watch.loop.scheduler.num_waiting_for_remote_kv
+        self.skipped.append(skip_tokens)
         return self.prefill_runtime.prefill(request, self.sends, cancel,
-                                            new_sender=lambda header: InProcessSender(self.link, header))
+                                            new_sender=lambda header: InProcessSender(self.link, header),
+                                            skip_tokens=skip_tokens)
 
     def close(self) -> None:
         pass
@@ -110,12 +113,26 @@ def tokens_and_last(runtime, prompt, mode, params=GREEDY, cancel=None):
 def test_hybrid_in_process_equals_gpu_and_fpga(prefill, decode, peer, ocl_engine, model_config):
     prompt = random_prompt(40, model_config.vocab_size, seed=31)
     gpu, _ = tokens_and_last(prefill, prompt, "gpu")
+    hybrid, last = tokens_and_last(decode, prompt, "hybrid")  # first: nothing of it is cached yet
     fpga, _ = tokens_and_last(decode, prompt, "fpga")
-    hybrid, last = tokens_and_last(decode, prompt, "hybrid")
     assert gpu == fpga == hybrid
     t = last.timings
     assert last.finish_reason == "length" and t.generated_tokens == 8 and t.prompt_tokens == 40
     assert t.handoff_bytes == 30 * 2 * 3 * 40 * 64 * 4 and 0 <= t.handoff_exposed_s <= t.handoff_total_s
+    assert peer.link.slots_in_use == 0 and all_free(decode)
+
+
+def test_hybrid_hands_over_only_what_decode_has_not_cached(prefill, decode, peer, model_config):
+    """A second prompt sharing a 64-token prefix with the first: decode_fpga holds that prefix's blocks
+    (imported for the first request), so prefill_gpu ships only the rest; the tokens stay those of
+    the other modes."""
+    shared = random_prompt(64, model_config.vocab_size, seed=36)
+    first, second = shared + random_prompt(6, model_config.vocab_size, seed=37), shared + [11, 12, 13]
+    tokens_and_last(decode, first, "hybrid")
+    hybrid, last = tokens_and_last(decode, second, "hybrid")
+    assert peer.skipped[-2:] == [0, 64]
+    assert last.timings.handoff_bytes == 30 * 2 * 3 * (len(second) - 64) * 64 * 4
+    assert hybrid == tokens_and_last(prefill, second, "gpu")[0] == tokens_and_last(decode, second, "fpga")[0]
     assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
