@@ -9,9 +9,11 @@ does (a [layers, 2, kv_heads, n, dim] buffer, layer and token slice at a time, s
 
     whole   prefill in one step, then every layer in one frame
     layers  prefill in one step, each layer sent as soon as it is computed (the on_layer hook)
-    u<S>    prefill in S-token slices (chunked prefill), each slice's KV sent while the next computes
-    dp      the same with the slice lengths from the DP (services/kv/slicing.py) over a cost table
-            t(slice, context) measured on this engine first, and the link's nominal rate and delay
+    u<S>    prefill in S-token slices (chunked prefill), each slice's KV streamed layer by layer as it
+            computes: frames of (layer, token range), sent while the engine goes on
+    dp      the same with the slice lengths from the DP (services/kv/slicing.py, layers = the model's)
+            over a cost table t(slice, context) measured on this engine first, and the link's nominal
+            rate and 0.5 ms
 
 Exposed hand-off = (last byte imported on the receiver − prefill start) − the local prefill time (the
 same prompt in one step, nothing sent; median of runs). It charges the DP and the slices for the
@@ -21,6 +23,7 @@ namespaces share the host's clock. Traffic stays on the veth pair inside the two
 Needs root (ip netns, tc); exits with a clear message otherwise. The namespaces are deleted on any exit.
 
     sudo python bench/cross_host.py [--sizes 256,1024,2048,4096] [--links 1,10] [--uniform 64,256,1024]
+    sudo python bench/cross_host.py --merge cross_host_a,cross_host_b   # runs split to stay short, one table
 """
 from __future__ import annotations
 
@@ -256,13 +259,13 @@ def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None) -> di
                 for layer in range(L):
                     tx.layer_buffer(layer)[...] = p.export(layer, 0, n).cpu().numpy()
                 tx.send_slice(0, L, 0, n)
-        else:
+        else:  # each slice streams layer by layer as it computes: frames (layer, token range)
             a = 0
             for s in slices:
-                first = p.step(tokens, a, a + s)
-                for layer in range(L):
+                def send_layer(layer, a=a, s=s):
                     tx.layer_buffer(layer)[:, :, a:a + s] = p.export(layer, a, a + s).cpu().numpy()
-                tx.send_slice(0, L, a, a + s)
+                    tx.send_slice(layer, layer + 1, a, a + s)
+                first = p.step(tokens, a, a + s, on_layer=send_layer)
                 a += s
             p.sync()
             compute_end = time.time()
@@ -297,7 +300,7 @@ def bench(args) -> None:
     bpt = p.cfg.n_layers * 2 * p.cfg.n_kv_heads * p.cfg.head_dim * 4  # fp32 wire bytes per token
     progress("measuring t(slice, context) on the engine")
     costs = measure_costs(p, lengths, sorted({0, ctx_max // 2, ctx_max}))
-    rows, records, dp_plans = [], [], {}
+    records, dp_plans = [], {}
     rng = np.random.default_rng(1)
     prompts = {n: rng.integers(3, p.cfg.vocab_size, n).tolist() for n in sizes}
     local = {}
@@ -322,7 +325,7 @@ def bench(args) -> None:
                 for n in sizes:
                     plans = [("whole", None), ("layers", None)]
                     plans += [(f"u{s}", uniform_slices(n, s)) for s in uniform if s < n]
-                    dp, dp_t = best_slices(n, costs, link, bpt, granule=GRANULE)
+                    dp, dp_t = best_slices(n, costs, link, bpt, granule=GRANULE, layers=p.cfg.n_layers)
                     dp_plans[f"{gbit:g}/{n}"] = {"slices": dp, "predicted_s": dp_t}
                     plans.append(("dp", dp))
                     for mode, slices in plans:
@@ -339,15 +342,12 @@ def bench(args) -> None:
                         best.update(mode=mode, gbit=gbit, local_prefill_s=local[n][0],
                                     exposed_pct=100 * best["exposed_s"] / local[n][0])
                         records.append(best)
-                        rows.append([f"{gbit:g}", n, mode, len(slices) if slices else 1, local[n][0],
-                                     best["compute_s"], best["tail_s"], best["exposed_s"], best["exposed_pct"]])
                         progress(f"{gbit:g} Gbit/s, {n} tokens, {mode}: exposed {best['exposed_s'] * 1e3:.1f} ms")
             control.close()
         finally:
             rx.terminate()
             rx.wait(timeout=10)
-    print(table(["Gbit/s", "tokens", "mode", "slices", "local s", "compute s", "tail s", "exposed s", "% prefill"],
-                rows))
+    print(table(ROW_HEADERS, [row_of(r) for r in records]))
     payload = {"machine": machine(), "device": p.engine.device_name, "delay": delay or "none (no sch_netem)", "bytes_per_token": bpt,
                "granule": GRANULE, "reps": args.reps, "cost_table": costs.to_json(), "dp_plans": dp_plans,
                "results": records,
@@ -355,6 +355,29 @@ def bench(args) -> None:
     path = write_json(args.out, payload)
     plot(records, RESULTS / f"{args.out}.png")
     print(f"wrote {path}")
+
+
+ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "local s", "compute s", "tail s", "exposed s", "% prefill"]
+
+
+def row_of(r: dict) -> list:
+    return [f"{r['gbit']:g}", r["n_tokens"], r["mode"], len(r["slices"]) if r["slices"] else 1, r["local_prefill_s"],
+            r["compute_s"], r["tail_s"], r["exposed_s"], r["exposed_pct"]]
+
+
+def merge(names: list[str], out: str) -> None:
+    """Join the results of runs split by prompt size into one JSON, table and plot."""
+    parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
+    payload = {**parts[0], "results": [r for p in parts for r in p["results"]],
+               "dp_plans": {k: v for p in parts for k, v in p["dp_plans"].items()},
+               "cost_tables": {name: p["cost_table"] for name, p in zip(names, parts)},
+               "commands": [p["command"] for p in parts]}
+    payload.pop("cost_table", None)
+    payload.pop("command", None)
+    records = sorted(payload["results"], key=lambda r: (r["gbit"], r["n_tokens"]))
+    print(table(ROW_HEADERS, [row_of(r) for r in records]))
+    print(f"wrote {write_json(out, payload)}")
+    plot(records, RESULTS / f"{out}.png")
 
 
 def plot(records, path: Path) -> None:
@@ -427,6 +450,7 @@ def main() -> None:
     ap.add_argument("--uniform", default="64,256,1024", help="uniform slice lengths")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--out", default="cross_host")
+    ap.add_argument("--merge", help="comma-separated result names to join into --out (no measuring)")
     ap.add_argument("--receive", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--selftest", nargs=2, metavar=("TX_NS", "RX_NS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -435,6 +459,9 @@ def main() -> None:
         return
     if args.selftest:
         selftest(*args.selftest)
+        return
+    if args.merge:
+        merge(args.merge.split(","), args.out)
         return
     if os.geteuid() != 0:
         raise SystemExit("cross_host needs root to make network namespaces and shape them with tc; "

@@ -15,7 +15,9 @@ and the link, so the DP is over (position p, slices left r):
 
 with H(n, 0) = -inf (no term left) and T_best = min over K of H(0, K). Exact for the model above:
 T splits as c_1 + max(the term for j = 1, the terms for j > 1), and the latter are the same
-problem on the rest of the prompt. Lengths are multiples of a granule (the engine's block size, say)
+problem on the rest of the prompt. With `layers` = L > 1 each slice streams layer by layer (part l
+sent once computed), and slice j's own term becomes max(latency + c_j / L + b_j, c_j + b_j / L) + the
+later slices' sends (b_j: its bytes' time; the latency rides with its first part), the rest unchanged. Lengths are multiples of a granule (the engine's block size, say)
 so the table stays small: O((n / granule)^3) steps, pure Python.
 
 `CostTable` is t(slice length, context) measured on an engine at a few points and interpolated
@@ -41,24 +43,29 @@ class Link:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
-def pipeline_time(slices: Sequence[int], compute: ComputeCost, link: Link, bytes_per_token: float) -> float:
+def pipeline_time(slices: Sequence[int], compute: ComputeCost, link: Link, bytes_per_token: float,
+                  layers: int = 1) -> float:
     """When the last slice's last byte lands, for `slices` in order: compute in series, sends in series,
-    slice i's send starting once it is computed and slice i - 1 is sent."""
+    slice i's send starting once it is computed and slice i - 1 is sent. `layers` > 1: each slice goes
+    as that many equal parts, part l sent as soon as it is computed (layer by layer within a slice)."""
     computed = sent = 0.0
     ctx = 0
     for s in slices:
         if s <= 0:
             raise ValueError(f"slice lengths must be positive, got {list(slices)}")
-        computed += compute(s, ctx)
-        sent = max(sent, computed) + link.send_s(s * bytes_per_token)
+        c, d = compute(s, ctx), link.send_s(s * bytes_per_token)
+        for part in range(layers):
+            computed += c / layers
+            # the slice's message latency once, with its first part; its bytes spread over the parts
+            sent = max(sent, computed) + (d - link.latency_s) / layers + (link.latency_s if part == 0 else 0.0)
         ctx += s
     return sent
 
 
 def best_slices(n_tokens: int, compute: ComputeCost, link: Link, bytes_per_token: float, granule: int = 1,
-                max_slices: int | None = None) -> tuple[list[int], float]:
+                max_slices: int | None = None, layers: int = 1) -> tuple[list[int], float]:
     """The slice lengths (multiples of `granule`, the last one whatever is left) minimising
-    `pipeline_time`, and that time."""
+    `pipeline_time` (with the same `layers`), and that time."""
     if n_tokens <= 0 or granule <= 0:
         raise ValueError(f"n_tokens and granule must be positive, got {n_tokens}, {granule}")
     units = math.ceil(n_tokens / granule)
@@ -75,13 +82,18 @@ def best_slices(n_tokens: int, compute: ComputeCost, link: Link, bytes_per_token
         if r == 0 or units - u < r:
             return math.inf, 0
         p = pos(u)
-        tail_send = r * link.latency_s + (n_tokens - p) * bytes_per_token / link.bytes_per_s
         best = (math.inf, 0)
         for step in range(1, units - u - r + 2):  # leave at least one unit for each later slice
             rest, _ = h(u + step, r - 1)
             if rest == math.inf:
                 continue
-            t = compute(pos(u + step) - p, p) + max(tail_send, rest)
+            s = pos(u + step) - p
+            c = compute(s, p)
+            bytes_s = s * bytes_per_token / link.bytes_per_s
+            later = (r - 1) * link.latency_s + (n_tokens - p - s) * bytes_per_token / link.bytes_per_s
+            # this slice's own term: its critical path leaves the engine after its first or its last part
+            own = max(link.latency_s + c / layers + bytes_s, c + bytes_s / layers) + later
+            t = max(own, c + rest)
             if t < best[0]:
                 best = (t, step)
         return best

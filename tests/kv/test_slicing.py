@@ -36,13 +36,14 @@ LINKS = [Link(1.25e8, 5e-4), Link(1.25e9, 5e-4), Link(1e6, 1e-2), Link(1e9, 0.0)
 @pytest.mark.parametrize("n", [1, 2, 5, 9, 12])
 @pytest.mark.parametrize("cost", COSTS)
 @pytest.mark.parametrize("link", LINKS)
-def test_the_dp_finds_the_brute_force_optimum(n, cost, link):
+@pytest.mark.parametrize("layers", [1, 3])
+def test_the_dp_finds_the_brute_force_optimum(n, cost, link, layers):
     bpt = 20_000.0
-    brute = min(pipeline_time(c, cost, link, bpt) for c in compositions(n))
-    slices, t = best_slices(n, cost, link, bpt)
+    brute = min(pipeline_time(c, cost, link, bpt, layers) for c in compositions(n))
+    slices, t = best_slices(n, cost, link, bpt, layers=layers)
     assert sum(slices) == n
     assert math.isclose(t, brute, rel_tol=1e-12)
-    assert math.isclose(pipeline_time(slices, cost, link, bpt), t, rel_tol=1e-12)
+    assert math.isclose(pipeline_time(slices, cost, link, bpt, layers), t, rel_tol=1e-12)
 
 
 def test_the_dp_with_a_granule_is_optimal_among_granule_multiples():
@@ -64,13 +65,14 @@ def synthetic_table(per_token_s: float, attn: float, overhead: float) -> CostTab
 @pytest.mark.parametrize("gbit", [1, 10])
 @pytest.mark.parametrize("table", [synthetic_table(2e-4, 2e-8, 4e-3), synthetic_table(5e-5, 1e-7, 1e-2),
                                    synthetic_table(1e-5, 0.0, 1e-3)])
-def test_dp_slices_beat_or_equal_every_uniform_slicing(n, gbit, table):
+@pytest.mark.parametrize("layers", [1, 30])
+def test_dp_slices_beat_or_equal_every_uniform_slicing(n, gbit, table, layers):
     link, bpt = Link(gbit * 1.25e8, 5e-4), 2 * 4 * 64 * 4 * 22  # fp32 K and V, 4 heads of 64, 22 layers
     granule = 16 if n <= 1024 else 64  # the DP is exact among multiples of its granule: uniform sizes are
-    dp, t = best_slices(n, table, link, bpt, granule=granule)
+    dp, t = best_slices(n, table, link, bpt, granule=granule, layers=layers)
     for size in (s for s in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if s % granule == 0):
-        assert t <= pipeline_time(uniform_slices(n, size), table, link, bpt) * (1 + 1e-12)
-    assert t <= pipeline_time([n], table, link, bpt) * (1 + 1e-12)
+        assert t <= pipeline_time(uniform_slices(n, size), table, link, bpt, layers) * (1 + 1e-12)
+    assert t <= pipeline_time([n], table, link, bpt, layers) * (1 + 1e-12)
 
 
 def test_the_cost_table_interpolates_and_extrapolates_linearly():
