@@ -386,17 +386,24 @@ def plot(records, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     gbits = sorted({r["gbit"] for r in records})
-    fig, axes = plt.subplots(1, len(gbits), figsize=(6 * len(gbits), 4), squeeze=False)
-    for ax, g in zip(axes[0], gbits):
-        for mode in dict.fromkeys(r["mode"] for r in records):
-            pts = sorted((r["n_tokens"], r["exposed_s"] * 1e3) for r in records if r["gbit"] == g and r["mode"] == mode)
-            ax.plot(*zip(*pts), marker="o", label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("exposed hand-off (ms)")
-        ax.set_title(f"{g:g} Gbit/s")
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.legend(fontsize=8)
+    # top: the tail (end of compute -> last byte imported), clean of compute noise; bottom: the exposed figure
+    fig, axes = plt.subplots(2, len(gbits), figsize=(6 * len(gbits), 7), squeeze=False)
+    for col, g in enumerate(gbits):
+        for row, (key, label) in enumerate((("tail_s", "tail after compute (ms)"),
+                                            ("exposed_s", "exposed vs local prefill (ms)"))):
+            ax = axes[row][col]
+            for mode in dict.fromkeys(r["mode"] for r in records):
+                pts = sorted((r["n_tokens"], r[key] * 1e3) for r in records if r["gbit"] == g and r["mode"] == mode)
+                ax.plot(*zip(*pts), marker="o", label=mode)
+            ax.set_xscale("log", base=2)
+            if row == 0:
+                ax.set_yscale("log")
+                ax.set_title(f"{g:g} Gbit/s")
+            else:
+                ax.axhline(0, color="grey", lw=0.5)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
