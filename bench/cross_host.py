@@ -1,0 +1,485 @@
+"""Prefill on one host, the KV imported on another: the exposed hand-off over a shaped link, per way of sending.
+
+Two network namespaces made here (`hs-tx-<pid>`, `hs-rx-<pid>`) joined by a veth pair with addresses in
+10.231.0.0/30; both ends get a tbf at R (1 and 10 Gbit/s) under netem's 0.5 ms delay; a kernel without
+sch_netem (this machine's) gets the tbf alone, and the JSON's `delay` says so. A receiving
+process in `hs-rx` listens on 10.231.0.2 and imports each request's KV into host memory the way decode
+does (a [layers, 2, kv_heads, n, dim] buffer, layer and token slice at a time, services/kv/tcp.py). In
+`hs-tx` the torch engine (the real model, paged pool, `step`) prefills each prompt and streams its KV:
+
+    whole   prefill in one step, then every layer in one frame
+    layers  prefill in one step, each layer sent as soon as it is computed (the on_layer hook)
+    u<S>    prefill in S-token slices (chunked prefill), each slice's KV streamed layer by layer as it
+            computes: frames of (layer, token range), sent while the engine goes on
+    dp      the same with the slice lengths from the DP (services/kv/slicing.py, layers = the model's)
+            over a cost table t(slice, context) measured on this engine first, and the link's nominal
+            rate and 0.5 ms
+
+Exposed hand-off = (last byte imported on the receiver − prefill start) − the local prefill time (the
+same prompt in one step, nothing sent; median of runs). It charges the DP and the slices for the
+compute that slicing adds as well as for the bytes still in flight after the last slice. Both
+namespaces share the host's clock. Traffic stays on the veth pair inside the two namespaces.
+
+Needs root (ip netns, tc); exits with a clear message otherwise. The namespaces are deleted on any exit.
+
+    sudo python bench/cross_host.py [--sizes 256,1024,2048,4096] [--links 1,10] [--uniform 64,256,1024]
+    sudo python bench/cross_host.py --merge cross_host_a,cross_host_b   # runs split to stay short, one table
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, machine, progress, table, write_json  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TX_ADDR, RX_ADDR, PREFIX = "10.231.0.1", "10.231.0.2", 30
+DELAY = "0.5ms"
+TIMEOUT_S = 60.0
+GRANULE = 64  # DP slice lengths are multiples of this (four 16-token blocks)
+
+
+# ---- the two namespaces -------------------------------------------------------------------------
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+class Netns:
+    """Two namespaces and a veth pair, `rate` (e.g. '1gbit', None: unshaped) and 0.5 ms each way.
+    A context manager; deleted on exit, on SIGTERM and at interpreter exit, whatever happened."""
+
+    def __init__(self, rate: str | None):
+        pid = os.getpid()
+        self.tx, self.rx = f"hs-tx-{pid}", f"hs-rx-{pid}"
+        self.veth_tx, self.veth_rx = f"hst{pid % 100000}", f"hsr{pid % 100000}"
+        self.rate = rate
+        self.delay: str | None = None
+
+    @staticmethod
+    def exec_in(ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
+
+    def __enter__(self) -> "Netns":
+        atexit.register(self.cleanup)
+        try:
+            _ip("netns", "add", self.tx)
+            _ip("netns", "add", self.rx)
+            _ip("link", "add", self.veth_tx, "type", "veth", "peer", "name", self.veth_rx)
+            for ns, dev, addr in ((self.tx, self.veth_tx, TX_ADDR), (self.rx, self.veth_rx, RX_ADDR)):
+                _ip("link", "set", dev, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{addr}/{PREFIX}", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+            self.shape(self.rate)
+        except subprocess.CalledProcessError as exc:
+            self.cleanup()
+            raise RuntimeError(f"setting up the namespaces failed: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from exc
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def shape(self, rate: str | None) -> None:
+        """Both veth ends: netem's delay (when this kernel has netem) with a tbf at `rate` under it, or
+        the tbf alone; replaces what was there. `self.delay` says what delay was really applied."""
+        self.rate = rate
+        for ns, dev in ((self.tx, self.veth_tx), (self.rx, self.veth_rx)):
+            tc = [*self.exec_in(ns), "tc", "qdisc"]
+            subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True)  # none there: fine
+            netem = subprocess.run([*tc, "add", "dev", dev, "root", "handle", "1:", "netem", "delay", DELAY,
+                                    "limit", "100000"], capture_output=True, text=True)
+            self.delay = DELAY if netem.returncode == 0 else None
+            if rate:
+                bits = float(rate.removesuffix("gbit")) * 1e9
+                burst = str(max(int(bits / 8 * 1e-3), 200_000))  # a millisecond of bytes: GSO packets fit
+                where = ["parent", "1:1"] if self.delay else ["root"]
+                subprocess.run([*tc, "add", "dev", dev, *where, "handle", "10:", "tbf", "rate", rate, "burst", burst,
+                                "latency", "50ms"], capture_output=True, text=True, check=True)
+
+    def cleanup(self) -> None:
+        for ns in (self.tx, self.rx):  # deleting a namespace deletes its end of the veth, and so the pair
+            _ip("netns", "del", ns, check=False)
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+        atexit.unregister(self.cleanup)
+
+
+# ---- the receiving host ---------------------------------------------------------------------------
+class HostImporter:
+    """Imports into host memory as decode would before its device copy: [layers, 2, kv_heads, n, dim]."""
+
+    def __init__(self, layout):
+        self.kv = np.empty(layout.shape, layout.dtype)
+
+    def import_kv_layer(self, seq, layer, kv):
+        self.kv[layer] = kv
+
+    def import_kv_slice(self, seq, layer, start, kv):
+        self.kv[layer, :, :, start:start + kv.shape[2]] = kv
+
+    def finish_import(self, seq, n_tokens):
+        pass
+
+
+def receive(host: str, port: int) -> None:
+    """Serve hand-offs until the control connection ends: per request, a JSON line {n_tokens, request,
+    dtype} on the control connection, 'ready', one KV connection, then a JSON line with the outcome."""
+    from services.kv.header import SlotHeader, request_nonce
+    from services.kv.handoff import layout_of
+    from services.kv.tcp import TcpListener, TcpReceiver
+    from services.model.config import read_config
+    from services.model.checkpoint import locate
+
+    cfg = read_config(locate(None))
+    with TcpListener(host, port + 1, timeout_s=TIMEOUT_S) as kv_listener, \
+            socket.create_server((host, port)) as control_server:
+        control_server.settimeout(TIMEOUT_S)
+        print("listening", flush=True)
+        control, _ = control_server.accept()
+        control.settimeout(None)
+        lines = control.makefile("rw")
+        for line in lines:
+            req = json.loads(line)
+            expected = SlotHeader(req["dtype"], cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, req["n_tokens"],
+                                  cfg.model_id, nonce=request_nonce(req["request"]))
+            importer = HostImporter(layout_of(expected))
+            importer.kv.fill(0)  # touch the pages now, as a decode engine's preallocated pool would be
+            lines.write("ready\n")
+            lines.flush()
+            rx = TcpReceiver(kv_listener.accept(), importer, None, expected)
+            try:
+                rx.run()
+                out = {"ok": True, "imported_at": rx.on_device_at, "bytes": rx.bytes,
+                       "checksum": float(importer.kv[:, :, :, :: max(1, req["n_tokens"] // 7)].sum(dtype=np.float64))}
+            except Exception as exc:  # reported to the sending side, which fails the bench
+                out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            lines.write(json.dumps(out) + "\n")
+            lines.flush()
+
+
+# ---- the prefilling host ----------------------------------------------------------------------------
+class Prefiller:
+    """The torch engine over its paged pool; one prompt at a time in blocks [0, n / block_size)."""
+
+    def __init__(self, max_tokens: int, pool_tokens: int):
+        from services.engine.batching_settings import BatchingSettings
+        from services.model.loading import load_model
+        from services.prefill_gpu.engine import TorchEngine
+
+        loaded = load_model(None)
+        self.cfg = loaded.config
+        kv_mb = 1 + pool_tokens * self.cfg.n_layers * 2 * self.cfg.n_kv_heads * self.cfg.head_dim * 4 // (1 << 20)
+        self.engine = TorchEngine(loaded.config, loaded.weights, device="auto",
+                                  batching=BatchingSettings(kv_cache_mb=kv_mb + 8, max_num_batched_tokens=max_tokens))
+        self.table = tuple(range(self.engine.num_blocks))
+        self.engine.kv_pool.data.zero_()
+
+    def chunk(self, tokens, start, stop):
+        from services.engine.scheduler import ScheduledChunk
+
+        return ScheduledChunk(seq_id=1, start=start, token_ids=tuple(tokens[start:stop]), block_table=self.table,
+                              samples=stop == len(tokens), sampling_params=None)
+
+    def export(self, layer: int, start: int, stop: int) -> torch.Tensor:
+        """Positions [start, stop) of one layer in wire layout [2, kv_heads, stop - start, dim] (an engine call
+        this bench needs: export_kv_blocks takes [0, n) only)."""
+        pool = self.engine.kv_pool
+        rows = pool.gather(layer, pool.index(pool.slots(self.table, start, stop)))  # [n, 2, kvh, dim]
+        return rows.permute(1, 2, 0, 3)
+
+    def step(self, tokens, start, stop, on_layer=None) -> int:
+        out = self.engine.step([self.chunk(tokens, start, stop)], greedy=True, on_layer=on_layer)
+        return out[0] if stop == len(tokens) else -1
+
+    def sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def measure_costs(p: Prefiller, lengths, contexts, reps: int = 2):
+    """t(slice length, context) on this engine: the median step time of each grid point."""
+    from services.kv.slicing import CostTable
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, p.cfg.vocab_size, max(lengths) + max(contexts)).tolist()
+    seconds = []
+    for s in lengths:
+        row = []
+        for c in contexts:
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                p.engine.step([p.chunk(tokens[: c + s], c, c + s)], greedy=True)
+                p.sync()
+                ts.append(time.perf_counter() - t0)
+            row.append(statistics.median(ts))
+        seconds.append(row)
+    return CostTable(lengths, contexts, seconds)
+
+
+def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None) -> dict:
+    """One prompt prefilled and sent as `mode` says; the receiver's outcome and the times."""
+    from services.kv.handoff import PrefillDone
+    from services.kv.header import SlotHeader, request_nonce
+    from services.kv.tcp import TcpSender
+
+    n, cfg = len(tokens), p.cfg
+    request = f"bench-{mode}-{n}-{time.monotonic_ns()}"
+    control.write(json.dumps({"n_tokens": n, "request": request, "dtype": "fp32"}) + "\n")
+    control.flush()
+    if control.readline().strip() != "ready":
+        raise RuntimeError("the receiver did not get ready")
+    header = SlotHeader("fp32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, cfg.model_id,
+                        nonce=request_nonce(request))
+    L = cfg.n_layers
+    with TcpSender(address, header, timeout_s=TIMEOUT_S) as tx:
+        tx.open()
+        t0 = time.time()
+        if mode in ("whole", "layers"):
+            def send_layer(layer):
+                tx.layer_buffer(layer)[...] = p.export(layer, 0, n).cpu().numpy()
+                tx.layer_written(layer)
+            first = p.step(tokens, 0, n, on_layer=send_layer if mode == "layers" else None)
+            p.sync()
+            compute_end = time.time()
+            if mode == "whole":
+                for layer in range(L):
+                    tx.layer_buffer(layer)[...] = p.export(layer, 0, n).cpu().numpy()
+                tx.send_slice(0, L, 0, n)
+        else:  # each slice streams layer by layer as it computes: frames (layer, token range)
+            a = 0
+            for s in slices:
+                def send_layer(layer, a=a, s=s):
+                    tx.layer_buffer(layer)[:, :, a:a + s] = p.export(layer, a, a + s).cpu().numpy()
+                    tx.send_slice(layer, layer + 1, a, a + s)
+                first = p.step(tokens, a, a + s, on_layer=send_layer)
+                a += s
+            p.sync()
+            compute_end = time.time()
+        imported_at = tx.finish(PrefillDone(first, compute_end - t0, 0.0, compute_end))
+    out = json.loads(control.readline())
+    if not out.get("ok"):
+        raise RuntimeError(f"the receiver failed: {out.get('error')}")
+    return {"mode": mode, "n_tokens": n, "slices": list(slices) if slices else None, "first_token": first,
+            "start": t0, "compute_s": compute_end - t0, "imported_after_s": imported_at - t0,
+            "tail_s": imported_at - compute_end, "bytes": out["bytes"], "checksum": out["checksum"]}
+
+
+def local_prefill_s(p: Prefiller, tokens, reps: int) -> tuple[float, int]:
+    ts, first = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        first = p.step(tokens, 0, len(tokens))
+        p.sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), first
+
+
+def bench(args) -> None:
+    from services.kv.slicing import Link, best_slices, uniform_slices
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    uniform = [int(x) for x in args.uniform.split(",")]
+    links = [float(x) for x in args.links.split(",")]
+    lengths = [GRANULE, 4 * GRANULE, 16 * GRANULE]
+    ctx_max = max(sizes) - GRANULE
+    p = Prefiller(max(max(sizes), max(lengths)), ctx_max + max(lengths))
+    bpt = p.cfg.n_layers * 2 * p.cfg.n_kv_heads * p.cfg.head_dim * 4  # fp32 wire bytes per token
+    progress("measuring t(slice, context) on the engine")
+    costs = measure_costs(p, lengths, sorted({0, ctx_max // 2, ctx_max}))
+    records, dp_plans = [], {}
+    rng = np.random.default_rng(1)
+    prompts = {n: rng.integers(3, p.cfg.vocab_size, n).tolist() for n in sizes}
+    local = {}
+    for n in sizes:
+        local[n] = local_prefill_s(p, prompts[n], args.reps)
+        progress(f"local prefill of {n} tokens: {local[n][0]:.3f} s")
+    with Netns(rate=None) as ns:
+        port = 47000 + os.getpid() % 1000
+        rx = subprocess.Popen([*ns.exec_in(ns.rx), sys.executable, str(Path(__file__).resolve()), "--receive",
+                               RX_ADDR, str(port)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            if rx.stdout.readline().strip() != "listening":
+                raise RuntimeError("the receiving process did not start")
+            # the sending side joins the tx namespace for its sockets only: setns on this thread
+            _enter(ns.tx)
+            control = socket.create_connection((RX_ADDR, port), timeout=TIMEOUT_S).makefile("rw")
+            for gbit in links:
+                ns.shape(f"{gbit:g}gbit")
+                delay = ns.delay
+                link = Link(gbit * 1e9 / 8 * 0.94, 0.5e-3 + 50e-6)  # TCP/IP overhead; delay plus per-send cost
+                for n in sizes:
+                    plans = [("whole", None), ("layers", None)]
+                    plans += [(f"u{s}", uniform_slices(n, s)) for s in uniform if s < n]
+                    dp, dp_t = best_slices(n, costs, link, bpt, granule=GRANULE, layers=p.cfg.n_layers)
+                    dp_plans[f"{gbit:g}/{n}"] = {"slices": dp, "predicted_s": dp_t}
+                    plans.append(("dp", dp))
+                    for mode, slices in plans:
+                        res = []
+                        for _ in range(args.reps):
+                            r = run_handoff(p, control, (RX_ADDR, port + 1), prompts[n],
+                                            mode if slices is None else "slices", slices)
+                            r["exposed_s"] = r["imported_after_s"] - local[n][0]
+                            res.append(r)
+                        best = sorted(res, key=lambda r: r["exposed_s"])[len(res) // 2]
+                        if best["first_token"] != local[n][1]:
+                            raise RuntimeError(f"{mode} at {n} tokens gave first token {best['first_token']}, "
+                                               f"the one-step prefill {local[n][1]}")
+                        best.update(mode=mode, gbit=gbit, local_prefill_s=local[n][0],
+                                    exposed_pct=100 * best["exposed_s"] / local[n][0])
+                        records.append(best)
+                        progress(f"{gbit:g} Gbit/s, {n} tokens, {mode}: exposed {best['exposed_s'] * 1e3:.1f} ms")
+            control.close()
+        finally:
+            rx.terminate()
+            rx.wait(timeout=10)
+    print(table(ROW_HEADERS, [row_of(r) for r in records]))
+    payload = {"machine": machine(), "device": p.engine.device_name, "delay": delay or "none (no sch_netem)", "bytes_per_token": bpt,
+               "granule": GRANULE, "reps": args.reps, "cost_table": costs.to_json(), "dp_plans": dp_plans,
+               "results": records,
+               "command": "python bench/cross_host.py " + " ".join(sys.argv[1:])}
+    path = write_json(args.out, payload)
+    plot(records, RESULTS / f"{args.out}.png")
+    print(f"wrote {path}")
+
+
+ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "local s", "compute s", "tail s", "exposed s", "% prefill"]
+
+
+def row_of(r: dict) -> list:
+    return [f"{r['gbit']:g}", r["n_tokens"], r["mode"], len(r["slices"]) if r["slices"] else 1, r["local_prefill_s"],
+            r["compute_s"], r["tail_s"], r["exposed_s"], r["exposed_pct"]]
+
+
+def merge(names: list[str], out: str) -> None:
+    """Join the results of runs split by prompt size into one JSON, table and plot."""
+    parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
+    payload = {**parts[0], "results": [r for p in parts for r in p["results"]],
+               "dp_plans": {k: v for p in parts for k, v in p["dp_plans"].items()},
+               "cost_tables": {name: p["cost_table"] for name, p in zip(names, parts)},
+               "commands": [p["command"] for p in parts]}
+    payload.pop("cost_table", None)
+    payload.pop("command", None)
+    records = sorted(payload["results"], key=lambda r: (r["gbit"], r["n_tokens"]))
+    print(table(ROW_HEADERS, [row_of(r) for r in records]))
+    print(f"wrote {write_json(out, payload)}")
+    plot(records, RESULTS / f"{out}.png")
+
+
+def plot(records, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gbits = sorted({r["gbit"] for r in records})
+    # top: the tail (end of compute -> last byte imported), clean of compute noise; bottom: the exposed figure
+    fig, axes = plt.subplots(2, len(gbits), figsize=(6 * len(gbits), 7), squeeze=False)
+    for col, g in enumerate(gbits):
+        for row, (key, label) in enumerate((("tail_s", "tail after compute (ms)"),
+                                            ("exposed_s", "exposed vs local prefill (ms)"))):
+            ax = axes[row][col]
+            for mode in dict.fromkeys(r["mode"] for r in records):
+                pts = sorted((r["n_tokens"], r[key] * 1e3) for r in records if r["gbit"] == g and r["mode"] == mode)
+                ax.plot(*zip(*pts), marker="o", label=mode)
+            ax.set_xscale("log", base=2)
+            if row == 0:
+                ax.set_yscale("log")
+                ax.set_title(f"{g:g} Gbit/s")
+            else:
+                ax.axhline(0, color="grey", lw=0.5)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _enter(ns: str) -> None:
+    """This thread into network namespace `ns`: sockets made from now on live there (made before: stay put)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # os.setns is Python 3.12+
+    with open(f"/var/run/netns/{ns}") as f:
+        if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
+
+
+def selftest(tx_ns: str, rx_ns: str) -> None:
+    """For the tests: one hand-off of random bytes over the veth, the listener made in `rx_ns`, the sender's
+    socket in `tx_ns` (both in this process: a socket stays in the namespace it was made in)."""
+    import threading
+
+    from services.kv.header import SlotHeader
+    from services.kv.tcp import TcpListener, TcpReceiver, TcpSender
+    from services.kv.handoff import layout_of
+
+    header = SlotHeader("fp32", 4, 2, 8, 33, "selftest", nonce=7)
+    kv = np.random.default_rng(0).normal(size=layout_of(header).shape).astype(np.float32)
+    importer = HostImporter(layout_of(header))
+    _enter(rx_ns)
+    with TcpListener(RX_ADDR, 0, timeout_s=10) as listener:
+        _enter(tx_ns)
+        done = {}
+        th = threading.Thread(target=lambda: done.update(r=TcpReceiver(listener.accept(), importer, None,
+                                                                       header).run()))
+        th.start()
+        with TcpSender(listener.address, header, timeout_s=10) as tx:
+            tx.open()
+            for a in range(0, 33, 10):
+                for layer in range(4):
+                    tx.layer_buffer(layer)[:, :, a:a + 10] = kv[layer][:, :, a:a + 10]
+                tx.send_slice(0, 4, a, min(a + 10, 33))
+            tx.finish()
+        th.join(10)
+    if "r" not in done or not np.array_equal(importer.kv, kv):
+        raise SystemExit("selftest failed: the KV did not arrive intact")
+    print("selftest ok")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="256,1024,2048,4096")
+    ap.add_argument("--links", default="1,10", help="Gbit/s, comma separated")
+    ap.add_argument("--uniform", default="64,256,1024", help="uniform slice lengths")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--out", default="cross_host")
+    ap.add_argument("--merge", help="comma-separated result names to join into --out (no measuring)")
+    ap.add_argument("--receive", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--selftest", nargs=2, metavar=("TX_NS", "RX_NS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.receive:
+        receive(args.receive[0], int(args.receive[1]))
+        return
+    if args.selftest:
+        selftest(*args.selftest)
+        return
+    if args.merge:
+        merge(args.merge.split(","), args.out)
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("cross_host needs root to make network namespaces and shape them with tc; "
+                         "run it as root (e.g. sudo python bench/cross_host.py). Nothing was measured.")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces' cleanup runs
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # a core for the sender's thread and the receiver
+    bench(args)
+
+
+import numpy as np  # noqa: E402  (after the path set-up above)
+import torch  # noqa: E402
+
+if __name__ == "__main__":
+    main()
