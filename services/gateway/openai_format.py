@@ -207,8 +207,9 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """`/health`: "ok" when every engine answers, else "degraded" (and a 503); "draining" (a 503)
-    once the gateway is shutting down."""
+    """`/health`: "ok" when every engine answers, else "degraded" (a 503 unless some pair still has
+    both engines up: then the gateway serves every mode); "draining" (a 503) once the gateway is
+    shutting down. With several pairs, an engine's key is "<engine>@<pair>"."""
 
     status: Literal["ok", "degraded", "draining"]
     engines: dict[str, Literal["up", "down"]]
