@@ -7,7 +7,8 @@
   candidate on the first attempt, and "fallback" otherwise (an engine down, a window too small,
   or a retry).
 * Retry (`Dispatcher.call`): a call that fails with a status in `RETRY_ON` before its first
-  message, for a request whose mode was not forced, gets its mode's engines health-checked and is
+  message, for a request whose mode was not forced (or, with several pairs, was: then only to the
+  same mode on another pair), gets its mode's engines health-checked and is
   routed again among the other modes (both engines can answer their health check while the link
   between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other
   failure before the first message is final. After it, tokens may be on their way to the client:
@@ -274,8 +275,10 @@ class Dispatcher:
             return call, d, first
 
     def _retries(self, exc: grpc.aio.AioRpcError, req: EngineRequest, attempt: int) -> bool:
-        # one more attempt per extra pair: a pair that died since the last health check costs one
-        return exc.code() in RETRY_ON and req.forced is None and attempt + 1 < MAX_ATTEMPTS + len(self.pairs) - 1
+        # one more attempt per extra pair: a pair that died since the last health check costs one; a
+        # forced mode may go to another pair (the same mode), never to another mode
+        return (exc.code() in RETRY_ON and (req.forced is None or len(self.pairs) > 1)
+                and attempt + 1 < MAX_ATTEMPTS + len(self.pairs) - 1)
 
     def _window(self, mode: str) -> int:
         return min(self.pairs.context_of(e) for e in MODES[mode].engines)

@@ -63,6 +63,8 @@ class MigrationRecord(BaseModel):
     from_mode: str
     to_mode: str
     after_tokens: int
+    from_pair: int = 0  # the engine pairs (their index) it ran on before and after
+    to_pair: int = 0
 
 
 class Hybridserve(_LeavesOutNone):

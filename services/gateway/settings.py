@@ -12,7 +12,10 @@ from services.settings import CommonSettings
 class GatewaySettings(CommonSettings):
     service: ClassVar[str] = "gateway"
     own_prefix: ClassVar[str] = "HYBRIDSERVE_GATEWAY_"
-    old_field_names: ClassVar[dict[str, str]] = {"port": "gateway_port"}  # HYBRIDSERVE_GATEWAY_PORT either way
+    old_field_names: ClassVar[dict[str, str]] = {"port": "gateway_port",  # HYBRIDSERVE_GATEWAY_PORT either way
+                                                  # newer than the per-process prefixes: no bare name
+                                                  **{f: "gateway_" + f for f in ("pairs", "pairs_dns",
+                                                                                 "pairs_dns_refresh_s")}}
 
     host: str = "127.0.0.1"
     port: int = 8000

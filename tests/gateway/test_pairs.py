@@ -219,3 +219,17 @@ def test_dns_discovery_resolves_loopback_and_follows_pods_coming_and_going():
         await dns.refresh()
         assert len(pairs) == 2  # a failed lookup keeps the pairs
     asyncio.run(run())
+
+
+def test_a_forced_mode_refused_by_a_dead_pair_is_retried_on_another_pair_never_in_another_mode():
+    pairs, a, b = two_pairs(a={"scripts": {"gpu": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}})
+    a.alive["gpu"] = False
+    stream = asyncio.run(Dispatcher(pairs, Router()).open(request("gpu")))
+    assert (stream.decision.mode, stream.decision.pair) == ("gpu", 1)
+    pairs, a, b = two_pairs(a={"scripts": {"gpu": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}},
+                            b={"up": ("fpga",)})
+    a.alive["gpu"] = False
+    from services.gateway.errors import APIError
+    with pytest.raises(APIError) as err:
+        asyncio.run(Dispatcher(pairs, Router()).open(request("gpu")))
+    assert err.value.status == 503 and not b.calls
