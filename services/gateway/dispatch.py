@@ -121,8 +121,7 @@ class EngineStream:
         self._dispatcher, self._request, self._call = dispatcher, request, call
         self.decision, self.first, self.request_id = decision, first, request.request_id
         self._failed = failed  # (pair, mode)s this request failed in
-        self._ended = False
-        dispatcher.pairs.loads.started(decision.pair, decision.mode)  # until cancel()
+        self._ended = False  # the call counts on its pair's load (Dispatcher.call) until cancel()
         self._opened = time.monotonic()
         self.generated: list[int] = list(first.token_ids)  # every token id the client has been given
         self.migrations: list[Migration] = []
@@ -185,9 +184,7 @@ class EngineStream:
         log.warning("request %s migrated from %s mode on pair %d to %s mode on pair %d after %d tokens",
                     self.request_id, old, old_pair, decision.mode, decision.pair, len(self.generated))
         self.migrations.append(Migration(old, decision.mode, len(self.generated), old_pair, decision.pair))
-        loads = self._dispatcher.pairs.loads
-        loads.finished(old_pair, old)
-        loads.started(decision.pair, decision.mode)
+        self._dispatcher.pairs.loads.finished(old_pair, old)  # the new call counts from its opening
         self._call, self.decision = call, decision
         self.generated.extend(first.token_ids)
         return first
@@ -247,12 +244,16 @@ class Dispatcher:
             d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed, prefer)
             d = Decision(d.mode, reason or d.reason, d.estimates, self.pairs.choose(d.mode, failed))
             mode, clients = MODES[d.mode], self.pairs.members[d.pair]
+            # counted on the pair from now (requests arriving together must see each other), until
+            # the stream is cancelled, or here when the call fails before its first message
+            self.pairs.loads.started(d.pair, d.mode)
             call = clients.generate(mode.served_by, pb.GenerateRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto),
                 timeout=req.timeout_s)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
+                self.pairs.loads.finished(d.pair, d.mode)
                 if self._retries(exc, req, attempt):
                     log.info("request %s (%s mode, pair %d): %s; routing again", req.request_id, d.mode, d.pair,
                              exc.code().name)
@@ -265,7 +266,12 @@ class Dispatcher:
                 if reason is None:  # a migrated request is counted once, by its serving loop
                     m.REQUESTS.labels(mode=d.mode, status=str(err.status)).inc()
                 raise err from exc
+            except BaseException:  # cancelled (the client went away while it waited)
+                self.pairs.loads.finished(d.pair, d.mode)
+                call.cancel()
+                raise
             if first is grpc.aio.EOF:
+                self.pairs.loads.finished(d.pair, d.mode)
                 log.warning("request %s (%s mode): the engine ended the call without a token", req.request_id, d.mode)
                 if reason is None:
                     m.REQUESTS.labels(mode=d.mode, status="502").inc()

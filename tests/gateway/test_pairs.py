@@ -233,3 +233,41 @@ def test_a_forced_mode_refused_by_a_dead_pair_is_retried_on_another_pair_never_i
     with pytest.raises(APIError) as err:
         asyncio.run(Dispatcher(pairs, Router()).open(request("gpu")))
     assert err.value.status == 503 and not b.calls
+
+
+class Yielding:
+    """A call whose first message takes a turn of the event loop, as a real engine's does."""
+
+    def __init__(self, call):
+        self.call = call
+
+    async def read(self):
+        await asyncio.sleep(0)
+        return await self.call.read()
+
+    def cancel(self):
+        self.call.cancel()
+
+
+def test_calls_waiting_for_their_first_token_count_so_a_burst_spreads_over_the_pairs():
+    pairs, a, b = two_pairs()
+    for fake in (a, b):
+        fake.generate = (lambda f: lambda *args, **kw: Yielding(FakeEngines.generate(f, *args, **kw)))(fake)
+
+    async def burst():
+        d = Dispatcher(pairs, Router())
+        return await asyncio.gather(*(d.open(request("gpu")) for _ in range(4)))
+    streams = asyncio.run(burst())
+    assert sorted(s.decision.pair for s in streams) == [0, 0, 1, 1]
+    for s in streams:
+        s.cancel()
+    assert pairs.loads.ours(0, "gpu") == pairs.loads.ours(1, "gpu") == 0
+
+
+def test_a_failed_call_leaves_no_count_on_its_pair():
+    pairs, a, b = two_pairs(a={"scripts": {"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}},
+                            b={"scripts": {"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}})
+    from services.gateway.errors import APIError
+    with pytest.raises(APIError):
+        asyncio.run(Dispatcher(pairs, Router()).open(request("fpga")))
+    assert pairs.loads.ours(0, "fpga") == pairs.loads.ours(1, "fpga") == 0
