@@ -78,10 +78,11 @@ def _relay(name: str, proc: subprocess.Popen, quiet_after: threading.Event) -> N
 
 
 def _healthy(url: str) -> bool:
+    """Every engine of every pair up (with several pairs, a 200 only says that one pair is)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
+            return r.status == 200 and json.load(r).get("status") == "ok"
+    except (urllib.error.URLError, OSError, ValueError):
         return False
 
 

@@ -81,8 +81,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         ckpt = locate(settings.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, ckpt)
         token = settings.engine_token.get_secret_value() if settings.engine_token else None
-        connect = lambda address: EngineClients(address[0], address[1], token)  # noqa: E731
         addresses = [] if settings.pairs_dns else settings.pair_addresses()
+        connect = lambda address: EngineClients(  # noqa: E731
+            address[0], address[1], token, "" if len(addresses) == 1 else f"pair at {address[0]}: ")
         pairs = Pairs({i: connect(a) for i, a in enumerate(addresses)}, dict(enumerate(addresses)))
         discover = None
         if settings.pairs_dns:
