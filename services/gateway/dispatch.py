@@ -181,8 +181,8 @@ class EngineStream:
                         len(self.generated), err.message)
             raise
         m.MIGRATIONS.labels(**{"from": old, "to": decision.mode}).inc()
-        log.warning("request %s migrated from %s mode on pair %d to %s mode on pair %d after %d tokens",
-                    self.request_id, old, old_pair, decision.mode, decision.pair, len(self.generated))
+        log.warning("request %s migrated from %s to %s mode after %d tokens (from pair %d to pair %d)",
+                    self.request_id, old, decision.mode, len(self.generated), old_pair, decision.pair)
         self.migrations.append(Migration(old, decision.mode, len(self.generated), old_pair, decision.pair))
         self._dispatcher.pairs.loads.finished(old_pair, old)  # the new call counts from its opening
         self._call, self.decision = call, decision
