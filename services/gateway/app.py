@@ -10,7 +10,8 @@ Who may call which route is auth.py; the body limit, outside every route, body_l
 drain on shutdown, outside that, drain.py; what
 the OpenAPI document declares, openapi.py. The shapes of every answer are in openai_format.py,
 the errors and their statuses in errors.py, and the watch over the engines
-(health, Profile → router) in engine_watch.py.
+(health, Profile → router) in engine_watch.py; the engine pairs (one unless the settings name
+more, or a DNS name finds them) in pairs.py.
 """
 from __future__ import annotations
 
