@@ -1,7 +1,9 @@
-"""The whole stack through `hybridserve up` on free ports, for benchmarks that need all three services."""
+"""The whole stack through `hybridserve up` on free ports, for benchmarks that need all three services
+(or, with `pairs`, several engine pairs behind the one gateway)."""
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,9 @@ from harness.process import Process, free_port, http_ok
 @dataclass
 class Stack:
     process: Process
-    ports: dict[str, int]  # prefill, prefill_metrics, decode, decode_metrics, gateway, up_metrics
+    ports: dict[str, int]  # prefill, prefill_metrics, decode, decode_metrics, gateway, up_metrics (pair 0)
+    pairs: int = 1
+    port_stride: int = 10  # pair i's engine ports: pair 0's + i x port_stride
 
     @property
     def url(self) -> str:
@@ -26,29 +30,54 @@ class Stack:
     def decode_address(self) -> str:
         return f"127.0.0.1:{self.ports['decode']}"
 
+    def pair_port(self, name: str, pair: int) -> int:
+        """`name` (prefill, decode, ..._metrics) of pair `pair`."""
+        return self.ports[name] + pair * self.port_stride
+
     def stop(self) -> None:
         # `up` stops its three children on SIGTERM; the group kill is for a stack that hangs
         self.process.stop(signal.SIGTERM, timeout=60)
 
 
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_strided(stride: int, count: int) -> int:
+    """A free port p with p + i x stride free too, for i < count."""
+    for _ in range(100):
+        p = free_port()
+        if p + stride * count < 65536 and all(_is_free(p + stride * i) for i in range(1, count)):
+            return p
+    raise RuntimeError(f"no free ports {count} x {stride} apart")
+
+
 def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
-                progress=lambda msg: print(msg, file=sys.stderr, flush=True)) -> Stack:
-    """`hybridserve up` with every port free, once its gateway's /health answers 200."""
+                progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
+                port_stride: int = 10) -> Stack:
+    """`hybridserve up [--pairs N]` with every port free, once its gateway's /health answers 200."""
     from services.decode_fpga.settings import DecodeSettings
     from services.gateway.settings import GatewaySettings
     from services.prefill_gpu.settings import PrefillSettings
     from services.stack import UpSettings
 
-    ports = {name: free_port() for name in ("prefill", "prefill_metrics", "decode", "decode_metrics", "gateway",
-                                            "up_metrics")}
+    ports = {name: _free_strided(port_stride, pairs) if name.startswith(("prefill", "decode")) else free_port()
+             for name in ("prefill", "prefill_metrics", "decode", "decode_metrics", "gateway", "up_metrics")}
     env = {PrefillSettings.env_name("port"): ports["prefill"],
            PrefillSettings.env_name("metrics_port"): ports["prefill_metrics"],
            DecodeSettings.env_name("port"): ports["decode"],
            DecodeSettings.env_name("metrics_port"): ports["decode_metrics"],
            GatewaySettings.env_name("port"): ports["gateway"],
-           UpSettings.env_name("metrics_port"): ports["up_metrics"]}
+           UpSettings.env_name("metrics_port"): ports["up_metrics"],
+           UpSettings.env_name("port_stride"): port_stride}
     env = {**{k: str(v) for k, v in env.items()}, **(extra_env or {})}
-    stack = Stack(Process("services.cli", env, log_path, args=("up",)).start(), ports)
+    args = ("up",) if pairs == 1 else ("up", "--pairs", str(pairs))
+    stack = Stack(Process("services.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
     progress(f"starting the stack (log: {log_path})")
     try:
         stack.process.wait_until(http_ok(stack.url + "/health"), timeout, "up", interval=1.0)

@@ -99,6 +99,13 @@ def _bench(args) -> int:
     os.execv(sys.executable, [sys.executable, str(script), *args.bench_args])
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
 def _add_services(sub) -> None:
     for name, module, what in (("prefill", "services.prefill_gpu.__main__", "the prefill_gpu service (PyTorch)"),
                                ("decode", "services.decode_fpga.__main__", "the decode_fpga service (OpenCL)")):
@@ -110,8 +117,11 @@ def _add_services(sub) -> None:
     bench = sub.add_parser("bench", help="the end-to-end benchmark suite (bench/suite.py; needs a checkout)",
                            add_help=False)
     bench.set_defaults(func=_bench)
-    sub.add_parser("up", help="run the whole local stack: prefill_gpu, decode_fpga and the gateway").set_defaults(
-        func=lambda _args: __import__("services.stack", fromlist=["up"]).up())
+    up = sub.add_parser("up", help="run the whole local stack: prefill_gpu, decode_fpga and the gateway")
+    up.add_argument("--pairs", type=_positive, default=None,
+                    help="(prefill_gpu, decode_fpga) pairs behind the gateway, on ports a stride apart "
+                         "(default: HYBRIDSERVE_UP_PAIRS or 1)")
+    up.set_defaults(func=lambda args: __import__("services.stack", fromlist=["up"]).up(args.pairs))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,12 @@ and prints where to send requests. From then on it keeps them running
 (supervisor.py): a process that exits is started again with backoff, decode_fpga
 with prefill_gpu (it maps prefill_gpu's KV arena), each restart logged and counted
 on `up`'s metrics port. Only Ctrl-C or SIGTERM stops the stack, all three processes.
+
+`up --pairs N` (or HYBRIDSERVE_UP_PAIRS) starts N (prefill_gpu, decode_fpga) pairs behind the one
+gateway, for tests and benchmarks of many pairs on one machine: pair i's engines listen on their
+ports + i x `port_stride` (metrics ports too), each prefill_gpu owns its own KV arena (named per
+process), the profile cache is the one all engines share, and each pair is healed on its own
+(its processes are named prefill_gpu.i and decode_fpga.i).
 A process that exits before the stack first comes up stops it (a setting or a
 model that is wrong would only fail again).
 """
@@ -23,6 +29,7 @@ import urllib.request
 from typing import Callable, ClassVar
 
 from prometheus_client import start_http_server
+from pydantic import Field
 
 from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
@@ -42,13 +49,15 @@ class UpSettings(CommonSettings):
     own_prefix: ClassVar[str] = "HYBRIDSERVE_UP_"
     # fields newer than the per-process prefixes: no deprecated bare name
     old_field_names: ClassVar[dict[str, str]] = {f: "up_" + f for f in (
-        "metrics_port", "restart_backoff_s", "restart_backoff_max_s")}
+        "metrics_port", "restart_backoff_s", "restart_backoff_max_s", "pairs", "port_stride")}
 
     host: str = "127.0.0.1"
     startup_timeout_s: float = 900.0
     metrics_port: int = 9103  # hybridserve_engine_restarts_total; 0: none
     restart_backoff_s: float = 1.0  # before the first restart of a process; doubles while it keeps exiting
     restart_backoff_max_s: float = 30.0
+    pairs: int = Field(1, ge=1, le=64)  # (prefill_gpu, decode_fpga) pairs behind the gateway
+    port_stride: int = Field(10, ge=1)  # pair i's ports: the engines' ports + i x port_stride
 
 
 def _children_environment() -> dict[str, str]:
@@ -69,10 +78,11 @@ def _relay(name: str, proc: subprocess.Popen, quiet_after: threading.Event) -> N
 
 
 def _healthy(url: str) -> bool:
+    """Every engine of every pair up (with several pairs, a 200 only says that one pair is)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
+            return r.status == 200 and json.load(r).get("status") == "ok"
+    except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
@@ -99,28 +109,51 @@ def _serve_metrics(host: str, port: int) -> None:
         print(f"hybridserve up: no metrics on {host}:{port} ({exc.strerror})", file=sys.stderr, flush=True)
 
 
-def up() -> int:
+def _pin(cls, **values) -> dict:
+    return {cls.env_name(k): v for k, v in values.items()}
+
+
+def _offset(port: int, by: int) -> int:
+    return port + by if port else 0  # 0: no metrics server, for every pair
+
+
+def _pair_specs(i: int, s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings,
+                base: dict[str, str]) -> tuple[list[ChildSpec], str]:
+    """Pair i's two children, and its engines' addresses as the gateway's pairs setting spells a pair."""
+    suffix, by = (f".{i}" if s.pairs > 1 else ""), i * s.port_stride
+    prefill_port, decode_port = prefill.port + by, decode.port + by
+    env = {**base, UpSettings.env_name("host"): s.host}
+    prefill_env = _pin(PrefillSettings, port=prefill_port, metrics_port=_offset(prefill.metrics_port, by))
+    decode_env = _pin(DecodeSettings, port=decode_port, metrics_port=_offset(decode.metrics_port, by),
+                      prefill_address=f"{s.host}:{prefill_port}")
+    specs = [ChildSpec("prefill_gpu" + suffix, [sys.executable, "-m", "services.prefill_gpu"],
+                       {**env, **{k: str(v) for k, v in prefill_env.items()}},
+                       ready=_grpc_serving(f"{s.host}:{prefill_port}")),
+             ChildSpec("decode_fpga" + suffix, [sys.executable, "-m", "services.decode_fpga"],
+                       {**env, **{k: str(v) for k, v in decode_env.items()}}, follows="prefill_gpu" + suffix)]
+    return specs, f"{s.host}:{prefill_port},{s.host}:{decode_port}"
+
+
+def up(pairs: int | None = None) -> int:
+    """`pairs`: from `up --pairs`; None: the settings' (HYBRIDSERVE_UP_PAIRS, 1 by default)."""
     base = _children_environment()
     # read here as each child will, so a typo stops `up` before anything starts
     s, prefill, decode, gateway = (cls.from_environ(base) for cls in (UpSettings, PrefillSettings, DecodeSettings,
                                                                     GatewaySettings))
+    if pairs is not None:
+        s = s.model_copy(update={"pairs": pairs})
     base["PYTHONUNBUFFERED"] = "1"
-    pin = lambda cls, **values: {cls.env_name(k): v for k, v in values.items()}  # noqa: E731
-    children = {
-        "prefill_gpu": ("services.prefill_gpu", pin(PrefillSettings, port=prefill.port,
-                                                    metrics_port=prefill.metrics_port)),
-        "decode_fpga": ("services.decode_fpga", pin(DecodeSettings, port=decode.port, metrics_port=decode.metrics_port,
-                                                    prefill_address=f"{s.host}:{prefill.port}")),
-        "gateway": ("services.gateway", pin(GatewaySettings, port=gateway.port,
-                                            prefill_address=f"{s.host}:{prefill.port}",
-                                            decode_address=f"{s.host}:{decode.port}")),
-    }
     quiet = threading.Event()
-    specs = [ChildSpec(name, [sys.executable, "-m", module],
-                       {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in env.items()}},
-                       follows="prefill_gpu" if name == "decode_fpga" else None,
-                       ready=_grpc_serving(f"{s.host}:{prefill.port}") if name == "prefill_gpu" else lambda: True)
-             for name, (module, env) in children.items()]
+    specs, addresses = [], []
+    for i in range(s.pairs):
+        pair_specs, address = _pair_specs(i, s, prefill, decode, base)
+        specs += pair_specs
+        addresses.append(address)
+    prefill_address, decode_address = addresses[0].split(",")
+    gateway_env = _pin(GatewaySettings, port=gateway.port, prefill_address=prefill_address,
+                       decode_address=decode_address, **({"pairs": ";".join(addresses)} if s.pairs > 1 else {}))
+    specs.append(ChildSpec("gateway", [sys.executable, "-m", "services.gateway"],
+                           {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in gateway_env.items()}}))
 
     def start(spec: ChildSpec) -> subprocess.Popen:
         proc = subprocess.Popen(spec.argv, env=spec.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -134,7 +167,7 @@ def up() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     _serve_metrics(s.host, s.metrics_port)
-    print(f"starting the stack on {s.host}: prefill_gpu :{prefill.port}, decode_fpga :{decode.port}, "
+    print(f"starting the stack on {s.host}: {'; '.join(_pair_text(a) for a in addresses)}, "
           f"gateway :{gateway.port} (first start profiles each engine; later starts use the cache)", flush=True)
     try:
         sup.start_all()
@@ -155,8 +188,15 @@ def up() -> int:
         return 0
     finally:
         # the gateway first, so no new request reaches an engine that is going away
-        sup.stop_all(["gateway", "decode_fpga", "prefill_gpu"])
+        names = [spec.name for spec in specs]
+        sup.stop_all(["gateway"] + [n for n in names if n.startswith("decode_fpga")]
+                     + [n for n in names if n.startswith("prefill_gpu")])
         print("stopped", flush=True)
+
+
+def _pair_text(address: str) -> str:
+    prefill_address, decode_address = address.split(",")
+    return f"prefill_gpu :{prefill_address.rpartition(':')[2]}, decode_fpga :{decode_address.rpartition(':')[2]}"
 
 
 def _print_ready(url: str, gateway: GatewaySettings, s: UpSettings) -> None:
@@ -170,4 +210,4 @@ def _print_ready(url: str, gateway: GatewaySettings, s: UpSettings) -> None:
           f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
           f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-          f"A process that exits is started again; Ctrl-C stops all three.", flush=True)
+          f"A process that exits is started again; Ctrl-C stops them all.", flush=True)

@@ -10,7 +10,8 @@ Who may call which route is auth.py; the body limit, outside every route, body_l
 drain on shutdown, outside that, drain.py; what
 the OpenAPI document declares, openapi.py. The shapes of every answer are in openai_format.py,
 the errors and their statuses in errors.py, and the watch over the engines
-(health, Profile → router) in engine_watch.py.
+(health, Profile → router) in engine_watch.py; the engine pairs (one unless the settings name
+more, or a DNS name finds them) in pairs.py.
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from services.gateway.dispatch import Dispatcher, EngineRequest
 from services.gateway.drain import Drain, DrainGate
 from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
+from services.gateway.pair_discovery import DnsPairs
+from services.gateway.pairs import Pairs
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
 from services.gateway.router import Router
@@ -52,7 +55,7 @@ from services.modes import ENGINE_NAMES
 class State:
     settings: GatewaySettings
     tokenizer: object
-    clients: EngineClients
+    pairs: Pairs  # the engine pairs (one unless the settings name more)
     router: Router
     dispatcher: Dispatcher
     model_name: str
@@ -79,19 +82,26 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         ckpt = locate(settings.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, ckpt)
         token = settings.engine_token.get_secret_value() if settings.engine_token else None
-        clients = EngineClients(settings.prefill_address, settings.decode_address, token)
+        addresses = [] if settings.pairs_dns else settings.pair_addresses()
+        connect = lambda address: EngineClients(  # noqa: E731
+            address[0], address[1], token, "" if len(addresses) == 1 else f"pair at {address[0]}: ")
+        pairs = Pairs({i: connect(a) for i, a in enumerate(addresses)}, dict(enumerate(addresses)))
+        discover = None
+        if settings.pairs_dns:
+            ports = [int(a.rpartition(":")[2]) for a in (settings.prefill_address, settings.decode_address)]
+            discover = DnsPairs(pairs, settings.pairs_dns, *ports, connect, settings.pairs_dns_refresh_s).refresh
         file_samples = json.loads(open(settings.calibration_file).read()) if settings.calibration_file else []
         router = Router(file_samples, explore_share=settings.router_explore_share)
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        app.state.hs = State(settings, tokenizer, clients, router, Dispatcher(clients, router),
+        app.state.hs = State(settings, tokenizer, pairs, router, Dispatcher(pairs, router),
                              settings.served_model_name or ckpt.model_id, pool)
-        watch = asyncio.create_task(watch_engines(clients, router, file_samples, settings.health_interval_s,
-                                                     settings.engines_share_cpu))
+        watch = asyncio.create_task(watch_engines(pairs, router, file_samples, settings.health_interval_s,
+                                                  settings.engines_share_cpu, discover))
         try:
             yield
         finally:
             watch.cancel()
-            await clients.close()
+            await asyncio.gather(*(c.close() for c in pairs.members.values()))
             pool.shutdown(wait=False, cancel_futures=True)
 
     # the documents are routes of ours, so that they need the key like the API
@@ -109,12 +119,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
              responses={503: {"model": Health, "description": "an engine is down, or the gateway is draining"},
                         **openapi.errors(408, 413)})
     async def health(st: State = Depends(state)):
-        up = await st.clients.check_all()
+        up = await st.pairs.check_all()  # pair -> engine -> up
         draining = app.state.drain.draining
-        body = Health(status="draining" if draining else "ok" if all(up.values()) else "degraded",
-                      engines={ENGINE_NAMES[e]: "up" if ok else "down" for e, ok in up.items()})
+        every = bool(up) and all(all(engines.values()) for engines in up.values())
+        serving = any(all(engines.values()) for engines in up.values())  # some pair serves every mode
+        one_pair = len(up) == 1 and not st.settings.pairs_dns
+        body = Health(status="draining" if draining else "ok" if every else "degraded",
+                      engines={ENGINE_NAMES[e] if one_pair else f"{ENGINE_NAMES[e]}@{p}": "up" if ok else "down"
+                               for p, engines in up.items() for e, ok in engines.items()})
         return Response(body.model_dump_json(), media_type="application/json",
-                        status_code=200 if all(up.values()) and not draining else 503)
+                        status_code=200 if serving and not draining else 503)
 
     @app.get("/metrics", dependencies=[] if settings.metrics_open else [api_key], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
@@ -185,7 +199,7 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
                                                        st.settings.request_timeout_s))
     run = Run(st.router, stream.decision, len(prompt_ids), started, IncrementalDetokenizer(st.tokenizer),
               StopMatcher(body.stops))
-    headers = {"x-hybridserve-mode": stream.decision.mode}
+    headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(rid, st.model_name, int(time.time()), chat)

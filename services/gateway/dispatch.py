@@ -7,7 +7,8 @@
   candidate on the first attempt, and "fallback" otherwise (an engine down, a window too small,
   or a retry).
 * Retry (`Dispatcher.call`): a call that fails with a status in `RETRY_ON` before its first
-  message, for a request whose mode was not forced, gets its mode's engines health-checked and is
+  message, for a request whose mode was not forced (or, with several pairs, was: then only to the
+  same mode on another pair), gets its mode's engines health-checked and is
   routed again among the other modes (both engines can answer their health check while the link
   between them is still down, as just after a start), up to `MAX_ATTEMPTS` calls in all. Any other
   failure before the first message is final. After it, tokens may be on their way to the client:
@@ -23,6 +24,11 @@
   seed's random stream at the first token of a call: after a migration the rest is a fresh draw
   from that seed, a valid sample but not the tokens an uninterrupted run would have given.
   With no mode left, the error is the route's 503.
+* Pairs: the gateway may front several (prefill_gpu, decode_fpga) pairs (pairs.py). A mode is a
+  candidate when some pair has its engines up; once the router has picked the mode, the call goes
+  to the least loaded such pair (pair_load.py). What a request failed in is a (pair, mode): a
+  retry or a migration goes to the same mode on another pair first (pairs are alike, and the
+  router chose that mode), and to another mode only when no pair can serve it.
 * Failures become `APIError`s through errors.ENGINE_FAILURES, here (before the first message) and
   in `EngineStream.read` (after it), so the serving loop never sees gRPC.
 
@@ -34,12 +40,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol
-
 import grpc
 
 from services.gateway import metrics as m
 from services.gateway.errors import APIError, engine_error
+from services.gateway.pairs import Engines, Pairs
 from services.gateway.router import Decision, Router
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.modes import AUTO, ENGINE_NAMES, MODES
@@ -98,6 +103,8 @@ class Migration:
     from_mode: str
     to_mode: str
     after_tokens: int
+    from_pair: int = 0
+    to_pair: int = 0
 
 
 class EngineStream:
@@ -113,7 +120,8 @@ class EngineStream:
                  first: pb.GenerateResponse, failed: frozenset[str] = frozenset()):
         self._dispatcher, self._request, self._call = dispatcher, request, call
         self.decision, self.first, self.request_id = decision, first, request.request_id
-        self._failed = failed  # modes this request failed in
+        self._failed = failed  # (pair, mode)s this request failed in
+        self._ended = False  # the call counts on its pair's load (Dispatcher.call) until cancel()
         self._opened = time.monotonic()
         self.generated: list[int] = list(first.token_ids)  # every token id the client has been given
         self.migrations: list[Migration] = []
@@ -140,20 +148,26 @@ class EngineStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+        if not self._ended:
+            self._ended = True
+            self._dispatcher.pairs.loads.finished(self.decision.pair, self.decision.mode)
 
     async def _engine_lost(self, code: grpc.StatusCode | None) -> bool:
         """Whether a mid-stream failure (`code`; None: the stream just ended) means the engine is gone."""
         if code in NEVER_MIGRATE:
             return False
         engines = MODES[self.decision.mode].engines
-        up = [await self._dispatcher.clients.check(e) for e in engines]  # the next route needs them anyway
+        clients = self._dispatcher.pairs.members.get(self.decision.pair)
+        if clients is None:  # discovery found its pod gone
+            return True
+        up = [await clients.check(e) for e in engines]  # the next route needs them anyway
         return code in MIGRATE_ON or not all(up)
 
     async def _migrate(self) -> pb.GenerateResponse:
         """Re-submit the rest of the request to a mode that is up; the new call's first message."""
         self._call.cancel()
-        old = self.decision.mode
-        self._failed |= {old}
+        old, old_pair = self.decision.mode, self.decision.pair
+        self._failed |= {(old_pair, old)}
         if len(self.generated) >= self._request.max_tokens:  # only the finish was lost
             return pb.GenerateResponse(finish_reason="length")
         left_s = self._request.timeout_s - (time.monotonic() - self._opened)
@@ -161,47 +175,39 @@ class EngineStream:
             raise APIError(504, "the request did not finish within its timeout", code="timeout")
         rest = self._request.continuation(self.generated, left_s, len(self.migrations) + 1)
         try:
-            call, decision, first = await self._dispatcher.call(rest, self._failed, "migration")
+            call, decision, first = await self._dispatcher.call(rest, self._failed, "migration", prefer=old)
         except APIError as err:
             log.warning("request %s: no mode to migrate to from %s after %d tokens: %s", self.request_id, old,
                         len(self.generated), err.message)
             raise
         m.MIGRATIONS.labels(**{"from": old, "to": decision.mode}).inc()
-        log.warning("request %s migrated from %s to %s mode after %d tokens", self.request_id, old, decision.mode,
-                    len(self.generated))
-        self.migrations.append(Migration(old, decision.mode, len(self.generated)))
+        log.warning("request %s migrated from %s to %s mode after %d tokens (from pair %d to pair %d)",
+                    self.request_id, old, decision.mode, len(self.generated), old_pair, decision.pair)
+        self.migrations.append(Migration(old, decision.mode, len(self.generated), old_pair, decision.pair))
+        self._dispatcher.pairs.loads.finished(old_pair, old)  # the new call counts from its opening
         self._call, self.decision = call, decision
         self.generated.extend(first.token_ids)
         return first
 
 
-class Engines(Protocol):
-    """What the dispatcher needs of engine_client.EngineClients (tests pass a fake)."""
-
-    up: dict[str, bool]  # engine -> up at the last health check
-
-    def context_of(self, engine: str) -> int: ...
-
-    async def check(self, engine: str) -> bool: ...
-
-    def generate(self, engine: str, request: pb.GenerateRequest, timeout: float): ...
-
-
 class Dispatcher:
-    """Routes with `router` among the modes `clients` can serve; opens the call on the right engine."""
+    """Routes with `router` among the modes the pairs can serve; opens the call on the right engine
+    of the least loaded pair. `pairs`: a Pairs, or one pair's clients."""
 
-    def __init__(self, clients: Engines, router: Router):
-        self.clients, self.router = clients, router
+    def __init__(self, pairs: Pairs | Engines, router: Router):
+        self.pairs = pairs if isinstance(pairs, Pairs) else Pairs([pairs])
+        self.router = router
 
     def route(self, n_in: int, max_tokens: int, forced: str | None, attempt: int = 0,
-              failed: frozenset[str] = frozenset()) -> Decision:
-        """`failed`: modes this request's earlier attempts failed in (never a forced one's)."""
-        up = [name for name, mode in MODES.items()
-              if all(self.clients.up[e] for e in mode.engines) and name not in failed]
+              failed: frozenset = frozenset(), prefer: str | None = None) -> Decision:
+        """The mode. `failed`: (pair, mode)s this request's earlier attempts failed in. `prefer`: a
+        mode to keep when some pair can still serve it (a migration's old mode)."""
+        up = [name for name in MODES if self.pairs.serving(name, failed)]
         if forced is not None:
             if forced not in up:
-                down = [ENGINE_NAMES[e] for e in MODES[forced].engines if not self.clients.up[e]]
-                raise APIError(503, f"mode {forced} needs {', '.join(down)}, which is down", "mode",
+                down = [ENGINE_NAMES[e] for e in MODES[forced].engines if not self.pairs.engine_up_anywhere(e)]
+                needs = ", ".join(down) if down else "both engines of one pair"
+                raise APIError(503, f"mode {forced} needs {needs}, which is down", "mode",
                                "engine_unavailable")
             if not self._fits(forced, n_in + max_tokens):
                 raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context "
@@ -214,7 +220,10 @@ class Dispatcher:
             window = max(self._window(name) for name in up)
             raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window "
                                 f"of {window} tokens", "max_tokens", "context_length_exceeded")
-        d = self.router.choose(n_in, max_tokens, available=fitting)
+        if prefer in fitting:
+            d = self.router.choose(n_in, max_tokens, forced=prefer, available=fitting)
+        else:
+            d = self.router.choose(n_in, max_tokens, available=fitting)
         every_mode = attempt == 0 and len(fitting) == len(MODES)
         return Decision(d.mode, "auto" if every_mode else "fallback", d.estimates)
 
@@ -223,47 +232,62 @@ class Dispatcher:
         call, decision, first = await self.call(req)
         return EngineStream(self, req, call, decision, first)
 
-    async def call(self, req: EngineRequest, failed: frozenset[str] = frozenset(), reason: str | None = None):
-        """(call, decision, first message): routed among the modes up but `failed`, retried on RETRY_ON.
+    async def call(self, req: EngineRequest, failed: frozenset = frozenset(), reason: str | None = None,
+                   prefer: str | None = None):
+        """(call, decision, first message): routed among the (pair, mode)s up but `failed`, retried on
+        RETRY_ON; the decision names the pair.
 
-        `reason`: the decision's reason when it is not the router's own ("migration").
+        `reason`: the decision's reason when it is not the router's own ("migration"); `prefer`: route().
         """
         attempt = 0
         while True:
-            d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed)
-            if reason is not None:
-                d = Decision(d.mode, reason, d.estimates)
-            mode = MODES[d.mode]
-            call = self.clients.generate(mode.served_by, pb.GenerateRequest(
+            d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed, prefer)
+            d = Decision(d.mode, reason or d.reason, d.estimates, self.pairs.choose(d.mode, failed))
+            mode, clients = MODES[d.mode], self.pairs.members[d.pair]
+            # counted on the pair from now (requests arriving together must see each other), until
+            # the stream is cancelled, or here when the call fails before its first message
+            self.pairs.loads.started(d.pair, d.mode)
+            call = clients.generate(mode.served_by, pb.GenerateRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto),
                 timeout=req.timeout_s)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
+                self.pairs.loads.finished(d.pair, d.mode)
                 if self._retries(exc, req, attempt):
-                    log.info("request %s (%s mode): %s; routing again", req.request_id, d.mode, exc.code().name)
+                    log.info("request %s (%s mode, pair %d): %s; routing again", req.request_id, d.mode, d.pair,
+                             exc.code().name)
                     for engine in mode.engines:
-                        await self.clients.check(engine)  # which one is gone decides the next route
-                    attempt, failed = attempt + 1, failed | {d.mode}
+                        await clients.check(engine)  # which one is gone decides the next route
+                    attempt, failed = attempt + 1, failed | {(d.pair, d.mode)}
+                    prefer = prefer or d.mode  # the same mode on another pair first
                     continue
                 err = engine_error(exc, d.mode, req.request_id)
                 if reason is None:  # a migrated request is counted once, by its serving loop
                     m.REQUESTS.labels(mode=d.mode, status=str(err.status)).inc()
                 raise err from exc
+            except BaseException:  # cancelled (the client went away while it waited)
+                self.pairs.loads.finished(d.pair, d.mode)
+                call.cancel()
+                raise
             if first is grpc.aio.EOF:
+                self.pairs.loads.finished(d.pair, d.mode)
                 log.warning("request %s (%s mode): the engine ended the call without a token", req.request_id, d.mode)
                 if reason is None:
                     m.REQUESTS.labels(mode=d.mode, status="502").inc()
                 raise APIError(502, "the engine ended the call without a token", code="engine_error")
             m.DECISIONS.labels(mode=d.mode, reason=d.reason).inc()
+            m.PAIR_CALLS.labels(pair=str(d.pair), mode=d.mode).inc()
             return call, d, first
 
-    @staticmethod
-    def _retries(exc: grpc.aio.AioRpcError, req: EngineRequest, attempt: int) -> bool:
-        return exc.code() in RETRY_ON and req.forced is None and attempt + 1 < MAX_ATTEMPTS
+    def _retries(self, exc: grpc.aio.AioRpcError, req: EngineRequest, attempt: int) -> bool:
+        # one more attempt per extra pair: a pair that died since the last health check costs one; a
+        # forced mode may go to another pair (the same mode), never to another mode
+        return (exc.code() in RETRY_ON and (req.forced is None or len(self.pairs) > 1)
+                and attempt + 1 < MAX_ATTEMPTS + len(self.pairs) - 1)
 
     def _window(self, mode: str) -> int:
-        return min(self.clients.context_of(e) for e in MODES[mode].engines)
+        return min(self.pairs.context_of(e) for e in MODES[mode].engines)
 
     def _fits(self, mode: str, n_total: int) -> bool:
         return n_total <= self._window(mode)

@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineClients:
-    def __init__(self, prefill_address: str, decode_address: str, engine_token: str | None = None):
+    def __init__(self, prefill_address: str, decode_address: str, engine_token: str | None = None,
+                 label: str = ""):
+        self.label = label  # in the log, which pair this is ("pair 1: "), when there are several
         addresses = {"gpu": prefill_address, "fpga": decode_address}
         self.channels = {e: grpc.aio.insecure_channel(addresses[e], interceptors=aio_interceptors(engine_token))
                          for e in ENGINES}
@@ -38,7 +40,7 @@ class EngineClients:
         except grpc.RpcError:
             up = False
         if up != self.up[engine]:
-            log.info("%s is %s", ENGINE_NAMES[engine], "up" if up else "DOWN")
+            log.info("%s%s is %s", self.label, ENGINE_NAMES[engine], "up" if up else "DOWN")
         self.up[engine] = up
         return up
 

@@ -1,13 +1,19 @@
-"""Keeps the gateway's picture of the engines fresh while it runs: a health check of each engine
-every interval, its load (requests running and waiting in its batch, from Info) into the router,
-and each engine's Profile (its start-up timing sweep) into the router once it is up.
+"""Keeps the gateway's picture of the engines fresh while it runs: every interval, the pairs found by
+discovery (when the settings name a DNS name), a health check of each engine of each pair, its load
+(requests running and waiting in its batch and its KV usage, from Info) into the pair choice and,
+summed over the pairs, into the router, and each engine's Profile (its start-up timing sweep) into
+the router once one pair's engine is up (pairs are alike: one profile per engine serves them all).
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
+from services.gateway import metrics as m
 from services.gateway.engine_client import EngineClients
+from services.gateway.pairs import Pairs
 from services.gateway.router import Router
+from services.modes import ENGINES
 
 
 def engines_share_cpu(prefill_device: str, decode_device: str) -> bool:
@@ -17,30 +23,77 @@ def engines_share_cpu(prefill_device: str, decode_device: str) -> bool:
     return prefill_device == "cpu" and (name.startswith("pthread") or name.startswith("cpu"))
 
 
-async def watch_engines(clients: EngineClients, router: Router, file_samples: list[dict], interval_s: float,
-                        share_cpu: bool | None = None) -> None:
+async def watch_engines(pairs: Pairs, router: Router, file_samples: list[dict], interval_s: float,
+                        share_cpu: bool | None = None,
+                        discover: Callable[[], Awaitable[None]] | None = None) -> None:
     """Runs until cancelled. `file_samples`: calibration from a file, kept under the engines' own.
     `share_cpu`: whether the engines share one processor (the router's `shared_compute`); None: from
-    the devices their Info names."""
+    the devices their Info names. `discover`: brings `pairs` up to date with the pods found."""
     while True:
-        await clients.check_all()
-        await clients.refresh_load()
-        for engine, info in clients.info.items():
-            if clients.up.get(engine):
-                router.set_engine_load(engine, info.num_requests_running, info.num_requests_waiting,
-                                       info.max_num_seqs or info.max_concurrency)
-        if share_cpu is None and "gpu" in clients.info and "fpga" in clients.info:
-            share_cpu = engines_share_cpu(clients.info["gpu"].device, clients.info["fpga"].device)
+        if discover is not None:
+            await discover()
+        await pairs.check_all()
+        await asyncio.gather(*(c.refresh_load() for c in pairs.members.values()))
+        report_load(pairs, router)
+        if share_cpu is None:
+            detected = _detect_shared_cpu(pairs)
+            if detected is not None:
+                share_cpu = router.shared_compute = detected
+        else:
             router.shared_compute = share_cpu
-        elif share_cpu is not None:
-            router.shared_compute = share_cpu
-        for engine, up in clients.up.items():
-            if up and wants_profile(clients, engine):
-                if await clients.fetch_profile(engine) is not None:
-                    router.set_base_samples(file_samples + [s for p in clients.profiles.values() for s in p])
-                    info = clients.info.get(engine)
-                    router.concurrency[engine] = max(1, info.max_concurrency if info else 1)
+        for engine in ENGINES:
+            source = profile_source(pairs, engine)
+            if source is not None and await source.fetch_profile(engine) is not None:
+                router.set_base_samples(file_samples + profile_samples(pairs))
+                info = source.info.get(engine)
+                router.concurrency[engine] = max(1, info.max_concurrency if info else 1)
         await asyncio.sleep(interval_s)
+
+
+def report_load(pairs: Pairs, router: Router) -> None:
+    """Each up engine's last Info into the pair choice; the sum over the pairs into the router, whose
+    queueing term is about all the work of an engine kind this gateway can reach."""
+    totals: dict[str, list[int]] = {}
+    for p, clients in pairs.members.items():
+        for e in ENGINES:
+            up = bool(clients.up.get(e))
+            m.PAIR_ENGINE_UP.labels(pair=str(p), engine=e).set(1 if up else 0)
+            info = clients.info.get(e)
+            if not up or info is None:
+                continue
+            seqs = info.max_num_seqs or info.max_concurrency
+            pairs.loads.report(p, e, info.num_requests_running, info.num_requests_waiting, seqs,
+                               info.kv_cache_usage_ratio)
+            t = totals.setdefault(e, [0, 0, 0])
+            t[0], t[1], t[2] = t[0] + info.num_requests_running, t[1] + info.num_requests_waiting, t[2] + seqs
+    for e, (running, waiting, seqs) in totals.items():
+        router.set_engine_load(e, running, waiting, seqs)
+
+
+def _detect_shared_cpu(pairs: Pairs) -> bool | None:
+    for clients in pairs.members.values():
+        if "gpu" in clients.info and "fpga" in clients.info:
+            return engines_share_cpu(clients.info["gpu"].device, clients.info["fpga"].device)
+    return None
+
+
+def profile_source(pairs: Pairs, engine: str) -> EngineClients | None:
+    """The pair to ask for `engine`'s Profile: none when one pair already gave a whole one, else the
+    first pair whose engine is up and wants one."""
+    if any(engine in c.profiles and not wants_profile(c, engine) for c in pairs.members.values()):
+        return None
+    return next((c for c in pairs.members.values() if c.up.get(engine) and wants_profile(c, engine)), None)
+
+
+def profile_samples(pairs: Pairs) -> list[dict]:
+    """One profile per engine (a whole one when a pair has it): pairs are alike."""
+    out = []
+    for engine in ENGINES:
+        have = [c for c in pairs.members.values() if engine in c.profiles]
+        have.sort(key=lambda c: wants_profile(c, engine))  # whole ones first
+        if have:
+            out += have[0].profiles[engine]
+    return out
 
 
 def wants_profile(clients: EngineClients, engine: str) -> bool:

@@ -1,7 +1,7 @@
 """Prometheus metrics of the gateway (names fixed by the gateway issue)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 30, 60, 120)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
@@ -20,3 +20,8 @@ GENERATION_TOKENS = Counter("hybridserve_generation_tokens", "Tokens generated")
 # a request whose engine was lost mid-stream, re-submitted to another mode (dispatch.py); by mode
 MIGRATIONS = Counter("hybridserve_request_migrations", "Requests moved to another mode after their engine was lost",
                      ["from", "to"])
+# engine calls opened on each pair (pairs.py; the label is the pair's index, so bounded by the pairs
+# at once): a migrated request counts once on each pair it ran on
+PAIR_CALLS = Counter("hybridserve_pair_calls", "Engine calls opened per engine pair and mode", ["pair", "mode"])
+PAIR_ENGINE_UP = Gauge("hybridserve_pair_engine_up", "1 while the engine of the pair answers its health check",
+                       ["pair", "engine"])

@@ -63,6 +63,8 @@ class MigrationRecord(BaseModel):
     from_mode: str
     to_mode: str
     after_tokens: int
+    from_pair: int = 0  # the engine pairs (their index) it ran on before and after
+    to_pair: int = 0
 
 
 class Hybridserve(_LeavesOutNone):
@@ -207,8 +209,9 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """`/health`: "ok" when every engine answers, else "degraded" (and a 503); "draining" (a 503)
-    once the gateway is shutting down."""
+    """`/health`: "ok" when every engine answers, else "degraded" (a 503 unless some pair still has
+    both engines up: then the gateway serves every mode); "draining" (a 503) once the gateway is
+    shutting down. With several pairs, an engine's key is "<engine>@<pair>"."""
 
     status: Literal["ok", "degraded", "draining"]
     engines: dict[str, Literal["up", "down"]]

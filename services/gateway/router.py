@@ -61,6 +61,7 @@ class Decision:
     mode: str
     reason: str  # "auto" | "forced" | "fallback" | "explore"
     estimates: dict[str, float]  # seconds per mode; only the modes considered
+    pair: int = 0  # the engine pair that serves it (the dispatcher's choice, after the mode)
 
 
 class Router:

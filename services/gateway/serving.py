@@ -112,8 +112,8 @@ class Run:
 
     def extension(self) -> Hybridserve:
         d = self.decision
-        moves = [MigrationRecord(from_mode=mg.from_mode, to_mode=mg.to_mode, after_tokens=mg.after_tokens)
-                 for mg in self.migrations]
+        moves = [MigrationRecord(from_mode=mg.from_mode, to_mode=mg.to_mode, after_tokens=mg.after_tokens,
+                                 from_pair=mg.from_pair, to_pair=mg.to_pair) for mg in self.migrations]
         return Hybridserve(mode=d.mode, reason=d.reason, estimates=d.estimates, timings=self.timings(),
                            migrations=moves or None)
 

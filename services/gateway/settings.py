@@ -5,18 +5,29 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr, field_validator
 
+from services.gateway.pairs import parse_pairs
 from services.settings import CommonSettings
 
 
 class GatewaySettings(CommonSettings):
     service: ClassVar[str] = "gateway"
     own_prefix: ClassVar[str] = "HYBRIDSERVE_GATEWAY_"
-    old_field_names: ClassVar[dict[str, str]] = {"port": "gateway_port"}  # HYBRIDSERVE_GATEWAY_PORT either way
+    old_field_names: ClassVar[dict[str, str]] = {"port": "gateway_port",  # HYBRIDSERVE_GATEWAY_PORT either way
+                                                  # newer than the per-process prefixes: no bare name
+                                                  **{f: "gateway_" + f for f in ("pairs", "pairs_dns",
+                                                                                 "pairs_dns_refresh_s")}}
 
     host: str = "127.0.0.1"
     port: int = 8000
     prefill_address: str = "127.0.0.1:50061"
     decode_address: str = "127.0.0.1:50062"
+    # several pairs: "prefill1:port,decode1:port;prefill2:port,decode2:port" (then the two addresses
+    # above are not used); unset: the one pair above
+    pairs: str | None = None
+    # in Kubernetes: a headless Service's DNS name, one pod = one pair, each engine on the port of the
+    # address above; resolved again every pairs_dns_refresh_s (pods come and go). Overrides `pairs`
+    pairs_dns: str | None = None
+    pairs_dns_refresh_s: float = Field(10.0, gt=0)
     api_key: SecretStr | None = None  # when set, all but /health need `Authorization: Bearer <key>`
     metrics_open: bool = False  # /metrics without the key, for a scraper on a private network
     served_model_name: str | None = None  # default: the engines' model id
@@ -36,6 +47,17 @@ class GatewaySettings(CommonSettings):
     # whether both engines compute on the same processor (then queued work delays every mode alike);
     # unset: detected from the engines' devices (torch on the CPU and an OpenCL CPU device)
     engines_share_cpu: bool | None = None
+
+    @field_validator("pairs")
+    @classmethod
+    def _pairs_parse(cls, v):
+        if v not in (None, ""):
+            parse_pairs(v)  # a malformed list stops the gateway at start, with what is wrong
+        return v or None
+
+    def pair_addresses(self) -> list[tuple[str, str]]:
+        """(prefill, decode) address of each pair the settings name (not the discovered ones)."""
+        return parse_pairs(self.pairs) if self.pairs else [(self.prefill_address, self.decode_address)]
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -1,0 +1,105 @@
+"""The engine pairs behind the gateway: each pair's clients, which pairs can serve a mode, the pair
+a request goes to (pair_load.py), and the set of pairs changing as discovery finds pods come and go.
+
+A pair is one prefill_gpu and one decode_fpga that share a KV arena (one host, one pod). Pairs
+are alike (same model, same devices), so the router learns per mode for all of them; what differs
+between pairs is their load and whether they are up.
+
+Pairs are keyed by a small int, their metrics label: the settings' order, or for discovered pairs
+the lowest index free when the pair appears (so the label stays bounded by the most pairs at once).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Protocol
+
+from services.gateway.pair_load import PairLoads
+from services.modes import ENGINES, MODES
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+
+
+class Engines(Protocol):
+    """What the gateway uses of one pair's engine_client.EngineClients (tests pass a fake)."""
+
+    up: dict[str, bool]  # engine -> up at the last health check
+
+    def context_of(self, engine: str) -> int: ...
+
+    async def check(self, engine: str) -> bool: ...
+
+    def generate(self, engine: str, request: pb.GenerateRequest, timeout: float): ...
+
+
+Address = tuple[str, str]  # (prefill_gpu's host:port, decode_fpga's host:port)
+
+
+def parse_pairs(text: str) -> list[Address]:
+    """"prefill1:port,decode1:port;prefill2:port,decode2:port" → [(prefill, decode), ...]."""
+    pairs = []
+    for item in (p.strip() for p in text.split(";")):
+        if not item:
+            continue
+        parts = [a.strip() for a in item.split(",")]
+        if len(parts) != 2 or not all(_is_address(a) for a in parts):
+            raise ValueError(f"a pair is 'prefill_host:port,decode_host:port', not {item!r}")
+        pairs.append((parts[0], parts[1]))
+    if not pairs:
+        raise ValueError("the list of pairs is empty")
+    return pairs
+
+
+def _is_address(a: str) -> bool:
+    host, sep, port = a.rpartition(":")
+    return bool(host) and bool(sep) and port.isdigit()
+
+
+class Pairs:
+    """Every pair's clients, and the load book the pair choice reads."""
+
+    def __init__(self, members: dict[int, Engines] | list[Engines], addresses: dict[int, Address] | None = None):
+        self.members: dict[int, Engines] = dict(enumerate(members)) if isinstance(members, list) else dict(members)
+        self.addresses: dict[int, Address] = dict(addresses or {})
+        self.loads = PairLoads()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def serving(self, mode: str, exclude: frozenset = frozenset()) -> list[int]:
+        """Pairs whose engines for `mode` are all up, but those in `exclude` as (pair, mode)."""
+        return [p for p, c in self.members.items()
+                if all(c.up.get(e) for e in MODES[mode].engines) and (p, mode) not in exclude]
+
+    def choose(self, mode: str, exclude: frozenset = frozenset()) -> int:
+        return self.loads.choose(mode, self.serving(mode, exclude))
+
+    def engine_up_anywhere(self, engine: str) -> bool:
+        return any(c.up.get(engine) for c in self.members.values())
+
+    def context_of(self, engine: str) -> int:
+        """The engine's context window (pairs are alike: any pair's Info says it; 0 before any)."""
+        return max((c.context_of(engine) for c in self.members.values()), default=0)
+
+    async def check_all(self) -> dict[int, dict[str, bool]]:
+        """Health-check every engine of every pair: pair → engine → up."""
+        members = list(self.members.items())
+        ups = await asyncio.gather(*(asyncio.gather(*(c.check(e) for e in ENGINES)) for _, c in members))
+        return {p: dict(zip(ENGINES, up)) for (p, _), up in zip(members, ups)}
+
+    def sync(self, wanted: list[Address], connect: Callable[[Address], Engines]) -> tuple[list, list]:
+        """Make the pairs those at `wanted` (discovery's answer): new ones get the lowest free index,
+        gone ones leave. (added indices, removed clients): the caller closes the removed ones' channels."""
+        have = {a: p for p, a in self.addresses.items()}
+        removed = []
+        for address, p in have.items():
+            if address not in wanted:
+                removed.append(self.members.pop(p))
+                del self.addresses[p]
+                self.loads.forget(p)
+        added = []
+        for address in wanted:
+            if address in have:
+                continue
+            p = next(i for i in range(len(self.members) + 1) if i not in self.members)
+            self.members[p], self.addresses[p] = connect(address), address
+            added.append(p)
+        return added, removed

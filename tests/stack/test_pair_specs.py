@@ -1,0 +1,44 @@
+"""`up --pairs N`'s children, without starting them: names, ports a stride apart, who follows whom."""
+from __future__ import annotations
+
+from services.cli import main
+from services.decode_fpga.settings import DecodeSettings
+from services.prefill_gpu.settings import PrefillSettings
+from services.stack import UpSettings, _pair_specs
+
+
+def specs(i: int, pairs: int, **prefill):
+    s = UpSettings(pairs=pairs, port_stride=10)
+    return _pair_specs(i, s, PrefillSettings(**{"port": 50061, "metrics_port": 9101, **prefill}),
+                       DecodeSettings(port=50062, metrics_port=9102), {"KEEP": "1"})
+
+
+def test_pair_i_listens_a_stride_further_and_its_decode_follows_its_own_prefill():
+    (prefill, decode), address = specs(1, 2)
+    assert (prefill.name, decode.name, decode.follows) == ("prefill_gpu.1", "decode_fpga.1", "prefill_gpu.1")
+    assert address == "127.0.0.1:50071,127.0.0.1:50072"
+    assert prefill.env[PrefillSettings.env_name("port")] == "50071"
+    assert prefill.env[PrefillSettings.env_name("metrics_port")] == "9111"
+    assert decode.env[DecodeSettings.env_name("prefill_address")] == "127.0.0.1:50071"
+    assert decode.env[DecodeSettings.env_name("metrics_port")] == "9112" and decode.env["KEEP"] == "1"
+
+
+def test_one_pair_keeps_the_names_and_ports_of_a_plain_up():
+    (prefill, decode), address = specs(0, 1)
+    assert (prefill.name, decode.name) == ("prefill_gpu", "decode_fpga")
+    assert address == "127.0.0.1:50061,127.0.0.1:50062"
+
+
+def test_no_metrics_port_stays_none_for_every_pair():
+    (prefill, _), _ = specs(2, 3, **{"metrics_port": 0})
+    assert prefill.env[PrefillSettings.env_name("metrics_port")] == "0"
+
+
+def test_up_refuses_zero_pairs(capsys):
+    try:
+        main(["up", "--pairs", "0"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("up --pairs 0 was accepted")
+    assert "must be 1 or more" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""`hybridserve up --pairs 2`: two real engine pairs behind one gateway, under a load of 16
+streaming clients, and one pair's decode_fpga SIGKILLed while every request is mid-stream.
+
+Checked: both pairs serve (the gateway's per-pair counter and each response's pair); once the
+decode engine is gone, every request still ends with all its tokens, the same greedy text as
+every other (nothing lost, nothing twice), the lost pair's requests having moved to the other
+pair; a wave sent after the kill is carried by the other pair; the supervisor starts the dead
+engine again and the gateway takes the pair back.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from harness.stack import start_stack
+from services.decode_fpga.settings import DecodeSettings
+from services.prefill_gpu.settings import PrefillSettings
+from services.stack import UpSettings
+from tests.stack.test_up_heals import alive, http_json, wait_for
+
+CLIENTS = 16
+MAX_TOKENS = 32  # small: two cores carry four engines here
+PROMPT = "The capital of France is"
+
+
+class Client(threading.Thread):
+    """One streaming completion: its pair (header), text, finish, usage and migrations."""
+
+    def __init__(self, url: str, model: str, mode: str, first_token: threading.Semaphore):
+        super().__init__(daemon=True)
+        self.url, self.model, self.mode, self.first_token = url, model, mode, first_token
+        self.pair, self.text, self.finish, self.tokens, self.migrations, self.error = None, "", None, None, [], None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:  # reported by the test, with the others
+            self.error = repr(exc)
+        finally:
+            if not self.text:
+                self.first_token.release()
+
+    def _run(self) -> None:
+        host, port = self.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        conn.request("POST", "/v1/completions", json.dumps({
+            "model": self.model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "mode": self.mode, "stream": True, "stream_options": {"include_usage": True}}),
+            {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            self.error = f"status {r.status}: {r.read()[:200]!r}"
+            return
+        self.pair = int(r.getheader("x-hybridserve-pair"))
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                self.error = event["error"]["message"]
+                continue
+            if event.get("usage"):
+                self.tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                if choice.get("text") and not self.text:
+                    self.first_token.release()
+                self.text += choice.get("text") or ""
+                if choice.get("finish_reason"):
+                    self.finish = choice["finish_reason"]
+                    self.migrations = (event.get("hybridserve") or {}).get("migrations") or []
+        conn.close()
+
+
+def pair_calls(url: str) -> dict[int, float]:
+    """pair → engine calls opened there, from the gateway's /metrics."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    counts: dict[int, float] = {}
+    for pair, value in re.findall(r'^hybridserve_pair_calls_total\{[^}]*pair="(\d+)"[^}]*\} (\S+)$', text, re.M):
+        counts[int(pair)] = counts.get(int(pair), 0.0) + float(value)
+    return counts
+
+
+def load(url: str, model: str, n: int, modes=("hybrid", "fpga")) -> tuple[list[Client], threading.Semaphore]:
+    first = threading.Semaphore(0)
+    clients = [Client(url, model, modes[i % len(modes)], first) for i in range(n)]
+    for c in clients:
+        c.start()
+    return clients, first
+
+
+@pytest.mark.slow
+def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_path):
+    env = {"HYBRIDSERVE_PROFILE_AT_START": "false", "HYBRIDSERVE_PROFILE_CACHE": str(tmp_path / "profile"),
+           UpSettings.env_name("restart_backoff_s"): "0.5",
+           PrefillSettings.env_name("arena_bytes"): str(32 << 20),
+           PrefillSettings.env_name("kv_cache_mb"): "128", DecodeSettings.env_name("kv_cache_mb"): "128",
+           DecodeSettings.env_name("max_context"): "512", DecodeSettings.env_name("max_sequences"): "2"}
+    stack = start_stack(tmp_path / "up.log", env, timeout=600, pairs=2)
+    log = tmp_path / "up.log"
+    up_pid = stack.process.proc.pid
+    try:
+        wait_for(lambda: "hybridserve is up" in log.read_text(), "`up` saying the stack is up", 60)
+        status, _, health = http_json(stack.url + "/health")
+        assert status == 200 and health["status"] == "ok" and set(health["engines"]) == {"prefill_gpu@0", "decode_fpga@0",
+                                                          "prefill_gpu@1", "decode_fpga@1"}
+        model = http_json(stack.url + "/v1/models")[2]["data"][0]["id"]
+        decode_1 = _decode_pid(stack, up_pid, 1)
+
+        clients, _ = load(stack.url, model, CLIENTS)
+        # the kill once pair 1 streams: some of its requests mid-stream, others maybe not started yet
+        deadline = time.monotonic() + 300
+        while sum(c.pair == 1 and bool(c.text) and c.finish is None for c in clients) < 2:
+            assert time.monotonic() < deadline and any(c.is_alive() for c in clients), "pair 1 never streamed"
+            time.sleep(0.02)
+        on_pair_1 = [c for c in clients if c.pair == 1 and c.finish is None]
+        os.kill(decode_1, signal.SIGKILL)
+        for c in clients:
+            c.join(300)
+
+        assert [c.error for c in clients] == [None] * CLIENTS
+        served_before = pair_calls(stack.url)  # a call counts once its first token is in
+        assert {c.pair for c in clients} == {0, 1} and served_before.get(0) and served_before.get(1)
+        assert all(c.finish == "length" and c.tokens == MAX_TOKENS for c in clients)
+        assert len({c.text for c in clients}) == 1  # greedy: the same text, migrated or not
+        moved = [c for c in clients if c.migrations]
+        assert on_pair_1, "no request was in flight on pair 1 when its decode engine died"
+        # to the other pair (the same mode there unless its health check lagged under this load)
+        assert moved and all(mg["from_pair"] == 1 and mg["to_pair"] == 0 for c in moved for mg in c.migrations)
+
+        # pair 1 has no decode engine now: the other pair carries a new wave in the modes that need one
+        after, _ = load(stack.url, model, CLIENTS // 2)
+        for c in after:
+            c.join(300)
+        assert [c.error for c in after] == [None] * (CLIENTS // 2)
+        assert all(c.tokens == MAX_TOKENS for c in after) and {c.text for c in after} == {clients[0].text}
+        assert pair_calls(stack.url)[0] >= served_before[0] + CLIENTS // 2
+
+        # the supervisor starts decode_fpga.1 again; the gateway puts pair 1 back
+        wait_for(lambda: (_decode_pid(stack, up_pid, 1) or decode_1) != decode_1, "a new decode_fpga.1", 120)
+        wait_for(lambda: http_json(stack.url + "/health")[2].get("status") == "ok", "pair 1 back in", 600)
+        assert "decode_fpga.1 exited (killed by SIGKILL)" in log.read_text()
+    finally:
+        pids = _children(up_pid)
+        stack.stop()
+    assert stack.process.proc.returncode == 0 and len(pids) == 5  # two pairs and the gateway
+    assert not any(alive(p) for p in pids)
+
+
+def _decode_pid(stack, up_pid: int, pair: int) -> int | None:
+    """The pid of pair `pair`'s decode_fpga: the child of `up` listening on that pair's decode port."""
+    port = stack.pair_port("decode", pair)
+    for pid in _children(up_pid, b"services.decode_fpga"):
+        if f"{DecodeSettings.env_name('port')}={port}".encode() in open(f"/proc/{pid}/environ", "rb").read():
+            return pid
+    return None
+
+
+def _children(up_pid: int, module: bytes = b"services.") -> list[int]:
+    """The pids of `up`'s `python -m <module...>` children."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == up_pid and any(a.startswith(module) for a in argv):
+            out.append(int(entry.name))
+    return out
