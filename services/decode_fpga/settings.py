@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from services.engine.batching_settings import BatchingSettings
 from services.settings import CommonSettings
@@ -49,6 +49,9 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     queue_depth: int = 16  # requests waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
     max_concurrency: int = 4  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
+    # tokens one step computes: on a CPU device a 512-token prefill chunk is a ~1.4 s step that stalls every
+    # running stream (serve.py's long-prompts variant: ITL p99 1415 ms); 64 keeps a step near 0.2 s
+    max_num_batched_tokens: int = Field(64, ge=16)
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True
 
