@@ -29,6 +29,17 @@ async def watch_engines(pairs: Pairs, router: Router, file_samples: list[dict], 
     """Runs until cancelled. `file_samples`: calibration from a file, kept under the engines' own.
     `share_cpu`: whether the engines share one processor (the router's `shared_compute`); None: from
     the devices their Info names. `discover`: brings `pairs` up to date with the pods found."""
+    fetching: dict[str, asyncio.Task] = {}  # engine -> its Profile call in flight
+    try:
+        await _watch(pairs, router, file_samples, interval_s, share_cpu, discover, fetching)
+    finally:
+        for task in fetching.values():
+            task.cancel()
+
+
+async def _watch(pairs: Pairs, router: Router, file_samples: list[dict], interval_s: float,
+                 share_cpu: bool | None, discover: Callable[[], Awaitable[None]] | None,
+                 fetching: dict[str, asyncio.Task]) -> None:
     while True:
         if discover is not None:
             await discover()
@@ -42,12 +53,22 @@ async def watch_engines(pairs: Pairs, router: Router, file_samples: list[dict], 
         else:
             router.shared_compute = share_cpu
         for engine in ENGINES:
+            # a Profile can take minutes (an engine's first sweep): it runs beside this loop, never in
+            # it, so health checks and load reports go on meanwhile
+            if engine in fetching and not fetching[engine].done():
+                continue
             source = profile_source(pairs, engine)
-            if source is not None and await source.fetch_profile(engine) is not None:
-                router.set_base_samples(file_samples + profile_samples(pairs))
-                info = source.info.get(engine)
-                router.concurrency[engine] = max(1, info.max_concurrency if info else 1)
+            if source is not None:
+                fetching[engine] = asyncio.create_task(_fetch_profile(source, engine, pairs, router, file_samples))
         await asyncio.sleep(interval_s)
+
+
+async def _fetch_profile(source: EngineClients, engine: str, pairs: Pairs, router: Router,
+                         file_samples: list[dict]) -> None:
+    if await source.fetch_profile(engine) is not None:
+        router.set_base_samples(file_samples + profile_samples(pairs))
+        info = source.info.get(engine)
+        router.concurrency[engine] = max(1, info.max_concurrency if info else 1)
 
 
 def report_load(pairs: Pairs, router: Router) -> None:
