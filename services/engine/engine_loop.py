@@ -26,9 +26,9 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
-from services.engine.request_state import RequestState, finish_reason
-from services.engine.requests import (Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull,
-                                      ShuttingDown)
+from services.engine.request_state import finish_reason
+from services.engine.requests import (Cancelled, EngineStepFailed, PromptTooLong, QueueFull, ShuttingDown,
+                                      check_prompt)
 from services.engine.sampling import Sampler, SamplingParams
 from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 
@@ -197,15 +197,7 @@ class EngineLoop:
                     counted: bool = True) -> RequestStream:
         if self._closed:
             raise ShuttingDown("the engine is shutting down")
-        if not prompt_ids:
-            raise InvalidRequest("the prompt must contain at least one token")
-        if len(prompt_ids) >= self.config.max_model_len:
-            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                                f"{self.config.max_model_len}-token context")
-        vocab = self.engine.cfg.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        check_prompt(prompt_ids, self.engine.cfg.vocab_size, self.config.max_model_len)
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params)
         stream = RequestStream(self, seq, Sampler(params), export)

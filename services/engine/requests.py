@@ -125,3 +125,14 @@ class EngineStepFailed(EngineError):
 
 class ShuttingDown(EngineError):
     """The engine's loop has stopped: the service is going down; another engine may serve it."""
+
+
+def check_prompt(prompt_ids, vocab_size: int, max_context: int) -> None:
+    """InvalidRequest / PromptTooLong unless the prompt has 1 to max_context - 1 ids, all in the vocabulary."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt must contain at least one token")
+    if len(prompt_ids) >= max_context:
+        raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the {max_context}-token context")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")

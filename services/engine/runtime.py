@@ -21,8 +21,8 @@ from services.engine.engine_loop import EngineLoop, RequestStream
 from services.engine.generation import TokenEvent
 from services.engine.profile_cache import sweep_lock
 from services.engine.profile_sweep import LoopTimer, code_fingerprint, profile_engine, run_sweep
-from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, PromptTooLong,
-                                      QueueFull, RequestTimings)
+from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull,
+                                      RequestTimings, check_prompt)
 from services.engine.scheduler import SchedulerConfig
 
 ModeHandler = Callable[[EngineRequest, RequestTimings, Cancellation], Iterator[TokenEvent]]
@@ -57,7 +57,7 @@ class EngineRuntime:
         if request.mode not in self.modes:
             raise InvalidRequest(f"{self.device_label} engine does not serve mode {request.mode}; "
                                  f"it serves {sorted(self.modes)}")
-        self.check_prompt(request.prompt_ids)
+        check_prompt(request.prompt_ids, self.loaded.config.vocab_size, self.max_context)
         status = "error"
         try:
             timings = RequestTimings(prompt_tokens=len(request.prompt_ids))
@@ -85,17 +85,6 @@ class EngineRuntime:
             if status == "error" and cancel.is_cancelled():
                 status = "cancelled"
             m.REQUESTS.labels(status=status).inc()
-
-    def check_prompt(self, prompt_ids) -> None:
-        if not prompt_ids:
-            raise InvalidRequest("the prompt must contain at least one token")
-        if len(prompt_ids) >= self.max_context:
-            raise PromptTooLong(f"prompt of {len(prompt_ids)} tokens leaves no room in the "
-                                f"{self.max_context}-token context")
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
 
     def local_generation(self, request: EngineRequest, timings: RequestTimings,
                          cancel: Cancellation) -> Iterator[TokenEvent]:
