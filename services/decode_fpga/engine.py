@@ -1,5 +1,8 @@
 """The OpenCL engine: the Engine protocol (services/engine/api.py) over the parts it composes.
 
+(Past 300 lines on purpose: it holds two ways into one device - the per-sequence slot path
+the tests and tools use and the batched paged step serving uses - over the same parts.)
+
     config.py          EngineConfig (what is asked for) and DeviceFit (what it comes to here)
     device_weights.py  DeviceWeights: the weights on the device, one builder per storage format
     kv_store.py        KVStore: sequences and their KV on the device, KV handed off by prefill_gpu

@@ -1,5 +1,8 @@
 """The engine loop: one thread owns the engine, runs the scheduler's steps and streams each request's tokens.
 
+(Past 300 lines on purpose: the stream a handler reads and the loop that feeds it share one
+lock-free hand-over protocol - events, reservation, release - and are kept side by side.)
+
 Request handlers (the gRPC servicers, the hybrid hand-off, the profile sweep's samples)
 never call the engine's step themselves: they `submit` a request and read its
 `RequestStream`. Requests join and leave between steps; a cancelled stream is dropped

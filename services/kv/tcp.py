@@ -1,5 +1,8 @@
 """The network hand-off transport: one request's KV over a plain TCP stream, for prefill and decode on two hosts.
 
+(Past 300 lines on purpose: the frame format, the sender and the receiver are one protocol;
+kept in one module so each side's checks are read next to what the other side writes.)
+
 Why a plain TCP stream and not gRPC: the KV is one large one-way flow of bytes between
 two fixed peers. A stream of length-prefixed frames lets the receiver `recv_into` the
 bytes straight into a numpy buffer (no protobuf copy, no 4 MiB message cap to chunk
