@@ -1,17 +1,19 @@
 """decode_fpga's request handling in plain Python: fpga-mode Generate, and hybrid mode.
 
-In hybrid mode this engine orchestrates: the engine loop reserves KV blocks for the
-prompt (the blocks of its longest cached prefix, and fresh ones for the rest: only the
-rest is asked for and handed over), its `PrefillPeer` (prefill_gpu, over gRPC and the shared-memory arena in the
-service; in process in tests) prefills, each layer is imported into those blocks as
-the message for it arrives (while the peer computes the next), the peer's call is
-ended once every layer is on the device (which frees its memory), then the request
-joins the running batch and decodes with the others.
+In hybrid mode this engine orchestrates: it looks up how much of the prompt its prefix
+cache holds (whole blocks) and asks its `PrefillPeer` (prefill_gpu, over gRPC and the
+shared-memory arena in the service; in process in tests) for the rest only. Once the
+peer admitted the request (its SlotGrant), the engine loop reserves KV blocks: the
+cached prefix's and fresh ones for the rest (if the prefix was evicted meanwhile, the
+whole prompt is asked for again). Each layer is imported into those blocks as the
+message for it arrives (while the peer computes the next), the peer's call is ended
+once every layer is on the device (which frees its memory), then the request joins
+the running batch and decodes with the others.
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -19,9 +21,10 @@ from services.engine import metrics as m
 from services.engine.generation import TokenEvent
 from services.engine.requests import Cancellation, Cancelled, EngineRequest, HandoffFailed, RequestTimings
 from services.engine.profile_cache import sweep_lock
+from services.engine.engine_loop import RequestStream
 from services.engine.runtime import EngineRuntime, stream_tokens
 from services.engine.sampling import SamplingParams
-from services.kv.handoff import HandoffEvent, KVReceiver
+from services.kv.handoff import HandoffEvent, KVReceiver, SlotGrant
 from services.kv.header import SlotHeader
 
 log = logging.getLogger(__name__)
@@ -60,27 +63,54 @@ class DecodeRuntime(EngineRuntime):
 
     def hybrid_generation(self, request: EngineRequest, timings: RequestTimings,
                           cancel: Cancellation) -> Iterator[TokenEvent]:
-        cfg = self.loaded.config
-        prompt = request.prompt_ids
-        wire = self.peer.wire_dtype()
-        stream = self.loop.reserve_remote(list(prompt), request.params)
+        # what this engine's prefix cache holds of the prompt now: prefill_gpu is asked for the rest
+        skip = self.loop.peek_cached_tokens(list(request.prompt_ids))
         try:
-            table = stream.wait_reserved(cancel.is_cancelled)
-            # the prompt's cached prefix (whole blocks) is here already: only the rest comes over
-            skip = stream.seq.num_cached_tokens
-            blocks = BlockImport(self.engine, table[skip // self.engine.block_size:])
-            expected = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) - skip, cfg.model_id)
-            first = self._pull_kv(self.peer.receiver(blocks, None, expected), request, wire, timings, cancel, skip)
+            stream, first = self._hand_over(request, timings, cancel, skip)
+        except PrefixEvicted as exc:
+            log.info("%s; asking prefill_gpu for the whole prompt", exc)
+            stream, first = self._hand_over(request, timings, cancel, 0)
+        try:
             self.loop.activate_remote(stream, first)
             yield from stream_tokens(stream, timings, cancel)
         finally:
-            stream.cancel()  # a no-op once it finished; frees the blocks of a failed hand-off
+            stream.cancel()  # a no-op once it finished
+
+    def _hand_over(self, request: EngineRequest, timings: RequestTimings, cancel: Cancellation,
+                   skip: int) -> tuple[RequestStream, int]:
+        """The prompt's KV from position `skip` on, prefilled by the peer and imported into blocks
+        reserved here once the peer admitted the request (its SlotGrant), never before: a request the
+        peer refuses or queues holds nothing here. The stream (blocks reserved, KV in them) and the
+        first token; PrefixEvicted when the cached prefix was evicted between the peek and the grant."""
+        cfg, prompt, bs = self.loaded.config, list(request.prompt_ids), self.engine.block_size
+        wire = self.peer.wire_dtype()
+        blocks = BlockImport(self.engine)
+        reserved: list[RequestStream] = []
+
+        def reserve_blocks() -> None:
+            stream = self.loop.reserve_remote(prompt, request.params, max_cached_tokens=skip)
+            reserved.append(stream)
+            table = stream.wait_reserved(cancel.is_cancelled)
+            if stream.seq.num_cached_tokens < skip:
+                raise PrefixEvicted(f"{skip - stream.seq.num_cached_tokens} of the {skip} cached prompt positions "
+                                    f"were evicted before prefill_gpu admitted the request")
+            blocks.block_table = table[skip // bs:]
+
+        expected = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) - skip, cfg.model_id)
+        try:
+            first = self._pull_kv(self.peer.receiver(blocks, None, expected), request, wire, timings, cancel,
+                                  skip, on_grant=reserve_blocks)
+        except BaseException:
+            if reserved:
+                reserved[0].cancel()  # frees the blocks of a failed hand-off
+            raise
+        return reserved[0], first
 
     def _pull_kv(self, receiver: KVReceiver, request: EngineRequest, wire: str, timings: RequestTimings,
-                 cancel: Cancellation, skip_tokens: int = 0) -> int:
+                 cancel: Cancellation, skip_tokens: int = 0, on_grant: Callable[[], None] = lambda: None) -> int:
         events = self.peer.prefill(request, wire, cancel, skip_tokens)
         try:
-            d = receiver.consume(events, lambda: not cancel.is_cancelled())
+            d = receiver.consume(_calling_on_grant(events, on_grant), lambda: not cancel.is_cancelled())
             if d is None:
                 if cancel.is_cancelled():
                     raise Cancelled("client went away during the KV hand-off")
@@ -125,14 +155,29 @@ class DecodeRuntime(EngineRuntime):
         self.peer.close()
 
 
+class PrefixEvicted(Exception):
+    """The prompt's cached prefix that prefill_gpu was told to skip is gone from this engine's cache."""
+
+
+def _calling_on_grant(events: Iterator[HandoffEvent], on_grant: Callable[[], None]) -> Iterator[HandoffEvent]:
+    """`events`, with `on_grant()` called as the SlotGrant (the peer admitted the request) comes through."""
+    for msg in events:
+        if isinstance(msg, SlotGrant):
+            on_grant()
+        yield msg
+
+
 class BlockImport:
     """The receiving half's view of an engine (import_kv_layer / finish_import) over the blocks the
-    loop reserved for one request: the hand-off seam stays the same for slots and blocks."""
+    loop reserved for one request: the hand-off seam stays the same for slots and blocks. The
+    table is set once the blocks are reserved, before the first layer arrives."""
 
-    def __init__(self, engine, block_table: tuple[int, ...]):
+    def __init__(self, engine, block_table: tuple[int, ...] | None = None):
         self.engine, self.block_table = engine, block_table
 
     def import_kv_layer(self, seq, layer: int, kv: np.ndarray) -> None:
+        if self.block_table is None:
+            raise HandoffFailed("a KV layer arrived before this engine reserved its blocks")
         self.engine.import_kv_blocks(self.block_table, layer, kv)
 
     def finish_import(self, seq, n_tokens: int) -> None:

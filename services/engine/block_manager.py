@@ -93,22 +93,31 @@ class BlockManager:
         return seq_id in self._tables
 
     # ---- a new sequence --------------------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True) -> bool:
-        hits = self._cached_prefix(token_ids) if use_cache else []
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading positions of `token_ids` the prefix cache holds now (whole blocks),
+        taking nothing: an allocation later may find fewer, if eviction came first."""
+        return len(self._cached_prefix(token_ids)) * self.block_size
+
+    def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True,
+                     max_cached_tokens: int | None = None) -> bool:
+        hits = self._hits(token_ids, use_cache, max_cached_tokens)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # evictable now, taken then
         fresh = self.blocks_needed(len(token_ids)) - len(hits)
         return fresh + revived <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int], use_cache: bool = True) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], use_cache: bool = True,
+                 max_cached_tokens: int | None = None) -> int:
         """Give `seq_id` blocks for all of `token_ids`; return num_cached_tokens (KV already there).
-        use_cache=False: fresh blocks only (KV that another engine computes is written into them)."""
+        use_cache=False: fresh blocks only (KV that another engine computes is written into them);
+        max_cached_tokens: take at most that many positions from the cache (the caller asked another
+        engine for the rest, and must not get shared blocks to write into)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
         if not token_ids:
             raise ValueError("cannot allocate for an empty sequence")
-        if not self.can_allocate(token_ids, use_cache):
+        if not self.can_allocate(token_ids, use_cache, max_cached_tokens):
             raise RuntimeError(f"not enough free blocks for {len(token_ids)} tokens")
-        hits = self._cached_prefix(token_ids) if use_cache else []
+        hits = self._hits(token_ids, use_cache, max_cached_tokens)
         for block_id in hits:  # take the hits first, so the fresh blocks below cannot evict them
             self._ref(block_id)
         table = hits + [self._take_free() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
@@ -119,6 +128,10 @@ class BlockManager:
             self.num_queried_tokens += len(token_ids)
             self.num_hit_tokens += num_cached_tokens
         return num_cached_tokens
+
+    def _hits(self, token_ids: Sequence[int], use_cache: bool, max_cached_tokens: int | None) -> list[int]:
+        hits = self._cached_prefix(token_ids) if use_cache else []
+        return hits if max_cached_tokens is None else hits[:max_cached_tokens // self.block_size]
 
     def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Block ids of the longest verified cached prefix. It stops short of the last token,
@@ -193,6 +206,18 @@ class BlockManager:
             else:
                 self._evictable[block_id] = None
         return table
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody references (what vLLM's reset_prefix_cache does for
+        an operator); blocks in use keep their keys. Returns how many were forgotten."""
+        n = len(self._evictable)
+        for block_id in self._evictable:
+            block = self.blocks[block_id]
+            del self._cache[block.hash]
+            block.forget()
+            self._free.append(block_id)
+        self._evictable.clear()
+        return n
 
     # ---- internals -------------------------------------------------------------------------
     def _ref(self, block_id: int) -> None:

@@ -79,6 +79,7 @@ class RequestStream:
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _reserved: threading.Event = field(default_factory=threading.Event)
     block_table: tuple[int, ...] = ()  # reserve_remote: the blocks to import into
+    max_cached_tokens: int | None = None  # reserve_remote: take at most this much from the prefix cache
     done: bool = False
     _counted: bool = False  # holds one of the loop's places (EngineLoop._release gives it back)
 
@@ -169,9 +170,22 @@ class EngineLoop:
         self._post(("add", stream))
         return stream
 
-    def reserve_remote(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Hybrid: a stream whose prompt KV the caller imports into `stream.wait_reserved(...)`'s blocks."""
+    def peek_cached_tokens(self, prompt_ids: list[int]) -> int:
+        """How many leading positions of `prompt_ids` the prefix cache holds now, taking nothing.
+        Read from the caller's thread without the loop (plain dict lookups under the GIL): a hint,
+        which `reserve_remote` later confirms or finds evicted."""
+        try:
+            return self.scheduler.block_manager.cached_prefix_tokens(prompt_ids)
+        except (KeyError, IndexError, RuntimeError):  # changed under our feet: no hint
+            return 0
+
+    def reserve_remote(self, prompt_ids: list[int], params: SamplingParams,
+                       max_cached_tokens: int | None = None) -> RequestStream:
+        """Hybrid: a stream whose prompt KV the caller imports into `stream.wait_reserved(...)`'s blocks,
+        taking at most `max_cached_tokens` positions from the prefix cache (`stream.seq.num_cached_tokens`
+        says how many it got)."""
         stream = self._new_stream(prompt_ids, params, None)
+        stream.max_cached_tokens = max_cached_tokens
         stream.sampler.advance()  # the first token is sampled by the other engine, with the same seed
         self._post(("reserve", stream))
         return stream
@@ -179,6 +193,12 @@ class EngineLoop:
     def activate_remote(self, stream: RequestStream, first_token: int) -> None:
         """The reserved blocks hold the prompt's KV: decode on from `first_token`."""
         self._post(("activate", stream, first_token))
+
+    def reset_prefix_cache(self, timeout: float = 5.0) -> int:
+        """Forget every cached block no request holds (between two steps); how many were forgotten."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._post(("reset_prefix_cache", done))
+        return done.get(timeout=timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         with self._wake:
@@ -245,6 +265,10 @@ class EngineLoop:
         return self.scheduler.has_unfinished() and bool(self.scheduler.running or self.scheduler.waiting)
 
     def _apply(self, item: tuple) -> None:
+        if item[0] == "reset_prefix_cache":
+            reply: queue.SimpleQueue = item[1]
+            reply.put(self.scheduler.block_manager.reset_prefix_cache())
+            return
         kind, stream = item[0], item[1]
         if kind == "add":
             try:
@@ -274,7 +298,7 @@ class EngineLoop:
         while self._remote_pending:
             stream = self._remote_pending[0]
             try:
-                table = self.scheduler.reserve_remote(stream.seq)
+                table = self.scheduler.reserve_remote(stream.seq, stream.max_cached_tokens)
             except RequestTooLarge as exc:
                 self._remote_pending.pop(0)
                 stream._fail(PromptTooLong(str(exc)))

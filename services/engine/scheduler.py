@@ -201,16 +201,17 @@ class Scheduler:
         if self.block_manager.blocks_needed(max_kv_tokens) > self.config.num_blocks:
             raise RequestTooLarge(f"{max_kv_tokens} tokens of KV exceed the {self.config.num_blocks}-block cache")
 
-    def reserve_remote(self, seq: Sequence) -> list[int] | None:
+    def reserve_remote(self, seq: Sequence, max_cached_tokens: int | None = None) -> list[int] | None:
         """Hybrid mode: blocks for the prompt of `seq`, whose KV another engine computes: the blocks of
-        its longest cached prefix (their KV is here already: `seq.num_cached_tokens` positions, whole
-        blocks) and fresh ones for the rest, which the caller imports; None when they do not fit now
-        (try again after a step). The sequence waits outside the queues (WAITING_FOR_REMOTE_KV) until
-        activate_remote or abort."""
+        its longest cached prefix, at most `max_cached_tokens` positions (their KV is here already:
+        `seq.num_cached_tokens` positions, whole blocks) and fresh ones for the rest, which the caller
+        imports; None when they do not fit now (try again after a step). The sequence waits outside
+        the queues (WAITING_FOR_REMOTE_KV) until activate_remote or abort."""
         self._check_new(seq)
-        if not self.block_manager.can_allocate(seq.token_ids):
+        bm = self.block_manager
+        if not bm.can_allocate(seq.token_ids, max_cached_tokens=max_cached_tokens):
             return None
-        seq.num_cached_tokens = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+        seq.num_cached_tokens = bm.allocate(seq.seq_id, seq.token_ids, max_cached_tokens=max_cached_tokens)
         seq.status = RequestState.WAITING_FOR_REMOTE_KV
         self._seqs[seq.seq_id] = seq
         return self.block_manager.block_table(seq.seq_id)

@@ -169,3 +169,31 @@ def test_freeing_everything_leaves_every_count_at_zero():
         bm.free(seq_id)
     assert ref_counts(bm) == [0] * 6
     assert bm.num_free_blocks == 6 and bm.usage == 0.0
+
+
+def test_a_peek_at_the_cache_takes_nothing_and_a_cap_limits_the_hits():
+    bm = make_manager()
+    prompt = tokens(0, 13)  # 3 full blocks cacheable (the last token never comes from the cache)
+    computed(bm, 1, prompt)
+    bm.free(1)
+    before = (ref_counts(bm), bm.num_free_blocks, bm.num_queried_tokens)
+    assert bm.cached_prefix_tokens(prompt) == 12 and bm.cached_prefix_tokens(tokens(100, 13)) == 0
+    assert (ref_counts(bm), bm.num_free_blocks, bm.num_queried_tokens) == before
+    # another engine was asked for the positions from 4 on: only the first block may be shared
+    assert bm.allocate(2, prompt, max_cached_tokens=4) == 4
+    table = bm.block_table(2)
+    assert [bm.blocks[b].ref_count for b in table] == [1, 1, 1, 1]
+    assert all(bm.blocks[b].hash is None for b in table[1:])  # fresh blocks to write into, none shared
+
+
+def test_reset_prefix_cache_forgets_only_unreferenced_blocks():
+    bm = make_manager()
+    held, dropped = tokens(0, 9), tokens(50, 9)
+    computed(bm, 1, held)
+    computed(bm, 2, dropped)
+    bm.free(2)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.cached_prefix_tokens(dropped) == 0 and bm.cached_prefix_tokens(held) == 8
+    assert bm.num_free_blocks == 8 - 3 and bm.reset_prefix_cache() == 0
+    bm.free(1)
+    assert bm.reset_prefix_cache() == 2 and bm.num_free_blocks == 8

@@ -45,8 +45,11 @@ class InProcessPeer:
         self.prefill_runtime, self.link = prefill, InProcessLink()
         self.sends = prefill.settings.wire_dtype
         self.reserved_when_called: int | None = None  # decode's requests waiting for remote KV then
+        self.reserved_after_grant: int | None = None  # ... and once its SlotGrant was taken in
         self.watch = None  # a DecodeRuntime to look at when prefill is called
         self.skipped: list[int] = []  # skip_tokens of each prefill asked for
+        self.before_grant = lambda: None  # runs after the peer admitted the request, before its SlotGrant
+        self.refuse: Exception | None = None  # raised instead of prefilling (the peer's admission refused)
 
     def wire_dtype(self) -> str:
         return self.prefill_runtime.settings.wire_dtype
@@ -58,9 +61,20 @@ class InProcessPeer:
         if self.watch is not None:
             self.reserved_when_called = self.watch.loop.scheduler.num_waiting_for_remote_kv
         self.skipped.append(skip_tokens)
-        return self.prefill_runtime.prefill(request, self.sends, cancel,
-                                            new_sender=lambda header: InProcessSender(self.link, header),
-                                            skip_tokens=skip_tokens)
+        if self.refuse is not None:
+            raise self.refuse
+        events = self.prefill_runtime.prefill(request, self.sends, cancel,
+                                              new_sender=lambda header: InProcessSender(self.link, header),
+                                              skip_tokens=skip_tokens)
+        return self._watched(events)
+
+    def _watched(self, events):
+        for i, msg in enumerate(events):
+            if i == 0:
+                self.before_grant()
+            elif i == 1 and self.watch is not None:  # the receiver took the grant in and asked for more
+                self.reserved_after_grant = self.watch.loop.scheduler.num_waiting_for_remote_kv
+            yield msg
 
     def close(self) -> None:
         pass
@@ -136,13 +150,38 @@ def test_hybrid_hands_over_only_what_decode_has_not_cached(prefill, decode, peer
     assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
-def test_hybrid_waits_for_remote_kv_then_decodes(decode, peer, model_config):
+def test_hybrid_reserves_decode_kv_only_after_prefill_admitted_it(decode, peer, model_config):
     prompt = random_prompt(12, model_config.vocab_size, seed=32)
     peer.watch = decode
     request = EngineRequest(tuple(prompt), GREEDY, "hybrid")
     events = list(decode.hybrid_generation(request, RequestTimings(), Cancellation()))
-    assert peer.reserved_when_called == 1  # its blocks were reserved before the KV was asked for
+    assert peer.reserved_when_called == 0  # nothing held here while prefill_gpu may still refuse or queue it
+    assert peer.reserved_after_grant == 1  # its blocks, reserved once the SlotGrant said it was admitted
     assert events[-1].finish_reason == "length" and len(events) == 8 and all_free(decode)
+
+
+def test_a_refused_prefill_never_touches_decodes_kv(decode, peer, model_config):
+    peer.refuse = QueueFull("prefill queue full")
+    prompt = random_prompt(20, model_config.vocab_size, seed=38)
+    with pytest.raises(QueueFull):
+        tokens_and_last(decode, prompt, "hybrid")
+    bm = decode.loop.scheduler.block_manager
+    assert bm.num_queried_tokens == 0 and decode.loop.num_unfinished == 0 and all_free(decode)
+
+
+def test_a_prefix_evicted_before_the_grant_falls_back_to_the_whole_prompt(prefill, decode, peer, model_config):
+    """decode_fpga asked prefill_gpu to skip a cached 64-token prefix; the cache forgets it before
+    prefill_gpu admits the request: the request is asked for again in full and decodes the same tokens."""
+    shared = random_prompt(64, model_config.vocab_size, seed=39)
+    first, second = shared + [5, 6, 7], shared + [21, 22, 23, 24]
+    tokens_and_last(decode, first, "hybrid")
+    evicted = []
+    peer.before_grant = lambda: evicted.append(decode.loop.reset_prefix_cache()) if not evicted else None
+    hybrid, last = tokens_and_last(decode, second, "hybrid")
+    assert evicted and evicted[0] >= 4 and peer.skipped[-2:] == [64, 0]
+    assert last.timings.handoff_bytes == 30 * 2 * 3 * len(second) * 64 * 4
+    assert hybrid == tokens_and_last(prefill, second, "gpu")[0]
+    assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
 def test_kv_of_another_dtype_fails_the_request_and_frees_everything(decode, peer, ocl_engine, model_config):
