@@ -225,7 +225,9 @@ class Dispatcher:
         else:
             d = self.router.choose(n_in, max_tokens, available=fitting)
         every_mode = attempt == 0 and len(fitting) == len(MODES)
-        return Decision(d.mode, "auto" if every_mode else "fallback", d.estimates)
+        if d.reason == "explore":
+            return d
+        return replace(d, reason="auto" if every_mode else "fallback")
 
     async def open(self, req: EngineRequest) -> EngineStream:
         """Route and call, retrying as the module docstring says; the call once its first message is in."""
@@ -242,7 +244,7 @@ class Dispatcher:
         attempt = 0
         while True:
             d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed, prefer)
-            d = Decision(d.mode, reason or d.reason, d.estimates, self.pairs.choose(d.mode, failed))
+            d = replace(d, reason=reason or d.reason, pair=self.pairs.choose(d.mode, failed))
             mode, clients = MODES[d.mode], self.pairs.members[d.pair]
             # counted on the pair from now (requests arriving together must see each other), until
             # the stream is cancelled, or here when the call fails before its first message

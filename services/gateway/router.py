@@ -21,6 +21,11 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   stage not yet confirmed does not count in the guard (its estimate is the unverified
   profile); otherwise a mode is explored only within `explore_limit` x the best estimate.
   Never for a forced mode, never with explore_share=0; the Decision says "explore";
+* batching: a decode that joins a running batch costs more per token: estimate x (1 + beta x s),
+  s the requests it shares its decode engine with (all of both engines' when they share one
+  processor), beta per engine learned from the requests' own decode times and the s each was
+  sent with (batch_slowdown.py); corrections are learned on times divided by that factor, so a
+  busy batch is not mistaken for a slow engine;
 * queueing: the requests on each engine x that engine's measured service time (its own stage
   seconds, not the end-to-end time) / the sequences its batch holds. The requests: those the
   engine itself reports running and waiting (Info, polled every health interval; other gateways'
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Histogram
 
+from services.gateway.batch_slowdown import BatchSlowdown
 from services.gateway.cost_model import CostModel, StageKey, stage_key
 from services.modes import ENGINES, MODE_NAMES, MODES
 
@@ -62,6 +68,7 @@ class Decision:
     reason: str  # "auto" | "forced" | "fallback" | "explore"
     estimates: dict[str, float]  # seconds per mode; only the modes considered
     pair: int = 0  # the engine pair that serves it (the dispatcher's choice, after the mode)
+    company: dict[str, int] | None = None  # per engine, the requests this one shares it with when sent
 
 
 class Router:
@@ -87,6 +94,7 @@ class Router:
         self._credit = 0.0  # for refreshing stale stages; confirming a never-measured stage needs none
         self._auto, self._explored = 0, 0
         self._last_seen: dict[StageKey, int] = {}  # auto-decision count when a stage was last measured
+        self._slowdown = {e: BatchSlowdown(window) for e in ENGINES}  # decode per token with company
 
     # ---- calibration --------------------------------------------------------------
     def set_base_samples(self, samples: list[dict]) -> None:
@@ -104,8 +112,12 @@ class Router:
                 if key is None:
                     continue
                 if key in self.model.stages:
-                    predicted = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0)
+                    company = s.get("company")
+                    predicted = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0, company or 0)
                     ESTIMATE_RATIO.labels(stage=key[0], device=key[1]).observe(max(s["seconds"], 0.0) / predicted)
+                    if key[0] == "decode" and company is not None:  # before the sample joins the correction
+                        alone = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0)
+                        self._slowdown[key[1]].add(company, max(float(s["seconds"]), 1e-9) / alone)
                 self._online.setdefault(key, deque(maxlen=self._window)).append(s)
                 self._last_seen[key] = self._auto
                 if key[1] in self._service:
@@ -133,15 +145,22 @@ class Router:
                 self._log_corr[key] = self._recent_correction(key)
 
     def _recent_correction(self, key: StageKey) -> float:
-        """log of the smallest measured / base ratio over the stage's last `recent` samples."""
+        """log of the smallest measured / base ratio over the stage's last `recent` samples (a
+        decode's time first divided by what its batch's company added)."""
         ratios = []
         for s in list(self._online[key])[-self._recent:]:
             base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
+            if key[0] == "decode":
+                base *= self._slowdown[key[1]].factor(s.get("company") or 0)
             ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, max(float(s["seconds"]), 1e-9) / base)))
         return math.log(min(ratios))
 
-    def _stage_estimate(self, key: StageKey, n_in: int, n_out: int) -> float:
-        return self.model.stage_seconds(key, n_in, n_out) * math.exp(self._log_corr.get(key, 0.0))
+    def _stage_estimate(self, key: StageKey, n_in: int, n_out: int, company: int = 0) -> float:
+        """Seconds of one stage; a decode's as it runs beside `company` other requests."""
+        seconds = self.model.stage_seconds(key, n_in, n_out) * math.exp(self._log_corr.get(key, 0.0))
+        if key[0] == "decode":
+            seconds *= self._slowdown[key[1]].factor(company)
+        return seconds
 
     # ---- queueing -------------------------------------------------------------------
     def started(self, mode: str) -> None:
@@ -169,6 +188,12 @@ class Router:
             return self._busy[engine]
         return running + waiting + max(0, self._busy[engine] - busy_then)
 
+    def company(self) -> dict[str, int]:
+        """Per engine, the requests a new one would share it with: the engine's own, or, when the
+        engines share one processor, the busier engine's (a hybrid request is on both: not twice)."""
+        own = {e: self.queued(e) for e in ENGINES}
+        return {e: max(own.values()) for e in ENGINES} if self.shared_compute else own
+
     def queueing(self, mode: str) -> float:
         """Seconds a new request waits behind the work already queued on the mode's engines."""
         engines = ENGINES if self.shared_compute else MODES[mode].engines
@@ -180,35 +205,37 @@ class Router:
         with self._lock:
             return self._estimates(n_in, n_out, modes)
 
-    def _estimates(self, n_in: int, n_out: int, modes) -> dict[str, float]:
-        return {m: sum(self._stage_estimate(k, n_in, n_out) for k in CostModel.stage_keys(m)) + self.queueing(m)
-                for m in modes if self.model.can_estimate(m)}
+    def _estimates(self, n_in: int, n_out: int, modes, company: dict[str, int] | None = None) -> dict[str, float]:
+        company = company if company is not None else self.company()
+        return {m: sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0)) for k in CostModel.stage_keys(m))
+                + self.queueing(m) for m in modes if self.model.can_estimate(m)}
 
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
         available = [m for m in MODE_NAMES if m in available]
         with self._lock:
-            est = self._estimates(n_in, n_out, available)
+            company = self.company()
+            est = self._estimates(n_in, n_out, available, company)
             if forced is not None:
-                return Decision(forced, "forced", est)
+                return Decision(forced, "forced", est, company=company)
             if not available:
                 raise LookupError("no engine is able to serve this request")
             reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
             if not est:  # not calibrated yet: the one device that does both stages fastest by design
-                return Decision("hybrid" if "hybrid" in available else available[0], reason, est)
+                return Decision("hybrid" if "hybrid" in available else available[0], reason, est, company=company)
             best = min(est, key=est.get)
             self._auto += 1
             if self._share <= 0:
-                return Decision(best, reason, est)
+                return Decision(best, reason, est, company=company)
             self._credit = min(1.0, self._credit + self._share)
             explore = self._exploration(est, best, n_in, n_out, stale_ok=self._credit >= 1.0)
             if explore is None:
-                return Decision(best, reason, est)
+                return Decision(best, reason, est, company=company)
             mode, confirms_new = explore
             if not confirms_new:
                 self._credit -= 1.0
             self._explored += 1
-            return Decision(mode, "explore", est)
+            return Decision(mode, "explore", est, company=company)
 
     def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
                      stale_ok: bool) -> tuple[str, bool] | None:
@@ -226,7 +253,8 @@ class Router:
             if not new and not (stale_ok and stale >= self._stale_after):
                 continue
             # an unconfirmed stage's estimate is only the profile's word: it does not count against exploring
-            trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out) for k in unconfirmed)
+            company = self.company()
+            trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0)) for k in unconfirmed)
             if trusted <= self._limit * est[best]:
                 candidates.append((-len(new), -stale, est[mode], mode))
         if not candidates:
@@ -248,6 +276,8 @@ class Router:
                            for (st, dev), c in sorted(self._log_corr.items())}
             return {"base": self.model.as_json(), "corrections": corrections,
                     "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
+                                    "batch_slowdown_beta": self._slowdown[e].beta,
+                                    "batch_slowdown_samples": self._slowdown[e].samples,
                                     "running": self._engine_load[e][0], "waiting": self._engine_load[e][1],
                                     "service_s": self._service[e], "e2e_s": self._e2e[e]} for e in ENGINES},
                     "exploration": {"auto_decisions": self._auto, "explored": self._explored,
@@ -255,12 +285,16 @@ class Router:
                     "profile_samples": len(self._base)}
 
 
-def samples_from_timings(mode: str, n_in: int, t: dict) -> list[dict]:
-    """A finished request's timings as calibration samples."""
+def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, int] | None = None) -> list[dict]:
+    """A finished request's timings as calibration samples; `company`: the Decision's, which the
+    decode sample carries so the router learns what a batch adds."""
     out = [{"stage": "prefill", "device": MODES[mode].prefill_engine, "n_in": n_in, "seconds": t["prefill_s"]}]
     if t.get("decode_tokens"):
-        out.append({"stage": "decode", "device": MODES[mode].decode_engine, "n_in": n_in, "n_out": t["decode_tokens"],
-                    "seconds": t["decode_s"]})
+        decode = {"stage": "decode", "device": MODES[mode].decode_engine, "n_in": n_in, "n_out": t["decode_tokens"],
+                  "seconds": t["decode_s"]}
+        if company is not None:
+            decode["company"] = company[MODES[mode].decode_engine]
+        out.append(decode)
     if mode == "hybrid":
         out.append({"stage": "handoff", "n_in": n_in, "seconds": t["handoff_exposed_s"]})
     return out

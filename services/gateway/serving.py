@@ -101,7 +101,8 @@ class Run:
             m.ESTIMATE_ERROR.labels(mode=mode).observe(abs(predicted - e2e) / e2e)
         # a stop string cut the engine short: its timings are not a whole request's
         if self.engine_timings is not None and self.finish_reason and not self.stops.stopped:
-            self.router.observe(samples_from_timings(mode, self.n_in, self.timings().model_dump()))
+            self.router.observe(samples_from_timings(mode, self.n_in, self.timings().model_dump(),
+                                                     self.decision.company))
 
     def timings(self) -> Timings:
         t = self.engine_timings or pb.Timings()

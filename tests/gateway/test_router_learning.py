@@ -258,3 +258,40 @@ def test_engines_share_the_cpu_when_both_run_on_it():
     assert not engines_share_cpu("cuda:0", pocl)
     assert not engines_share_cpu("cpu", "NVIDIA CUDA / NVIDIA H100 80GB HBM3")
     assert not engines_share_cpu("cpu", "Xilinx / xilinx_u280_gen3x16_xdma_base_1")
+
+
+# ---- what a request adds to a running batch -------------------------------------------------------
+def test_what_a_request_adds_to_a_running_batch_is_learned_from_decode_times():
+    """fpga's decode costs (1 + 0.5 s) x its alone-time beside s others, gpu's barely grows. Learned
+    from the requests' own times: a busy fpga batch sends a request to gpu, an idle one does not,
+    and the busy samples do not make fpga look slow alone."""
+    router = Router(synthetic_samples(), explore_share=0)
+    beta = {"fpga": 0.5, "gpu": 0.02}
+    for i, company in enumerate((0, 2, 4, 8, 1, 6, 3, 5)):
+        for mode in ("fpga", "gpu"):
+            n_in, n_out = LOAD[i]
+            t = timings_of(mode, n_in, n_out)
+            t["decode_s"] *= 1 + beta[mode] * company
+            router.observe(samples_from_timings(mode, n_in, t, {"gpu": company, "fpga": company}))
+    snap = router.snapshot()["engines"]
+    assert abs(snap["fpga"]["batch_slowdown_beta"] - 0.5) < 0.02 and snap["gpu"]["batch_slowdown_beta"] < 0.05
+    n_in, n_out = 64, 128
+    alone = router.estimates(n_in, n_out)
+    assert abs(alone["fpga"] / truth("fpga", n_in, n_out) - 1) < 0.1  # the corrections learned alone-times
+    assert router.choose(n_in, n_out).mode in ("fpga", "hybrid")
+    router.set_engine_load("fpga", running=16, waiting=0, max_num_seqs=64)
+    busy = router.estimates(n_in, n_out)
+    decode_alone = (n_out - 0) * PER_TOKEN["fpga"](n_in + n_out / 2)
+    assert busy["fpga"] - alone["fpga"] > 0.9 * 0.5 * 16 * decode_alone  # x (1 + 0.5 x 16) on the decode part
+    assert router.choose(n_in, n_out).mode == "gpu"
+
+
+def test_without_company_sizes_the_batch_term_stays_off():
+    router = Router(synthetic_samples(), explore_share=0)
+    for n_in, n_out in LOAD:
+        serve(router, n_in, n_out, forced="fpga")  # samples without a company: a router fed by old gateways
+    quiet = router.estimates(64, 128)
+    router.set_engine_load("fpga", running=16, waiting=0, max_num_seqs=64)
+    assert router.snapshot()["engines"]["fpga"]["batch_slowdown_beta"] == 0.0
+    # the queueing term only: what it added was there before batches were modelled
+    assert abs(router.estimates(64, 128)["fpga"] - quiet["fpga"] - router.queueing("fpga")) < 1e-9
