@@ -19,6 +19,7 @@ machinery and kernels as a request it serves. Tests may time an engine directly 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import time
@@ -63,10 +64,10 @@ class Sweep(list):
 def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_contexts=DECODE_CONTEXTS,
               decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Sweep:
     """Warm up, then time every point `repeats` times; one sample (the median) per point."""
-    prompts = _prompts(engine, prefill_lengths)
-    _timed_pass(engine, prompts, decode_contexts, decode_tokens)  # warm-up, discarded
+    _timed_pass(engine, _prompts(engine, prefill_lengths), decode_contexts, decode_tokens)  # warm-up, discarded
     load = ForeignLoad()
-    runs = [_timed_pass(engine, prompts, decode_contexts, decode_tokens) for _ in range(repeats)]
+    runs = [_timed_pass(engine, _prompts(engine, prefill_lengths), decode_contexts, decode_tokens)
+            for _ in range(repeats)]
     out = Sweep()
     for point in runs[0]:
         times = np.array([r[point] for r in runs])
@@ -83,8 +84,13 @@ def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_conte
     return out
 
 
+_PASSES = itertools.count()  # every pass of this process gets prompts of its own
+
+
 def _prompts(engine, lengths) -> dict[int, list[int]]:
-    rng = np.random.default_rng(0)
+    """Prompts no earlier pass used: a repeat of the same prompt would be timed as a prefix-cache
+    hit (the prefill of its last block only), and the router would believe prefill ~10x cheaper."""
+    rng = np.random.default_rng(next(_PASSES))
     return {n: rng.integers(3, engine.cfg.vocab_size, n).tolist() for n in lengths}
 
 

@@ -162,3 +162,24 @@ def test_two_processes_profile_in_turn(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     (a0, a1), (b0, b1) = sorted(tuple(map(float, line.split())) for line in log_path.read_text().splitlines())
     assert a1 <= b0  # the second sweep began only after the first ended
+
+
+def test_a_sweep_through_an_engine_loop_never_times_a_prefix_cache_hit():
+    """Each repeat times a prompt no earlier pass used: on a loop with prefix caching, a repeated
+    prompt would be served from the cache and its prefill timed ~10x too cheap."""
+    from services.engine.engine_loop import EngineLoop
+    from services.engine.profile_sweep import LoopTimer
+    from services.engine.scheduler import SchedulerConfig
+    from tests.engine.paged_fake import PagedFakeEngine
+
+    config = SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=512)
+    loop = EngineLoop(PagedFakeEngine(config.num_blocks, config.block_size), config)
+    try:
+        sweep = run_sweep(LoopTimer(loop), "fpga", prefill_lengths=(16, 64), decode_contexts=(16,),
+                          decode_tokens=2, repeats=3)
+        bm = loop.scheduler.block_manager
+        assert len(sweep) == 3 and bm.num_queried_tokens == 4 * (16 + 64)
+        assert bm.num_hit_tokens == 0
+    finally:
+        loop.close()
