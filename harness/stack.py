@@ -60,7 +60,8 @@ def _free_strided(stride: int, count: int) -> int:
 def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
                 progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
                 port_stride: int = 10) -> Stack:
-    """`hybridserve up [--pairs N]` with every port free, once its gateway's /health answers 200."""
+    """`hybridserve up [--pairs N]` with every port free, once it says it is up (its gateway's
+    /health answers 200 and the router is calibrated), as a user of `make run` would wait."""
     from services.decode_fpga.settings import DecodeSettings
     from services.gateway.settings import GatewaySettings
     from services.prefill_gpu.settings import PrefillSettings
@@ -81,6 +82,8 @@ def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 
     progress(f"starting the stack (log: {log_path})")
     try:
         stack.process.wait_until(http_ok(stack.url + "/health"), timeout, "up", interval=1.0)
+        stack.process.wait_until(lambda: "hybridserve is up" in log_path.read_text(errors="replace"), timeout,
+                                 "calibrated", interval=1.0)
     except BaseException:
         stack.stop()
         raise

@@ -180,6 +180,7 @@ def up(pairs: int | None = None) -> int:
                 print(f"hybridserve up: the stack did not come up ({why})", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
+        _wait_calibrated(url + "/health", deadline, stop, sup)
         quiet.set()
         _print_ready(url, gateway, s)
         while not stop.is_set():
@@ -192,6 +193,25 @@ def up(pairs: int | None = None) -> int:
         sup.stop_all(["gateway"] + [n for n in names if n.startswith("decode_fpga")]
                      + [n for n in names if n.startswith("prefill_gpu")])
         print("stopped", flush=True)
+
+
+def _wait_calibrated(url: str, deadline: float, stop: threading.Event, sup: Supervisor) -> None:
+    """Until the gateway's router has both engines' start-up profiles (a first start times each
+    engine, in turn: requests sent meanwhile would share the cores with the sweeps and go to hybrid
+    uncalibrated). Bounded by the start-up deadline; the stack serves either way."""
+    said = False
+    while not (stop.is_set() or sup.exited() or time.monotonic() > deadline):
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if json.load(r).get("calibrated"):
+                    return
+        except (OSError, ValueError):
+            pass
+        if not said:
+            print("hybridserve up: engines answer; calibrating the router (a first start times each engine)",
+                  file=sys.stderr, flush=True)
+            said = True
+        time.sleep(1.0)
 
 
 def _pair_text(address: str) -> str:

@@ -126,7 +126,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         one_pair = len(up) == 1 and not st.settings.pairs_dns
         body = Health(status="draining" if draining else "ok" if every else "degraded",
                       engines={ENGINE_NAMES[e] if one_pair else f"{ENGINE_NAMES[e]}@{p}": "up" if ok else "down"
-                               for p, engines in up.items() for e, ok in engines.items()})
+                               for p, engines in up.items() for e, ok in engines.items()},
+                      calibrated=st.router.calibrated)
         return Response(body.model_dump_json(), media_type="application/json",
                         status_code=200 if serving and not draining else 503)
 

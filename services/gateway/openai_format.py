@@ -211,10 +211,13 @@ class ModelList(BaseModel):
 class Health(BaseModel):
     """`/health`: "ok" when every engine answers, else "degraded" (a 503 unless some pair still has
     both engines up: then the gateway serves every mode); "draining" (a 503) once the gateway is
-    shutting down. With several pairs, an engine's key is "<engine>@<pair>"."""
+    shutting down. With several pairs, an engine's key is "<engine>@<pair>". `calibrated`: the
+    router has both engines' start-up profiles (until then auto requests go to hybrid, and the
+    engines' timing sweeps share the machine with whatever is served)."""
 
     status: Literal["ok", "degraded", "draining"]
     engines: dict[str, Literal["up", "down"]]
+    calibrated: bool = False
 
 
 class ErrorDetail(BaseModel):

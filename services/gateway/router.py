@@ -97,6 +97,11 @@ class Router:
         self._slowdown = {e: BatchSlowdown(window) for e in ENGINES}  # decode per token with company
 
     # ---- calibration --------------------------------------------------------------
+    @property
+    def calibrated(self) -> bool:
+        """Every mode has an estimate (both engines' profiles are in, the hand-off's too)."""
+        return all(self.model.can_estimate(m) for m in MODE_NAMES)
+
     def set_base_samples(self, samples: list[dict]) -> None:
         """The engines' start-up profiles (replacing earlier ones); corrections are re-derived."""
         with self._lock:

@@ -82,6 +82,7 @@ def test_models_and_health(stack, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = httpx.get(stack["url"] + "/health")
     assert r.status_code == 200 and r.json()["engines"] == {"prefill_gpu": "up", "decode_fpga": "up"}
+    assert r.json()["calibrated"] is True  # the fixture waited until auto had estimates for every mode
 
 
 ERROR_CASES = [
