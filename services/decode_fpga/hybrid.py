@@ -20,7 +20,7 @@ import numpy as np
 from services.engine import metrics as m
 from services.engine.generation import TokenEvent
 from services.engine.requests import Cancellation, Cancelled, EngineRequest, HandoffFailed, RequestTimings
-from services.engine.profile_cache import sweep_lock
+from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.engine_loop import RequestStream
 from services.engine.runtime import EngineRuntime, stream_tokens
 from services.engine.sampling import SamplingParams
@@ -127,15 +127,18 @@ class DecodeRuntime(EngineRuntime):
         finally:
             events.close()  # ends the peer's call: it frees the request's memory now
 
-    def profile_samples(self, refresh: bool = False) -> list[dict]:
-        samples = [s for s in super().profile_samples(refresh) if s["stage"] != "handoff"]
+    def profile_samples(self, refresh: bool = False) -> Profile:
+        own = super().profile_samples(refresh)
+        samples = [s for s in own if s["stage"] != "handoff"]
         with sweep_lock(self.settings.profile_cache):  # timed in turn with prefill_gpu's own sweep
-            return samples + self._handoff_samples()
+            return Profile(samples + self._handoff_samples(), quiet=own.quiet)
 
     def _handoff_samples(self) -> list[dict]:
         """Exposed hand-off time for a few prompt lengths, measured now if the peer answers."""
         out = []
-        rng = np.random.default_rng(1)
+        # prompts of their own each time: a repeat would find its prefix in both engines' caches and
+        # hand over one block (the router then believed the hand-off ~100x cheaper than serving's)
+        rng = np.random.default_rng()
         params = SamplingParams(max_tokens=1, temperature=0)
         for n_in in (16, 64, 256):
             request = EngineRequest(tuple(rng.integers(3, self.loaded.config.vocab_size, n_in).tolist()), params,

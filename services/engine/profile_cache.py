@@ -8,6 +8,11 @@ A sweep that says the machine was busy while it ran (see `Sweep.busy`) is never 
 it is retried after a pause, and if every attempt is busy the least noisy one serves
 this run only; the next start measures again. A cached profile is checked at every
 start by a quick probe when one is given, and measured again when the probe disagrees.
+
+What comes back says whether it is `quiet`: timed on a quiet machine in this process (a
+sweep that was not busy, or a cached profile a quiet probe agreed with now). The router
+trusts a quiet profile as it trusts a measured request; any other (every attempt busy, a
+cache kept because the probe could not tell) it checks with requests first.
 """
 from __future__ import annotations
 
@@ -22,6 +27,14 @@ from typing import Callable, Iterator
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".sweep.lock"
+
+
+class Profile(list):
+    """A profile's samples, and whether they were timed (or confirmed) on a quiet machine."""
+
+    def __init__(self, samples=(), quiet: bool = False):
+        super().__init__(samples)
+        self.quiet = quiet
 
 
 @contextlib.contextmanager
@@ -72,20 +85,26 @@ def _noise(samples) -> float:
 
 
 def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
-                 probe: Callable[[list[dict]], bool] | None = None,
-                 attempts: int = 2, retry_wait_s: float = 5.0) -> list[dict]:
-    """The samples cached under `key` (kept when `probe(cached)` is None or True), else run()'s.
+                 probe: Callable[[list[dict]], bool | str] | None = None,
+                 attempts: int = 2, retry_wait_s: float = 5.0) -> Profile:
+    """The samples cached under `key` (kept unless `probe(cached)` says "disagrees" or False),
+    else run()'s, as a `Profile`.
 
     run() returns a list of samples; when it also carries `busy` (a `Sweep`), a busy sweep
-    is retried up to `attempts` times and never cached. All of it under `sweep_lock`.
+    is retried up to `attempts` times and never cached. probe() answers "agrees" (quiet and
+    within its tolerance), "busy" (it could not tell: the cache is kept, not confirmed) or
+    "disagrees" (a bool: True is "busy", False "disagrees"). All of it under `sweep_lock`.
     """
     path = cache_path(cache_dir, key)
     with sweep_lock(cache_dir):
         cached = read_cached(path)
         if cached is not None:
-            if probe is None or probe(cached):
-                log.info("profile: %d samples from %s", len(cached), path)
-                return cached
+            verdict = "busy" if probe is None else probe(cached)
+            verdict = {True: "busy", False: "disagrees"}.get(verdict, verdict)
+            if verdict != "disagrees":
+                log.info("profile: %d samples from %s (%s)", len(cached), path,
+                         "confirmed by a quiet probe" if verdict == "agrees" else "not confirmed now")
+                return Profile(cached, quiet=verdict == "agrees")
             log.warning("profile: the quick probe disagrees with %s by more than 2x; profiling again", path)
         log.info("profile: running the start-up sweep (%s)", key)
         noisy = []
@@ -93,10 +112,10 @@ def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
             samples = run()
             if not getattr(samples, "busy", False):
                 _write(path, samples)
-                return samples
+                return Profile(samples, quiet=True)
             noisy.append(samples)
             log.warning("profile: the machine was busy during sweep %d/%d (%s); not cached", attempt + 1,
                         attempts, getattr(samples, "verdict", "noisy repeats"))
             if attempt + 1 < attempts:
                 time.sleep(retry_wait_s)
-        return min(noisy, key=_noise)
+        return Profile(min(noisy, key=_noise), quiet=False)

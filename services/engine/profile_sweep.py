@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.engine.profile_cache import cached_sweep, sweep_lock
+from services.engine.profile_cache import Profile, cached_sweep, sweep_lock
 
-__all__ = ["run_sweep", "probe_agrees", "profile_engine", "cached_sweep", "sweep_lock", "code_fingerprint", "Sweep"]
+__all__ = ["run_sweep", "probe_agrees", "probe_verdict", "Profile", "profile_engine", "cached_sweep", "sweep_lock", "code_fingerprint", "Sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -169,27 +169,31 @@ class ForeignLoad:
 
 
 def probe_agrees(engine, device: str, cached: list[dict]) -> bool:
-    """Whether a quick measurement of two points is within PROBE_TOLERANCE of the cached profile.
+    """Whether the cached profile may be kept: `probe_verdict` is not "disagrees"."""
+    return probe_verdict(engine, device, cached) != "disagrees"
 
-    A busy probe cannot tell: the cache is kept (it passed the quiet-machine check when written).
-    """
+
+def probe_verdict(engine, device: str, cached: list[dict]) -> str:
+    """"agrees" when a quick quiet measurement of two points is within PROBE_TOLERANCE of the cached
+    profile, "disagrees" when it is not, "busy" when the machine was too busy to tell (the cache is
+    kept then: it passed the quiet-machine check when written, but this start did not confirm it)."""
     lengths = tuple(n for n, _ in PROBE_POINTS)
     decode_contexts = tuple(n for n, m in PROBE_POINTS if m)
     now = run_sweep(engine, device, lengths, decode_contexts, DECODE_TOKENS, repeats=REPEATS)
     if now.busy:
         log.info("profile probe %s: machine busy (%s); keeping the cache", device, now.verdict)
-        return True
+        return "busy"
     for s in now:
         ref = _per_unit(s, cached)
         if ref is None:
             log.info("profile probe %s: the cache lacks %s at %d tokens", device, s["stage"], s["n_in"])
-            return False
+            return "disagrees"
         ratio = _unit(s) / ref
         if not 1 / PROBE_TOLERANCE <= ratio <= PROBE_TOLERANCE:
             log.warning("profile probe %s: %s at %d tokens measures %.2fx the cache", device, s["stage"], s["n_in"],
                         ratio)
-            return False
-    return True
+            return "disagrees"
+    return "agrees"
 
 
 def _unit(s: dict) -> float:
@@ -203,10 +207,10 @@ def _per_unit(s: dict, cached: list[dict]) -> float | None:
     return float(np.median(same)) if same else None
 
 
-def profile_engine(engine, device: str, cache_dir: str, key: str) -> list[dict]:
+def profile_engine(engine, device: str, cache_dir: str, key: str) -> Profile:
     """The engine's profile: cached and probed, or measured (in turn with the other engine)."""
     return cached_sweep(cache_dir, key, lambda: run_sweep(engine, device),
-                        probe=lambda cached: probe_agrees(engine, device, cached))
+                        probe=lambda cached: probe_verdict(engine, device, cached))
 
 
 def code_fingerprint(root: Path | None = None) -> str:

@@ -20,7 +20,7 @@ from services.engine import metrics as m
 from services.engine.engine_loop import EngineLoop, RequestStream
 from services.engine.generation import TokenEvent
 from services.engine.profile_cache import sweep_lock
-from services.engine.profile_sweep import LoopTimer, code_fingerprint, profile_engine, run_sweep
+from services.engine.profile_sweep import LoopTimer, Profile, code_fingerprint, profile_engine, run_sweep
 from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull,
                                       RequestTimings, check_prompt)
 from services.engine.scheduler import SchedulerConfig
@@ -47,7 +47,7 @@ class EngineRuntime:
                                loaded.config.eos_token_ids, max_waiting=settings.queue_depth,
                                name=f"{self.device_label}-engine-loop")
         self.modes: dict[str, ModeHandler] = {}
-        self._profile: list[dict] | None = None
+        self._profile: Profile | None = None
         self._profile_lock = threading.Lock()
 
     # ---- Generate -------------------------------------------------------------
@@ -115,11 +115,12 @@ class EngineRuntime:
                     num_requests_waiting=self.loop.num_waiting,
                     kv_cache_usage_ratio=s.kv_cache_usage)
 
-    def profile_samples(self, refresh: bool = False) -> list[dict]:
+    def profile_samples(self, refresh: bool = False) -> Profile:
         with self._profile_lock:
             if refresh:
                 with sweep_lock(self.settings.profile_cache):  # the engines take turns timing
-                    self._profile = run_sweep(LoopTimer(self.loop), self.device_label)
+                    sweep = run_sweep(LoopTimer(self.loop), self.device_label)
+                    self._profile = Profile(sweep, quiet=not sweep.busy)
             elif self._profile is None:
                 # cached and checked by a quick probe, or measured in turn with the other engine
                 self._profile = profile_engine(LoopTimer(self.loop), self.device_label, self.settings.profile_cache,

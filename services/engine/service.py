@@ -112,7 +112,8 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     def Profile(self, request, context):
         samples = self.runtime.profile_samples(request.refresh)
-        return pb.ProfileResponse(samples=[pb.StageSample(**s) for s in samples])
+        return pb.ProfileResponse(samples=[pb.StageSample(**s) for s in samples],
+                                  quiet=bool(getattr(samples, "quiet", False)))
 
 
 CONTROL_CALLS = 8  # threads beyond the admissions: health checks, Info, Profile

@@ -63,8 +63,8 @@ class EngineClients:
         except grpc.RpcError as exc:
             log.warning("no profile from %s: %s", ENGINE_NAMES[engine], exc.code().name)
             return None
-        samples = [{"stage": s.stage, "device": s.device, "n_in": s.n_in, "n_out": s.n_out, "seconds": s.seconds}
-                   for s in reply.samples]
+        samples = [{"stage": s.stage, "device": s.device, "n_in": s.n_in, "n_out": s.n_out, "seconds": s.seconds,
+                    "quiet": reply.quiet} for s in reply.samples]
         self.profiles[engine] = samples
         return samples
 

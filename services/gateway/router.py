@@ -13,9 +13,12 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   busy machine must not pin a stage as slow once a quiet one has been seen, and a real
   slowdown still wins once it holds for `recent` requests in a row;
 * exploration: an auto request may run a mode that is not the cheapest, (a) while one of its
-  stages has been measured by fewer than CONFIRMING requests (at most 5 stages x 2: a cold
-  start learns the stages of every mode within a few requests, and a first request timed on
-  a busy machine is checked by a second), (b) to refresh a stage not measured for `stale_after`
+  stages is unconfirmed: measured by fewer than CONFIRMING requests and not timed by a quiet
+  profile (an engine's sweep whose repeats agreed with no other load, or a cached one a quiet
+  probe confirmed at this start: such a profile is trusted like requests, so a fresh start on a
+  quiet machine does not run a mode its profile shows far slower just to check it); at most
+  5 stages x 2: a start on a busy machine learns the stages of every mode within a few
+  requests, and a first request timed on a busy machine is checked by a second, (b) to refresh a stage not measured for `stale_after`
   auto decisions, from a credit of `explore_share` per auto request (so at most that share).
   A request explores only where it measures something (a one-token request no decode). A
   stage not yet confirmed does not count in the guard (its estimate is the unverified
@@ -141,6 +144,10 @@ class Router:
     def _refit(self) -> None:
         """Base = the profiles, plus online samples for the stages no profile measured."""
         self._profiled = {stage_key(s) for s in self._base}
+        by_key: dict[StageKey, list[bool]] = {}
+        for s in self._base:
+            by_key.setdefault(stage_key(s), []).append(bool(s.get("quiet")))
+        self._quiet_profiled = {k for k, flags in by_key.items() if k is not None and all(flags)}
         extra = [s for key, q in self._online.items() if key not in self._profiled for s in q]
         self.model = CostModel.fit(self._base + extra)
         self._since_fit = 0
@@ -268,8 +275,9 @@ class Router:
         return chosen[-1], chosen[0] < 0
 
     def _confirmed(self, key: StageKey) -> bool:
-        """Measured by CONFIRMING requests: one alone may have run beside a compile at start-up."""
-        return len(self._online.get(key, ())) >= CONFIRMING
+        """Timed by a quiet profile, or measured by CONFIRMING requests (one alone may have run
+        beside a compile at start-up)."""
+        return key in self._quiet_profiled or len(self._online.get(key, ())) >= CONFIRMING
 
     # ---- what the router believes, for /debug/router ----------------------------------
     def snapshot(self) -> dict:
@@ -287,7 +295,8 @@ class Router:
                                     "service_s": self._service[e], "e2e_s": self._e2e[e]} for e in ENGINES},
                     "exploration": {"auto_decisions": self._auto, "explored": self._explored,
                                     "credit": self._credit, "share": self._share, "limit": self._limit},
-                    "profile_samples": len(self._base)}
+                    "profile_samples": len(self._base),
+                    "quiet_profiled": sorted(f"{st}/{dev}" for st, dev in self._quiet_profiled)}
 
 
 def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, int] | None = None) -> list[dict]:

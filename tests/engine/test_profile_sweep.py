@@ -90,6 +90,7 @@ def test_a_sweep_under_a_cpu_hog_is_not_cached(tmp_path, hog):
 
     samples = cached_sweep(str(tmp_path), "k", run, attempts=2, retry_wait_s=0.05)
     assert len(runs) == 2 and all(r.busy for r in runs)  # retried, and busy both times
+    assert samples.quiet is False  # the router checks such a profile with requests before trusting it
     assert not list(tmp_path.glob("*.json"))  # nothing cached: the next start measures again
     assert [(s["stage"], s["n_in"]) for s in samples] == [("prefill", 16), ("decode", 16), ("prefill", 64),
                                                           ("prefill", 256), ("decode", 256)]
@@ -100,8 +101,22 @@ def test_a_quiet_sweep_is_cached_and_reused(tmp_path):
     quiet = Sweep([{"stage": "prefill", "device": "gpu", "n_in": 16, "seconds": 0.1}])
     calls = []
     first = cached_sweep(str(tmp_path), "k", lambda: calls.append(1) or quiet)
-    assert cached_sweep(str(tmp_path), "k", lambda: calls.append(1) or quiet) == first and calls == [1]
+    assert first.quiet is True
+    again = cached_sweep(str(tmp_path), "k", lambda: calls.append(1) or quiet)
+    assert again == first and calls == [1] and again.quiet is False  # cached, and no probe confirmed it now
     assert json.loads((tmp_path / "k.json").read_text()) == list(quiet)
+
+
+def test_a_cached_profile_is_quiet_only_when_a_quiet_probe_confirmed_it(tmp_path):
+    quiet = Sweep([{"stage": "prefill", "device": "gpu", "n_in": 16, "seconds": 0.1}])
+    cached_sweep(str(tmp_path), "k", lambda: quiet)
+    calls = []
+    run = lambda: calls.append(1) or quiet  # noqa: E731
+    assert cached_sweep(str(tmp_path), "k", run, probe=lambda cached: "agrees").quiet is True
+    assert cached_sweep(str(tmp_path), "k", run, probe=lambda cached: "busy").quiet is False
+    assert calls == []
+    remeasured = cached_sweep(str(tmp_path), "k", run, probe=lambda cached: "disagrees")
+    assert calls == [1] and remeasured.quiet is True
 
 
 def test_busy_verdict_thresholds():

@@ -295,3 +295,22 @@ def test_without_company_sizes_the_batch_term_stays_off():
     assert router.snapshot()["engines"]["fpga"]["batch_slowdown_beta"] == 0.0
     # the queueing term only: what it added was there before batches were modelled
     assert abs(router.estimates(64, 128)["fpga"] - quiet["fpga"] - router.queueing("fpga")) < 1e-9
+
+
+# ---- a quiet profile ------------------------------------------------------------------------------
+def test_a_quiet_profile_is_trusted_and_a_mode_it_shows_slow_is_not_run_to_check_it():
+    """Profiles timed on a quiet machine (the engines say so): a cold start goes straight to the
+    fastest mode; the same profile without that word is checked with requests first."""
+    quiet = Router([dict(s, quiet=True) for s in synthetic_samples()])
+    unsure = Router(synthetic_samples())
+    ran_quiet = [serve(quiet, n_in, n_out) for n_in, n_out in LOAD]
+    ran_unsure = [serve(unsure, n_in, n_out) for n_in, n_out in LOAD]
+    assert all(d.reason == "auto" and d.mode == best(n_in, n_out) for d, (n_in, n_out) in zip(ran_quiet, LOAD))
+    assert any(d.reason == "explore" for d in ran_unsure)
+    assert quiet.snapshot()["quiet_profiled"] == ["decode/fpga", "decode/gpu", "handoff/link", "prefill/fpga",
+                                                  "prefill/gpu"]
+
+
+def test_one_unquiet_sample_makes_its_stage_unconfirmed():
+    samples = [dict(s, quiet=(s["stage"], s.get("device")) != ("decode", "gpu")) for s in synthetic_samples()]
+    assert "decode/gpu" not in Router(samples).snapshot()["quiet_profiled"]

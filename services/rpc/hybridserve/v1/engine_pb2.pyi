@@ -207,7 +207,9 @@ class StageSample(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., device: _Optional[str] = ..., n_in: _Optional[int] = ..., n_out: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ProfileResponse(_message.Message):
-    __slots__ = ("samples",)
+    __slots__ = ("samples", "quiet")
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    QUIET_FIELD_NUMBER: _ClassVar[int]
     samples: _containers.RepeatedCompositeFieldContainer[StageSample]
-    def __init__(self, samples: _Optional[_Iterable[_Union[StageSample, _Mapping]]] = ...) -> None: ...
+    quiet: bool
+    def __init__(self, samples: _Optional[_Iterable[_Union[StageSample, _Mapping]]] = ..., quiet: _Optional[bool] = ...) -> None: ...
