@@ -37,6 +37,7 @@ class RequestTimings:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     handoff_bytes: int = 0
+    cached_tokens: int = 0  # prompt positions from the prefix cache: prefill_s covers only the rest
 
 
 class Cancellation:

@@ -147,4 +147,5 @@ def stream_tokens(stream: RequestStream, timings: RequestTimings, cancel: Cancel
             timings.queue_s += t.queue_s
             timings.prefill_s = timings.prefill_s or t.prefill_s
             timings.decode_s = t.decode_s
+            timings.cached_tokens = stream.seq.num_cached_tokens
         yield ev

@@ -54,6 +54,7 @@ class Timings(BaseModel):
     decode_s: float
     decode_tokens: int  # tokens after the first (the first comes out of prefill)
     handoff_bytes: int
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
     e2e_s: float  # as the gateway saw it
 
 

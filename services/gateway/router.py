@@ -301,8 +301,11 @@ class Router:
 
 def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, int] | None = None) -> list[dict]:
     """A finished request's timings as calibration samples; `company`: the Decision's, which the
-    decode sample carries so the router learns what a batch adds."""
-    out = [{"stage": "prefill", "device": MODES[mode].prefill_engine, "n_in": n_in, "seconds": t["prefill_s"]}]
+    decode sample carries so the router learns what a batch adds. Prefill and hand-off are of the
+    prompt's positions the prefix cache did not hold (a hit is not what a fresh prompt costs);
+    decode's context is the whole prompt."""
+    computed = max(1, n_in - int(t.get("cached_tokens") or 0))
+    out = [{"stage": "prefill", "device": MODES[mode].prefill_engine, "n_in": computed, "seconds": t["prefill_s"]}]
     if t.get("decode_tokens"):
         decode = {"stage": "decode", "device": MODES[mode].decode_engine, "n_in": n_in, "n_out": t["decode_tokens"],
                   "seconds": t["decode_s"]}
@@ -310,7 +313,7 @@ def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, int] 
             decode["company"] = company[MODES[mode].decode_engine]
         out.append(decode)
     if mode == "hybrid":
-        out.append({"stage": "handoff", "n_in": n_in, "seconds": t["handoff_exposed_s"]})
+        out.append({"stage": "handoff", "n_in": computed, "seconds": t["handoff_exposed_s"]})
     return out
 
 

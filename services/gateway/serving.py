@@ -109,6 +109,7 @@ class Run:
         return Timings(queue_s=t.queue_s, prefill_s=t.prefill_s, handoff_total_s=t.handoff_total_s,
                        handoff_exposed_s=t.handoff_exposed_s, decode_s=t.decode_s,
                        decode_tokens=max(0, t.generated_tokens - 1), handoff_bytes=t.handoff_bytes,
+                       cached_tokens=t.cached_tokens,
                        e2e_s=time.perf_counter() - self.started)
 
     def extension(self) -> Hybridserve:

@@ -314,3 +314,18 @@ def test_a_quiet_profile_is_trusted_and_a_mode_it_shows_slow_is_not_run_to_check
 def test_one_unquiet_sample_makes_its_stage_unconfirmed():
     samples = [dict(s, quiet=(s["stage"], s.get("device")) != ("decode", "gpu")) for s in synthetic_samples()]
     assert "decode/gpu" not in Router(samples).snapshot()["quiet_profiled"]
+
+
+def test_a_prefix_cache_hit_teaches_the_cost_of_the_positions_computed_only():
+    """A request whose prompt was mostly cached prefilled its last block only: its sample is of
+    those positions, so the router does not learn that a fresh prompt of that length is cheap."""
+    t = {"prefill_s": 0.05, "decode_tokens": 10, "decode_s": 0.2, "handoff_exposed_s": 0.01, "cached_tokens": 240}
+    pre, dec, hand = samples_from_timings("hybrid", 256, t)
+    assert (pre["n_in"], dec["n_in"], hand["n_in"]) == (16, 256, 16)
+    assert samples_from_timings("gpu", 256, dict(t, cached_tokens=0))[0]["n_in"] == 256
+    router = Router([dict(s, quiet=True) for s in synthetic_samples()], explore_share=0)
+    before = router.estimates(256, 10)["fpga"]
+    for _ in range(3):  # all cache hits, timed at the true cost of what they computed
+        router.observe(samples_from_timings("fpga", 256, {"prefill_s": PREFILL["fpga"](16), "decode_tokens": 0,
+                                                          "cached_tokens": 240}))
+    assert abs(router.estimates(256, 10)["fpga"] / before - 1) < 0.05

@@ -146,6 +146,7 @@ def test_hybrid_hands_over_only_what_decode_has_not_cached(prefill, decode, peer
     hybrid, last = tokens_and_last(decode, second, "hybrid")
     assert peer.skipped[-2:] == [0, 64]
     assert last.timings.handoff_bytes == 30 * 2 * 3 * (len(second) - 64) * 64 * 4
+    assert last.timings.cached_tokens == 64  # the router learns prefill and hand-off of the rest only
     assert hybrid == tokens_and_last(prefill, second, "gpu")[0] == tokens_and_last(decode, second, "fpga")[0]
     assert peer.link.slots_in_use == 0 and all_free(decode)
 
@@ -167,6 +168,14 @@ def test_a_refused_prefill_never_touches_decodes_kv(decode, peer, model_config):
         tokens_and_last(decode, prompt, "hybrid")
     bm = decode.loop.scheduler.block_manager
     assert bm.num_queried_tokens == 0 and decode.loop.num_unfinished == 0 and all_free(decode)
+
+
+def test_a_repeated_prompt_reports_the_positions_its_prefix_cache_served(decode, model_config):
+    prompt = random_prompt(40, model_config.vocab_size, seed=40)
+    first = tokens_and_last(decode, prompt, "fpga")
+    again = tokens_and_last(decode, prompt, "fpga")
+    assert first[1].timings.cached_tokens == 0 and again[1].timings.cached_tokens == 32  # 2 whole blocks of 16
+    assert again[0] == first[0]
 
 
 def test_a_prefix_evicted_before_the_grant_falls_back_to_the_whole_prompt(prefill, decode, peer, model_config):

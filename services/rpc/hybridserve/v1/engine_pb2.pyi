@@ -49,7 +49,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "handoff_total_s", "handoff_exposed_s", "decode_s", "prompt_tokens", "generated_tokens", "handoff_bytes")
+    __slots__ = ("queue_s", "prefill_s", "handoff_total_s", "handoff_exposed_s", "decode_s", "prompt_tokens", "generated_tokens", "handoff_bytes", "cached_tokens")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class Timings(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     handoff_total_s: float
@@ -66,7 +67,8 @@ class Timings(_message.Message):
     prompt_tokens: int
     generated_tokens: int
     handoff_bytes: int
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_total_s: _Optional[float] = ..., handoff_exposed_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_total_s: _Optional[float] = ..., handoff_exposed_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "timings")
