@@ -13,11 +13,11 @@ from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoi
                                             Usage, sse)
 
 TIMINGS = Timings(queue_s=0.0, prefill_s=0.25, handoff_total_s=0.125, handoff_exposed_s=0.0625, decode_s=0.5,
-                  decode_tokens=3, handoff_bytes=4096, e2e_s=1.0)
+                  decode_tokens=3, handoff_bytes=4096, cached_tokens=16, e2e_s=1.0)
 EXT = Hybridserve(mode="hybrid", reason="auto", estimates={"gpu": 1.5, "fpga": 2.0, "hybrid": 1.25}, timings=TIMINGS)
 EXT_JSON = ('{"mode":"hybrid","reason":"auto","estimates":{"gpu":1.5,"fpga":2.0,"hybrid":1.25},'
             '"timings":{"queue_s":0.0,"prefill_s":0.25,"handoff_total_s":0.125,"handoff_exposed_s":0.0625,'
-            '"decode_s":0.5,"decode_tokens":3,"handoff_bytes":4096,"e2e_s":1.0}}')
+            '"decode_s":0.5,"decode_tokens":3,"handoff_bytes":4096,"cached_tokens":16,"e2e_s":1.0}}')
 HEAD = '"id":"cmpl-7","object":"text_completion","created":1700000000,"model":"smol"'
 CHAT_HEAD = '"id":"chatcmpl-7","object":"chat.completion.chunk","created":1700000000,"model":"smol"'
 
