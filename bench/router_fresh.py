@@ -11,7 +11,10 @@ calibrate. Then, through the OpenAI API with streaming:
 Regret of a request = auto's end-to-end time / the fastest forced mode's for the same request.
 It prints tables, writes bench/results/router_fresh.json and a plot.
 
-    python bench/router_fresh.py [--requests 20] [--clients 1,8] [--no-hog] [--url URL]
+    python bench/router_fresh.py [--requests 20] [--clients 1,8] [--rounds 2] [--no-hog] [--url URL]
+
+Every run draws fresh prompt tokens (same lengths): a prompt run before would be a prefix-cache
+hit, and whichever mode came later would look faster.
 """
 from __future__ import annotations
 
@@ -65,8 +68,14 @@ class CpuHog:
             p.join(10)
 
 
-def run_requests(url, model, headers, reqs, mode) -> list[dict]:
-    return [one_request(url, model, headers, n_in, n_out, mode, seed) for n_in, n_out, seed in reqs]
+SALT = 1_000_003  # prompt seeds of one run are offset by a multiple of this from every other run's
+
+
+def run_requests(url, model, headers, reqs, mode, salt: int) -> list[dict]:
+    """`reqs` in `mode`, each prompt's tokens drawn from its seed + salt x SALT: the same lengths as
+    every other run of these requests, never the same tokens (a prompt that ran before would be
+    a prefix-cache hit, and a forced mode would look faster than auto did on a fresh prompt)."""
+    return [one_request(url, model, headers, n_in, n_out, mode, seed + salt * SALT) for n_in, n_out, seed in reqs]
 
 
 def regret(auto: list[dict], forced: dict[str, list[dict]]) -> dict:
@@ -78,32 +87,36 @@ def regret(auto: list[dict], forced: dict[str, list[dict]]) -> dict:
             "modes_picked": [a["ran"] for a in auto]}
 
 
-def load(url, model, headers, clients: int, per_client: int, seed: int) -> dict:
-    """Each mode in turn: `clients` closed-loop streaming clients over the same fixed mix."""
-    out = {}
-    for mode in MODES:
-        reqs = workload(clients * per_client, seed)
-        lock, ttft, itl, tokens, picked = threading.Lock(), [], [], [0], []
+def load(url, model, headers, clients: int, per_client: int, seed: int, rounds: int = 1) -> dict:
+    """`clients` closed-loop streaming clients over a fixed mix, each mode in turn, for `rounds`
+    rounds (the order rotated each round, so the machine's drift falls on every mode alike);
+    tokens/s over all rounds."""
+    acc = {m: {"tokens": 0, "wall": 0.0, "ttft": [], "itl": [], "picked": []} for m in MODES}
+    for rnd in range(rounds):
+        for mode in MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]:
+            reqs = workload(clients * per_client, seed)
+            salt = 100 + 10 * clients + MODES.index(mode) + 1000 * rnd  # fresh prompts for every run
+            a, lock = acc[mode], threading.Lock()
 
-        def client(c: int) -> None:
-            for n_in, n_out, s in reqs[c::clients]:
-                r = one_request(url, model, headers, n_in, n_out, mode, s)
-                with lock:
-                    ttft.append(r["ttft"])
-                    itl.extend(r["itl"])
-                    tokens[0] += r["tokens"]
-                    picked.append(r["ran"])
+            def client(c: int) -> None:
+                for n_in, n_out, s in reqs[c::clients]:
+                    r = one_request(url, model, headers, n_in, n_out, mode, s + salt * SALT)
+                    with lock:
+                        a["ttft"].append(r["ttft"])
+                        a["itl"].extend(r["itl"])
+                        a["tokens"] += r["tokens"]
+                        a["picked"].append(r["ran"])
 
-        progress(f"load: {mode}, {clients} clients x {per_client}")
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            list(pool.map(client, range(clients)))
-        wall = time.perf_counter() - t0
-        out[mode] = {"tokens_per_s": tokens[0] / wall, "wall_s": wall, "tokens": tokens[0],
-                     "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-                     "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
-                     "modes_picked": {m: picked.count(m) for m in FORCED if picked.count(m)}}
-    return out
+            progress(f"load: {mode}, {clients} clients x {per_client} (round {rnd + 1}/{rounds})")
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                list(pool.map(client, range(clients)))
+            a["wall"] += time.perf_counter() - t0
+    return {mode: {"tokens_per_s": a["tokens"] / a["wall"], "wall_s": a["wall"], "tokens": a["tokens"],
+                   "ttft_p50": percentile(a["ttft"], 50), "ttft_p99": percentile(a["ttft"], 99),
+                   "itl_p50": percentile(a["itl"], 50), "itl_p99": percentile(a["itl"], 99),
+                   "modes_picked": {m: a["picked"].count(m) for m in FORCED if a["picked"].count(m)}}
+            for mode, a in acc.items()}
 
 
 def plot(path: Path, cold: dict, warm: dict) -> None:
@@ -130,6 +143,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=20, help="cold and warm requests (default 20)")
     ap.add_argument("--clients", default="1,8", help="load runs' client counts")
     ap.add_argument("--per-client", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="load runs per mode, interleaved (default 2)")
     ap.add_argument("--no-hog", action="store_true", help="start on an idle machine")
     ap.add_argument("--url", help="a running gateway (then nothing is started and the cache is not fresh)")
     ap.add_argument("--api-key")
@@ -155,15 +169,16 @@ def main() -> int:
         model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         reqs = workload(args.requests, seed=15)
         progress(f"cold: {len(reqs)} auto requests")
-        cold_auto = run_requests(url, model, headers, reqs, "auto")
+        cold_auto = run_requests(url, model, headers, reqs, "auto", salt=1)
         progress("warm: every mode, interleaved request by request")
         warm_runs = {m: [] for m in MODES}
         for i, req in enumerate(reqs):
             for m in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:
-                warm_runs[m].append(run_requests(url, model, headers, [req], m)[0])
+                warm_runs[m].append(run_requests(url, model, headers, [req], m, salt=2 + MODES.index(m))[0])
         cold = regret(cold_auto, warm_runs)
         warm = regret(warm_runs["auto"], warm_runs)
-        loads = {c: load(url, model, headers, int(c), args.per_client, seed=16) for c in args.clients.split(",")}
+        loads = {c: load(url, model, headers, int(c), args.per_client, seed=16, rounds=args.rounds)
+                 for c in args.clients.split(",")}
         debug = httpx.get(url + "/debug/router", headers=headers, timeout=30)
     finally:
         if stack:

@@ -3,6 +3,8 @@ discovery (when the settings name a DNS name), a health check of each engine of 
 (requests running and waiting in its batch and its KV usage, from Info) into the pair choice and,
 summed over the pairs, into the router, and each engine's Profile (its start-up timing sweep) into
 the router once one pair's engine is up (pairs are alike: one profile per engine serves them all).
+A profile that was not timed on a quiet machine is then checked with a few short requests
+(calibration_check.py) before the router counts as calibrated.
 """
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import asyncio
 from typing import Awaitable, Callable
 
 from services.gateway import metrics as m
+from services.gateway.calibration_check import check_unconfirmed_stages
 from services.gateway.engine_client import EngineClients
 from services.gateway.pairs import Pairs
 from services.gateway.router import Router
-from services.modes import ENGINES
+from services.modes import ENGINES, MODE_NAMES
 
 
 def engines_share_cpu(prefill_device: str, decode_device: str) -> bool:
@@ -29,7 +32,7 @@ async def watch_engines(pairs: Pairs, router: Router, file_samples: list[dict], 
     """Runs until cancelled. `file_samples`: calibration from a file, kept under the engines' own.
     `share_cpu`: whether the engines share one processor (the router's `shared_compute`); None: from
     the devices their Info names. `discover`: brings `pairs` up to date with the pods found."""
-    fetching: dict[str, asyncio.Task] = {}  # engine -> its Profile call in flight
+    fetching: dict[str, asyncio.Task] = {}  # engine -> its Profile call in flight; "check" -> the check
     try:
         await _watch(pairs, router, file_samples, interval_s, share_cpu, discover, fetching)
     finally:
@@ -40,6 +43,7 @@ async def watch_engines(pairs: Pairs, router: Router, file_samples: list[dict], 
 async def _watch(pairs: Pairs, router: Router, file_samples: list[dict], interval_s: float,
                  share_cpu: bool | None, discover: Callable[[], Awaitable[None]] | None,
                  fetching: dict[str, asyncio.Task]) -> None:
+    checked: dict = {}
     while True:
         if discover is not None:
             await discover()
@@ -60,7 +64,23 @@ async def _watch(pairs: Pairs, router: Router, file_samples: list[dict], interva
             source = profile_source(pairs, engine)
             if source is not None:
                 fetching[engine] = asyncio.create_task(_fetch_profile(source, engine, pairs, router, file_samples))
+        _start_check(pairs, router, fetching, checked)
         await asyncio.sleep(interval_s)
+
+
+def _start_check(pairs: Pairs, router: Router, tasks: dict[str, asyncio.Task], checked: dict) -> None:
+    """Once every engine's profile is in: check what no quiet profile confirmed, once per set of
+    profiles (`checked` remembers which set was checked last)."""
+    profiles = tuple(id(c.profiles.get(e)) for c in pairs.members.values() for e in ENGINES)
+    if any(not t.done() for t in tasks.values()) or checked.get("profiles") == profiles:
+        return
+    vocab = next((c.info[e].vocab_size for c in pairs.members.values() for e in ENGINES
+                  if e in c.info and c.info[e].vocab_size), 0)
+    if not vocab or router.mode_to_confirm(2) is None or not all(router.model.can_estimate(x) for x in MODE_NAMES):
+        return
+    router.checking = True  # from now: /health says calibrated only once the check is over
+    tasks["check"] = asyncio.create_task(check_unconfirmed_stages(pairs, router, vocab))
+    checked["profiles"] = profiles
 
 
 async def _fetch_profile(source: EngineClients, engine: str, pairs: Pairs, router: Router,

@@ -98,12 +98,28 @@ class Router:
         self._auto, self._explored = 0, 0
         self._last_seen: dict[StageKey, int] = {}  # auto-decision count when a stage was last measured
         self._slowdown = {e: BatchSlowdown(window) for e in ENGINES}  # decode per token with company
+        self.checking = False  # a calibration check is confirming an unquiet profile
 
     # ---- calibration --------------------------------------------------------------
     @property
     def calibrated(self) -> bool:
-        """Every mode has an estimate (both engines' profiles are in, the hand-off's too)."""
-        return all(self.model.can_estimate(m) for m in MODE_NAMES)
+        """Every mode has an estimate (both engines' profiles are in, the hand-off's too) and no
+        check of an unquiet profile is running (calibration_check.py)."""
+        return all(self.model.can_estimate(m) for m in MODE_NAMES) and not self.checking
+
+    def mode_to_confirm(self, n_out: int) -> str | None:
+        """A mode whose request of `n_out` tokens would measure a stage not yet confirmed (the one that
+        would measure most), or None once every stage a mode runs is confirmed."""
+        with self._lock:
+            best, most = None, 0
+            for mode in MODE_NAMES:
+                if not self.model.can_estimate(mode):
+                    continue
+                new = [k for k in CostModel.stage_keys(mode) if (k[0] != "decode" or n_out >= 2)
+                       and not self._confirmed(k)]
+                if len(new) > most:
+                    best, most = mode, len(new)
+            return best
 
     def set_base_samples(self, samples: list[dict]) -> None:
         """The engines' start-up profiles (replacing earlier ones); corrections are re-derived."""
