@@ -16,10 +16,11 @@ Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
   stages is unconfirmed: measured by fewer than CONFIRMING requests and not timed by a quiet
   profile (an engine's sweep whose repeats agreed with no other load, or a cached one a quiet
   probe confirmed at this start: such a profile is trusted like requests, so a fresh start on a
-  quiet machine does not run a mode its profile shows far slower just to check it); at most
+  quiet machine does not run a mode its profile shows far slower just to check it; the gateway
+  checks an unquiet one with short requests of its own first, calibration_check.py); at most
   5 stages x 2: a start on a busy machine learns the stages of every mode within a few
-  requests, and a first request timed on a busy machine is checked by a second, (b) to refresh a stage not measured for `stale_after`
-  auto decisions, from a credit of `explore_share` per auto request (so at most that share).
+  requests, and a first request timed on a busy machine is checked by a second, (b) to
+  refresh a stage not measured for `stale_after` auto decisions, from a credit of `explore_share` per auto request (so at most that share).
   A request explores only where it measures something (a one-token request no decode). A
   stage not yet confirmed does not count in the guard (its estimate is the unverified
   profile); otherwise a mode is explored only within `explore_limit` x the best estimate.
