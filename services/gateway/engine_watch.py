@@ -63,7 +63,8 @@ async def _watch(pairs: Pairs, router: Router, file_samples: list[dict], interva
                 continue
             source = profile_source(pairs, engine)
             if source is not None:
-                fetching[engine] = asyncio.create_task(_fetch_profile(source, engine, pairs, router, file_samples))
+                fetching[engine] = asyncio.create_task(_fetch_profile(source, engine, pairs, router, file_samples,
+                                                                      fetching, checked))
         _start_check(pairs, router, fetching, checked)
         await asyncio.sleep(interval_s)
 
@@ -72,7 +73,8 @@ def _start_check(pairs: Pairs, router: Router, tasks: dict[str, asyncio.Task], c
     """Once every engine's profile is in: check what no quiet profile confirmed, once per set of
     profiles (`checked` remembers which set was checked last)."""
     profiles = tuple(id(c.profiles.get(e)) for c in pairs.members.values() for e in ENGINES)
-    if any(not t.done() for t in tasks.values()) or checked.get("profiles") == profiles:
+    running = "check" in tasks and not tasks["check"].done()
+    if running or checked.get("profiles") == profiles:
         return
     vocab = next((c.info[e].vocab_size for c in pairs.members.values() for e in ENGINES
                   if e in c.info and c.info[e].vocab_size), 0)
@@ -84,11 +86,14 @@ def _start_check(pairs: Pairs, router: Router, tasks: dict[str, asyncio.Task], c
 
 
 async def _fetch_profile(source: EngineClients, engine: str, pairs: Pairs, router: Router,
-                         file_samples: list[dict]) -> None:
+                         file_samples: list[dict], tasks: dict[str, asyncio.Task], checked: dict) -> None:
     if await source.fetch_profile(engine) is not None:
         router.set_base_samples(file_samples + profile_samples(pairs))
         info = source.info.get(engine)
         router.concurrency[engine] = max(1, info.max_concurrency if info else 1)
+        # at once, with no await in between: /health must never read calibrated between the new
+        # profiles and the start of their check
+        _start_check(pairs, router, tasks, checked)
 
 
 def report_load(pairs: Pairs, router: Router) -> None:
