@@ -38,7 +38,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -102,6 +102,26 @@ def _send(sock: socket.socket, parts: list, what: str) -> None:
         raise PeerGone(f"the peer stopped reading while {what} was sent") from exc
     except OSError as exc:
         raise PeerGone(f"the connection failed while sending {what}: {exc.strerror or exc}") from exc
+
+
+def read_header_frame(sock: socket.socket) -> SlotHeader:
+    """The HEADER frame a connection opens with; HeaderMismatch if it opens with anything else."""
+    kind, *_, nbytes = _recv_frame(sock, "the slot header frame")
+    if kind != HEADER or nbytes != HEADER_SIZE:
+        raise HeaderMismatch(f"the connection opened with a frame of kind {kind} and {nbytes} bytes, "
+                             f"not the {HEADER_SIZE}-byte slot header")
+    raw = bytearray(HEADER_SIZE)
+    _recv_exact(sock, memoryview(raw), "the slot header")
+    return SlotHeader.unpack(bytes(raw))
+
+
+def send_refusal(sock: socket.socket, reason: str) -> None:
+    """Tell the sender why its KV is not wanted (an ERROR frame), if it still listens."""
+    raw = reason.encode()[:MAX_ERROR_BYTES]
+    try:
+        _send(sock, [FRAME.pack(ERROR, 0, 0, 0, 0, len(raw)), raw], "the refusal")
+    except PeerGone:
+        pass
 
 
 class TcpListener:
@@ -267,21 +287,25 @@ class TcpReceiver(KVReceiver):
 
     `engine` implements import_kv_layer / finish_import and, for token slices, import_kv_slice
     (see the module docstring). `run()` drives the whole hand-off and answers the sender.
+    `header`: the connection's slot header when whoever accepted it read it already (to route it).
     """
 
-    def __init__(self, conn: socket.socket, engine, seq, expected: SlotHeader):
+    def __init__(self, conn: socket.socket | None, engine, seq, expected: SlotHeader,
+                 header: SlotHeader | None = None):
         super().__init__(engine, seq, expected)
         self.conn = conn
+        self._routed_header = header
         self._header: SlotHeader | None = None
         self._filled: dict[int, int] = {}  # layer -> token positions imported so far
         self._payload: np.ndarray | None = None
         self.last_byte_at: float | None = None
 
-    def run(self) -> PrefillDone:
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> PrefillDone:
         """Receive and import the whole hand-off; answer OK (or ERROR with the reason) and close.
-        Raises what failed: HeaderMismatch, PeerGone, or the engine's error."""
+        Raises what failed: HeaderMismatch, PeerGone (also when `keep_going()` turned false between
+        frames), or the engine's error."""
         try:
-            done = self.consume(self.events())
+            done = self._import_frames(self.events(), keep_going)
             if done is None:
                 raise PeerGone("the stream ended before the hand-off was done")
             _send(self.conn, [FRAME.pack(OK, 0, 0, 0, 0, OK_PAYLOAD.size), OK_PAYLOAD.pack(self.on_device_at)],
@@ -290,23 +314,23 @@ class TcpReceiver(KVReceiver):
         except PeerGone:
             raise
         except Exception as exc:  # the sender learns why; only a HeaderMismatch's text says more than its type
-            text = str(exc) if isinstance(exc, HeaderMismatch) else f"the import failed ({type(exc).__name__})"
-            reason = text.encode()[:MAX_ERROR_BYTES]
-            try:
-                _send(self.conn, [FRAME.pack(ERROR, 0, 0, 0, 0, len(reason)), reason], "the refusal")
-            except PeerGone:
-                pass
+            send_refusal(self.conn, str(exc) if isinstance(exc, HeaderMismatch)
+                         else f"the import failed ({type(exc).__name__})")
             raise
         finally:
             self.fail()
             self.close()
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
 
     def events(self) -> Iterator[HandoffEvent | SliceReady]:
         """The stream's frames as hand-off messages; a KV frame's bytes wait in `_payload` for its import."""
         lay = self.layout
+        if self._routed_header is not None:  # its frame was read off the stream already
+            self._header = self._routed_header
+            yield self._grant_of(self._header)
         while True:
             kind, l0, l1, t0, t1, nbytes = _recv_frame(self.conn, "a frame header")
             if kind == HEADER:
@@ -315,8 +339,7 @@ class TcpReceiver(KVReceiver):
                 raw = bytearray(HEADER_SIZE)
                 _recv_exact(self.conn, memoryview(raw), "the slot header")
                 self._header = SlotHeader.unpack(bytes(raw))
-                yield SlotGrant(0, layout_of(self._header).nbytes if self._header.dtype in WIRE_DTYPES else 0,
-                                self._header.n_tokens, self._header.dtype)
+                yield self._grant_of(self._header)
             elif kind == KV:
                 if self.state is not HandoffState.TRANSFERRING:
                     raise HeaderMismatch("KV arrived before the slot header")
@@ -340,7 +363,16 @@ class TcpReceiver(KVReceiver):
             else:
                 raise HeaderMismatch(f"a frame of unknown kind {kind}")
 
+    @staticmethod
+    def _grant_of(header: SlotHeader) -> SlotGrant:
+        return SlotGrant(0, layout_of(header).nbytes if header.dtype in WIRE_DTYPES else 0, header.n_tokens,
+                         header.dtype)
+
     def consume(self, events, keep_going=lambda: True) -> PrefillDone | None:
+        return self._import_frames(events, keep_going)
+
+    def _import_frames(self, events, keep_going) -> PrefillDone | None:
+        # not `consume` itself: a subclass may take its events from elsewhere and still run() the socket
         def layered():  # SliceReady is this transport's own message: import it here, pass the rest on
             for msg in events:
                 if isinstance(msg, SliceReady):
