@@ -139,7 +139,7 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
     inbox = None
     if settings.kv_transport == "tcp":
         host, port = parse_address(settings.kv_listen)
-        inbox = KVInbox(host, port, settings.kv_advertise)
+        inbox = KVInbox(host, port, settings.kv_advertise, token=token)  # with a token, only its holders' KV
         resources.callback(inbox.close)  # after the runtime (closed first): no hand-off is running then
         log.info("KV over TCP: listening on %s, prefill_gpu connects to %s", inbox.address, inbox.advertised)
     peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s, token,

@@ -11,7 +11,9 @@ ride in the same ordered stream as the data they describe.
 
 The stream, sender → receiver (every frame: `FRAME` then `nbytes` of payload):
 
-    HEADER  the versioned 64-byte slot header (header.py), first and once
+    HEADER  the versioned 64-byte slot header (header.py), first and once; when the sender holds
+            the engine token, followed in the same frame by a 32-byte tag, HMAC-SHA256(token,
+            header), which proves the token without sending it (`auth_tag`)
     KV      layers [l0, l1) × token positions [t0, t1): for each layer in order,
             its [2, n_kv_heads, t1 - t0, head_dim] block of the wire dtype
             (a whole layer: t0 = 0, t1 = n_tokens; the whole KV: l0 = 0, l1 = n_layers)
@@ -32,6 +34,8 @@ whole layer (start 0, every token) goes through `import_kv_layer` as on the othe
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import queue
 import socket
 import struct
@@ -54,6 +58,7 @@ HEADER, KV, DONE, OK, ERROR = 1, 2, 3, 4, 5
 DONE_PAYLOAD = struct.Struct("<qddd")  # first_token, prefill_s, queue_s, compute_done_at
 OK_PAYLOAD = struct.Struct("<d")  # unix time the last byte was imported
 MAX_ERROR_BYTES = 4096
+TAG_SIZE = 32  # the HEADER frame's optional HMAC-SHA256 tag
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -104,15 +109,33 @@ def _send(sock: socket.socket, parts: list, what: str) -> None:
         raise PeerGone(f"the connection failed while sending {what}: {exc.strerror or exc}") from exc
 
 
-def read_header_frame(sock: socket.socket) -> SlotHeader:
-    """The HEADER frame a connection opens with; HeaderMismatch if it opens with anything else."""
-    kind, *_, nbytes = _recv_frame(sock, "the slot header frame")
-    if kind != HEADER or nbytes != HEADER_SIZE:
-        raise HeaderMismatch(f"the connection opened with a frame of kind {kind} and {nbytes} bytes, "
-                             f"not the {HEADER_SIZE}-byte slot header")
-    raw = bytearray(HEADER_SIZE)
+def auth_tag(token: str, raw_header: bytes) -> bytes:
+    """HMAC-SHA256 of one packed slot header under the engine token: it ties the proof to the request
+    (the header carries its nonce), and the token itself never crosses the wire."""
+    return hmac.new(token.encode(), b"hybridserve-kv-auth\0" + raw_header, hashlib.sha256).digest()
+
+
+def _read_header_payload(sock: socket.socket, nbytes: int) -> tuple[SlotHeader, bytes, bytes]:
+    """The HEADER frame's payload: the header, its bytes and its tag (b"" when the sender sent none)."""
+    if nbytes not in (HEADER_SIZE, HEADER_SIZE + TAG_SIZE):
+        raise HeaderMismatch(f"a slot header frame of {nbytes} bytes (expected {HEADER_SIZE}, or "
+                             f"{HEADER_SIZE + TAG_SIZE} with its tag)")
+    raw = bytearray(nbytes)
     _recv_exact(sock, memoryview(raw), "the slot header")
-    return SlotHeader.unpack(bytes(raw))
+    packed = bytes(raw[:HEADER_SIZE])
+    return SlotHeader.unpack(packed), packed, bytes(raw[HEADER_SIZE:])
+
+
+def read_header_frame(sock: socket.socket, token: str | None = None) -> SlotHeader:
+    """The HEADER frame a connection opens with; HeaderMismatch if it opens with anything else or,
+    given the engine `token`, if its tag does not prove it."""
+    kind, *_, nbytes = _recv_frame(sock, "the slot header frame")
+    if kind != HEADER:
+        raise HeaderMismatch(f"the connection opened with a frame of kind {kind}, not the slot header")
+    header, packed, tag = _read_header_payload(sock, nbytes)
+    if token is not None and not hmac.compare_digest(tag, auth_tag(token, packed)):
+        raise HeaderMismatch("the KV connection did not prove the engine token")
+    return header
 
 
 def send_refusal(sock: socket.socket, reason: str) -> None:
@@ -162,9 +185,10 @@ class TcpSender(KVSender):
     for the receiver's verdict: the unix time it imported the last byte.
     """
 
-    def __init__(self, address: tuple[str, int], header: SlotHeader, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, address: tuple[str, int], header: SlotHeader, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 token: str | None = None):
         super().__init__(header)
-        self.address, self.timeout_s = address, timeout_s
+        self.address, self.timeout_s, self._token = address, timeout_s, token
         self._sock: socket.socket | None = None
         self._buf: np.ndarray | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -183,7 +207,9 @@ class TcpSender(KVSender):
         self._buf = np.zeros(self.layout.nbytes, np.uint8)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tcp-sender", daemon=True)
         self._writer.start()
-        self._enqueue([FRAME.pack(HEADER, 0, 0, 0, 0, HEADER_SIZE), self.header.pack()])
+        raw = self.header.pack()
+        tag = auth_tag(self._token, raw) if self._token else b""
+        self._enqueue([FRAME.pack(HEADER, 0, 0, 0, 0, len(raw) + len(tag)), raw + tag])
         return SlotGrant(0, self.layout.nbytes, self.header.n_tokens, self.header.dtype)
 
     def _data(self) -> np.ndarray:
@@ -334,11 +360,9 @@ class TcpReceiver(KVReceiver):
         while True:
             kind, l0, l1, t0, t1, nbytes = _recv_frame(self.conn, "a frame header")
             if kind == HEADER:
-                if nbytes != HEADER_SIZE or self._header is not None:
-                    raise HeaderMismatch(f"a slot header frame of {nbytes} bytes (expected one of {HEADER_SIZE})")
-                raw = bytearray(HEADER_SIZE)
-                _recv_exact(self.conn, memoryview(raw), "the slot header")
-                self._header = SlotHeader.unpack(bytes(raw))
+                if self._header is not None:
+                    raise HeaderMismatch("a second slot header frame")
+                self._header, _, _ = _read_header_payload(self.conn, nbytes)  # a tag is checked where it is routed
                 yield self._grant_of(self._header)
             elif kind == KV:
                 if self.state is not HandoffState.TRANSFERRING:

@@ -5,8 +5,9 @@ prefill_gpu connects once per hand-off, to the address decode_fpga put in the Pr
 (`kv_address`), and opens the stream with the slot header (tcp.py), which carries the request's
 nonce (header.request_nonce). The inbox reads that header and hands the connection to the request
 expecting that nonce; a connection no request expects, or one that does not open with a header,
-is closed with an ERROR frame saying why. Nothing is read past the header before a request owns
-the connection.
+is closed with an ERROR frame saying why. With the engine token (HYBRIDSERVE_ENGINE_TOKEN), a
+header must come with its tag (tcp.auth_tag) or the connection is refused before it is routed.
+Nothing is read past the header before a request owns the connection.
 
 Who calls what (decode side only; prefill_gpu's side is a plain `TcpSender`):
 
@@ -69,8 +70,8 @@ class KVInbox:
     "host:port" prefill_gpu is told to connect to (default: the bound address)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 header_timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.header_timeout_s = header_timeout_s
+                 header_timeout_s: float = DEFAULT_TIMEOUT_S, token: str | None = None):
+        self.header_timeout_s, self._token = header_timeout_s, token
         self._listener = TcpListener(host, port, timeout_s=ACCEPT_TICK_S)
         self.address = self._listener.address
         self.advertised = advertise or format_address(*self.address)
@@ -144,9 +145,9 @@ class KVInbox:
         conn.settimeout(self.header_timeout_s)
         try:
             peer = format_address(*conn.getpeername()[:2])
-            header = read_header_frame(conn)
+            header = read_header_frame(conn, self._token)
         except (HeaderMismatch, PeerGone, OSError) as exc:
-            log.warning("KV inbox: refused a connection that sent no slot header: %s", exc)
+            log.warning("KV inbox: refused a connection: %s", exc)
             send_refusal(conn, str(exc) if isinstance(exc, HeaderMismatch) else "no slot header")
             conn.close()
             return

@@ -56,9 +56,11 @@ class PrefillRuntime(EngineRuntime):
 
     def tcp_sender(self, address: tuple[str, int], header: SlotHeader, cancel: Cancellation) -> KVSender:
         """The KV over a connection to the reader at `address` (its own memory, not an arena slot). Its
-        socket waits as long as the call may last: the reader imports only once it reserved blocks."""
+        socket waits as long as the call may last: the reader imports only once it reserved blocks. With
+        the engine token the header carries a tag that proves it (the reader refuses KV without one)."""
         wait_s = DEFAULT_TIMEOUT_S if cancel.deadline is None else max(1.0, cancel.deadline - time.monotonic())
-        return TcpSender(address, header, timeout_s=wait_s)
+        token = self.settings.engine_token.get_secret_value() if self.settings.engine_token else None
+        return TcpSender(address, header, timeout_s=wait_s, token=token)
 
     def _update_arena_gauges(self) -> None:
         m.ARENA_USED_BYTES.set(self.arena.used_bytes)

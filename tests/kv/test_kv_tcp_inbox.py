@@ -103,3 +103,32 @@ def test_closing_stops_listening_and_leaves_no_thread():
         with pytest.raises(PeerGone, match="cannot reach"):
             tx.open()
     assert not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("kv-inbox")]
+
+
+def test_with_the_engine_token_only_a_header_that_proves_it_is_routed():
+    box = KVInbox(header_timeout_s=TIMEOUT_S, token="s3cret")
+    try:
+        address, nonce = parse_address(box.advertised), request_nonce("authed")
+        for token, refused in ((None, True), ("wrong", True), ("s3cret", False)):
+            with box.expecting(nonce) as waiting, TcpSender(address, header("authed"), TIMEOUT_S, token=token) as tx:
+                tx.open()
+                if refused:
+                    with pytest.raises(HeaderMismatch, match="did not prove the engine token"):
+                        tx.finish()
+                    assert not waiting.arrived.is_set()
+                else:
+                    conn, got = box.take(nonce)
+                    assert got == header("authed")
+                    conn.close()
+    finally:
+        box.close()
+
+
+def test_without_a_token_of_its_own_the_inbox_routes_a_tagged_header(inbox):
+    nonce = request_nonce("tagged")
+    with inbox.expecting(nonce), TcpSender(parse_address(inbox.advertised), header("tagged"), TIMEOUT_S,
+                                           token="s3cret") as tx:
+        tx.open()
+        conn, got = inbox.take(nonce)
+        assert got == header("tagged")
+        conn.close()
