@@ -126,16 +126,14 @@ def _read_header_payload(sock: socket.socket, nbytes: int) -> tuple[SlotHeader, 
     return SlotHeader.unpack(packed), packed, bytes(raw[HEADER_SIZE:])
 
 
-def read_header_frame(sock: socket.socket, token: str | None = None) -> SlotHeader:
-    """The HEADER frame a connection opens with; HeaderMismatch if it opens with anything else or,
-    given the engine `token`, if its tag does not prove it."""
+def read_header_frame(sock: socket.socket, token: str | None = None) -> tuple[SlotHeader, bool]:
+    """The HEADER frame a connection opens with (HeaderMismatch if it opens with anything else), and
+    whether its tag proves the engine `token` (always True without one)."""
     kind, *_, nbytes = _recv_frame(sock, "the slot header frame")
     if kind != HEADER:
         raise HeaderMismatch(f"the connection opened with a frame of kind {kind}, not the slot header")
     header, packed, tag = _read_header_payload(sock, nbytes)
-    if token is not None and not hmac.compare_digest(tag, auth_tag(token, packed)):
-        raise HeaderMismatch("the KV connection did not prove the engine token")
-    return header
+    return header, token is None or hmac.compare_digest(tag, auth_tag(token, packed))
 
 
 def send_refusal(sock: socket.socket, reason: str) -> None:

@@ -55,6 +55,7 @@ class Expected:
         self.header: SlotHeader | None = None
         self.taken = False
         self.aborted = False
+        self.refused: str | None = None  # why its connection was refused (it cannot come any more)
 
     def abort(self) -> None:
         """The request ended (cancelled): unblock whoever reads its connection (idempotent)."""
@@ -101,8 +102,9 @@ class KVInbox:
 
     def take(self, nonce: int, keep_going: Callable[[], bool] = lambda: True,
              wait_s: float = ARRIVAL_WAIT_S) -> tuple[socket.socket, SlotHeader] | None:
-        """The request's connection and its header once it arrived (within `wait_s`, else PeerGone);
-        None if `keep_going()` turned false or the request was aborted first."""
+        """The request's connection and its header once it arrived (within `wait_s`, else PeerGone;
+        HeaderMismatch if it came and was refused); None if `keep_going()` turned false or the
+        request was aborted first."""
         with self._lock:
             entry = self._expected.get(nonce)
         if entry is None:
@@ -113,6 +115,8 @@ class KVInbox:
                 return None
             if time.monotonic() > deadline:
                 raise PeerGone(f"prefill_gpu's KV connection did not arrive within {wait_s:g} s")
+        if entry.refused is not None:
+            raise HeaderMismatch(entry.refused)
         if entry.aborted or not keep_going():
             return None
         entry.taken = True
@@ -145,20 +149,26 @@ class KVInbox:
         conn.settimeout(self.header_timeout_s)
         try:
             peer = format_address(*conn.getpeername()[:2])
-            header = read_header_frame(conn, self._token)
+            header, proven = read_header_frame(conn, self._token)
         except (HeaderMismatch, PeerGone, OSError) as exc:
             log.warning("KV inbox: refused a connection: %s", exc)
             send_refusal(conn, str(exc) if isinstance(exc, HeaderMismatch) else "no slot header")
             conn.close()
             return
+        reason = None if proven else "the KV connection did not prove the engine token"
         with self._lock:
             entry = self._expected.get(header.nonce)
             if entry is not None and entry.conn is None and not entry.aborted:
-                entry.conn, entry.header = conn, header
+                if reason is None:
+                    entry.conn, entry.header = conn, header
+                else:
+                    entry.refused = reason  # its request fails now, not after the wait
                 entry.arrived.set()
-                return
-        log.warning("KV inbox: refused KV from %s that no request here waits for", peer)
-        send_refusal(conn, "no request here waits for this KV (it ended, or it was never sent here)")
+                if reason is None:
+                    return
+        reason = reason or "no request here waits for this KV (it ended, or it was never sent here)"
+        log.warning("KV inbox: refused KV from %s: %s", peer, reason)
+        send_refusal(conn, reason)
         conn.close()
 
 
