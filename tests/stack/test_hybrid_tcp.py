@@ -125,9 +125,9 @@ def maps_of(service: Service) -> str:
     return Path(f"/proc/{service.proc.pid}/maps").read_text()
 
 
-def decode_holds_nothing(stub, within: float = 5.0) -> bool:
-    """No request running or waiting on decode_fpga and none of its KV blocks held (it frees a failed
-    request between two steps of its loop, so this waits a little)."""
+def holds_nothing(stub, within: float = 5.0) -> bool:
+    """No request running or waiting on the engine and none of its KV blocks held by one (it frees a
+    failed request between two steps of its loop, so this waits a little)."""
     deadline = time.monotonic() + within
     while True:
         info = stub.Info(pb.InfoRequest(), timeout=5)
@@ -154,7 +154,7 @@ def test_greedy_hybrid_over_tcp_equals_gpu_and_fpga(tcp_pair, n):
     if CAN_UNSHARE:
         assert not (Path("/dev/shm") / arena).exists()
         assert arena in maps_of(prefill)  # it is there, in prefill_gpu's own /dev/shm
-    assert decode_holds_nothing(dec)
+    assert holds_nothing(dec)
 
 
 @pytest.mark.slow
@@ -167,12 +167,12 @@ def test_a_prefix_decode_has_cached_is_not_sent_again(tcp_pair):
     assert first_last.timings.handoff_bytes == len(first) * KV_BYTES_PER_TOKEN
     assert last.timings.handoff_bytes == (len(second) - 64) * KV_BYTES_PER_TOKEN  # the suffix only
     assert hybrid == generate(pre, second, pb.MODE_GPU, 12)[0]
-    assert decode_holds_nothing(dec)
+    assert holds_nothing(dec)
 
 
 @pytest.mark.slow
 def test_a_connection_cut_mid_handoff_fails_the_request_and_frees_decodes_blocks(tcp_pair):
-    prefill, _, _, dec, relay = tcp_pair
+    prefill, _, pre, dec, relay = tcp_pair
     prompt = random_prompt(200, VOCAB, seed=68)
     cuts = relay.cuts
     relay.cut_next(1 << 20)  # about three of the 30 layers, then the link is gone
@@ -181,8 +181,9 @@ def test_a_connection_cut_mid_handoff_fails_the_request_and_frees_decodes_blocks
     assert relay.cuts == cuts + 1
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert err.value.details().startswith("internal error in decode_fpga (request ")  # nothing more leaks out
-    assert decode_holds_nothing(dec)
-    assert prefill.metric("hybridserve_kv_arena_slots_in_use") == 0
+    assert holds_nothing(dec)
+    assert holds_nothing(pre)  # prefill_gpu dropped its side too
+    assert prefill.metric("hybridserve_kv_arena_slots_in_use") == 0  # over TCP no slot is ever taken
     # the next request over a sound link is served as usual
     tokens, last = generate(dec, prompt, pb.MODE_HYBRID, 4)
     assert len(tokens) == 4 and last.timings.handoff_bytes == 200 * KV_BYTES_PER_TOKEN
