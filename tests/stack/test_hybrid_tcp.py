@@ -187,3 +187,19 @@ def test_a_connection_cut_mid_handoff_fails_the_request_and_frees_decodes_blocks
     # the next request over a sound link is served as usual
     tokens, last = generate(dec, prompt, pb.MODE_HYBRID, 4)
     assert len(tokens) == 4 and last.timings.handoff_bytes == 200 * KV_BYTES_PER_TOKEN
+
+
+@pytest.mark.slow
+def test_a_hybrid_request_cancelled_during_its_handoff_frees_both_engines(tcp_pair):
+    """Cancelled while prefill_gpu computes (decode_fpga waits on the KV connection): the request ends
+    at once, decode_fpga's blocks and prefill_gpu's work are both given back."""
+    _, _, pre, dec, _ = tcp_pair
+    call = dec.Generate(pb.GenerateRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=69),
+                                           sampling=pb.SamplingParams(max_tokens=4), mode=pb.MODE_HYBRID), timeout=60)
+    threading.Timer(0.3, call.cancel).start()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert holds_nothing(dec) and holds_nothing(pre)
+    tokens, _ = generate(dec, random_prompt(9, VOCAB, seed=70), pb.MODE_HYBRID, 2)
+    assert len(tokens) == 2
