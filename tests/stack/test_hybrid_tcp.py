@@ -203,3 +203,17 @@ def test_a_hybrid_request_cancelled_during_its_handoff_frees_both_engines(tcp_pa
     assert holds_nothing(dec) and holds_nothing(pre)
     tokens, _ = generate(dec, random_prompt(9, VOCAB, seed=70), pb.MODE_HYBRID, 2)
     assert len(tokens) == 2
+
+
+@pytest.mark.slow
+def test_a_kv_address_prefill_cannot_use_fails_the_call_cleanly(tcp_pair):
+    _, _, pre, _, _ = tcp_pair
+    with pytest.raises(grpc.RpcError) as nobody:  # nothing listens there
+        list(pre.Prefill(pb.PrefillRequest(request_id="rq-nobody", prompt_token_ids=[5, 6, 7],
+                                           kv_address=f"127.0.0.1:{free_port()}"), timeout=30))
+    assert nobody.value.code() == grpc.StatusCode.INTERNAL
+    assert nobody.value.details() == "internal error in prefill_gpu (request rq-nobody); see its log"
+    with pytest.raises(grpc.RpcError) as malformed:
+        list(pre.Prefill(pb.PrefillRequest(prompt_token_ids=[5, 6, 7], kv_address="no-port"), timeout=30))
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_address" in malformed.value.details()
+    assert holds_nothing(pre)
