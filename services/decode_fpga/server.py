@@ -1,5 +1,6 @@
 """The decode_fpga gRPC service: the shared servicer over DecodeRuntime (hybrid.py), its
-prefill_gpu peer over gRPC and the shared-memory arena, and its start-up."""
+prefill_gpu peer over gRPC and the KV hand-off (the shared-memory arena, or TCP through this
+service's KV inbox when the two do not share /dev/shm), and its start-up."""
 from __future__ import annotations
 
 import contextlib
@@ -14,10 +15,12 @@ from services.engine.handoff_wire import handoff_from_proto
 from services.engine.requests import Cancellation, EngineRequest, PeerMismatch, PeerUnavailable
 from services.engine.service import EngineServicer, sampling_to_proto
 from services.engine.status import error_from_peer
+from services.kv.address import parse_address
 from services.kv.arena import ArenaReader
 from services.kv.handoff import HandoffEvent, SlotGrant
 from services.kv.header import SlotHeader, request_nonce
 from services.kv.shm import ShmReceiver
+from services.kv.tcp_inbox import InboxReceiver, KVInbox
 from services.rpc.engine_token import engine_channel
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
@@ -26,14 +29,18 @@ log = logging.getLogger(__name__)
 
 
 class GrpcPrefillPeer:
-    """prefill_gpu as hybrid mode's PrefillPeer: its Prefill RPC, its arena mapped by name.
+    """prefill_gpu as hybrid mode's PrefillPeer: its Prefill RPC, and its arena mapped by name or,
+    with an `inbox`, the KV over TCP (the Prefill call names the inbox's address; the arena is
+    never mapped).
 
     The arena is mapped again when the mapped segment is gone (prefill_gpu stopped, or its
     successor removed a killed one's) or when a grant does not fit it (the receiver's `remap`):
     then Info names the arena prefill_gpu uses now."""
 
-    def __init__(self, address: str, model_id: str, timeout_s: float, token: str | None = None):
+    def __init__(self, address: str, model_id: str, timeout_s: float, token: str | None = None,
+                 inbox: KVInbox | None = None):
         self.address, self.model_id, self.timeout_s = address, model_id, timeout_s
+        self.inbox = inbox
         self._channel = engine_channel(address, token)  # sends the shared token when there is one
         self._stub = pb_grpc.EngineStub(self._channel)
         self._reader: ArenaReader | None = None
@@ -54,7 +61,8 @@ class GrpcPrefillPeer:
                 self._map_current()
             return self._reader
 
-    def _map_current(self) -> None:
+    def _ask_info(self) -> pb.InfoResponse:
+        """prefill_gpu's Info, checked to serve this engine's model; notes its wire dtype."""
         try:
             info = self._stub.Info(pb.InfoRequest(), timeout=5)
         except grpc.RpcError as exc:
@@ -62,6 +70,10 @@ class GrpcPrefillPeer:
         if info.model_id != self.model_id:
             raise PeerMismatch(f"prefill_gpu serves {info.model_id!r}, this engine {self.model_id!r}")
         self._wire_dtype = info.kv_dtype
+        return info
+
+    def _map_current(self) -> None:
+        info = self._ask_info()
         old = self._reader
         if old is not None and old.name == info.arena_name and old.is_current():
             return
@@ -74,20 +86,35 @@ class GrpcPrefillPeer:
                  f", replacing {old.name}" if old is not None else "")
 
     def wire_dtype(self) -> str:
+        if self.inbox is not None:
+            if not self._wire_dtype:  # asked once; the KV's header is checked against it every time
+                with self._lock:
+                    self._ask_info()
+            return self._wire_dtype
         self._arena()
         return self._wire_dtype
 
-    def receiver(self, engine, seq, expected: SlotHeader) -> ShmReceiver:
+    def receiver(self, engine, seq, expected: SlotHeader):
+        if self.inbox is not None:
+            return InboxReceiver(self.inbox, engine, seq, expected, self.timeout_s)
         return ShmReceiver(self._arena(), engine, seq, expected, remap=self._remap)
 
     def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation,
                 skip_tokens: int = 0) -> Iterator[HandoffEvent]:
+        nonce = request_nonce(request.request_id)
+        with self.inbox.expecting(nonce) if self.inbox is not None else contextlib.nullcontext() as waiting:
+            if waiting is not None:
+                cancel.add_callback(waiting.abort)  # a cancelled request stops reading its connection at once
+            yield from self._prefill_call(request, wire_dtype, skip_tokens, nonce)
+
+    def _prefill_call(self, request: EngineRequest, wire_dtype: str, skip_tokens: int,
+                      nonce: int) -> Iterator[HandoffEvent]:
         call = self._stub.Prefill(pb.PrefillRequest(request_id=request.request_id, prompt_token_ids=request.prompt_ids,
                                                     sampling=sampling_to_proto(request.params),
-                                                    wire_dtype=wire_dtype, skip_tokens=skip_tokens),
+                                                    wire_dtype=wire_dtype, skip_tokens=skip_tokens,
+                                                    kv_address=self.inbox.advertised if self.inbox else ""),
                                   timeout=self.timeout_s)
         try:
-            nonce = request_nonce(request.request_id)
             for msg in call:
                 ev = handoff_from_proto(msg)
                 # the nonce the slot must carry is the one of the request sent, not what came back
@@ -109,5 +136,12 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
     log.info("building kernels and uploading weights")
     engine = OpenCLEngine.from_settings(loaded, settings)
     token = settings.engine_token.get_secret_value() if settings.engine_token else None
-    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s, token)
+    inbox = None
+    if settings.kv_transport == "tcp":
+        host, port = parse_address(settings.kv_listen)
+        inbox = KVInbox(host, port, settings.kv_advertise, token=token)  # with a token, only its holders' KV
+        resources.callback(inbox.close)  # after the runtime (closed first): no hand-off is running then
+        log.info("KV over TCP: listening on %s, prefill_gpu connects to %s", inbox.address, inbox.advertised)
+    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s, token,
+                           inbox)
     return EngineServicer(DecodeRuntime(engine, loaded, settings, peer), "decode_fpga")

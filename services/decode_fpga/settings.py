@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.engine.batching_settings import BatchingSettings
+from services.kv.address import WILDCARD_HOSTS, parse_address
 from services.settings import CommonSettings
 
 
@@ -49,6 +50,13 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     queue_depth: int = 16  # requests waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
     max_concurrency: int = 4  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
+    # how hybrid mode's KV comes from prefill_gpu: "shm", its shared-memory arena (same host, shared
+    # /dev/shm); "tcp", a connection prefill_gpu opens to this service's KV port (two pods or hosts)
+    kv_transport: Literal["shm", "tcp"] = "shm"
+    kv_listen: str = "127.0.0.1:0"  # tcp: host:port the KV port binds (port 0: any free one)
+    # tcp: the host:port prefill_gpu is told to connect to; unset, the bound address (which must then be
+    # a real one, not 0.0.0.0); in Kubernetes the pod's IP from the downward API
+    kv_advertise: str | None = None
     # tokens one step computes: on a CPU device a 512-token prefill chunk is a ~1.4 s step that stalls every
     # running stream (serve.py's long-prompts variant: ITL p99 1415 ms); 64 keeps a step near 0.2 s
     max_num_batched_tokens: int = Field(64, ge=16)
@@ -59,3 +67,20 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     @classmethod
     def _lanes(cls, v: int) -> int:
         return check_lanes(v)
+
+    @field_validator("kv_listen", "kv_advertise")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_address(v)
+        return v
+
+    @model_validator(mode="after")
+    def _advertised_address(self) -> "DecodeSettings":
+        listen_host, _ = parse_address(self.kv_listen)
+        if self.kv_transport == "tcp" and self.kv_advertise is None and listen_host in WILDCARD_HOSTS:
+            raise ValueError(f"kv_listen {self.kv_listen!r} binds every interface: set kv_advertise to the "
+                             f"address prefill_gpu should connect to")
+        if self.kv_advertise is not None and parse_address(self.kv_advertise)[0] in WILDCARD_HOSTS:
+            raise ValueError(f"kv_advertise {self.kv_advertise!r} is not an address to connect to")
+        return self

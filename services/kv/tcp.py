@@ -11,7 +11,9 @@ ride in the same ordered stream as the data they describe.
 
 The stream, sender → receiver (every frame: `FRAME` then `nbytes` of payload):
 
-    HEADER  the versioned 64-byte slot header (header.py), first and once
+    HEADER  the versioned 64-byte slot header (header.py), first and once; when the sender holds
+            the engine token, followed in the same frame by a 32-byte tag, HMAC-SHA256(token,
+            header), which proves the token without sending it (`auth_tag`)
     KV      layers [l0, l1) × token positions [t0, t1): for each layer in order,
             its [2, n_kv_heads, t1 - t0, head_dim] block of the wire dtype
             (a whole layer: t0 = 0, t1 = n_tokens; the whole KV: l0 = 0, l1 = n_layers)
@@ -32,13 +34,15 @@ whole layer (start 0, every token) goes through `import_kv_layer` as on the othe
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import queue
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -54,6 +58,7 @@ HEADER, KV, DONE, OK, ERROR = 1, 2, 3, 4, 5
 DONE_PAYLOAD = struct.Struct("<qddd")  # first_token, prefill_s, queue_s, compute_done_at
 OK_PAYLOAD = struct.Struct("<d")  # unix time the last byte was imported
 MAX_ERROR_BYTES = 4096
+TAG_SIZE = 32  # the HEADER frame's optional HMAC-SHA256 tag
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -104,6 +109,42 @@ def _send(sock: socket.socket, parts: list, what: str) -> None:
         raise PeerGone(f"the connection failed while sending {what}: {exc.strerror or exc}") from exc
 
 
+def auth_tag(token: str, raw_header: bytes) -> bytes:
+    """HMAC-SHA256 of one packed slot header under the engine token: it ties the proof to the request
+    (the header carries its nonce), and the token itself never crosses the wire."""
+    return hmac.new(token.encode(), b"hybridserve-kv-auth\0" + raw_header, hashlib.sha256).digest()
+
+
+def _read_header_payload(sock: socket.socket, nbytes: int) -> tuple[SlotHeader, bytes, bytes]:
+    """The HEADER frame's payload: the header, its bytes and its tag (b"" when the sender sent none)."""
+    if nbytes not in (HEADER_SIZE, HEADER_SIZE + TAG_SIZE):
+        raise HeaderMismatch(f"a slot header frame of {nbytes} bytes (expected {HEADER_SIZE}, or "
+                             f"{HEADER_SIZE + TAG_SIZE} with its tag)")
+    raw = bytearray(nbytes)
+    _recv_exact(sock, memoryview(raw), "the slot header")
+    packed = bytes(raw[:HEADER_SIZE])
+    return SlotHeader.unpack(packed), packed, bytes(raw[HEADER_SIZE:])
+
+
+def read_header_frame(sock: socket.socket, token: str | None = None) -> tuple[SlotHeader, bool]:
+    """The HEADER frame a connection opens with (HeaderMismatch if it opens with anything else), and
+    whether its tag proves the engine `token` (always True without one)."""
+    kind, *_, nbytes = _recv_frame(sock, "the slot header frame")
+    if kind != HEADER:
+        raise HeaderMismatch(f"the connection opened with a frame of kind {kind}, not the slot header")
+    header, packed, tag = _read_header_payload(sock, nbytes)
+    return header, token is None or hmac.compare_digest(tag, auth_tag(token, packed))
+
+
+def send_refusal(sock: socket.socket, reason: str) -> None:
+    """Tell the sender why its KV is not wanted (an ERROR frame), if it still listens."""
+    raw = reason.encode()[:MAX_ERROR_BYTES]
+    try:
+        _send(sock, [FRAME.pack(ERROR, 0, 0, 0, 0, len(raw)), raw], "the refusal")
+    except PeerGone:
+        pass
+
+
 class TcpListener:
     """The receiving host's socket: one accepted connection per hand-off. `address` is (host, port)."""
 
@@ -142,9 +183,10 @@ class TcpSender(KVSender):
     for the receiver's verdict: the unix time it imported the last byte.
     """
 
-    def __init__(self, address: tuple[str, int], header: SlotHeader, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, address: tuple[str, int], header: SlotHeader, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 token: str | None = None):
         super().__init__(header)
-        self.address, self.timeout_s = address, timeout_s
+        self.address, self.timeout_s, self._token = address, timeout_s, token
         self._sock: socket.socket | None = None
         self._buf: np.ndarray | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -163,7 +205,9 @@ class TcpSender(KVSender):
         self._buf = np.zeros(self.layout.nbytes, np.uint8)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tcp-sender", daemon=True)
         self._writer.start()
-        self._enqueue([FRAME.pack(HEADER, 0, 0, 0, 0, HEADER_SIZE), self.header.pack()])
+        raw = self.header.pack()
+        tag = auth_tag(self._token, raw) if self._token else b""
+        self._enqueue([FRAME.pack(HEADER, 0, 0, 0, 0, len(raw) + len(tag)), raw + tag])
         return SlotGrant(0, self.layout.nbytes, self.header.n_tokens, self.header.dtype)
 
     def _data(self) -> np.ndarray:
@@ -267,21 +311,25 @@ class TcpReceiver(KVReceiver):
 
     `engine` implements import_kv_layer / finish_import and, for token slices, import_kv_slice
     (see the module docstring). `run()` drives the whole hand-off and answers the sender.
+    `header`: the connection's slot header when whoever accepted it read it already (to route it).
     """
 
-    def __init__(self, conn: socket.socket, engine, seq, expected: SlotHeader):
+    def __init__(self, conn: socket.socket | None, engine, seq, expected: SlotHeader,
+                 header: SlotHeader | None = None):
         super().__init__(engine, seq, expected)
         self.conn = conn
+        self._routed_header = header
         self._header: SlotHeader | None = None
         self._filled: dict[int, int] = {}  # layer -> token positions imported so far
         self._payload: np.ndarray | None = None
         self.last_byte_at: float | None = None
 
-    def run(self) -> PrefillDone:
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> PrefillDone:
         """Receive and import the whole hand-off; answer OK (or ERROR with the reason) and close.
-        Raises what failed: HeaderMismatch, PeerGone, or the engine's error."""
+        Raises what failed: HeaderMismatch, PeerGone (also when `keep_going()` turned false between
+        frames), or the engine's error."""
         try:
-            done = self.consume(self.events())
+            done = self._import_frames(self.events(), keep_going)
             if done is None:
                 raise PeerGone("the stream ended before the hand-off was done")
             _send(self.conn, [FRAME.pack(OK, 0, 0, 0, 0, OK_PAYLOAD.size), OK_PAYLOAD.pack(self.on_device_at)],
@@ -290,33 +338,30 @@ class TcpReceiver(KVReceiver):
         except PeerGone:
             raise
         except Exception as exc:  # the sender learns why; only a HeaderMismatch's text says more than its type
-            text = str(exc) if isinstance(exc, HeaderMismatch) else f"the import failed ({type(exc).__name__})"
-            reason = text.encode()[:MAX_ERROR_BYTES]
-            try:
-                _send(self.conn, [FRAME.pack(ERROR, 0, 0, 0, 0, len(reason)), reason], "the refusal")
-            except PeerGone:
-                pass
+            send_refusal(self.conn, str(exc) if isinstance(exc, HeaderMismatch)
+                         else f"the import failed ({type(exc).__name__})")
             raise
         finally:
             self.fail()
             self.close()
 
     def close(self) -> None:
-        self.conn.close()
+        if self.conn is not None:
+            self.conn.close()
 
     def events(self) -> Iterator[HandoffEvent | SliceReady]:
         """The stream's frames as hand-off messages; a KV frame's bytes wait in `_payload` for its import."""
         lay = self.layout
+        if self._routed_header is not None:  # its frame was read off the stream already
+            self._header = self._routed_header
+            yield self._grant_of(self._header)
         while True:
             kind, l0, l1, t0, t1, nbytes = _recv_frame(self.conn, "a frame header")
             if kind == HEADER:
-                if nbytes != HEADER_SIZE or self._header is not None:
-                    raise HeaderMismatch(f"a slot header frame of {nbytes} bytes (expected one of {HEADER_SIZE})")
-                raw = bytearray(HEADER_SIZE)
-                _recv_exact(self.conn, memoryview(raw), "the slot header")
-                self._header = SlotHeader.unpack(bytes(raw))
-                yield SlotGrant(0, layout_of(self._header).nbytes if self._header.dtype in WIRE_DTYPES else 0,
-                                self._header.n_tokens, self._header.dtype)
+                if self._header is not None:
+                    raise HeaderMismatch("a second slot header frame")
+                self._header, _, _ = _read_header_payload(self.conn, nbytes)  # a tag is checked where it is routed
+                yield self._grant_of(self._header)
             elif kind == KV:
                 if self.state is not HandoffState.TRANSFERRING:
                     raise HeaderMismatch("KV arrived before the slot header")
@@ -340,7 +385,16 @@ class TcpReceiver(KVReceiver):
             else:
                 raise HeaderMismatch(f"a frame of unknown kind {kind}")
 
+    @staticmethod
+    def _grant_of(header: SlotHeader) -> SlotGrant:
+        return SlotGrant(0, layout_of(header).nbytes if header.dtype in WIRE_DTYPES else 0, header.n_tokens,
+                         header.dtype)
+
     def consume(self, events, keep_going=lambda: True) -> PrefillDone | None:
+        return self._import_frames(events, keep_going)
+
+    def _import_frames(self, events, keep_going) -> PrefillDone | None:
+        # not `consume` itself: a subclass may take its events from elsewhere and still run() the socket
         def layered():  # SliceReady is this transport's own message: import it here, pass the rest on
             for msg in events:
                 if isinstance(msg, SliceReady):

@@ -1,7 +1,8 @@
 """prefill_gpu's request handling in plain Python: gpu-mode Generate, and Prefill into a hand-off.
 
 `PrefillRuntime.prefill(request, wire_dtype, cancel)` computes a prompt's KV into
-a hand-off sender (the shared-memory arena by default) and yields the seam's
+a hand-off sender (the shared-memory arena by default; a TCP connection to the
+reader when it gave an address: `tcp_sender`) and yields the seam's
 messages: the SlotGrant, one LayerReady per layer as soon as that layer is there
 (while the next computes), then PrefillDone with the first sampled token. The
 prompt runs through the engine loop like any request (batched, chunked, its prefix
@@ -29,6 +30,7 @@ from services.kv.handoff import HandoffEvent, KVSender, PrefillDone, SlotGrant
 from services.kv.header import SlotHeader
 from services.kv.layout import WIRE_DTYPES
 from services.kv.shm import ShmSender
+from services.kv.tcp import DEFAULT_TIMEOUT_S, TcpSender
 from services.prefill_gpu.kv_export import LayerExporter
 
 
@@ -51,6 +53,14 @@ class PrefillRuntime(EngineRuntime):
 
     def shm_sender(self, header: SlotHeader) -> KVSender:
         return ShmSender(self.arena, header, self.settings.arena_wait_s)
+
+    def tcp_sender(self, address: tuple[str, int], header: SlotHeader, cancel: Cancellation) -> KVSender:
+        """The KV over a connection to the reader at `address` (its own memory, not an arena slot). Its
+        socket waits as long as the call may last: the reader imports only once it reserved blocks. With
+        the engine token the header carries a tag that proves it (the reader refuses KV without one)."""
+        wait_s = DEFAULT_TIMEOUT_S if cancel.deadline is None else max(1.0, cancel.deadline - time.monotonic())
+        token = self.settings.engine_token.get_secret_value() if self.settings.engine_token else None
+        return TcpSender(address, header, timeout_s=wait_s, token=token)
 
     def _update_arena_gauges(self) -> None:
         m.ARENA_USED_BYTES.set(self.arena.used_bytes)
@@ -133,8 +143,9 @@ class PrefillRuntime(EngineRuntime):
                 elif ev[0] == "done":
                     t = stream.timings
                     m.STAGE_SECONDS.labels(stage="prefill", device="gpu").observe(t.prefill_s)
-                    sender.finish()
-                    yield PrefillDone(ev[1], t.prefill_s, queue_s + t.queue_s, time.time())
+                    done = PrefillDone(ev[1], t.prefill_s, queue_s + t.queue_s, time.time())
+                    sender.finish()  # over TCP: until the reader said every byte is imported
+                    yield done
                     m.REQUESTS.labels(status="ok").inc()
                     # keep the memory until the reader ends the call (its layers are on its device) or
                     # the call's deadline passes; slot_hold_s bounds only a call that has no deadline

@@ -1,7 +1,8 @@
 """The prefill_gpu gRPC service: a thin layer over PrefillRuntime (runtime.py), and its start-up.
 
 Generate, Info and Profile come from the shared servicer; Prefill translates the
-request into plain objects and the hand-off's messages back into protos.
+request into plain objects and the hand-off's messages back into protos, and picks the
+hand-off's sender: the arena, or TCP when the request names a `kv_address`.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import logging
 import grpc
 
 from services.engine.handoff_wire import handoff_to_proto
-from services.engine.requests import EngineRequest
+from services.engine.requests import EngineRequest, InvalidRequest
 from services.engine.service import EngineServicer, cancellation_of, request_id_of, sampling_from_proto
 from services.engine.status import abort
+from services.kv.address import parse_address
 from services.kv.header import SlotHeader, request_nonce
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
@@ -31,15 +33,29 @@ class PrefillServicer(EngineServicer):
             plain = EngineRequest(tuple(request.prompt_token_ids), sampling_from_proto(request.sampling), "hybrid",
                                   request_id)
             nonce = request_nonce(request_id)  # the reader derives the same from the id it sent
+            kv_address = _kv_address(request.kv_address)
 
             def sender(header: SlotHeader):
-                return self.runtime.shm_sender(dataclasses.replace(header, nonce=nonce))
+                header = dataclasses.replace(header, nonce=nonce)
+                if kv_address is not None:
+                    return self.runtime.tcp_sender(kv_address, header, cancel)
+                return self.runtime.shm_sender(header)
 
             for ev in self.runtime.prefill(plain, request.wire_dtype, cancel, new_sender=sender,
                                            skip_tokens=request.skip_tokens):
                 yield handoff_to_proto(ev)
         except Exception as exc:
             abort(context, exc, self.process, request_id)
+
+
+def _kv_address(text: str) -> tuple[str, int] | None:
+    """The reader's KV address (None: the arena); InvalidRequest if it is not host:port."""
+    if not text:
+        return None
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"kv_address: {exc}") from None
 
 
 def build(loaded, settings, resources: contextlib.ExitStack) -> PrefillServicer:

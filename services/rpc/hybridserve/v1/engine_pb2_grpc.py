@@ -69,7 +69,8 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """prefill_gpu only: prefill into an arena slot, one message per layer as it lands.
+        """prefill_gpu only: prefill into an arena slot (or over TCP to kv_address), one message per
+        layer as it lands.
         After PrefillDone the server keeps the slot until the client ends the call
         (cancels it once the layers are on its device), the call's deadline passes, or
         a hold limit passes; then, or on any failure, the slot is freed.
