@@ -441,8 +441,9 @@ def verdict(cell: list[dict]) -> dict:
     diff = dp["exposed_s"] - best["exposed_s"]
     spread = max(dp["exposed_spread_s"], best["exposed_spread_s"])
     word = "yes" if diff <= 0 else "within spread" if diff <= spread else "no"
+    same = [r["mode"] for r in uni if r["slices"] == dp["slices"]]  # then the difference is the noise floor
     return {"best_uniform": best["mode"], "dp_exposed_s": dp["exposed_s"], "uniform_exposed_s": best["exposed_s"],
-            "difference_s": diff, "spread_s": spread, "verdict": word}
+            "difference_s": diff, "spread_s": spread, "verdict": word, "dp_plan_is": same[0] if same else None}
 
 
 ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "predicted s", "e2e s", "exposed s", "spread s", "% prefill",
@@ -458,9 +459,11 @@ def report(records: list[dict], verdicts: dict) -> None:
     records = sorted(records, key=lambda r: (r["gbit"], r["n_tokens"]))
     print(table(ROW_HEADERS, [row_of(r) for r in records]))
     print()
-    print(table(["cell", "best uniform", "its exposed s", "dp exposed s", "dp - uniform s", "spread s", "DP <= uniform"],
+    print(table(["cell", "best uniform", "its exposed s", "dp exposed s", "dp - uniform s", "spread s", "DP <= uniform",
+                 "DP plan is"],
                 [[k, v["best_uniform"], v.get("uniform_exposed_s", ""), v.get("dp_exposed_s", ""),
-                  v.get("difference_s", ""), v.get("spread_s", ""), v["verdict"]] for k, v in verdicts.items()]))
+                  v.get("difference_s", ""), v.get("spread_s", ""), v["verdict"], v.get("dp_plan_is") or "its own"]
+                 for k, v in verdicts.items()]))
 
 
 def merge(names: list[str], out: str) -> None:
@@ -472,12 +475,14 @@ def merge(names: list[str], out: str) -> None:
     commands = list(dict.fromkeys([parts[0]["costs"]["command"], *(p["command"] for p in parts)]))
     payload = {**parts[0], "results": [r for p in parts for r in p["results"]],
                "dp_plans": {k: v for p in parts for k, v in p["dp_plans"].items()},
-               "verdicts": {k: v for p in parts for k, v in p["verdicts"].items()},
+               "verdicts": {f"{g:g}/{n}": verdict([r for r in (r for p in parts for r in p["results"])
+                                                  if r["gbit"] == g and r["n_tokens"] == n])
+                            for g, n in dict.fromkeys((r["gbit"], r["n_tokens"]) for p in parts for r in p["results"])},
                "reps": {name: p["reps"] for name, p in zip(names, parts)},
                "commands": commands + [f"python bench/cross_host.py --merge {','.join(names)} --out {out}"]}
     payload.pop("command", None)
     report(payload["results"], payload["verdicts"])
-    print(f"wrote {write_json(out, payload)}")
+    write_json(out, payload)
     plot(payload["results"], RESULTS / f"{out}.png")
 
 
