@@ -2,28 +2,41 @@
 
 Two network namespaces made here (`hs-tx-<pid>`, `hs-rx-<pid>`) joined by a veth pair with addresses in
 10.231.0.0/30; both ends get a tbf at R (1 and 10 Gbit/s) under netem's 0.5 ms delay; a kernel without
-sch_netem (this machine's) gets the tbf alone, and the JSON's `delay` says so. A receiving
-process in `hs-rx` listens on 10.231.0.2 and imports each request's KV into host memory the way decode
-does (a [layers, 2, kv_heads, n, dim] buffer, layer and token slice at a time, services/kv/tcp.py). In
-`hs-tx` the torch engine (the real model, paged pool, `step`) prefills each prompt and streams its KV:
+sch_netem (this machine's: CONFIG_NET_SCH_NETEM is not set) gets the tbf alone, and the JSON's `delay`
+says so. A receiving process in `hs-rx` listens on 10.231.0.2 and imports each request's KV into host
+memory the way decode does (a [layers, 2, kv_heads, n, dim] buffer, layer and token slice at a time,
+services/kv/tcp.py). In `hs-tx` the torch engine (the real model, paged pool, `step`) prefills each
+prompt and streams its KV:
 
+    local   prefill in one step, nothing sent (the reference: KV already where decode is)
     whole   prefill in one step, then every layer in one frame
     layers  prefill in one step, each layer sent as soon as it is computed (the on_layer hook)
     u<S>    prefill in S-token slices (chunked prefill), each slice's KV streamed layer by layer as it
             computes: frames of (layer, token range), sent while the engine goes on
     dp      the same with the slice lengths from the DP (services/kv/slicing.py, layers = the model's)
-            over a cost table t(slice, context) measured on this engine first, and the link's nominal
-            rate and 0.5 ms
+            over t(slice, context) = a + b n + c n ctx + d n^2 fitted to step times measured on this
+            engine (slices of 64..1024 tokens after contexts up to the longest prompt, exporting their
+            KV as the slice modes do), and the link's nominal rate and 0.5 ms
 
-Exposed hand-off = (last byte imported on the receiver − prefill start) − the local prefill time (the
-same prompt in one step, nothing sent; median of runs). It charges the DP and the slices for the
-compute that slicing adds as well as for the bytes still in flight after the last slice. Both
-namespaces share the host's clock. Traffic stays on the veth pair inside the two namespaces.
+Per (link, prompt) cell, `--reps` rounds; each round runs every mode once, local included, in an
+order rotated from round to round. Two figures per mode, medians over the rounds, with their spread
+(max - min):
+
+    e2e      prefill start -> the last KV byte imported on the decode side (decode's first step would
+             start there; it is the same for every mode and is not run)
+    exposed  e2e - that round's local prefill: the hand-off's cost as the issue defines it (time from
+             the end of prefill to the KV on the decode side, against a local run); it charges the
+             slice modes for the compute slicing adds as well as for the bytes still in flight
+
+DP vs the best uniform slicing (lowest median exposed) per cell: "yes" when the DP's median is not
+above it, "within spread" when the difference is inside the larger of the two spreads, else "no".
+Both namespaces share the host's clock. Traffic stays on the veth pair inside the two namespaces.
 
 Needs root (ip netns, tc); exits with a clear message otherwise. The namespaces are deleted on any exit.
 
-    sudo python bench/cross_host.py [--sizes 256,1024,2048,4096] [--links 1,10] [--uniform 64,256,1024]
-    sudo python bench/cross_host.py --merge cross_host_a,cross_host_b   # runs split to stay short, one table
+    sudo python bench/cross_host.py --fit-only --sizes 4096 --out cross_host_costs   # the cost model
+    sudo python bench/cross_host.py --costs cross_host_costs --sizes 1024 --links 1,10 --reps 3 --out cross_host_1024
+    python bench/cross_host.py --merge cross_host_256,cross_host_1024,...   # one table, JSON and plot
 """
 from __future__ import annotations
 
@@ -40,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine, progress, table, write_json  # noqa: E402
+from _common import RESULTS, progress, table, write_json  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -66,6 +79,7 @@ class Netns:
         self.veth_tx, self.veth_rx = f"hst{pid % 100000}", f"hsr{pid % 100000}"
         self.rate = rate
         self.delay: str | None = None
+        self.no_delay_reason: str | None = None
 
     @staticmethod
     def exec_in(ns: str) -> list[str]:
@@ -101,6 +115,7 @@ class Netns:
             netem = subprocess.run([*tc, "add", "dev", dev, "root", "handle", "1:", "netem", "delay", DELAY,
                                     "limit", "100000"], capture_output=True, text=True)
             self.delay = DELAY if netem.returncode == 0 else None
+            self.no_delay_reason = None if self.delay else f"tc netem: {netem.stderr.strip() or netem.returncode}"
             if rate:
                 bits = float(rate.removesuffix("gbit")) * 1e9
                 burst = str(max(int(bits / 8 * 1e-3), 200_000))  # a millisecond of bytes: GSO packets fit
@@ -197,8 +212,7 @@ class Prefiller:
         """Positions [start, stop) of one layer in wire layout [2, kv_heads, stop - start, dim] (an engine call
         this bench needs: export_kv_blocks takes [0, n) only)."""
         pool = self.engine.kv_pool
-        rows = pool.gather(layer, pool.index(pool.slots(self.table, start, stop)))  # [n, 2, kvh, dim]
-        return rows.permute(1, 2, 0, 3)
+        return pool.gather(layer, pool.index(pool.slots(self.table, start, stop)))  # [2, kvh, n, dim]
 
     def step(self, tokens, start, stop, on_layer=None) -> int:
         out = self.engine.step([self.chunk(tokens, start, stop)], greedy=True, on_layer=on_layer)
@@ -209,25 +223,47 @@ class Prefiller:
             torch.cuda.synchronize()
 
 
-def measure_costs(p: Prefiller, lengths, contexts, reps: int = 2):
-    """t(slice length, context) on this engine: the median step time of each grid point."""
-    from services.kv.slicing import CostTable
+def cost_grid(max_tokens: int, lengths) -> list[tuple[int, int]]:
+    """(slice length, context) points to measure: each length after contexts 0, 1/4, 1/2, 3/4 of the
+    longest prompt (so the fit sees the attention term where the DP's slices will be)."""
+    contexts = sorted({0, *(k * max_tokens // 4 for k in (1, 2, 3))})
+    return [(n, c) for n in lengths for c in contexts if n + c <= max_tokens]
 
+
+def measure_costs(p: Prefiller, grid, reps: int = 2) -> list[tuple[int, int, float]]:
+    """t(slice length, context) on this engine: the median of `reps` steps at each grid point, each
+    step exporting its KV slice layer by layer into host memory as the slice modes do."""
     rng = np.random.default_rng(0)
-    tokens = rng.integers(3, p.cfg.vocab_size, max(lengths) + max(contexts)).tolist()
-    seconds = []
-    for s in lengths:
-        row = []
-        for c in contexts:
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                p.engine.step([p.chunk(tokens[: c + s], c, c + s)], greedy=True)
-                p.sync()
-                ts.append(time.perf_counter() - t0)
-            row.append(statistics.median(ts))
-        seconds.append(row)
-    return CostTable(lengths, contexts, seconds)
+    tokens = rng.integers(3, p.cfg.vocab_size, max(n + c for n, c in grid)).tolist()
+    p.step(tokens, 0, GRANULE)  # warm-up: the first step pays for allocations
+    sink = {}
+    points = []
+    for n, c in grid:
+        def export(layer, c=c, n=n):
+            sink[layer] = p.export(layer, c, c + n).cpu().numpy().copy()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            p.engine.step([p.chunk(tokens[: c + n], c, c + n)], greedy=True, on_layer=export)
+            p.sync()
+            ts.append(time.perf_counter() - t0)
+        points.append((n, c, statistics.median(ts)))
+        progress(f"t({n}, ctx {c}) = {points[-1][2]:.3f} s")
+    return points
+
+
+def fit_costs(points) -> dict:
+    """The fitted model and how far it is from what was measured."""
+    from services.kv.slicing import PrefillCost
+
+    model = PrefillCost.fit(points)
+    errs = model.relative_errors(points)
+    progress("t(n, ctx) = {a_s:.4g} + {b_s_per_token:.4g} n + {c_s_per_token_ctx:.4g} n ctx + "
+             "{d_s_per_token2:.4g} n^2 s".format(**model.to_json()))
+    progress(f"relative error on the {len(points)} points: median {statistics.median(map(abs, errs)):.1%}, "
+             f"max {max(map(abs, errs)):.1%}")
+    return {"model": model.to_json(), "points": [list(pt) for pt in points],
+            "relative_errors": errs, "max_abs_relative_error": max(map(abs, errs))}
 
 
 def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None) -> dict:
@@ -278,35 +314,50 @@ def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None) -> di
             "tail_s": imported_at - compute_end, "bytes": out["bytes"], "checksum": out["checksum"]}
 
 
-def local_prefill_s(p: Prefiller, tokens, reps: int) -> tuple[float, int]:
-    ts, first = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        first = p.step(tokens, 0, len(tokens))
-        p.sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), first
+def run_local(p: Prefiller, tokens) -> dict:
+    """The prompt prefilled in one step, nothing sent: the KV is where decode would be when it ends."""
+    t0 = time.perf_counter()
+    first = p.step(tokens, 0, len(tokens))
+    p.sync()
+    e2e = time.perf_counter() - t0
+    return {"mode": "local", "n_tokens": len(tokens), "slices": None, "first_token": first, "compute_s": e2e,
+            "imported_after_s": e2e, "tail_s": 0.0, "bytes": 0}
+
+
+def load_or_fit_costs(args, p: Prefiller | None) -> dict:
+    if args.costs:
+        saved = json.loads((RESULTS / f"{args.costs}.json").read_text())
+        return {**saved["costs"], "from": args.costs, "command": saved["command"]}
+    lengths = [int(x) for x in args.cost_lengths.split(",")]
+    grid = cost_grid(max(int(x) for x in args.sizes.split(",")), lengths)
+    progress(f"measuring t(slice, context) on the engine at {len(grid)} points")
+    return {**fit_costs(measure_costs(p, grid, args.cost_reps)), "command": _command()}
+
+
+def _command() -> str:
+    return "python bench/cross_host.py " + " ".join(sys.argv[1:])
 
 
 def bench(args) -> None:
-    from services.kv.slicing import Link, best_slices, uniform_slices
+    from services.kv.slicing import Link, PrefillCost, best_slices, pipeline_time, uniform_slices
 
     sizes = [int(x) for x in args.sizes.split(",")]
     uniform = [int(x) for x in args.uniform.split(",")]
     links = [float(x) for x in args.links.split(",")]
-    lengths = [GRANULE, 4 * GRANULE, 16 * GRANULE]
-    ctx_max = max(sizes) - GRANULE
-    p = Prefiller(max(max(sizes), max(lengths)), ctx_max + max(lengths))
+    max_len = max(int(x) for x in args.cost_lengths.split(","))
+    p = Prefiller(max(max(sizes), max_len), max(sizes) + max_len)
+    costs = load_or_fit_costs(args, p)
+    if args.fit_only:
+        write_json(args.out, {"device": p.engine.device_name, "granule": GRANULE, "costs": costs,
+                              "command": _command()})
+        return
+    model = PrefillCost.from_json(costs["model"])
     bpt = p.cfg.n_layers * 2 * p.cfg.n_kv_heads * p.cfg.head_dim * 4  # fp32 wire bytes per token
-    progress("measuring t(slice, context) on the engine")
-    costs = measure_costs(p, lengths, sorted({0, ctx_max // 2, ctx_max}))
-    records, dp_plans = [], {}
+    L = p.cfg.n_layers
+    records, dp_plans, verdicts = [], {}, {}
     rng = np.random.default_rng(1)
     prompts = {n: rng.integers(3, p.cfg.vocab_size, n).tolist() for n in sizes}
-    local = {}
-    for n in sizes:
-        local[n] = local_prefill_s(p, prompts[n], args.reps)
-        progress(f"local prefill of {n} tokens: {local[n][0]:.3f} s")
+    p.step(prompts[sizes[0]], 0, min(sizes[0], GRANULE))  # warm-up
     with Netns(rate=None) as ns:
         port = 47000 + os.getpid() % 1000
         rx = subprocess.Popen([*ns.exec_in(ns.rx), sys.executable, str(Path(__file__).resolve()), "--receive",
@@ -320,64 +371,119 @@ def bench(args) -> None:
             control = socket.create_connection((RX_ADDR, port), timeout=TIMEOUT_S).makefile("rw")
             for gbit in links:
                 ns.shape(f"{gbit:g}gbit")
-                delay = ns.delay
+                delay, no_delay = ns.delay, ns.no_delay_reason
                 link = Link(gbit * 1e9 / 8 * 0.94, 0.5e-3 + 50e-6)  # TCP/IP overhead; delay plus per-send cost
                 for n in sizes:
-                    plans = [("whole", None), ("layers", None)]
+                    dp, dp_t = best_slices(n, model, link, bpt, granule=GRANULE, layers=L)
+                    plans = [("local", None), ("whole", None), ("layers", None)]
                     plans += [(f"u{s}", uniform_slices(n, s)) for s in uniform if s < n]
-                    dp, dp_t = best_slices(n, costs, link, bpt, granule=GRANULE, layers=p.cfg.n_layers)
-                    dp_plans[f"{gbit:g}/{n}"] = {"slices": dp, "predicted_s": dp_t}
                     plans.append(("dp", dp))
+                    predicted = {"local": model(n, 0), "whole": pipeline_time([n], model, link, bpt, 1),
+                                 "layers": pipeline_time([n], model, link, bpt, L),
+                                 **{m: pipeline_time(sl, model, link, bpt, L) for m, sl in plans[3:]}}
+                    dp_plans[f"{gbit:g}/{n}"] = {"slices": dp, "predicted_s": dp_t}
+                    progress(f"{gbit:g} Gbit/s, {n} tokens: DP slices {dp} (predicted {dp_t:.3f} s; "
+                             f"one step predicted {model(n, 0):.3f} s)")
+                    runs = {m: [] for m, _ in plans}
+                    for rep in range(args.reps):
+                        k = rep % len(plans)
+                        for mode, slices in plans[k:] + plans[:k]:  # every mode once a round, order rotated
+                            if mode == "local":
+                                r = run_local(p, prompts[n])
+                            else:
+                                r = run_handoff(p, control, (RX_ADDR, port + 1), prompts[n],
+                                                mode if slices is None else "slices", slices)
+                            runs[mode].append(r)
+                        local_s = runs["local"][-1]["imported_after_s"]
+                        for mode, _ in plans:
+                            runs[mode][-1]["exposed_s"] = runs[mode][-1]["imported_after_s"] - local_s
+                        progress(f"{gbit:g} Gbit/s, {n} tokens, round {rep + 1}/{args.reps}: local {local_s:.3f} s, "
+                                 + ", ".join(f"{m} {runs[m][-1]['exposed_s'] * 1e3:+.0f} ms" for m, _ in plans[1:]))
+                    firsts = {r["first_token"] for rs in runs.values() for r in rs}
+                    if len(firsts) != 1:
+                        raise RuntimeError(f"{n} tokens: the modes disagree on the first token: {firsts}")
+                    local_med = statistics.median(r["imported_after_s"] for r in runs["local"])
+                    cell = []
                     for mode, slices in plans:
-                        res = []
-                        for _ in range(args.reps):
-                            r = run_handoff(p, control, (RX_ADDR, port + 1), prompts[n],
-                                            mode if slices is None else "slices", slices)
-                            r["exposed_s"] = r["imported_after_s"] - local[n][0]
-                            res.append(r)
-                        best = sorted(res, key=lambda r: r["exposed_s"])[len(res) // 2]
-                        if best["first_token"] != local[n][1]:
-                            raise RuntimeError(f"{mode} at {n} tokens gave first token {best['first_token']}, "
-                                               f"the one-step prefill {local[n][1]}")
-                        best.update(mode=mode, gbit=gbit, local_prefill_s=local[n][0],
-                                    exposed_pct=100 * best["exposed_s"] / local[n][0])
-                        records.append(best)
-                        progress(f"{gbit:g} Gbit/s, {n} tokens, {mode}: exposed {best['exposed_s'] * 1e3:.1f} ms")
+                        rec = {"gbit": gbit, "n_tokens": n, "mode": mode, "slices": slices,
+                               "predicted_s": predicted[mode], "reps": len(runs[mode]), "local_prefill_s": local_med,
+                               "first_token": runs[mode][0]["first_token"], "runs": runs[mode]}
+                        for key in ("imported_after_s", "exposed_s", "compute_s", "tail_s"):
+                            xs = [r[key] for r in runs[mode]]
+                            rec[key] = statistics.median(xs)
+                            rec[key.removesuffix("_s") + "_spread_s"] = max(xs) - min(xs)
+                        rec["e2e_s"], rec["e2e_spread_s"] = rec.pop("imported_after_s"), rec.pop("imported_after_spread_s")
+                        rec["exposed_pct"] = 100 * rec["exposed_s"] / local_med
+                        cell.append(rec)
+                    records += cell
+                    verdicts[f"{gbit:g}/{n}"] = verdict(cell)
+                    progress(f"{gbit:g} Gbit/s, {n} tokens: DP vs best uniform: {verdicts[f'{gbit:g}/{n}']}")
             control.close()
         finally:
             rx.terminate()
             rx.wait(timeout=10)
-    print(table(ROW_HEADERS, [row_of(r) for r in records]))
-    payload = {"machine": machine(), "device": p.engine.device_name, "delay": delay or "none (no sch_netem)", "bytes_per_token": bpt,
-               "granule": GRANULE, "reps": args.reps, "cost_table": costs.to_json(), "dp_plans": dp_plans,
-               "results": records,
-               "command": "python bench/cross_host.py " + " ".join(sys.argv[1:])}
-    path = write_json(args.out, payload)
+    report(records, verdicts)
+    payload = {"device": p.engine.device_name,
+               "delay": delay or f"none: this kernel has no sch_netem ({no_delay}); the tbf rate alone",
+               "bytes_per_token": bpt, "granule": GRANULE, "reps": args.reps, "costs": costs, "dp_plans": dp_plans,
+               "verdicts": verdicts, "results": records, "command": _command()}
+    write_json(args.out, payload)
     plot(records, RESULTS / f"{args.out}.png")
-    print(f"wrote {path}")
 
 
-ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "local s", "compute s", "tail s", "exposed s", "% prefill"]
+def verdict(cell: list[dict]) -> dict:
+    """The DP against the uniform slicing with the lowest median exposed hand-off in one cell."""
+    dp = next(r for r in cell if r["mode"] == "dp")
+    uni = [r for r in cell if r["mode"].startswith("u")]
+    if not uni:
+        return {"best_uniform": None, "verdict": "no uniform slicing shorter than the prompt"}
+    best = min(uni, key=lambda r: r["exposed_s"])
+    diff = dp["exposed_s"] - best["exposed_s"]
+    spread = max(dp["exposed_spread_s"], best["exposed_spread_s"])
+    word = "yes" if diff <= 0 else "within spread" if diff <= spread else "no"
+    same = [r["mode"] for r in uni if r["slices"] == dp["slices"]]  # then the difference is the noise floor
+    return {"best_uniform": best["mode"], "dp_exposed_s": dp["exposed_s"], "uniform_exposed_s": best["exposed_s"],
+            "difference_s": diff, "spread_s": spread, "verdict": word, "dp_plan_is": same[0] if same else None}
+
+
+ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "predicted s", "e2e s", "exposed s", "spread s", "% prefill",
+               "tail ms"]
 
 
 def row_of(r: dict) -> list:
-    return [f"{r['gbit']:g}", r["n_tokens"], r["mode"], len(r["slices"]) if r["slices"] else 1, r["local_prefill_s"],
-            r["compute_s"], r["tail_s"], r["exposed_s"], r["exposed_pct"]]
+    return [f"{r['gbit']:g}", r["n_tokens"], r["mode"], len(r["slices"]) if r["slices"] else 1, r["predicted_s"],
+            r["e2e_s"], r["exposed_s"], r["exposed_spread_s"], r["exposed_pct"], r["tail_s"] * 1e3]
+
+
+def report(records: list[dict], verdicts: dict) -> None:
+    records = sorted(records, key=lambda r: (r["gbit"], r["n_tokens"]))
+    print(table(ROW_HEADERS, [row_of(r) for r in records]))
+    print()
+    print(table(["cell", "best uniform", "its exposed s", "dp exposed s", "dp - uniform s", "spread s", "DP <= uniform",
+                 "DP plan is"],
+                [[k, v["best_uniform"], v.get("uniform_exposed_s", ""), v.get("dp_exposed_s", ""),
+                  v.get("difference_s", ""), v.get("spread_s", ""), v["verdict"], v.get("dp_plan_is") or "its own"]
+                 for k, v in verdicts.items()]))
 
 
 def merge(names: list[str], out: str) -> None:
-    """Join the results of runs split by prompt size into one JSON, table and plot."""
+    """Join the results of runs split by prompt size (and link) into one JSON, table and plot."""
     parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
+    models = {json.dumps(p["costs"]["model"], sort_keys=True) for p in parts}
+    if len(models) != 1:
+        raise SystemExit(f"the parts used {len(models)} different cost models; merge parts made with one --costs")
+    commands = list(dict.fromkeys([parts[0]["costs"]["command"], *(p["command"] for p in parts)]))
     payload = {**parts[0], "results": [r for p in parts for r in p["results"]],
                "dp_plans": {k: v for p in parts for k, v in p["dp_plans"].items()},
-               "cost_tables": {name: p["cost_table"] for name, p in zip(names, parts)},
-               "commands": [p["command"] for p in parts]}
-    payload.pop("cost_table", None)
+               "verdicts": {f"{g:g}/{n}": verdict([r for r in (r for p in parts for r in p["results"])
+                                                  if r["gbit"] == g and r["n_tokens"] == n])
+                            for g, n in dict.fromkeys((r["gbit"], r["n_tokens"]) for p in parts for r in p["results"])},
+               "reps": {name: p["reps"] for name, p in zip(names, parts)},
+               "commands": commands + [f"python bench/cross_host.py --merge {','.join(names)} --out {out}"]}
     payload.pop("command", None)
-    records = sorted(payload["results"], key=lambda r: (r["gbit"], r["n_tokens"]))
-    print(table(ROW_HEADERS, [row_of(r) for r in records]))
-    print(f"wrote {write_json(out, payload)}")
-    plot(records, RESULTS / f"{out}.png")
+    report(payload["results"], payload["verdicts"])
+    write_json(out, payload)
+    plot(payload["results"], RESULTS / f"{out}.png")
 
 
 def plot(records, path: Path) -> None:
@@ -386,23 +492,32 @@ def plot(records, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     gbits = sorted({r["gbit"] for r in records})
-    # top: the tail (end of compute -> last byte imported), clean of compute noise; bottom: the exposed figure
+    # top: the exposed hand-off, median with the rounds' min..max; bottom: the tail after compute (log)
     fig, axes = plt.subplots(2, len(gbits), figsize=(6 * len(gbits), 7), squeeze=False)
     for col, g in enumerate(gbits):
-        for row, (key, label) in enumerate((("tail_s", "tail after compute (ms)"),
-                                            ("exposed_s", "exposed vs local prefill (ms)"))):
+        for row, key in enumerate(("exposed_s", "tail_s")):
             ax = axes[row][col]
-            for mode in dict.fromkeys(r["mode"] for r in records):
-                pts = sorted((r["n_tokens"], r[key] * 1e3) for r in records if r["gbit"] == g and r["mode"] == mode)
-                ax.plot(*zip(*pts), marker="o", label=mode)
+            for mode in dict.fromkeys(r["mode"] for r in records if r["mode"] != "local"):
+                rs = sorted((r for r in records if r["gbit"] == g and r["mode"] == mode), key=lambda r: r["n_tokens"])
+                if not rs:
+                    continue
+                x = [r["n_tokens"] for r in rs]
+                y = [r[key] * 1e3 for r in rs]
+                if key == "exposed_s":
+                    lo = [(r[key] - min(u[key] for u in r["runs"])) * 1e3 for r in rs]
+                    hi = [(max(u[key] for u in r["runs"]) - r[key]) * 1e3 for r in rs]
+                    ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=mode)
+                else:
+                    ax.plot(x, [max(v, 1e-2) for v in y], marker="o", label=mode)
             ax.set_xscale("log", base=2)
             if row == 0:
-                ax.set_yscale("log")
-                ax.set_title(f"{g:g} Gbit/s")
-            else:
                 ax.axhline(0, color="grey", lw=0.5)
+                ax.set_title(f"{g:g} Gbit/s")
+                ax.set_ylabel("exposed hand-off vs local prefill (ms)")
+            else:
+                ax.set_yscale("log")
+                ax.set_ylabel("tail after compute (ms)")
             ax.set_xlabel("prompt tokens")
-            ax.set_ylabel(label)
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -455,7 +570,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="256,1024,2048,4096")
     ap.add_argument("--links", default="1,10", help="Gbit/s, comma separated")
     ap.add_argument("--uniform", default="64,256,1024", help="uniform slice lengths")
-    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3, help="rounds per (link, prompt) cell, every mode once each")
+    ap.add_argument("--cost-lengths", default="64,256,1024", help="slice lengths whose step time is measured")
+    ap.add_argument("--cost-reps", type=int, default=2)
+    ap.add_argument("--costs", help="a result name (--fit-only's --out) to take the cost model from")
+    ap.add_argument("--fit-only", action="store_true", help="measure and fit the cost model, write it, stop")
     ap.add_argument("--out", default="cross_host")
     ap.add_argument("--merge", help="comma-separated result names to join into --out (no measuring)")
     ap.add_argument("--receive", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
@@ -470,7 +589,7 @@ def main() -> None:
     if args.merge:
         merge(args.merge.split(","), args.out)
         return
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and not args.fit_only:
         raise SystemExit("cross_host needs root to make network namespaces and shape them with tc; "
                          "run it as root (e.g. sudo python bench/cross_host.py). Nothing was measured.")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces' cleanup runs

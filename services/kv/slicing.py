@@ -17,19 +17,32 @@ with H(n, 0) = -inf (no term left) and T_best = min over K of H(0, K). Exact for
 T splits as c_1 + max(the term for j = 1, the terms for j > 1), and the latter are the same
 problem on the rest of the prompt. With `layers` = L > 1 each slice streams layer by layer (part l
 sent once computed), and slice j's own term becomes max(latency + c_j / L + b_j, c_j + b_j / L) + the
-later slices' sends (b_j: its bytes' time; the latency rides with its first part), the rest unchanged. Lengths are multiples of a granule (the engine's block size, say)
-so the table stays small: O((n / granule)^3) steps, pure Python.
+later slices' sends (b_j: its bytes' time; the latency rides with its first part), the rest unchanged.
+Lengths are multiples of a granule (the engine's block size, say) so the DP stays small:
+O((n / granule)^3) steps, pure Python. Every uniform slicing on that grid (size a multiple of the
+granule, the last slice what is left) is one of the DP's candidates, and `best_slices` also scores
+each of them with `pipeline_time` itself, so its answer is never predicted slower than any of them.
 
-`CostTable` is t(slice length, context) measured on an engine at a few points and interpolated
-bilinearly (extrapolated linearly past the grid), since a prompt's slices fall between them.
+`PrefillCost` is t(slice length n, context before it) as a prefill physically costs:
+
+    t(n, ctx) = a + b n + c n ctx + d n^2        (a, b, c, d >= 0)
+
+a per step (launches, the sampler), b per token (the matmuls, the KV export), c per token and
+context token (attention to the KV before the slice), d per token pair inside the slice (its own
+causal attention, the score matrix's memory traffic). Fitted to points measured on the engine by
+least squares on relative error with the coefficients kept non-negative, so it extrapolates to
+slices longer than the ones measured the way attention grows, not along a straight line (a linear
+extrapolation made long slices look cheap and the DP pick them).
 """
 from __future__ import annotations
 
-import bisect
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
 
 ComputeCost = Callable[[int, int], float]  # (slice length, context before it) -> seconds
 
@@ -109,7 +122,16 @@ def best_slices(n_tokens: int, compute: ComputeCost, link: Link, bytes_per_token
         slices.append(pos(u + step) - pos(u))
         u, r = u + step, r - 1
     h.cache_clear()
-    return slices, best_t
+    # The uniform slicings are DP candidates already; scoring them (and the DP's answer) with the same
+    # forward pass makes "never worse than uniform" hold to the last bit, not only up to rounding.
+    best = (pipeline_time(slices, compute, link, bytes_per_token, layers), slices)
+    for units_each in range(1, units + 1):
+        uniform = uniform_slices(n_tokens, units_each * granule)
+        if len(uniform) <= k_max:
+            t = pipeline_time(uniform, compute, link, bytes_per_token, layers)
+            if t < best[0]:
+                best = (t, uniform)
+    return best[1], best[0]
 
 
 def uniform_slices(n_tokens: int, size: int) -> list[int]:
@@ -119,37 +141,67 @@ def uniform_slices(n_tokens: int, size: int) -> list[int]:
     return [min(size, n_tokens - a) for a in range(0, n_tokens, size)]
 
 
-class CostTable:
-    """t(slice length, context) from measurements on a grid, bilinear inside, linear past the edges."""
 
-    def __init__(self, lengths: Sequence[int], contexts: Sequence[int], seconds: Sequence[Sequence[float]]):
-        """seconds[i][j]: a slice of lengths[i] tokens after contexts[j] tokens (both ascending, >= 2 points)."""
-        if len(lengths) < 2 or len(contexts) < 2:
-            raise ValueError("a cost table needs at least two lengths and two contexts")
-        if list(lengths) != sorted(set(lengths)) or list(contexts) != sorted(set(contexts)):
-            raise ValueError("lengths and contexts must be strictly ascending")
-        if len(seconds) != len(lengths) or any(len(row) != len(contexts) for row in seconds):
-            raise ValueError(f"seconds must be {len(lengths)} × {len(contexts)}")
-        self.lengths, self.contexts = list(lengths), list(contexts)
-        self.seconds = [list(map(float, row)) for row in seconds]
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """t(n, ctx) = a + b n + c n ctx + d n^2 seconds for an n-token slice after ctx tokens (see the top)."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    floor_s: float = 1e-6  # never predict a free (or negative-time) slice: the DP would slice without end
+
+    def __post_init__(self):
+        if min(self.a, self.b, self.c, self.d) < 0 or self.floor_s <= 0:
+            raise ValueError(f"cost coefficients must be non-negative and the floor positive, got {self}")
+
+    def __call__(self, n: int, ctx: int) -> float:
+        return max(self.a + self.b * n + self.c * n * ctx + self.d * n * n, self.floor_s)
 
     @staticmethod
-    def _bracket(grid: list[int], x: float) -> tuple[int, float]:
-        """Index i and weight w with x = (1 - w) grid[i] + w grid[i + 1] (w outside [0, 1] past the edges)."""
-        i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
-        return i, (x - grid[i]) / (grid[i + 1] - grid[i])
-
-    def __call__(self, length: int, context: int) -> float:
-        i, wl = self._bracket(self.lengths, length)
-        j, wc = self._bracket(self.contexts, context)
-        s = self.seconds
-        lo = (1 - wc) * s[i][j] + wc * s[i][j + 1]
-        hi = (1 - wc) * s[i + 1][j] + wc * s[i + 1][j + 1]
-        return max((1 - wl) * lo + wl * hi, 0.0)
-
-    def to_json(self) -> dict:
-        return {"lengths": self.lengths, "contexts": self.contexts, "seconds": self.seconds}
+    def _terms(n: float, ctx: float) -> tuple[float, float, float, float]:
+        return 1.0, n, n * ctx, n * n
 
     @classmethod
-    def from_json(cls, d: dict) -> "CostTable":
-        return cls(d["lengths"], d["contexts"], d["seconds"])
+    def fit(cls, points: Iterable[tuple[int, int, float]]) -> "PrefillCost":
+        """Least squares on relative error over (n, ctx, seconds) points, coefficients >= 0: exact
+        non-negative least squares by trying every set of free coefficients (4 of them: 16 sets) and
+        keeping the best solution whose coefficients are all >= 0 (the optimum is one of them)."""
+        pts = [(int(n), int(ctx), float(t)) for n, ctx, t in points]
+        if any(n <= 0 or ctx < 0 or not t > 0 for n, ctx, t in pts):
+            raise ValueError("cost points need n > 0, ctx >= 0 and a positive time")
+        if len({(n, ctx) for n, ctx, _ in pts}) < 4:
+            raise ValueError("fitting four coefficients needs at least four distinct (n, ctx) points")
+        # rows weighted by 1 / t (relative error: a 60 ms slice counts as much as a 6 s one);
+        # columns scaled to unit size so the solve is well conditioned   [points, 4]
+        x = np.array([cls._terms(n, ctx) for n, ctx, _ in pts]) / np.array([[t] for *_, t in pts])
+        y = np.ones(len(pts))
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        xs = x / scale
+        best_res, best_coef = math.inf, np.zeros(4)
+        for free in itertools.chain.from_iterable(itertools.combinations(range(4), k) for k in range(1, 5)):
+            cols = list(free)
+            sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            coef = np.zeros(4)
+            coef[cols] = sol
+            res = float(np.sum((xs @ coef - y) ** 2))
+            if res < best_res - 1e-15:
+                best_res, best_coef = res, coef
+        a, b, c, d = (float(v) for v in best_coef / scale)
+        return cls(a, b, c, d)
+
+    def relative_errors(self, points: Iterable[tuple[int, int, float]]) -> list[float]:
+        """(predicted - measured) / measured at each point."""
+        return [(self(n, ctx) - t) / t for n, ctx, t in points]
+
+    def to_json(self) -> dict:
+        return {"a_s": self.a, "b_s_per_token": self.b, "c_s_per_token_ctx": self.c, "d_s_per_token2": self.d}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PrefillCost":
+        return cls(d["a_s"], d["b_s_per_token"], d["c_s_per_token_ctx"], d["d_s_per_token2"])
