@@ -3,6 +3,7 @@ machine once recorded it): within ten auto requests the router picks the mode th
 show fastest. Real engines and gateway on loopback; runs under the heavy lock (slow)."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import statistics
@@ -42,8 +43,14 @@ def same_samples(a: list[dict], b: list[dict]) -> bool:
                                     for x, y in zip(a, b))
 
 
+PROMPTS = itertools.count()
+
+
 def complete(url: str, mode: str) -> dict:
-    body = {"model": MODEL, "prompt": [300 + i % 5000 for i in range(N_IN)], "max_tokens": N_OUT,
+    """One request of N_IN tokens no earlier one shared a block with: a repeated prompt would be a
+    prefix-cache hit, and a mode measured after another on it would look faster than it is."""
+    k = next(PROMPTS)
+    body = {"model": MODEL, "prompt": [300 + (k * N_IN + i) % 40000 for i in range(N_IN)], "max_tokens": N_OUT,
             "temperature": 0, "ignore_eos": True, "mode": mode}
     r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300)
     r.raise_for_status()
