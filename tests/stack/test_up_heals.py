@@ -29,9 +29,9 @@ from services.stack import UpSettings
 TOKEN = "stack-engine-token"
 
 
-def children_of(pid: int) -> dict[str, int]:
-    """module → pid of `pid`'s `python -m services.<x>` children."""
-    found = {}
+def module_children(pid: int) -> list[tuple[str, int]]:
+    """(module, pid) of each of `pid`'s `python -m <module>` children."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -41,8 +41,13 @@ def children_of(pid: int) -> dict[str, int]:
         except (OSError, IndexError, ValueError):
             continue
         if ppid == pid and b"-m" in argv:
-            found[argv[argv.index(b"-m") + 1].decode()] = int(entry.name)
+            found.append((argv[argv.index(b"-m") + 1].decode(), int(entry.name)))
     return found
+
+
+def children_of(pid: int) -> dict[str, int]:
+    """module → pid of `pid`'s `python -m services.<x>` children (one per module)."""
+    return dict(module_children(pid))
 
 
 def alive(pid: int) -> bool:

@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +24,7 @@ from harness.stack import start_stack
 from services.decode_fpga.settings import DecodeSettings
 from services.prefill_gpu.settings import PrefillSettings
 from services.stack import UpSettings
-from tests.stack.test_up_heals import alive, http_json, wait_for
+from tests.stack.test_up_heals import alive, http_json, module_children, wait_for
 
 CLIENTS = 16
 MAX_TOKENS = 32  # small: two cores carry four engines here
@@ -159,23 +158,12 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
 def _decode_pid(stack, up_pid: int, pair: int) -> int | None:
     """The pid of pair `pair`'s decode_fpga: the child of `up` listening on that pair's decode port."""
     port = stack.pair_port("decode", pair)
-    for pid in _children(up_pid, b"services.decode_fpga"):
+    for pid in _children(up_pid, "services.decode_fpga"):
         if f"{DecodeSettings.env_name('port')}={port}".encode() in open(f"/proc/{pid}/environ", "rb").read():
             return pid
     return None
 
 
-def _children(up_pid: int, module: bytes = b"services.") -> list[int]:
+def _children(up_pid: int, module: str = "services.") -> list[int]:
     """The pids of `up`'s `python -m <module...>` children."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == up_pid and any(a.startswith(module) for a in argv):
-            out.append(int(entry.name))
-    return out
+    return [pid for name, pid in module_children(up_pid) if name.startswith(module)]
