@@ -85,7 +85,7 @@ def _noise(samples) -> float:
 
 
 def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
-                 probe: Callable[[list[dict]], bool | str] | None = None,
+                 probe: Callable[[list[dict]], str] | None = None,
                  attempts: int = 2, retry_wait_s: float = 5.0) -> Profile:
     """The samples cached under `key` (kept unless `probe(cached)` says "disagrees" or False),
     else run()'s, as a `Profile`.
@@ -93,14 +93,13 @@ def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
     run() returns a list of samples; when it also carries `busy` (a `Sweep`), a busy sweep
     is retried up to `attempts` times and never cached. probe() answers "agrees" (quiet and
     within its tolerance), "busy" (it could not tell: the cache is kept, not confirmed) or
-    "disagrees" (a bool: True is "busy", False "disagrees"). All of it under `sweep_lock`.
+    "disagrees". All of it under `sweep_lock`.
     """
     path = cache_path(cache_dir, key)
     with sweep_lock(cache_dir):
         cached = read_cached(path)
         if cached is not None:
             verdict = "busy" if probe is None else probe(cached)
-            verdict = {True: "busy", False: "disagrees"}.get(verdict, verdict)
             if verdict != "disagrees":
                 log.info("profile: %d samples from %s (%s)", len(cached), path,
                          "confirmed by a quiet probe" if verdict == "agrees" else "not confirmed now")

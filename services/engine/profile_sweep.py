@@ -11,7 +11,7 @@ A sweep that cannot be fooled by the first calls or by a busy machine:
 * the machine is judged busy, and the sweep not cached (profile_cache.py), when the
   repeats of a point disagree (spread = (max - min) / median over MAX_SPREAD) or when
   other processes used more than MAX_FOREIGN_LOAD of the machine's CPU meanwhile;
-* a cached profile is checked at every start by `probe_agrees` (one prefill and one decode point).
+* a cached profile is checked at every start by `probe_verdict` (one prefill and one decode point).
 
 A service times its engine through its engine loop (`LoopTimer`): the same path, batching
 machinery and kernels as a request it serves. Tests may time an engine directly (`SlotTimer`).
@@ -29,7 +29,7 @@ import numpy as np
 
 from services.engine.profile_cache import Profile, cached_sweep, sweep_lock
 
-__all__ = ["run_sweep", "probe_agrees", "probe_verdict", "Profile", "profile_engine", "cached_sweep", "sweep_lock", "code_fingerprint", "Sweep"]
+__all__ = ["run_sweep", "probe_verdict", "Profile", "profile_engine", "cached_sweep", "sweep_lock", "code_fingerprint", "Sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +166,6 @@ class ForeignLoad:
             return 0.0
         busy, own, wall = (e - s for e, s in zip(end, self._start))
         return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
-
-
-def probe_agrees(engine, device: str, cached: list[dict]) -> bool:
-    """Whether the cached profile may be kept: `probe_verdict` is not "disagrees"."""
-    return probe_verdict(engine, device, cached) != "disagrees"
 
 
 def probe_verdict(engine, device: str, cached: list[dict]) -> str:

@@ -1,6 +1,9 @@
 """The router: pick gpu, fpga or hybrid per request from a cost model that learns online.
 
-Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds.
+Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds. (Past 300 lines
+on purpose: the estimate, the corrections it learns and the exploration that feeds them read one
+another's state under one lock; the fit, the batch term and the start-up check live beside it in
+cost_model.py, batch_slowdown.py and calibration_check.py.)
 
     T(mode) = sum over the mode's stages of  base(stage, n_in, n_out) x correction(stage)  + queueing
 
@@ -257,7 +260,7 @@ class Router:
             if self._share <= 0:
                 return Decision(best, reason, est, company=company)
             self._credit = min(1.0, self._credit + self._share)
-            explore = self._exploration(est, best, n_in, n_out, stale_ok=self._credit >= 1.0)
+            explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
             if explore is None:
                 return Decision(best, reason, est, company=company)
             mode, confirms_new = explore
@@ -267,7 +270,7 @@ class Router:
             return Decision(mode, "explore", est, company=company)
 
     def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
-                     stale_ok: bool) -> tuple[str, bool] | None:
+                     stale_ok: bool, company: dict[str, int]) -> tuple[str, bool] | None:
         """(mode, whether it measures a stage never measured) worth running instead of `best`, or None."""
         candidates = []
         for mode in est:
@@ -282,7 +285,6 @@ class Router:
             if not new and not (stale_ok and stale >= self._stale_after):
                 continue
             # an unconfirmed stage's estimate is only the profile's word: it does not count against exploring
-            company = self.company()
             trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0)) for k in unconfirmed)
             if trusted <= self._limit * est[best]:
                 candidates.append((-len(new), -stale, est[mode], mode))

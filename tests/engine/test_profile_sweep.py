@@ -17,7 +17,7 @@ import pytest
 
 from services.engine import profile_sweep
 from services.engine.profile_cache import cached_sweep
-from services.engine.profile_sweep import ForeignLoad, Sweep, probe_agrees, profile_engine, run_sweep
+from services.engine.profile_sweep import ForeignLoad, Sweep, probe_verdict, profile_engine, run_sweep
 
 
 W = 384
@@ -145,8 +145,8 @@ def test_the_probe_catches_a_profile_50x_off(tmp_path, monkeypatch):
     engine = MatmulEngine()
     true = run_sweep(engine, "fpga")
     wrong = [dict(s, seconds=s["seconds"] * 50) if s["stage"] == "decode" else s for s in true]
-    assert probe_agrees(engine, "fpga", true)
-    assert not probe_agrees(engine, "fpga", wrong)
+    assert probe_verdict(engine, "fpga", true) != "disagrees"
+    assert probe_verdict(engine, "fpga", wrong) == "disagrees"
     (tmp_path / "k.json").write_text(json.dumps(wrong))
     fixed = profile_engine(engine, "fpga", str(tmp_path), "k")
     assert json.loads((tmp_path / "k.json").read_text()) == list(fixed) != wrong
