@@ -24,9 +24,11 @@ queue and the host waits once, when it reads back the sampled tokens or logits
 ids, slots and positions are uploaded, and only when the device does not hold
 them already (a greedy step leaves the next step's there).
 
-A ONE_LAUNCH decode step (plans.py) is enqueued whole behind a user event before
-it starts. If its work-groups ever fail to run at once, the step is redone
-launch by launch and the engine stays there.
+A one-sequence decode step on a CPU device runs either as one launch (plans.py's
+ONE_LAUNCH, enqueued whole behind a user event before it starts) or launch by
+launch, whichever has been faster lately (one_launch_choice.py: the one launch
+stalls when another process takes one of its cores). If its work-groups fail to
+run at once, the step is redone launch by launch and counts as a failure.
 """
 from __future__ import annotations
 
@@ -42,12 +44,14 @@ from services.decode_fpga.cpu_wake import CpuWakeLatency
 from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.device_weights import DeviceWeights, build_device_weights
 from services.decode_fpga.kv_store import KVStore, OpenCLSequence
+from services.decode_fpga.one_launch_choice import OneLaunchChoice
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_plans import PagedStepPlans
 from services.decode_fpga.paged_step_rows import PagedStepInputs
 from services.decode_fpga.plans import LaunchPlans, StepKind
 from services.decode_fpga.scratch import RowInputs, Scratch
 from services.decode_fpga.settings import DecodeSettings
+from services.engine import metrics
 from services.model.config import ModelConfig
 from services.model.gguf_blocks import read_block_tensors
 from services.model.loading import LoadedModel
@@ -78,6 +82,7 @@ class OpenCLEngine:
                                           config.max_num_seqs, self.fit.one_launch_layers, self.fit.layer_groups)
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
+        self.one_launch_choice = OneLaunchChoice()  # shared by both paths' one-sequence decode steps
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
         self._wake = CpuWakeLatency() if self.fit.keep_cores_awake else None
 
@@ -142,30 +147,54 @@ class OpenCLEngine:
         the results are read back (and one a layer while on_layer is given)."""
         with self._lock:
             rows = self.step_inputs.rows(chunks)
-            self._keep_awake()
-            q, plans, keep = self.dev.queue, self.paged_plans, []
-            self.step_inputs.upload(rows, keep)
-            failed = self._enqueue_paged_step(rows, greedy, on_layer)
-            if rows.n_samples == 0:
-                q.finish()
-            else:
-                out = (np.empty(rows.n_samples, np.int32) if greedy
-                       else np.empty((rows.n_samples, self.cfg.vocab_size), np.float32))
-                cl.enqueue_copy(q, out, plans.picks if greedy else plans.logits, is_blocking=True)  # the one wait
-            if failed is not None and failed[0]:
-                log.warning("paged_decode_layers' work-groups did not all run at once on %s; paged steps run "
-                            "launch by launch from now on", self.device_name)
-                plans.drop_one_launch()
-                return self.step(chunks, greedy, on_layer)  # the KV it wrote is rewritten with the same values
-            if rows.n_samples == 0:
-                return [] if greedy else np.empty((0, self.cfg.vocab_size), np.float32)
-            return out.tolist() if greedy else out
+            if on_layer is not None or not self.paged_plans.can_run_as_one_launch(rows):
+                return self._paged_step(rows, greedy, on_layer, one_launch=False)
+            return self._timed_one_row_step(lambda one_launch: self._paged_step(rows, greedy, None, one_launch))
 
-    def _enqueue_paged_step(self, rows, greedy: bool, on_layer) -> np.ndarray | None:
+    def _timed_one_row_step(self, run):
+        """run(one_launch) as the choice says, timed for it; a one launch that gave up (run returned
+        None) is run again launch by launch."""
+        one_launch = self.one_launch_choice.one_launch()
+        start = time.perf_counter()
+        out = run(one_launch)
+        gave_up = out is None
+        if gave_up:
+            self._log_give_up()
+            metrics.ONE_LAUNCH_GAVE_UP.inc()
+            out = run(False)  # the KV the void step wrote is rewritten with the same values
+        self.one_launch_choice.record(one_launch, time.perf_counter() - start, gave_up)
+        metrics.ONE_ROW_STEPS.labels("one launch" if one_launch and not gave_up else "launch by launch").inc()
+        return out
+
+    def _log_give_up(self) -> None:
+        log_at = logging.WARNING if self.one_launch_choice.gave_up == 0 else logging.DEBUG
+        log.log(log_at, "decode_layers' work-groups did not all run at once on %s (another process took a core): "
+                "the step is redone launch by launch, and steps run the way that has been faster lately "
+                "(later ones are logged at DEBUG)", self.device_name)
+
+    def _paged_step(self, rows, greedy: bool, on_layer, one_launch: bool):
+        """A step over the rows, uploaded first; None when its one launch gave up (nothing to read)."""
+        self._keep_awake()
+        q, plans, keep = self.dev.queue, self.paged_plans, []
+        self.step_inputs.upload(rows, keep)
+        failed = self._enqueue_paged_step(rows, greedy, on_layer, one_launch)
+        if rows.n_samples == 0:
+            q.finish()
+        else:
+            out = (np.empty(rows.n_samples, np.int32) if greedy
+                   else np.empty((rows.n_samples, self.cfg.vocab_size), np.float32))
+            cl.enqueue_copy(q, out, plans.picks if greedy else plans.logits, is_blocking=True)  # the one wait
+        if failed is not None and failed[0]:
+            return None
+        if rows.n_samples == 0:
+            return [] if greedy else np.empty((0, self.cfg.vocab_size), np.float32)
+        return out.tolist() if greedy else out
+
+    def _enqueue_paged_step(self, rows, greedy: bool, on_layer, one_launch: bool) -> np.ndarray | None:
         """Enqueue the embedding, every layer and the head of a paged step; returns the host array a
-        one-launch step's failure flag is read into (see step), else None."""
+        one-launch step's failure flag is read into (see _paged_step), else None."""
         q, plans = self.dev.queue, self.paged_plans
-        if on_layer is None and plans.uses_one_launch(rows):
+        if one_launch:
             # as in _enqueue_decode: enqueued whole behind a gate, so the spinning work-groups never
             # wait for this thread to enqueue the rest
             gate = cl.UserEvent(self.dev.context)
@@ -241,26 +270,35 @@ class OpenCLEngine:
 
     def decode(self, seqs: list[OpenCLSequence], tokens: list[int]) -> np.ndarray:
         with self._lock:
-            keep: list = []
-            failed = self._enqueue_decode(seqs, tokens, keep, greedy=False)
-            logits = self._read_logits(len(seqs))
-            if failed is not None and failed[0]:
-                self._drop_one_launch(seqs)
-                return self.decode(seqs, tokens)
-            return logits
+            return self._decode(seqs, tokens, greedy=False)
 
     def decode_greedy(self, seqs: list[OpenCLSequence], tokens: list[int]) -> list[int]:
         with self._lock:
-            keep: list = []
-            failed = self._enqueue_decode(seqs, tokens, keep, greedy=True)
-            out = np.empty(len(seqs), np.int32)
-            cl.enqueue_copy(self.dev.queue, out, self.scratch.tokens, is_blocking=True)  # the one wait of this step
-            if failed is not None and failed[0]:
-                self._drop_one_launch(seqs)
-                return self.decode_greedy(seqs, tokens)
-            picks = out.tolist()
+            picks = self._decode(seqs, tokens, greedy=True)
             self.rows.left_by_argmax(picks, [s.slot for s in seqs], [s.length for s in seqs])
             return picks
+
+    def _decode(self, seqs: list[OpenCLSequence], tokens: list[int], greedy: bool):
+        if len(seqs) != 1 or not self.plans.one_launch:
+            return self._decode_once(seqs, tokens, greedy, one_launch=False)
+        return self._timed_one_row_step(lambda one_launch: self._decode_once(seqs, tokens, greedy, one_launch))
+
+    def _decode_once(self, seqs: list[OpenCLSequence], tokens: list[int], greedy: bool, one_launch: bool):
+        """A decode step: the picks (greedy) or the logits; None when its one launch gave up (the
+        sequences are back where they were)."""
+        keep: list = []
+        failed = self._enqueue_decode(seqs, tokens, keep, greedy, one_launch)
+        if greedy:
+            out = np.empty(len(seqs), np.int32)
+            cl.enqueue_copy(self.dev.queue, out, self.scratch.tokens, is_blocking=True)  # the one wait of this step
+        else:
+            out = self._read_logits(len(seqs))
+        if failed is not None and failed[0]:
+            for s in seqs:  # the step is void: it is redone from the same rows
+                s.length -= 1
+            self.rows.forget()
+            return None
+        return out.tolist() if greedy else out
 
     def import_kv_layer(self, seq: OpenCLSequence, layer: int, kv: np.ndarray) -> None:
         with self._lock:
@@ -276,9 +314,9 @@ class OpenCLEngine:
 
     # ---- a decode step ------------------------------------------------------------
     def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list,
-                        greedy: bool) -> np.ndarray | None:
+                        greedy: bool, one_launch: bool) -> np.ndarray | None:
         """Enqueue a decode step (and, greedy, its picks), without waiting; returns the host array a
-        ONE_LAUNCH step's failure flag is read into (see _drop_one_launch), else None."""
+        ONE_LAUNCH step's failure flag is read into (see _decode_once), else None."""
         b = len(seqs)
         if b != len(tokens) or not 0 < b <= self.config.max_sequences:
             raise ValueError(f"a decode step of {b} sequences and {len(tokens)} tokens "
@@ -290,7 +328,7 @@ class OpenCLEngine:
         self._keep_awake()
         q = self.dev.queue
         self.rows.upload(tokens, [s.slot for s in seqs], [s.length for s in seqs], keep)
-        plan = self.plans.decode_step(b)
+        plan = self.plans.decode_step(b, one_launch)
         gate = None
         if plan.kind is StepKind.ONE_LAUNCH:
             # decode_layers' work-groups spin at their barriers and hold every core: a host thread
@@ -317,18 +355,6 @@ class OpenCLEngine:
         for s in seqs:
             s.length += 1
         return failed
-
-    def _drop_one_launch(self, seqs: list[OpenCLSequence]) -> None:
-        """A decode_layers launch gave up (its work-groups did not all run at once): its step is void.
-        From now on one-sequence steps run launch by launch; the caller redoes this one, so the
-        sequences go back a position and the rows are uploaded again (the KV written at that
-        position is rewritten with the same values)."""
-        log.warning("decode_layers' work-groups did not all run at once on %s; one-sequence decode steps "
-                    "run launch by launch from now on", self.device_name)
-        self.plans.drop_one_launch()
-        for s in seqs:
-            s.length -= 1
-        self.rows.forget()
 
     def _keep_awake(self) -> None:
         if self._wake is not None:

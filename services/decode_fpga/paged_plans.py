@@ -15,8 +15,8 @@ bits as the launches here, but are not used: one set of launches serves every st
 
 On a CPU device with packed block weights, a step of one decode row runs every layer in one
 launch (paged_decode_layers, decode_layers.cl built over the pool): the same bits as the layers'
-launches here, ~half the time at batch 1 on PoCL (bench/paged_step.py). `drop_one_launch` goes
-back to launch by launch for good, as LaunchPlans does.
+launches here, ~half the time at batch 1 on PoCL (bench/paged_step.py). The engine picks one launch or
+these launches step by step (one_launch_choice.py).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import DeviceWeights
 from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
+from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_step_rows import PagedStepInputs, StepRows
 from services.decode_fpga.plans import ARGMAX_WG
@@ -64,13 +65,9 @@ class PagedStepPlans:
         # one decode row: [clear_ints, paged_decode_layers], or None
         self.one_launch = self._bind_one_launch(layer_groups) if one_launch and weights.packed is not None else None
 
-    def uses_one_launch(self, rows: StepRows) -> bool:
-        """Whether this step's layers run as one launch (a step of one decode row)."""
+    def can_run_as_one_launch(self, rows: StepRows) -> bool:
+        """Whether this step's layers may run as one launch (a step of one decode row, the launch bound)."""
         return self.one_launch is not None and rows.n_rows == 1 and rows.n_decodes == 1
-
-    def drop_one_launch(self) -> None:
-        """From now on every step runs launch by launch (paged_decode_layers' work-groups did not all run at once)."""
-        self.one_launch = None
 
     # ---- replay -------------------------------------------------------------------------
     def enqueue_layer(self, queue: cl.CommandQueue, li: int, rows: StepRows) -> None:
@@ -123,7 +120,8 @@ class PagedStepPlans:
         program = self.dev.build("decode_layers.cl", {
             "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size})
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
+            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
         clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
         layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
                            np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,

@@ -14,7 +14,7 @@ output row or head on a CPU or an FPGA, a work-group of lanes on a GPU
 On a CPU device with packed block weights, a one-sequence decode step is one
 launch for every layer (decode_layers.cl: one work-group per core, phases
 separated by barriers across work-groups; 4 commands per token, the same bits):
-a plan of kind ONE_LAUNCH. `drop_one_launch` goes back to launch by launch for good.
+a plan of kind ONE_LAUNCH. Both kinds are kept; the engine picks one per step (one_launch_choice.py).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from services.decode_fpga.device_weights import DeviceWeights
 from services.decode_fpga.gemv import DeviceMatrix
 from services.decode_fpga.kv_store import KVStore
 from services.decode_fpga.launch import Launch, bind
+from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
 from services.decode_fpga.quant_gemv import QFMT_CODES
 from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
 from services.model.config import ModelConfig
@@ -66,7 +67,7 @@ class LaunchPlans:
         self._elementwise = dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
         self.one_launch = fit.one_launch_layers and weights.packed is not None
         self.layer_groups = fit.layer_groups  # work-groups of decode_layers: one per worker thread
-        self._steps: dict[tuple[int, bool], StepPlan] = {}  # (rows, decode) → plan
+        self._steps: dict[tuple[int, bool, bool], StepPlan] = {}  # (rows, decode, one launch) → plan
         self._logits: dict[tuple[str, int], list[Launch]] = {}
         self._argmax: dict[int, Launch] = {}
         bind(self._attention, "rope_table", (fit.max_context, cfg.head_dim // 2), weights.inv_freq,
@@ -76,7 +77,7 @@ class LaunchPlans:
     def prefill_chunk(self, rows: int) -> StepPlan:
         """rows of one prompt: KV written for each, then attention over the prompt so far. Full chunks and
         decode-sized ones recur and are kept; a one-off partial chunk is bound and dropped."""
-        key = (rows, False)
+        key = (rows, False, False)
         plan = self._steps.get(key)
         if plan is None:
             plan = self._bind_step(rows, decode=False)
@@ -84,12 +85,12 @@ class LaunchPlans:
                 self._steps[key] = plan
         return plan
 
-    def decode_step(self, batch: int) -> StepPlan:
-        """One row per sequence: RoPE, the KV write and attention as one launch per layer; one row and
-        one_launch: every layer as one launch."""
-        key = (batch, True)
+    def decode_step(self, batch: int, one_launch: bool = True) -> StepPlan:
+        """One row per sequence: RoPE, the KV write and attention as one launch per layer; one row,
+        one_launch asked and the device fit for it: every layer as one launch."""
+        key = (batch, True, one_launch and batch == 1 and self.one_launch)
         if key not in self._steps:
-            self._steps[key] = self._bind_step(batch, decode=True)
+            self._steps[key] = self._bind_step(batch, decode=True, one_launch=key[2])
         return self._steps[key]
 
     def logits(self, src: str, n: int) -> list[Launch]:
@@ -110,16 +111,10 @@ class LaunchPlans:
                                    np.int32(self.cfg.vocab_size), self.s.tokens, self.s.pos, local_size=(ARGMAX_WG,))
         return self._argmax[n]
 
-    def drop_one_launch(self) -> None:
-        """From now on every decode step runs launch by launch (its decode_layers work-groups did not all run
-        at once)."""
-        self.one_launch = False
-        self._steps = {k: v for k, v in self._steps.items() if not k[1]}
-
     # ---- binding --------------------------------------------------------------------
-    def _bind_step(self, n: int, decode: bool) -> StepPlan:
+    def _bind_step(self, n: int, decode: bool, one_launch: bool = False) -> StepPlan:
         embed = self.weights.embed.bind_embed(self.s.tokens, self.s.x, n)
-        if decode and n == 1 and self.one_launch:
+        if one_launch:
             # one launch for every layer, after its counters are zeroed (decode_layers.cl)
             clear = bind(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * self.cfg.n_layers),), self.s.sync)
             return StepPlan(StepKind.ONE_LAUNCH, embed, [[clear, self._decode_layers()]])
@@ -186,7 +181,7 @@ class LaunchPlans:
         program = self.dev.build("decode_layers.cl", {
             "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE})
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
         self._kv_bases = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                                    hostbuf=self.kv.layer_bases())
         channel, _, slot_stride = self.kv.plane(0, 0, 0)

@@ -20,6 +20,10 @@ HANDOFF_SECONDS = Histogram("hybridserve_kv_handoff_seconds",
 HANDOFF_EXPOSED_SECONDS = Histogram("hybridserve_kv_handoff_exposed_seconds",
                                     "KV hand-off not hidden behind prefill compute", buckets=STAGE_BUCKETS)
 HANDOFF_BYTES = Counter("hybridserve_kv_handoff_bytes", "Bytes of KV handed over")
+ONE_ROW_STEPS = Counter("hybridserve_decode_one_row_steps",
+                        "One-sequence decode steps, by the way they ran (one_launch_choice.py)", ["way"])
+ONE_LAUNCH_GAVE_UP = Counter("hybridserve_decode_one_launch_gave_up",
+                             "One-launch decode steps whose work-groups did not all run at once (redone by launches)")
 
 # continuous batching (engine_loop.py), after vLLM's names where one exists
 NUM_REQUESTS_RUNNING = Gauge("hybridserve_engine_num_requests_running", "Requests in the running batch")

@@ -4,11 +4,11 @@ its work-groups cannot all run at once."""
 from __future__ import annotations
 
 import logging
-
 import numpy as np
 import pyopencl as cl
 import pytest
 
+from services.decode_fpga.one_launch_choice import OneLaunchChoice
 from services.decode_fpga.plans import StepKind
 from tests.decode_fpga.conftest import make_engine
 
@@ -37,14 +37,19 @@ def test_the_one_row_plan_is_one_launch(ocl_gguf_engine):
 
 
 @pytest.mark.parametrize("n_prompt", [1, 70])
-def test_bit_for_bit_the_launch_by_launch_step(ocl_gguf_engine, ocl_gguf_launches_engine, model_config, n_prompt):
+def test_bit_for_bit_the_launch_by_launch_step(ocl_gguf_engine, ocl_gguf_launches_engine, model_config, n_prompt,
+                                               monkeypatch):
     from tests.conftest import random_prompt
 
+    choice = OneLaunchChoice(fixed=True)  # no tries of the other way
+    monkeypatch.setattr(ocl_gguf_engine, "one_launch_choice", choice)
     prompt = random_prompt(n_prompt, model_config.vocab_size, seed=21)
     tokens, logits = steps(ocl_gguf_engine, prompt, 24)
     ref_tokens, ref_logits = steps(ocl_gguf_launches_engine, prompt, 24)
     assert tokens == ref_tokens
     np.testing.assert_array_equal(logits, ref_logits)
+    # the 25 steps ran as one launch, but for any that gave up on a busy machine (redone by launches)
+    assert choice.ran[True] >= 1 and choice.ran[True] + choice.gave_up == 25
 
 
 def test_weights_are_on_the_device_once(ocl_gguf_engine):
@@ -62,7 +67,7 @@ def test_weights_are_on_the_device_once(ocl_gguf_engine):
 def test_work_groups_that_cannot_all_run_fall_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
                                                                      model_config, caplog):
     """More work-groups than PoCL has threads: the first barrier waits in vain, gives up, and the engine
-    redoes the step launch by launch, with the right tokens, and stays on launches."""
+    redoes the step launch by launch, with the right tokens, and turns to launch by launch."""
     from services.model.gguf_blocks import read_block_tensors
     from tests.conftest import random_prompt
 
@@ -73,8 +78,9 @@ def test_work_groups_that_cannot_all_run_fall_back_launch_by_launch(loaded_model
     with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
         tokens, logits = steps(engine, prompt, 6)
     assert any("did not all run at once" in r.getMessage() for r in caplog.records)
-    assert not engine.plans.one_launch
-    assert engine.plans.decode_step(1).kind is StepKind.LAUNCH_BY_LAUNCH
+    choice = engine.one_launch_choice  # the give-up, then a try of launch by launch (3 steps), which it keeps
+    assert choice.gave_up == 1 and choice.current is False and choice.ran == {True: 0, False: 7}
+    assert engine.plans.decode_step(1, one_launch=False).kind is StepKind.LAUNCH_BY_LAUNCH
     ref_tokens, ref_logits = steps(ocl_gguf_launches_engine, prompt, 6)
     assert tokens == ref_tokens
     np.testing.assert_array_equal(logits, ref_logits)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from services.decode_fpga.one_launch_choice import OneLaunchChoice
 from services.engine.scheduler import ScheduledChunk
 from tests.conftest import random_prompt
 
@@ -215,22 +216,29 @@ def decode_logits(engine, prompt, table, n_new):
 
 @pytest.mark.parametrize("n_prompt", [9, 31])  # 31: decodes cross position 31, where attention tiles end
 def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
-                                                       n_prompt):
+                                                       n_prompt, monkeypatch):
     one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
     assert one.paged_plans.one_launch is not None and launches.paged_plans.one_launch is None
     rows = one.step_inputs.rows([chunk(0, 0, [5], [0])])
-    assert one.paged_plans.uses_one_launch(rows)
-    assert not one.paged_plans.uses_one_launch(one.step_inputs.rows([chunk(0, 0, [5], [0]), chunk(1, 0, [6], [1])]))
+    assert one.paged_plans.can_run_as_one_launch(rows)
+    assert not one.paged_plans.can_run_as_one_launch(one.step_inputs.rows([chunk(0, 0, [5], [0]),
+                                                                             chunk(1, 0, [6], [1])]))
+    choice = OneLaunchChoice(fixed=True)  # no tries of the other way
+    monkeypatch.setattr(one, "one_launch_choice", choice)
     prompt = random_prompt(n_prompt, model_config.vocab_size, seed=24)
     table = scattered_tables(one, [n_prompt + 8], seed=10)[0]
     np.testing.assert_array_equal(decode_logits(one, prompt, table, 6), decode_logits(launches, prompt, table, 6))
+    # every decode step ran as one launch, but for any that gave up on a busy machine (redone by launches)
+    assert choice.ran[True] >= 1 and choice.ran[True] + choice.gave_up == 6
 
 
 def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
                                                                 model_config, caplog):
     """More work-groups than PoCL has threads: the barrier gives up, the step is redone launch by
-    launch with the same results, and the engine stays there."""
+    launch with the same results, and the engine turns to launch by launch."""
     import logging
+
+    from prometheus_client import REGISTRY
 
     from services.model.gguf_blocks import read_block_tensors
     from tests.decode_fpga.conftest import make_engine
@@ -241,8 +249,11 @@ def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl
     plans.one_launch = plans._bind_one_launch(2 * cl_dev.device.max_compute_units + 1)
     prompt = random_prompt(9, model_config.vocab_size, seed=25)
     table = scattered_tables(engine, [20], seed=11)[0]
+    gave_up_before = REGISTRY.get_sample_value("hybridserve_decode_one_launch_gave_up_total")
     with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
-        got = decode_logits(engine, prompt, table, 3)
-    assert any("paged_decode_layers" in r.getMessage() for r in caplog.records)
-    assert plans.one_launch is None
-    np.testing.assert_array_equal(got, decode_logits(ocl_gguf_launches_engine, prompt, table, 3))
+        got = decode_logits(engine, prompt, table, 5)
+    assert REGISTRY.get_sample_value("hybridserve_decode_one_launch_gave_up_total") == gave_up_before + 1
+    assert any("did not all run at once" in r.getMessage() for r in caplog.records)
+    choice = engine.one_launch_choice  # the give-up, then a try of launch by launch, which it keeps
+    assert choice.gave_up == 1 and choice.current is False and choice.ran == {True: 0, False: 5}
+    np.testing.assert_array_equal(got, decode_logits(ocl_gguf_launches_engine, prompt, table, 5))

@@ -21,13 +21,15 @@
 //   6. rows of the down projection, added into x
 //
 // Work-groups must all run at once: OpenCL does not promise it, PoCL's pthread device does when
-// there are no more work-groups than worker threads (each takes one). A barrier that waits past
-// SPIN_LIMIT polls sets sync[0] and every work-group returns; the host then redoes the step
-// launch by launch (engine.py) and stays there (plans.py, drop_one_launch).
+// there are no more work-groups than worker threads (each takes one), and while no other process
+// takes one of its cores. A work-group that has polled its barriers SPIN_LIMIT times in a step
+// sets sync[0] and every work-group returns; the host then redoes the step launch by launch (engine.py), and counts it
+// when it chooses how the next steps run (one_launch_choice.py).
 //
 // Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
-// KV_DIM, XL = max(HIDDEN, FF, Q_DIM), and LINE: ints between two counters of sync, each on a
-// cache line of its own (spinning reads and claims), the host's SYNC_LINE.
+// KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
+// cache line of its own (spinning reads and claims), the host's SYNC_LINE, and SPIN_LIMIT (a
+// long; the host's BARRIER_SPIN_LIMIT).
 // HIDDEN, FF, Q_DIM: multiples of 32.
 //
 // Built with -DBLOCK_SIZE, the kernel is paged_decode_layers: the same phases over the paged KV
@@ -45,22 +47,23 @@
 
 #define N_HEADS (Q_DIM / HEAD_DIM)
 #define QKV_ROWS (Q_DIM + 2 * KV_DIM)
-#define SPIN_LIMIT (1L << 28)  // polls of a barrier before it gives up (~0.3-1 s)
 
 // sync[0]: set when a barrier gave up; sync[LINE]: arrivals at barriers; sync[LINE (2 + 2 l)]
 // and sync[LINE (3 + 2 l)]: heads and activation blocks taken in layer l. The host zeroes them
 // before every step (clear_ints, elementwise.cl).
 #define FAILED(sync) ((volatile __global int *)(sync))
 
-// Every work-group has arrived here for the n-th time; false when one gave up waiting.
-inline bool all_arrived(__global int *sync, const int n)
+// Every work-group has arrived here for the n-th time; false when one gave up waiting. spun: this
+// work-group's polls at every barrier of the step so far: past SPIN_LIMIT it gives up, so a step
+// beside a busy process stalls for at most that long, however many barriers it waits at.
+inline bool all_arrived(__global int *sync, const int n, long *spun)
 {
     volatile __global int *arrivals = (volatile __global int *)(sync + LINE);
     const int target = n * (int)get_num_groups(0);
     mem_fence(CLK_GLOBAL_MEM_FENCE);  // this work-group's writes before its arrival
     atomic_inc(arrivals);
-    for (long spins = 0; *arrivals < target; ++spins) {
-        if (spins > SPIN_LIMIT || *FAILED(sync)) {
+    for (; *arrivals < target; ++*spun) {
+        if (*spun > SPIN_LIMIT || *FAILED(sync)) {
             atomic_xchg(FAILED(sync), 1);
             return false;
         }
@@ -119,35 +122,36 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
     __local float xl[XL], xsl[XL / 32];  // the current phase's input vector and its block sums
     const int p = pos[0];
     int n = 0;  // barriers passed
+    long spun = 0;  // polls at them
     for (int layer = 0; layer < n_layers; ++layer) {
         __global const int *tab = table + 14 * layer;
         __global int *heads_taken = sync + LINE * (2 + 2 * layer), *blocks_taken = sync + LINE * (3 + 2 * layer);
-        if (layer > 0 && !all_arrived(sync, ++n)) return;  // the last layer's residual is complete
+        if (layer > 0 && !all_arrived(sync, ++n, &spun)) return;  // the last layer's residual is complete
 
         // 1. attention RMSNorm, q|k|v
         RMS_NORM_ROW(xl, xsl, x, F32(0), eps, HIDDEN);
         GEMV_ROWS(QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), xl, xsl, qkv, 0);
-        if (!all_arrived(sync, ++n)) return;
+        if (!all_arrived(sync, ++n, &spun)) return;
 
         // 2. RoPE, the KV write and attention, a query head at a time
         for (int h = atomic_inc(heads_taken); h < N_HEADS; h = atomic_inc(heads_taken)) ATTEND_HEAD(h);
-        if (!all_arrived(sync, ++n)) return;
+        if (!all_arrived(sync, ++n, &spun)) return;
 
         // 3. the output projection into the residual
         for (int i = 0; i < Q_DIM; ++i) xl[i] = attn[i];
         for (int b = 0; b < Q_DIM / 32; ++b) xsl[b] = attn_sums[b];
         GEMV_ROWS(HIDDEN, Q_DIM, F32(5), F16(6), U8(7), xl, xsl, x, 1);
-        if (!all_arrived(sync, ++n)) return;
+        if (!all_arrived(sync, ++n, &spun)) return;
 
         // 4. MLP RMSNorm, gate|up
         RMS_NORM_ROW(xl, xsl, x, F32(1), eps, HIDDEN);
         GEMV_ROWS(2 * FF, HIDDEN, F32(8), F16(9), U8(10), xl, xsl, gu, 0);
-        if (!all_arrived(sync, ++n)) return;
+        if (!all_arrived(sync, ++n, &spun)) return;
 
         // 5. silu(gate) * up, a 32-block at a time, its sum in silu_mul's order
         for (int b = atomic_inc(blocks_taken); b < FF / 32; b = atomic_inc(blocks_taken))
             SILU_MUL_BLOCK(act_sums[b], gu, gu + FF, b, act);
-        if (!all_arrived(sync, ++n)) return;
+        if (!all_arrived(sync, ++n, &spun)) return;
 
         // 6. the down projection into the residual
         for (int i = 0; i < FF; ++i) xl[i] = act[i];

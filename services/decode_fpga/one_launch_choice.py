@@ -1,0 +1,129 @@
+"""Whether a one-sequence decode step runs as one launch or launch by launch, from how each has been doing.
+
+The one-launch step (kernels/decode_layers.cl) is about twice as fast on an idle CPU, but its
+work-groups wait for each other at ~180 barriers a step: when another process takes a core
+from one of them, the other spins until it comes back. Measured here (bench/one_launch_busy.py,
+2 cores, batch 1, 128-token context): one busy process made its p90 step 89 ms where launch by
+launch stayed at 13; two made it 685 ms. Launch by launch lets PoCL hand a descheduled thread's
+work-groups to the other, so it only slows down by the core it lost.
+
+So the engine times both ways and runs the one whose recent steps were faster:
+  * it compares the median of the last `window` steps of the way it runs with the median of the
+    last `probe_steps` of the other, and changes ways only for a gain of more than `margin` (a
+    step that gave up counts as infinitely slow; a step or two slowed by something passing, such
+    as a cold cache after a hand-off, does not move a median of five);
+  * it tries the other way for `probe_steps` steps when the way it runs has got slower than the
+    other way was last seen (judged on `window` steps since the last try), when a step gave up,
+    and when the try interval has passed: that starts at `first_probe_s` and doubles each time a try confirms
+    the choice (up to `max_probe_s`), so a busy spell is left within a few steps and a quiet one
+    is found again within a few tries, at a few slow steps a minute.
+A new engine runs one launch and first tries the other way `first_probe_s` after its first step.
+`fixed` pins one way (benchmarks and tests; a one launch that gives up is still redone).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+# Polls of a step's barriers (by one work-group) before decode_layers.cl gives up: ~12 ms at the
+# ~0.35 ns a poll measured here (an L1-resident counter), three quiet steps' worth at batch 1. A
+# step stalled longer is better given up on: it is redone launch by launch and counts against
+# one launch above. (A limit per barrier let a step stall at each of its ~180: 750 ms steps.)
+BARRIER_SPIN_LIMIT = 1 << 25
+
+
+class OneLaunchChoice:
+    """The way of one engine's one-sequence decode steps; not thread-safe (the engine's lock holds it)."""
+
+    def __init__(self, window: int = 5, probe_steps: int = 3, margin: float = 0.1, first_probe_s: float = 1.0,
+                 max_probe_s: float = 32.0, clock: Callable[[], float] = time.monotonic,
+                 fixed: bool | None = None):
+        self.window, self.probe_steps, self.margin = window, probe_steps, margin
+        self.first_probe_s, self.max_probe_s = first_probe_s, max_probe_s
+        self.clock, self.fixed = clock, fixed
+        self._times = {True: deque(maxlen=window), False: deque(maxlen=window)}
+        self.current = True  # the way steps run, probes aside
+        self._probe_left = 0  # steps of the other way still to run in the current try
+        self._interval = first_probe_s
+        self._next_probe = math.inf  # set by the first step
+        self._since_try = 0  # steps the current way ran since the last try
+        self.gave_up = 0  # one-launch steps that gave up, all told
+        self.ran = {True: 0, False: 0}  # steps that ran to the end each way, all told
+        self.switches = 0
+
+    def one_launch(self) -> bool:
+        """Whether the next one-sequence decode step runs as one launch."""
+        if self.fixed is not None:
+            return self.fixed
+        if self._probe_left == 0 and self.clock() >= self._next_probe:
+            self._start_probe()
+        return self.current if self._probe_left == 0 else not self.current
+
+    def record(self, one_launch: bool, seconds: float, gave_up: bool = False) -> None:
+        """A one-sequence step ran `one_launch` (or not) in `seconds`; gave_up: its one launch gave up
+        and it was redone launch by launch (seconds counts both)."""
+        if math.isinf(self._next_probe):
+            self._next_probe = self.clock() + self.first_probe_s
+        self._times[one_launch].append(math.inf if gave_up else seconds)
+        self.ran[one_launch and not gave_up] += 1
+        if gave_up:
+            self.gave_up += 1
+        if self.fixed is not None:
+            return
+        if one_launch != self.current:
+            self._probe_left -= 1
+            if self._probe_left <= 0:
+                self._decide()
+        else:
+            self._since_try += 1
+            if self._probe_left == 0 and (gave_up or self._slower_than_other_was()):
+                self._start_probe()
+
+    def median(self, one_launch: bool, last: int | None = None) -> float:
+        """The median of that way's recent step times (inf when a way has none)."""
+        times = list(self._times[one_launch])[-(last or self.window):]
+        return statistics.median(times) if times else math.inf
+
+    def state(self) -> dict:
+        return {"one_launch": self.current, "one_launch_ms": _ms(self.median(True)),
+                "launch_by_launch_ms": _ms(self.median(False)), "one_launch_steps": self.ran[True],
+                "launch_by_launch_steps": self.ran[False], "gave_up": self.gave_up, "switches": self.switches,
+                "next_try_s": self._interval}
+
+    # ---- internals --------------------------------------------------------------------
+    def _slower_than_other_was(self) -> bool:
+        if self._since_try < self.window:
+            return False
+        return self.median(self.current) > (1 + self.margin) * self.median(not self.current, self.probe_steps)
+
+    def _start_probe(self) -> None:
+        self._probe_left = self.probe_steps
+        self._since_try = 0
+
+    def _decide(self) -> None:
+        """After a try of the other way: its steps just now against this way's recent ones."""
+        tried = not self.current
+        new, old = self.median(tried, self.probe_steps), self.median(self.current)
+        if (1 + self.margin) * new < old:
+            log.info("decode steps of one sequence now run %s (%s ms a step; the other way %s ms)",
+                     _way(tried), _ms(new), _ms(old))
+            self.current = tried
+            self.switches += 1
+            self._interval = self.first_probe_s
+        else:
+            self._interval = min(2 * self._interval, self.max_probe_s)
+        self._next_probe = self.clock() + self._interval
+
+
+def _way(one_launch: bool) -> str:
+    return "as one launch" if one_launch else "launch by launch"
+
+
+def _ms(seconds: float) -> float | None:
+    return None if math.isinf(seconds) else round(seconds * 1e3, 2)
