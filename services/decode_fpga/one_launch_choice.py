@@ -7,16 +7,16 @@ from one of them, the other spins until it comes back. Measured here (bench/one_
 launch stayed at 13; two made it 685 ms. Launch by launch lets PoCL hand a descheduled thread's
 work-groups to the other, so it only slows down by the core it lost.
 
-So the engine times both ways and runs the one whose recent steps were faster:
-  * it compares the median of the last `window` steps of the way it runs with the median of the
-    last `probe_steps` of the other, and changes ways only for a gain of more than `margin` (a
-    step that gave up counts as infinitely slow; a step or two slowed by something passing, such
-    as a cold cache after a hand-off, does not move a median of five);
-  * it tries the other way for `probe_steps` steps when the way it runs has got slower than the
-    other way was last seen (judged on `window` steps since the last try), when a step gave up,
-    and when the try interval has passed: that starts at `first_probe_s` and doubles each time a try confirms
-    the choice (up to `max_probe_s`), so a busy spell is left within a few steps and a quiet one
-    is found again within a few tries, at a few slow steps a minute.
+So the engine times both ways and runs the one whose recent steps were faster. It tries the
+other way for `probe_steps` steps when the way it runs has got slower than the other way was
+last seen (the median of its last `window` steps since the last try), when a step gave up, and
+when the try interval has passed; then it runs `probe_steps` steps its own way again, and
+changes ways when the medians of the two sets differ by more than `margin` (a step that gave up
+counts as infinitely slow). Both sets are measured side by side, so a slowdown that passes
+within a few steps (a hand-off's cold caches, a burst of work in the gateway) changes nothing.
+The try interval starts at `first_probe_s` and doubles each time a try confirms the choice (up
+to `max_probe_s`): a busy spell is left within ten steps, and a quiet one is found again within
+a few tries, at a few slow steps a minute.
 A new engine runs one launch and first tries the other way `first_probe_s` after its first step.
 `fixed` pins one way (benchmarks and tests; a one launch that gives up is still redone).
 """
@@ -41,7 +41,7 @@ BARRIER_SPIN_LIMIT = 1 << 25
 class OneLaunchChoice:
     """The way of one engine's one-sequence decode steps; not thread-safe (the engine's lock holds it)."""
 
-    def __init__(self, window: int = 5, probe_steps: int = 3, margin: float = 0.1, first_probe_s: float = 1.0,
+    def __init__(self, window: int = 5, probe_steps: int = 3, margin: float = 0.1, first_probe_s: float = 0.25,
                  max_probe_s: float = 32.0, clock: Callable[[], float] = time.monotonic,
                  fixed: bool | None = None):
         self.window, self.probe_steps, self.margin = window, probe_steps, margin
@@ -50,6 +50,7 @@ class OneLaunchChoice:
         self._times = {True: deque(maxlen=window), False: deque(maxlen=window)}
         self.current = True  # the way steps run, probes aside
         self._probe_left = 0  # steps of the other way still to run in the current try
+        self._recheck_left = 0  # then steps of the current way, to compare with
         self._interval = first_probe_s
         self._next_probe = math.inf  # set by the first step
         self._since_try = 0  # steps the current way ran since the last try
@@ -61,7 +62,7 @@ class OneLaunchChoice:
         """Whether the next one-sequence decode step runs as one launch."""
         if self.fixed is not None:
             return self.fixed
-        if self._probe_left == 0 and self.clock() >= self._next_probe:
+        if not self._trying() and self.clock() >= self._next_probe:
             self._start_probe()
         return self.current if self._probe_left == 0 else not self.current
 
@@ -78,11 +79,14 @@ class OneLaunchChoice:
             return
         if one_launch != self.current:
             self._probe_left -= 1
-            if self._probe_left <= 0:
+            self._recheck_left = self.probe_steps if self._probe_left <= 0 else 0
+        elif self._recheck_left > 0:
+            self._recheck_left -= 1
+            if self._recheck_left == 0:
                 self._decide()
         else:
             self._since_try += 1
-            if self._probe_left == 0 and (gave_up or self._slower_than_other_was()):
+            if gave_up or self._slower_than_other_was():
                 self._start_probe()
 
     def median(self, one_launch: bool, last: int | None = None) -> float:
@@ -97,6 +101,9 @@ class OneLaunchChoice:
                 "next_try_s": self._interval}
 
     # ---- internals --------------------------------------------------------------------
+    def _trying(self) -> bool:
+        return self._probe_left > 0 or self._recheck_left > 0
+
     def _slower_than_other_was(self) -> bool:
         if self._since_try < self.window:
             return False
@@ -107,9 +114,9 @@ class OneLaunchChoice:
         self._since_try = 0
 
     def _decide(self) -> None:
-        """After a try of the other way: its steps just now against this way's recent ones."""
+        """After a try of the other way and as many steps this way again: the two sets of steps."""
         tried = not self.current
-        new, old = self.median(tried, self.probe_steps), self.median(self.current)
+        new, old = self.median(tried, self.probe_steps), self.median(self.current, self.probe_steps)
         if (1 + self.margin) * new < old:
             log.info("decode steps of one sequence now run %s (%s ms a step; the other way %s ms)",
                      _way(tried), _ms(new), _ms(old))
