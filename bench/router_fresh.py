@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import RESULTS, progress, table, write_json
-from suite import FORCED, MODES, one_request, percentile, warm_up
+from suite import FORCED, MODES, fresh_seed, one_request, percentile, warm_up
 
 import httpx  # noqa: E402
 
@@ -68,14 +68,11 @@ class CpuHog:
             p.join(10)
 
 
-SALT = 1_000_003  # prompt seeds of one run are offset by a multiple of this from every other run's
-
-
 def run_requests(url, model, headers, reqs, mode, salt: int) -> list[dict]:
-    """`reqs` in `mode`, each prompt's tokens drawn from its seed + salt x SALT: the same lengths as
+    """`reqs` in `mode`, each prompt's tokens drawn from fresh_seed(seed, salt): the same lengths as
     every other run of these requests, never the same tokens (a prompt that ran before would be
     a prefix-cache hit, and a forced mode would look faster than auto did on a fresh prompt)."""
-    return [one_request(url, model, headers, n_in, n_out, mode, seed + salt * SALT) for n_in, n_out, seed in reqs]
+    return [one_request(url, model, headers, n_in, n_out, mode, fresh_seed(seed, salt)) for n_in, n_out, seed in reqs]
 
 
 def regret(auto: list[dict], forced: dict[str, list[dict]]) -> dict:
@@ -100,7 +97,7 @@ def load(url, model, headers, clients: int, per_client: int, seed: int, rounds: 
 
             def client(c: int) -> None:
                 for n_in, n_out, s in reqs[c::clients]:
-                    r = one_request(url, model, headers, n_in, n_out, mode, s + salt * SALT)
+                    r = one_request(url, model, headers, n_in, n_out, mode, fresh_seed(s, salt))
                     with lock:
                         a["ttft"].append(r["ttft"])
                         a["itl"].extend(r["itl"])

@@ -43,6 +43,16 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(300, 40000, n).tolist()
 
 
+SALT = 1_000_003  # a run's prompt seeds are offset by a multiple of this from every other run's
+
+
+def fresh_seed(base: int, run: int) -> int:
+    """The seed of run `run` of the prompt `base`: the same lengths, never the same tokens. A prompt
+    that ran before is a prefix-cache hit on the engines that ran it, and whichever mode came
+    later would look faster than the router (which prices a fresh prompt) expects."""
+    return base + run * SALT
+
+
 def one_request(url: str, model: str, headers: dict, n_in: int, n_out: int, mode: str, seed: int) -> dict:
     """A streamed completion; wall-clock TTFT, inter-token gaps, e2e, and the mode that ran."""
     body = {"model": model, "prompt": prompt_ids(n_in, seed), "max_tokens": n_out, "temperature": 0,
@@ -82,7 +92,7 @@ def cold_auto(url: str, model: str, headers: dict, grid: list[tuple[int, int]], 
     for k in range(n):
         n_in, n_out = cells[k % len(cells)]
         progress(f"cold start: auto request {k + 1}/{n} ({n_in}x{n_out})")
-        r = one_request(url, model, headers, n_in, n_out, "auto", seed=n_in * 7 + n_out)
+        r = one_request(url, model, headers, n_in, n_out, "auto", seed=fresh_seed(n_in * 7 + n_out, 1 + k))
         out.append({"n_in": n_in, "n_out": n_out, "e2e": r["e2e"], "ran": r["ran"]})
     return out
 
@@ -161,7 +171,8 @@ def load_run(url, model, headers, inputs, outputs, clients: int, per_client: int
         def client(c: int) -> None:
             for k in range(per_client):
                 n_in, n_out = mix[(c + k) % len(mix)]
-                r = one_request(url, model, headers, n_in, n_out, mode, seed=100 + c * 31 + k)
+                r = one_request(url, model, headers, n_in, n_out, mode,
+                                seed=fresh_seed(100 + c * 31 + k, 1000 + MODES.index(mode)))
                 with lock:
                     ttft.append(r["ttft"])
                     itl.extend(r["itl"])
@@ -287,7 +298,8 @@ def main() -> int:
             for r in range(cell_reps):
                 for mode in MODES:  # interleaved, so drift hits every mode alike
                     progress(f"cell {k + 1}/{len(grid)} {n_in}x{n_out}: {mode} ({r + 1}/{cell_reps})")
-                    runs[mode].append(one_request(url, model, headers, n_in, n_out, mode, seed=n_in * 7 + n_out))
+                    seed = fresh_seed(n_in * 7 + n_out, 100 + r * len(MODES) + MODES.index(mode))
+                    runs[mode].append(one_request(url, model, headers, n_in, n_out, mode, seed))
             cell = {"n_in": n_in, "n_out": n_out, "modes": {}}
             for mode, rs in runs.items():
                 itl = [g for x in rs for g in x["itl"]]
