@@ -118,8 +118,8 @@ class OneLaunchChoice:
         tried = not self.current
         new, old = self.median(tried, self.probe_steps), self.median(self.current, self.probe_steps)
         if (1 + self.margin) * new < old:
-            log.info("decode steps of one sequence now run %s (%s ms a step; the other way %s ms)",
-                     _way(tried), _ms(new), _ms(old))
+            log.info("decode steps of one sequence now run %s (%.2f ms a step; %s)", _way(tried), new * 1e3,
+                     "one launch gave up" if math.isinf(old) else f"the other way {old * 1e3:.2f} ms")
             self.current = tried
             self.switches += 1
             self._interval = self.first_probe_s

@@ -113,3 +113,15 @@ def test_a_fixed_way_is_never_tried_against_the_other():
     choice = OneLaunchChoice(clock=clock, fixed=True)
     ways = run(choice, clock, BUSY, 500, gave_up=True)
     assert ways == [True] * 500 and choice.gave_up == 500 and choice.switches == 0
+
+
+def test_a_change_of_way_is_logged_with_both_times(caplog):
+    import logging
+
+    clock = Clock()
+    choice = OneLaunchChoice(clock=clock)
+    with caplog.at_level(logging.INFO, logger="services.decode_fpga.one_launch_choice"):
+        run(choice, clock, QUIET, 1, gave_up=True)
+        run(choice, clock, QUIET, 6, gave_up=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "decode steps of one sequence now run launch by launch (10.00 ms a step; one launch gave up)"]
