@@ -23,8 +23,8 @@
 // Work-groups must all run at once: OpenCL does not promise it, PoCL's pthread device does when
 // there are no more work-groups than worker threads (each takes one), and while no other process
 // takes one of its cores. A work-group that has polled its barriers SPIN_LIMIT times in a step
-// sets sync[0] and every work-group returns; the host then redoes the step launch by launch (engine.py), and counts it
-// when it chooses how the next steps run (one_launch_choice.py).
+// sets sync[0] and every work-group returns; the host then redoes the step launch by launch
+// (engine.py), and counts it when it chooses how the next steps run (one_launch_choice.py).
 //
 // Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
