@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -59,3 +60,32 @@ def memory_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
         np.copyto(b, a)
         times.append(time.perf_counter() - t)
     return 2 * a.nbytes / statistics.median(times) / 1e9
+
+
+def _busy(stop, duty: float) -> None:
+    """Busy for `duty` of every 10 ms until stop is set."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.01 * duty:
+            pass
+        if duty < 1:
+            time.sleep(0.01 * (1 - duty))
+
+
+class CpuHog:
+    """`procs` busy processes (busy `duty` of the time), as a compile running beside the stack would be."""
+
+    def __init__(self, procs: int, duty: float = 1.0):
+        self.stop = multiprocessing.Event()
+        self.procs = [multiprocessing.Process(target=_busy, args=(self.stop, duty), daemon=True)
+                      for _ in range(procs)]
+
+    def __enter__(self):
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)

@@ -16,46 +16,18 @@ Prints ms per step (median, p90, max, mean) and writes bench/results/one_launch_
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import time
 
 import numpy as np
 
-from _common import RESULTS, progress, table, write_json
+from _common import RESULTS, CpuHog, progress, table, write_json
 from paged_step import engines, time_paged
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LOADS = [("idle", 0, 1.0), ("1 process, 30% busy", 1, 0.3), ("1 busy process", 1, 1.0), ("2 busy processes", 2, 1.0)]
 WAYS = ("one-launch", "launches", "chosen")
-
-
-def _busy(stop, duty: float) -> None:
-    """Busy for `duty` of every 10 ms until stop is set."""
-    while not stop.is_set():
-        start = time.perf_counter()
-        while time.perf_counter() - start < 0.01 * duty:
-            pass
-        if duty < 1:
-            time.sleep(0.01 * (1 - duty))
-
-
-class Busy:
-    def __init__(self, procs: int, duty: float):
-        self.stop = multiprocessing.Event()
-        self.procs = [multiprocessing.Process(target=_busy, args=(self.stop, duty), daemon=True) for _ in range(procs)]
-
-    def __enter__(self):
-        for p in self.procs:
-            p.start()
-        time.sleep(0.3)
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for p in self.procs:
-            p.join(10)
 
 
 def main() -> None:
@@ -72,7 +44,8 @@ def main() -> None:
     cells: dict[tuple[str, str], list[float]] = {}
     gave_up: dict[str, int] = {}
     for name, procs, duty in LOADS:
-        with Busy(procs, duty):
+        with CpuHog(procs, duty):
+            time.sleep(0.3)  # the processes are running
             for r in range(args.rounds):
                 progress(f"{name}: round {r + 1}/{args.rounds}")
                 for way, engine in zip(WAYS, (one, launches, chosen)):

@@ -19,7 +19,6 @@ hit, and whichever mode came later would look faster.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import random
 import statistics
@@ -30,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import RESULTS, progress, table, write_json
+from _common import RESULTS, CpuHog, progress, table, write_json
 from suite import FORCED, MODES, fresh_seed, one_request, percentile, warm_up
 
 import httpx  # noqa: E402
@@ -43,29 +42,6 @@ def workload(n: int, seed: int) -> list[tuple[int, int, int]]:
     """n requests as (prompt tokens, output tokens, prompt seed), fixed by `seed`."""
     rng = random.Random(seed)
     return [(rng.randint(*PROMPT_RANGE), rng.randint(*OUTPUT_RANGE), seed * 1000 + i) for i in range(n)]
-
-
-def _spin(stop) -> None:
-    while not stop.is_set():
-        sum(i * i for i in range(10_000))
-
-
-class CpuHog:
-    """One busy process per core, as a compile running beside the first start would be."""
-
-    def __init__(self, procs: int):
-        self.stop = multiprocessing.Event()
-        self.procs = [multiprocessing.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(procs)]
-
-    def __enter__(self):
-        for p in self.procs:
-            p.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for p in self.procs:
-            p.join(10)
 
 
 def run_requests(url, model, headers, reqs, mode, salt: int) -> list[dict]:

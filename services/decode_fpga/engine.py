@@ -51,7 +51,6 @@ from services.decode_fpga.paged_step_rows import PagedStepInputs
 from services.decode_fpga.plans import LaunchPlans, StepKind
 from services.decode_fpga.scratch import RowInputs, Scratch
 from services.decode_fpga.settings import DecodeSettings
-from services.engine import metrics
 from services.model.config import ModelConfig
 from services.model.gguf_blocks import read_block_tensors
 from services.model.loading import LoadedModel
@@ -82,7 +81,7 @@ class OpenCLEngine:
                                           config.max_num_seqs, self.fit.one_launch_layers, self.fit.layer_groups)
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
-        self.one_launch_choice = OneLaunchChoice()  # shared by both paths' one-sequence decode steps
+        self.one_launch_choice = OneLaunchChoice(dev.name)  # both paths' one-sequence decode steps
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
         self._wake = CpuWakeLatency() if self.fit.keep_cores_awake else None
 
@@ -149,28 +148,7 @@ class OpenCLEngine:
             rows = self.step_inputs.rows(chunks)
             if on_layer is not None or not self.paged_plans.can_run_as_one_launch(rows):
                 return self._paged_step(rows, greedy, on_layer, one_launch=False)
-            return self._timed_one_row_step(lambda one_launch: self._paged_step(rows, greedy, None, one_launch))
-
-    def _timed_one_row_step(self, run):
-        """run(one_launch) as the choice says, timed for it; a one launch that gave up (run returned
-        None) is run again launch by launch."""
-        one_launch = self.one_launch_choice.one_launch()
-        start = time.perf_counter()
-        out = run(one_launch)
-        gave_up = out is None
-        if gave_up:
-            self._log_give_up()
-            metrics.ONE_LAUNCH_GAVE_UP.inc()
-            out = run(False)  # the KV the void step wrote is rewritten with the same values
-        self.one_launch_choice.record(one_launch, time.perf_counter() - start, gave_up)
-        metrics.ONE_ROW_STEPS.labels("one launch" if one_launch and not gave_up else "launch by launch").inc()
-        return out
-
-    def _log_give_up(self) -> None:
-        log_at = logging.WARNING if self.one_launch_choice.gave_up == 0 else logging.DEBUG
-        log.log(log_at, "decode_layers' work-groups did not all run at once on %s (another process took a core): "
-                "the step is redone launch by launch, and steps run the way that has been faster lately "
-                "(later ones are logged at DEBUG)", self.device_name)
+            return self.one_launch_choice.run(lambda one_launch: self._paged_step(rows, greedy, None, one_launch))
 
     def _paged_step(self, rows, greedy: bool, on_layer, one_launch: bool):
         """A step over the rows, uploaded first; None when its one launch gave up (nothing to read)."""
@@ -281,7 +259,7 @@ class OpenCLEngine:
     def _decode(self, seqs: list[OpenCLSequence], tokens: list[int], greedy: bool):
         if len(seqs) != 1 or not self.plans.one_launch:
             return self._decode_once(seqs, tokens, greedy, one_launch=False)
-        return self._timed_one_row_step(lambda one_launch: self._decode_once(seqs, tokens, greedy, one_launch))
+        return self.one_launch_choice.run(lambda one_launch: self._decode_once(seqs, tokens, greedy, one_launch))
 
     def _decode_once(self, seqs: list[OpenCLSequence], tokens: list[int], greedy: bool, one_launch: bool):
         """A decode step: the picks (greedy) or the logits; None when its one launch gave up (the

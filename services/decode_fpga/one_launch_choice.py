@@ -28,9 +28,13 @@ import math
 import statistics
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, TypeVar
+
+from services.engine import metrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_STEPS = {True: metrics.ONE_ROW_STEPS.labels("one launch"), False: metrics.ONE_ROW_STEPS.labels("launch by launch")}
 
 # Polls of a step's barriers (by one work-group) before decode_layers.cl gives up: ~12 ms at the
 # ~0.35 ns a poll measured here (an L1-resident counter), three quiet steps' worth at batch 1. A
@@ -42,9 +46,10 @@ BARRIER_SPIN_LIMIT = 1 << 25
 class OneLaunchChoice:
     """The way of one engine's one-sequence decode steps; not thread-safe (the engine's lock holds it)."""
 
-    def __init__(self, window: int = 5, probe_steps: int = 3, margin: float = 0.1, first_probe_s: float = 0.25,
-                 max_probe_s: float = 32.0, clock: Callable[[], float] = time.monotonic,
-                 fixed: bool | None = None):
+    def __init__(self, device_name: str = "the device", window: int = 5, probe_steps: int = 3, margin: float = 0.1,
+                 first_probe_s: float = 0.25, max_probe_s: float = 32.0,
+                 clock: Callable[[], float] = time.monotonic, fixed: bool | None = None):
+        self.device_name = device_name
         self.window, self.probe_steps, self.margin = window, probe_steps, margin
         self.first_probe_s, self.max_probe_s = first_probe_s, max_probe_s
         self.clock, self.fixed = clock, fixed
@@ -58,6 +63,25 @@ class OneLaunchChoice:
         self.gave_up = 0  # one-launch steps that gave up, all told
         self.ran = {True: 0, False: 0}  # steps that ran to the end each way, all told
         self.switches = 0
+
+    def run(self, step: Callable[[bool], T | None]) -> T:
+        """step(one_launch) the way chosen, timed for the choice; a one launch that gave up (step
+        returned None) is run again launch by launch (it rewrites the KV the void step wrote with
+        the same values)."""
+        one_launch = self.one_launch()
+        start = time.perf_counter()
+        out = step(one_launch)
+        gave_up = out is None
+        if gave_up:
+            log.log(logging.WARNING if self.gave_up == 0 else logging.DEBUG,
+                    "decode_layers' work-groups did not all run at once on %s (another process took a core): "
+                    "the step is redone launch by launch, and steps run the way that has been faster lately "
+                    "(later ones are logged at DEBUG)", self.device_name)
+            metrics.ONE_LAUNCH_GAVE_UP.inc()
+            out = step(False)
+        self.record(one_launch, time.perf_counter() - start, gave_up)
+        _STEPS[one_launch and not gave_up].inc()
+        return out
 
     def one_launch(self) -> bool:
         """Whether the next one-sequence decode step runs as one launch."""

@@ -75,7 +75,7 @@ def test_work_groups_that_cannot_all_run_fall_back_launch_by_launch(loaded_model
                          blocks=read_block_tensors(loaded_model.checkpoint, model_config))
     engine.plans.layer_groups = 2 * cl_dev.device.max_compute_units + 1
     prompt = random_prompt(9, model_config.vocab_size, seed=22)
-    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
+    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.one_launch_choice"):
         tokens, logits = steps(engine, prompt, 6)
     assert any("did not all run at once" in r.getMessage() for r in caplog.records)
     # the give-up, a try of launch by launch (3 steps), three more give-ups beside it: launch by launch it is

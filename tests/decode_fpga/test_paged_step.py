@@ -250,7 +250,7 @@ def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl
     prompt = random_prompt(9, model_config.vocab_size, seed=25)
     table = scattered_tables(engine, [20], seed=11)[0]
     gave_up_before = REGISTRY.get_sample_value("hybridserve_decode_one_launch_gave_up_total")
-    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.engine"):
+    with caplog.at_level(logging.WARNING, logger="services.decode_fpga.one_launch_choice"):
         got = decode_logits(engine, prompt, table, 7)
     assert REGISTRY.get_sample_value("hybridserve_decode_one_launch_gave_up_total") == gave_up_before + 4
     assert any("did not all run at once" in r.getMessage() for r in caplog.records)

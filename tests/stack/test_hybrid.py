@@ -98,15 +98,20 @@ def test_prefill_cancelled_mid_stream_frees_its_slot(services, stubs):
     assert slots_in_use(prefill) == 0
 
 
-def test_hybrid_generate_cancelled_during_prefill_frees_everything(services, stubs):
-    prefill, _ = services
-    _, dec = stubs
-    call = dec.Generate(pb.GenerateRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=24),
+def cancel_hybrid_during_prefill(dec, seed: int) -> None:
+    """A 512-token hybrid Generate cancelled 0.3 s in, while prefill_gpu computes: it ends CANCELLED."""
+    call = dec.Generate(pb.GenerateRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=seed),
                                            sampling=pb.SamplingParams(max_tokens=4), mode=pb.MODE_HYBRID), timeout=60)
     threading.Timer(0.3, call.cancel).start()
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_hybrid_generate_cancelled_during_prefill_frees_everything(services, stubs):
+    prefill, _ = services
+    _, dec = stubs
+    cancel_hybrid_during_prefill(dec, seed=24)
     assert wait_for_zero_slots(prefill, 2.0) == 0
     # the decode side gave its sequence slot back too: 4 requests fit again at once
     with ThreadPoolExecutor(4) as pool:

@@ -28,7 +28,7 @@ from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from tests.conftest import random_prompt
 from tests.services_harness import Service, free_port
 from tests.stack.conftest import DECODE_ENV, PREFILL_ENV
-from tests.stack.test_hybrid import VOCAB, generate
+from tests.stack.test_hybrid import VOCAB, cancel_hybrid_during_prefill, generate
 
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # layers × (k, v) × kv heads × head dim × fp32
 CAN_UNSHARE = os.geteuid() == 0 and shutil.which("unshare") is not None
@@ -194,12 +194,7 @@ def test_a_hybrid_request_cancelled_during_its_handoff_frees_both_engines(tcp_pa
     """Cancelled while prefill_gpu computes (decode_fpga waits on the KV connection): the request ends
     at once, decode_fpga's blocks and prefill_gpu's work are both given back."""
     _, _, pre, dec, _ = tcp_pair
-    call = dec.Generate(pb.GenerateRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=69),
-                                           sampling=pb.SamplingParams(max_tokens=4), mode=pb.MODE_HYBRID), timeout=60)
-    threading.Timer(0.3, call.cancel).start()
-    with pytest.raises(grpc.RpcError) as err:
-        list(call)
-    assert err.value.code() == grpc.StatusCode.CANCELLED
+    cancel_hybrid_during_prefill(dec, seed=69)
     assert holds_nothing(dec) and holds_nothing(pre)
     tokens, _ = generate(dec, random_prompt(9, VOCAB, seed=70), pb.MODE_HYBRID, 2)
     assert len(tokens) == 2
