@@ -16,9 +16,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def loaded_model():
+    """The default model; HYBRIDSERVE_TEST_MODEL names another (a lent GPU machine, which cannot
+    receive the default GGUF, runs the `cuda` tests on a checkpoint of the same shape)."""
     from services.model.loading import load_model
 
-    return load_model()
+    return load_model(os.environ.get("HYBRIDSERVE_TEST_MODEL") or None)
 
 
 @pytest.fixture(scope="session")

@@ -148,9 +148,11 @@ def _prefill_attention(pool: PagedKVPool, layer: int, chunk: PrefillRows, q: tor
 
 
 @torch.inference_mode()
-def run_step(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan, greedy: bool,
-             on_layer: Callable[[int], None] | None = None) -> list[int] | np.ndarray:
-    """The forward of a planned step; greedy: each sampling row's argmax, else float32 logits [S, vocab]."""
+def forward_logits(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan,
+                   on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    """The forward of a planned step: float32 logits of the sampling rows, [S, vocab], on the device.
+
+    No host synchronisation happens in here (CUDA graphs capture it as it is: cuda_graphs.py)."""
     c, n = model.cfg, plan.n_rows
     rope = model._rope_tables(plan.positions)
     x = model.embed[plan.token_ids]  # [n_padded, hidden]
@@ -167,11 +169,22 @@ def run_step(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan, greedy: bool,
             on_layer(li)
     n_sample = plan.sample_rows.shape[0]
     if n_sample == 0:
-        return [] if greedy else np.zeros((0, c.vocab_size), dtype=np.float32)
+        return x.new_zeros((0, c.vocab_size), dtype=torch.float32)
     rows = x.index_select(0, plan.sample_rows)
     if n_sample < MIN_GEMM_ROWS:  # the LM head's matmul too keeps its row bits whatever S is
         rows = torch.cat([rows, rows.new_zeros((MIN_GEMM_ROWS - n_sample, rows.shape[1]))])
-    logits = model._logits(rows)[:n_sample]  # [S, vocab] float32
+    return model._logits(rows)[:n_sample]  # [S, vocab] float32
+
+
+def sampled(logits: torch.Tensor, greedy: bool) -> list[int] | np.ndarray:
+    """What a step returns: greedy, each row's argmax; else the float32 logits [S, vocab] on the host."""
     if greedy:
         return logits.argmax(dim=-1).tolist()
     return logits.cpu().numpy()
+
+
+@torch.inference_mode()
+def run_step(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan, greedy: bool,
+             on_layer: Callable[[int], None] | None = None) -> list[int] | np.ndarray:
+    """The forward of a planned step; greedy: each sampling row's argmax, else float32 logits [S, vocab]."""
+    return sampled(forward_logits(model, pool, plan, on_layer), greedy)

@@ -16,6 +16,7 @@ from services.engine.batching_settings import BatchingSettings
 from services.model.config import ModelConfig
 from services.model.weights import ModelWeights
 from services.prefill_gpu.batched_step import plan_step, run_step
+from services.prefill_gpu.cuda_graphs import StepGraphs
 from services.prefill_gpu.kv_pool import PagedKVPool
 from services.prefill_gpu.model import LlamaTorch, TorchSequence
 
@@ -55,7 +56,7 @@ class TorchEngine:
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "auto", dtype: str = "auto",
-                 batching: BatchingSettings | None = None):
+                 batching: BatchingSettings | None = None, cuda_graphs: bool = True):
         self.cfg = cfg
         dev = pick_device(device)
         self.model = LlamaTorch(cfg, weights, dev, pick_dtype(dtype, dev))
@@ -67,6 +68,9 @@ class TorchEngine:
         self.num_blocks = self.kv_pool.num_blocks
         self.max_num_batched_tokens = batching.max_num_batched_tokens
         self.max_num_seqs = batching.max_num_seqs
+        # on CUDA, decode-only steps and lone prefill chunks replay captured graphs (cuda_graphs.py)
+        self.graphs = (StepGraphs(self.model, self.kv_pool, self.max_num_batched_tokens, self.max_num_seqs,
+                                  cfg.max_context) if cuda_graphs and dev.type == "cuda" else None)
         log.info("torch engine on %s (%s), %d threads; KV pool %d blocks of %d tokens (%d MiB)", self.device_name,
                  self.model.dtype, torch.get_num_threads(), self.num_blocks, self.block_size,
                  self.kv_pool.nbytes >> 20)
@@ -75,7 +79,8 @@ class TorchEngine:
     def from_settings(cls, loaded, settings) -> "TorchEngine":
         """From a loaded model and PrefillSettings (device, dtype and the batching knobs)."""
         batching = BatchingSettings(**{name: getattr(settings, name) for name in BatchingSettings.model_fields})
-        return cls(loaded.config, loaded.weights, device=settings.device, dtype=settings.dtype, batching=batching)
+        return cls(loaded.config, loaded.weights, device=settings.device, dtype=settings.dtype, batching=batching,
+                   cuda_graphs=settings.cuda_graphs)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -116,6 +121,10 @@ class TorchEngine:
              on_layer: Callable[[int], None] | None = None) -> list[int] | np.ndarray:
         """Every chunk's rows in one forward; ValueError on rows past max_num_batched_tokens, a
         position past a block table, a block id outside the pool or a token id outside the vocab."""
+        if self.graphs is not None and on_layer is None:
+            out = self.graphs.step(chunks, greedy)
+            if out is not None:
+                return out
         plan = plan_step(chunks, self.kv_pool, self.max_num_batched_tokens, self.cfg.vocab_size)
         return run_step(self.model, self.kv_pool, plan, greedy, on_layer)
 

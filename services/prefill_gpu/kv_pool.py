@@ -32,9 +32,14 @@ class PagedKVPool:
                                             kv_dtype_bytes(dtype), block_size)
         if self.num_blocks < 1:
             raise ValueError(f"a KV budget of {kv_cache_mb} MiB holds no block of {block_size} tokens")
-        # torch.empty: pages are touched only when a block is first written
-        self.data = torch.empty((cfg.n_layers, 2, cfg.n_kv_heads, self.num_blocks * block_size, cfg.head_dim),
-                                device=device, dtype=dtype)
+        # one block past the budget that no block table names: the padding rows of a fixed-shape
+        # (CUDA graph) step write their K/V there (cuda_graphs.py)
+        self.scratch_block = self.num_blocks
+        # on the CPU torch.empty: pages are touched only when a block is first written. On CUDA zeros:
+        # a masked position may be read (times an attention weight of exactly 0), so none may be NaN
+        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        self.data = alloc((cfg.n_layers, 2, cfg.n_kv_heads, (self.num_blocks + 1) * block_size,
+                                 cfg.head_dim), device=device, dtype=dtype)
 
     @property
     def nbytes(self) -> int:

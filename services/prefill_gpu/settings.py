@@ -21,6 +21,7 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     metrics_port: int = 9101
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # auto = fp32, for parity across modes
+    cuda_graphs: bool = True  # on CUDA: decode steps and lone prefill chunks replay captured graphs
     arena_bytes: int = 256 * 1024 * 1024
     arena_wait_s: float = 2.0  # bounded wait for a slot; then RESOURCE_EXHAUSTED
     slot_hold_s: float = 30.0  # longest a finished Prefill without a deadline keeps its slot for a silent reader

@@ -1,0 +1,154 @@
+"""The torch engine's fixed-shape steps (services/prefill_gpu/cuda_graphs.py).
+
+On the CPU the fixed-shape forward runs eagerly (no capture), so everything but the capture
+itself is checked here on every machine: the device-side plan (slots from block tables, causal
+mask, bias, padding rows into the scratch block) gives the planned eager step's logits and KV,
+touches no slot outside the step's own and the scratch block, and a scheduler-driven run gives
+the same tokens. On CUDA (`-m cuda`, a lent GPU) the same runs go through captured graphs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.engine.batching_settings import BatchingSettings
+from services.prefill_gpu.batched_step import forward_logits, plan_step
+from services.prefill_gpu.cuda_graphs import CHUNK, DECODE, StepGraphs
+from tests.conftest import random_prompt
+from tests.prefill_gpu.test_batched_step import chunk, serve, slot_greedy
+
+BATCHING = BatchingSettings(kv_cache_mb=64, max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded_model):
+    from services.prefill_gpu.engine import TorchEngine
+
+    eng = TorchEngine(loaded_model.config, loaded_model.weights, device="cpu", batching=BATCHING)
+    assert eng.graphs is None  # the CPU engine runs eagerly unless a test attaches the fixed-shape steps
+    return eng
+
+
+def fixed_shape(engine) -> StepGraphs:
+    return StepGraphs(engine.model, engine.kv_pool, engine.max_num_batched_tokens, engine.max_num_seqs,
+                      engine.cfg.max_context, capture=False)
+
+
+@pytest.fixture
+def with_fixed_shape(engine):
+    engine.graphs = fixed_shape(engine)
+    yield engine.graphs
+    engine.graphs = None
+
+
+def test_scheduled_run_gives_the_eager_tokens_and_uses_both_kinds(engine, model_config, with_fixed_shape):
+    prompts = [random_prompt(n, model_config.vocab_size, seed=11) for n in (5, 40)]
+    fixed = serve(engine, prompts, 6, budget=32, arrivals_per_step=1)
+    assert with_fixed_shape.replays[DECODE] > 0 and with_fixed_shape.replays[CHUNK] > 0, with_fixed_shape.replays
+    engine.graphs = None
+    assert fixed == serve(engine, prompts, 6, budget=32, arrivals_per_step=1)
+    assert fixed[1] == slot_greedy(engine, prompts[1], 6)
+
+
+def _step_both_ways(engine, chunks):
+    """(eager logits, fixed-shape logits, pool before, pool after eager, pool after fixed)."""
+    pool = engine.kv_pool
+    before = pool.data.clone()
+    eager = forward_logits(engine.model, pool, plan_step(chunks, pool, engine.max_num_batched_tokens,
+                                                         engine.cfg.vocab_size))
+    after_eager = pool.data.clone()
+    pool.data.copy_(before)
+    graphs = fixed_shape(engine)
+    bucket = graphs.bucket_for(chunks)
+    assert bucket is not None
+    from services.prefill_gpu.cuda_graphs import StaticStep
+
+    static = StaticStep(engine.model, pool, bucket)
+    static.fill(chunks)
+    with torch.inference_mode():
+        fixed = static.forward()
+    return eager, fixed, before, after_eager, pool.data.clone()
+
+
+def _outside(pool, data, keep_slots):
+    """The pool's slots other than `keep_slots` and the scratch block, [layers, 2, kvh, n, dim]."""
+    bs = pool.block_size
+    mask = np.ones(data.shape[3], dtype=bool)
+    mask[list(keep_slots)] = False
+    mask[pool.scratch_block * bs:(pool.scratch_block + 1) * bs] = False
+    return data[:, :, :, torch.from_numpy(mask)]
+
+
+def test_decode_step_matches_the_planned_step_and_writes_only_its_slots(engine, model_config):
+    vocab, bs = model_config.vocab_size, engine.block_size
+    # three sequences in scattered blocks, prefilled for real first so attention reads real K/V
+    tables = [(7, 2, 30), (11,), (4, 5, 6, 9)]
+    lengths = [40, 9, 60]
+    for i, (t, n) in enumerate(zip(tables, lengths)):
+        engine.step([chunk(0, random_prompt(n, vocab, seed=i), t, seq_id=i)], greedy=True)
+    decodes = [chunk(n, [100 + i], t, seq_id=i) for i, (t, n) in enumerate(zip(tables, lengths))]
+    eager, fixed, before, after_eager, after_fixed = _step_both_ways(engine, decodes)
+    assert fixed.shape[0] >= 3
+    torch.testing.assert_close(fixed[:3], eager, rtol=0, atol=1e-5)
+    assert torch.equal(fixed[:3].argmax(-1), eager.argmax(-1))
+    written = {t[n // bs] * bs + n % bs for t, n in zip(tables, lengths)}
+    pool = engine.kv_pool
+    slots = sorted(written)
+    torch.testing.assert_close(after_fixed[:, :, :, slots], after_eager[:, :, :, slots], rtol=0, atol=1e-6)
+    assert torch.equal(_outside(pool, after_fixed, written), _outside(pool, before, written))
+
+
+def test_chunk_step_with_cached_context_matches_the_planned_step(engine, model_config):
+    vocab, bs = model_config.vocab_size, engine.block_size
+    table = (3, 8, 12, 1, 13)
+    prompt = random_prompt(70, vocab, seed=5)
+    engine.step([chunk(0, prompt[:33], table)], greedy=True)  # positions 0..32 cached
+    rest = chunk(33, prompt[33:], table)  # 37 rows, a bucket of 64: 27 padding rows into the scratch block
+    eager, fixed, before, after_eager, after_fixed = _step_both_ways(engine, [rest])
+    # 64 rows against 37 in each matmul: the same values to fp32 rounding (MKL blocks them differently)
+    torch.testing.assert_close(fixed, eager, rtol=1e-5, atol=1e-4)
+    assert torch.equal(fixed.argmax(-1), eager.argmax(-1))
+    written = {table[p // bs] * bs + p % bs for p in range(33, 70)}
+    slots = sorted(written)
+    torch.testing.assert_close(after_fixed[:, :, :, slots], after_eager[:, :, :, slots], rtol=1e-5, atol=1e-5)
+    assert torch.equal(_outside(engine.kv_pool, after_fixed, written), _outside(engine.kv_pool, before, written))
+
+
+def test_steps_without_a_bucket_run_eagerly(engine, model_config):
+    graphs = fixed_shape(engine)
+    mixed = [chunk(10, [1], (0,), seq_id=0), chunk(0, [1, 2, 3], (1,), seq_id=1)]
+    assert graphs.bucket_for(mixed) is None
+    too_many = [chunk(3, [1], (i,), seq_id=i) for i in range(graphs.max_decode_rows + 1)]
+    assert graphs.bucket_for(too_many) is None
+    assert graphs.bucket_for([chunk(0, [1] * 20, (0, 1))]).rows == 32
+
+
+def test_bad_input_raises_value_error_on_the_fixed_shape_path(engine, model_config, with_fixed_shape):
+    vocab, n_blocks = model_config.vocab_size, engine.num_blocks
+    with pytest.raises(ValueError, match="block ids"):
+        engine.step([chunk(3, [1], (n_blocks,))], greedy=True)
+    with pytest.raises(ValueError, match="block ids"):  # the scratch block is no sequence's
+        engine.step([chunk(0, [1, 2], (engine.kv_pool.scratch_block,))], greedy=True)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.step([chunk(3, [vocab], (0,))], greedy=True)
+    with pytest.raises(ValueError, match="past the block table"):
+        engine.step([chunk(16, [1], (0,))], greedy=True)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        engine.step([chunk(0, [1] * 513, tuple(range(33)))], greedy=True)
+    assert with_fixed_shape.replays == {DECODE: 0, CHUNK: 0}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_give_the_eager_tokens_on_cuda(loaded_model, model_config):
+    from services.prefill_gpu.engine import TorchEngine
+
+    eng = TorchEngine(loaded_model.config, loaded_model.weights, device="cuda", batching=BATCHING)
+    prompts = [random_prompt(n, model_config.vocab_size, seed=3) for n in (5, 40, 90, 200)]
+    graphs = eng.graphs
+    captured = serve(eng, prompts, 12, budget=64, arrivals_per_step=1)
+    assert graphs.replays[DECODE] > 0 and graphs.replays[CHUNK] > 0
+    assert all(s.graph is not None for s in graphs.steps.values())
+    eng.graphs = None
+    assert captured == serve(eng, prompts, 12, budget=64, arrivals_per_step=1)
