@@ -28,8 +28,9 @@ from cuda_check import smollm2_shaped_checkpoint
 smollm2_shaped_checkpoint(Path(sys.argv[1]))
 EOF
 cp .gpu/tokenizer/* "$MODEL"/
-export HYBRIDSERVE_TEST_MODEL=$MODEL HYBRIDSERVE_MODEL=$MODEL
-timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda tests/prefill_gpu 2>&1 | tee "$OUT/gpu_pytest.log"
-timeout "${ENGINE_S:-200}" python3 bench/gpu_engine.py --out "$OUT" 2>&1 | tee "$OUT/gpu_engine.log"
-timeout "${SERVE_S:-300}" python3 bench/serve.py --start-stack --concurrency 1,8,64 --rounds 1 \
+export HYBRIDSERVE_MODEL=$MODEL
+STEPS=" ${STEPS:-test engine serve} "  # a rerun can do some: STEPS=serve
+[[ $STEPS == *" test "* ]] && TEST_CHECKPOINT=$MODEL timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda tests/prefill_gpu 2>&1 | tee "$OUT/gpu_pytest.log"
+[[ $STEPS == *" engine "* ]] && timeout "${ENGINE_S:-200}" python3 bench/gpu_engine.py --out "$OUT" 2>&1 | tee "$OUT/gpu_engine.log"
+[[ $STEPS == *" serve "* ]] && timeout "${SERVE_S:-300}" python3 bench/serve.py --start-stack --concurrency 1,8,64 --rounds 1 \
   --output-range 32,96 --no-long-prompts --name serve_gpu --out "$OUT" 2>&1 | tail -60 | tee "$OUT/serve_gpu.log"

@@ -16,11 +16,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def loaded_model():
-    """The default model; HYBRIDSERVE_TEST_MODEL names another (a lent GPU machine, which cannot
-    receive the default GGUF, runs the `cuda` tests on a checkpoint of the same shape)."""
+    """The default model; TEST_CHECKPOINT names another (a lent GPU machine, which cannot
+    receive the default GGUF, runs the `cuda` tests on a checkpoint of the same shape). Not a
+    HYBRIDSERVE_ variable: the services refuse names they do not know."""
     from services.model.loading import load_model
 
-    return load_model(os.environ.get("HYBRIDSERVE_TEST_MODEL") or None)
+    return load_model(os.environ.get("TEST_CHECKPOINT") or None)
 
 
 @pytest.fixture(scope="session")

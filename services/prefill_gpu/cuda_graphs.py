@@ -143,7 +143,7 @@ class StaticStep:
                                                                                                    float("-inf"))
             return StepPlan(r, tokens, positions, write, self._row_ids, ctx,
                             bias.repeat(cfg.n_kv_heads, 1)[:, None, :], [], self._row_ids)
-        last = (real.sum() - 1).reshape(1)  # the chunk's last real row
+        last = (real.sum() - 1).clamp(min=0).reshape(1)  # the chunk's last real row (0 in a padding-only step)
         return StepPlan(r, tokens, positions, write, None, None, None,
                         [PrefillRows(0, r, 0, ctx[0], visible)], last)
 

@@ -115,6 +115,21 @@ def test_chunk_step_with_cached_context_matches_the_planned_step(engine, model_c
     assert torch.equal(_outside(engine.kv_pool, after_fixed, written), _outside(engine.kv_pool, before, written))
 
 
+@pytest.mark.parametrize("kind", [DECODE, CHUNK])
+def test_a_step_of_padding_only_writes_nothing_but_the_scratch_block(engine, kind):
+    """What a capture runs (its inputs are padding): every slot outside the scratch block unchanged."""
+    from services.prefill_gpu.cuda_graphs import Bucket, StaticStep
+
+    pool = engine.kv_pool
+    before = pool.data.clone()
+    static = StaticStep(engine.model, pool, Bucket(kind, 16, 64))
+    static.inputs.copy_(static.host)  # fill_padding's host buffer, as capture() copies it
+    with torch.inference_mode():
+        logits = static.forward()
+    assert torch.isfinite(logits).all()
+    assert torch.equal(_outside(pool, pool.data, ()), _outside(pool, before, ()))
+
+
 def test_steps_without_a_bucket_run_eagerly(engine, model_config):
     graphs = fixed_shape(engine)
     mixed = [chunk(10, [1], (0,), seq_id=0), chunk(0, [1, 2, 3], (1,), seq_id=1)]
