@@ -13,7 +13,7 @@ The default GGUF is used when installed; otherwise (a lent GPU machine cannot re
 98 MB file) a SmolLM2-shaped checkpoint with random weights, written as safetensors with
 bench/cuda_check.py, which exercises every kernel path at the real sizes.
 
-    python bench/gpu_engine.py [--out bench/results] [--name gpu_engine]
+    python bench/gpu_engine.py [--out bench/results] [--name engine_gpu]
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def load(tmp: Path):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="gpu_engine")
+    ap.add_argument("--name", default="engine_gpu")
     ap.add_argument("--smoke", action="store_true", help="on the CPU, tiny sizes: checks the script runs")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
