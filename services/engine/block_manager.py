@@ -20,7 +20,10 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from services.engine.kv_events import KVEventLog
 
 KV_TENSORS = 2  # K and V
 
@@ -57,7 +60,8 @@ class Block:
 class BlockManager:
     """Owns every block id and each sequence's block table (keyed by seq_id)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 events: "KVEventLog | None" = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -69,6 +73,7 @@ class BlockManager:
         self._cache: dict[bytes, int] = {}  # hash -> block id
         self._tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading computed full blocks
+        self.events = events  # told of every hash registered and forgotten (kv_events.py: routers follow it)
         self.num_queried_tokens = 0  # prompt tokens looked up in the cache, for the hit ratio
         self.num_hit_tokens = 0
 
@@ -188,6 +193,8 @@ class BlockManager:
             block.hash, block.token_ids = key, tokens
             block.parent_id = table[i - 1] if i else None
             self._cache[key] = block.block_id
+            if self.events is not None:
+                self.events.stored(key)
 
     # ---- release ---------------------------------------------------------------------------
     def free(self, seq_id: int) -> list[int]:
@@ -212,14 +219,19 @@ class BlockManager:
         an operator); blocks in use keep their keys. Returns how many were forgotten."""
         n = len(self._evictable)
         for block_id in self._evictable:
-            block = self.blocks[block_id]
-            del self._cache[block.hash]
-            block.forget()
+            self._forget(self.blocks[block_id])
             self._free.append(block_id)
         self._evictable.clear()
         return n
 
     # ---- internals -------------------------------------------------------------------------
+    def _forget(self, block: Block) -> None:
+        """Take a cached block out of the prefix cache (evicted or reset)."""
+        del self._cache[block.hash]
+        if self.events is not None:
+            self.events.removed(block.hash)
+        block.forget()
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -231,8 +243,6 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)  # least recently released
-            block = self.blocks[block_id]
-            del self._cache[block.hash]
-            block.forget()
+            self._forget(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id

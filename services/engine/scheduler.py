@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from services.engine.block_manager import BlockManager
+from services.engine.kv_events import KVEventLog
 from services.engine.request_state import RequestState, state_after_token
 
 
@@ -150,7 +151,10 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        # what the prefix cache holds, for a router to follow (through Info)
+        self.kv_events = KVEventLog() if config.enable_prefix_caching else None
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.kv_events)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: newest last
         self.num_preemptions = 0

@@ -108,7 +108,13 @@ class EngineServicer(pb_grpc.EngineServicer):
             abort(context, exc, self.process, request_id)
 
     def Info(self, request, context):
-        return pb.InfoResponse(**self.runtime.info_fields())
+        reply = pb.InfoResponse(**self.runtime.info_fields())
+        events = self.runtime.loop.scheduler.kv_events
+        if events is not None:
+            d = events.since(request.kv_events_epoch, request.kv_events_since)
+            reply.kv_events.CopyFrom(pb.KVEvents(epoch=d.epoch, seq=d.seq, snapshot=d.snapshot, stored=d.stored,
+                                                 removed=d.removed, partial=d.partial))
+        return reply
 
     def Profile(self, request, context):
         samples = self.runtime.profile_samples(request.refresh)

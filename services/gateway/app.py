@@ -85,7 +85,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         addresses = [] if settings.pairs_dns else settings.pair_addresses()
         connect = lambda address: EngineClients(  # noqa: E731
             address[0], address[1], token, "" if len(addresses) == 1 else f"pair at {address[0]}: ")
-        pairs = Pairs({i: connect(a) for i, a in enumerate(addresses)}, dict(enumerate(addresses)))
+        pairs = Pairs({i: connect(a) for i, a in enumerate(addresses)}, dict(enumerate(addresses)),
+                      settings.prefix_policy())
         discover = None
         if settings.pairs_dns:
             ports = [int(a.rpartition(":")[2]) for a in (settings.prefill_address, settings.decode_address)]

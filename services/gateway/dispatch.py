@@ -244,7 +244,8 @@ class Dispatcher:
         attempt = 0
         while True:
             d = self.route(len(req.prompt_ids), req.max_tokens, req.forced, attempt, failed, prefer)
-            d = replace(d, reason=reason or d.reason, pair=self.pairs.choose(d.mode, failed))
+            placed = self.pairs.place(d.mode, req.prompt_ids, failed)
+            d = replace(d, reason=reason or d.reason, pair=placed.pair, placement=placed)
             mode, clients = MODES[d.mode], self.pairs.members[d.pair]
             # counted on the pair from now (requests arriving together must see each other), until
             # the stream is cancelled, or here when the call fails before its first message
@@ -280,6 +281,10 @@ class Dispatcher:
                 raise APIError(502, "the engine ended the call without a token", code="engine_error")
             m.DECISIONS.labels(mode=d.mode, reason=d.reason).inc()
             m.PAIR_CALLS.labels(pair=str(d.pair), mode=d.mode).inc()
+            if len(self.pairs) > 1:
+                m.PAIR_PLACEMENTS.labels(reason=placed.reason).inc()
+                m.PREFIX_HIT_TOKENS.inc(placed.hit_tokens)
+                m.PREFIX_QUERY_TOKENS.inc(len(req.prompt_ids))
             return call, d, first
 
     def _retries(self, exc: grpc.aio.AioRpcError, req: EngineRequest, attempt: int) -> bool:

@@ -10,6 +10,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.kv_index import EngineBlocks
 from services.modes import ENGINE_NAMES, ENGINES
 from services.rpc.engine_token import aio_interceptors
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
@@ -30,15 +31,18 @@ class EngineClients:
         self.up = {e: False for e in ENGINES}  # as of the last health check
         self.info: dict[str, pb.InfoResponse] = {}
         self.profiles: dict[str, list[dict]] = {}
+        self.blocks = {e: EngineBlocks() for e in ENGINES}  # what each holds in its prefix cache (kv_index.py)
 
     async def check(self, engine: str) -> bool:
         try:
             reply = await self._health[engine].Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             up = reply.status == health_pb2.HealthCheckResponse.SERVING
             if up and engine not in self.info:
-                self.info[engine] = await self.stubs[engine].Info(pb.InfoRequest(), timeout=5.0)
+                self._took_info(engine, await self.stubs[engine].Info(self.blocks[engine].cursor(), timeout=5.0))
         except grpc.RpcError:
             up = False
+        if not up:
+            self.blocks[engine].clear()
         if up != self.up[engine]:
             log.info("%s%s is %s", self.label, ENGINE_NAMES[engine], "up" if up else "DOWN")
         self.up[engine] = up
@@ -52,10 +56,15 @@ class EngineClients:
         """Info again from every engine that is up: its batch and queue right now (the router's load)."""
         async def one(engine: str) -> None:
             try:
-                self.info[engine] = await self.stubs[engine].Info(pb.InfoRequest(), timeout=1.0)
+                self._took_info(engine, await self.stubs[engine].Info(self.blocks[engine].cursor(), timeout=1.0))
             except grpc.RpcError:
                 pass  # the next health check says whether it is gone
         await asyncio.gather(*(one(e) for e, up in self.up.items() if up))
+
+    def _took_info(self, engine: str, info: pb.InfoResponse) -> None:
+        self.blocks[engine].apply(info)
+        info.ClearField("kv_events")  # applied; the load fields are what the rest reads
+        self.info[engine] = info
 
     async def fetch_profile(self, engine: str) -> list[dict] | None:
         try:

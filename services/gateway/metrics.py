@@ -22,6 +22,12 @@ MIGRATIONS = Counter("hybridserve_request_migrations", "Requests moved to anothe
                      ["from", "to"])
 # engine calls opened on each pair (pairs.py; the label is the pair's index, so bounded by the pairs
 # at once): a migrated request counts once on each pair it ran on
+PAIR_PLACEMENTS = Counter("hybridserve_pair_placements", "Pair choices with several pairs, by what decided: "
+                          "prefix (cached prefix and load), load (no hit anywhere), balance (the balance guard "
+                          "overrode prefix affinity), only (one pair could serve)", ["reason"])
+PREFIX_HIT_TOKENS = Counter("hybridserve_prefix_routing_hit_tokens", "Prompt tokens the chosen pair held cached, "
+                            "by the gateway's KV index (several pairs)")
+PREFIX_QUERY_TOKENS = Counter("hybridserve_prefix_routing_query_tokens", "Prompt tokens routed among several pairs")
 PAIR_CALLS = Counter("hybridserve_pair_calls", "Engine calls opened per engine pair and mode", ["pair", "mode"])
 PAIR_ENGINE_UP = Gauge("hybridserve_pair_engine_up", "1 while the engine of the pair answers its health check",
                        ["pair", "engine"])

@@ -71,13 +71,16 @@ class MigrationRecord(BaseModel):
 class Hybridserve(_LeavesOutNone):
     """The `hybridserve` object on a response: which mode served it, why, and what it cost."""
 
-    _omit_if_none = ("migrations",)
+    _omit_if_none = ("migrations", "placement")
 
     mode: str  # the router's choice; where the request ended up after a migration: `migrations`
     reason: str  # "auto" | "forced" | "fallback"
     estimates: dict[str, float]  # the router's seconds per mode it considered
     timings: Timings  # the engine's timings of the last call (after a migration: of its part only)
     migrations: list[MigrationRecord] | None = None  # only on a request that migrated
+    # with several pairs: the pair, what decided it (prefix | load | balance) and the prompt tokens it
+    # held cached by the gateway's index (services/gateway/prefix_routing.py)
+    placement: dict | None = None
 
 
 # ---- unary responses ------------------------------------------------------------------

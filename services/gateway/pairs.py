@@ -14,6 +14,7 @@ import asyncio
 from typing import Callable, Protocol
 
 from services.gateway.pair_load import PairLoads
+from services.gateway.prefix_routing import Placement, PrefixPolicy, place
 from services.modes import ENGINES, MODES
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
@@ -22,6 +23,7 @@ class Engines(Protocol):
     """What the gateway uses of one pair's engine_client.EngineClients (tests pass a fake)."""
 
     up: dict[str, bool]  # engine -> up at the last health check
+    blocks: dict  # engine -> kv_index.EngineBlocks: what it holds in its prefix cache
 
     def context_of(self, engine: str) -> int: ...
 
@@ -56,10 +58,12 @@ def _is_address(a: str) -> bool:
 class Pairs:
     """Every pair's clients, and the load book the pair choice reads."""
 
-    def __init__(self, members: dict[int, Engines] | list[Engines], addresses: dict[int, Address] | None = None):
+    def __init__(self, members: dict[int, Engines] | list[Engines], addresses: dict[int, Address] | None = None,
+                 prefix_policy: PrefixPolicy | None = None):
         self.members: dict[int, Engines] = dict(enumerate(members)) if isinstance(members, list) else dict(members)
         self.addresses: dict[int, Address] = dict(addresses or {})
         self.loads = PairLoads()
+        self.prefix_policy = prefix_policy or PrefixPolicy()
 
     def __len__(self) -> int:
         return len(self.members)
@@ -71,6 +75,20 @@ class Pairs:
 
     def choose(self, mode: str, exclude: frozenset = frozenset()) -> int:
         return self.loads.choose(mode, self.serving(mode, exclude))
+
+    def place(self, mode: str, prompt_ids: list[int], exclude: frozenset = frozenset()) -> Placement:
+        """The pair for a request of `mode`: where its prompt's prefix is cached, and load
+        (prefix_routing.py). LookupError when no pair can serve the mode."""
+        candidates = self.serving(mode, exclude)
+        least = self.loads.choose(mode, candidates)
+        chains: dict[int, list[bytes]] = {}  # the prompt's block hashes per block size, computed once
+        hits, loads = {}, {}
+        for p in candidates:
+            blocks = getattr(self.members[p], "blocks", None)
+            hits[p] = max((blocks[e].hit_tokens(prompt_ids, chains) for e in MODES[mode].engines),
+                          default=0) if blocks and len(candidates) > 1 else 0
+            loads[p] = self.loads.load(p, mode)[0]
+        return place(candidates, least, loads, hits, len(prompt_ids), self.prefix_policy)
 
     def engine_up_anywhere(self, engine: str) -> bool:
         return any(c.up.get(engine) for c in self.members.values())

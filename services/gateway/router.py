@@ -52,12 +52,16 @@ import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import Histogram
 
 from services.gateway.batch_slowdown import BatchSlowdown
 from services.gateway.cost_model import CostModel, StageKey, stage_key
 from services.modes import ENGINES, MODE_NAMES, MODES
+
+if TYPE_CHECKING:
+    from services.gateway.prefix_routing import Placement
 
 __all__ = ["CostModel", "Decision", "Router", "samples_from_timings", "ESTIMATE_RATIO"]
 
@@ -76,6 +80,7 @@ class Decision:
     estimates: dict[str, float]  # seconds per mode; only the modes considered
     pair: int = 0  # the engine pair that serves it (the dispatcher's choice, after the mode)
     company: dict[str, int] | None = None  # per engine, the requests this one shares it with when sent
+    placement: "Placement | None" = None  # prefix_routing.py: why that pair (set by the dispatcher)
 
 
 class Router:

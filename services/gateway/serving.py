@@ -116,8 +116,9 @@ class Run:
         d = self.decision
         moves = [MigrationRecord(from_mode=mg.from_mode, to_mode=mg.to_mode, after_tokens=mg.after_tokens,
                                  from_pair=mg.from_pair, to_pair=mg.to_pair) for mg in self.migrations]
+        placed = d.placement.record() if d.placement is not None and d.placement.reason != "only" else None
         return Hybridserve(mode=d.mode, reason=d.reason, estimates=d.estimates, timings=self.timings(),
-                           migrations=moves or None)
+                           migrations=moves or None, placement=placed)
 
     def usage(self) -> Usage:
         return Usage.of(self.n_in, self.n_out)

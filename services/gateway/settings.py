@@ -6,6 +6,7 @@ from typing import ClassVar
 from pydantic import Field, SecretStr, field_validator
 
 from services.gateway.pairs import parse_pairs
+from services.gateway.prefix_routing import PrefixPolicy
 from services.settings import CommonSettings
 
 
@@ -47,6 +48,15 @@ class GatewaySettings(CommonSettings):
     # whether both engines compute on the same processor (then queued work delays every mode alike);
     # unset: detected from the engines' devices (torch on the CPU and an OpenCL CPU device)
     engines_share_cpu: bool | None = None
+    # with several pairs: prefer the pair whose engines hold the prompt's prefix (prefix_routing.py);
+    # a whole prompt cached is worth prefix_weight batches of queue; past a queue-share spread of
+    # prefix_balance_guard between the pairs, the least loaded serves whatever it holds
+    prefix_routing: bool = True
+    prefix_weight: float = Field(1.0, ge=0.0)
+    prefix_balance_guard: float = Field(0.5, ge=0.0)
+
+    def prefix_policy(self) -> PrefixPolicy:
+        return PrefixPolicy(self.prefix_routing, self.prefix_weight, self.prefix_balance_guard)
 
     @field_validator("pairs")
     @classmethod

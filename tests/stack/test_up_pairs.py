@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -103,7 +104,9 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
            UpSettings.env_name("restart_backoff_s"): "0.5",
            PrefillSettings.env_name("arena_bytes"): str(32 << 20),
            PrefillSettings.env_name("kv_cache_mb"): "128", DecodeSettings.env_name("kv_cache_mb"): "128",
-           DecodeSettings.env_name("max_context"): "512", DecodeSettings.env_name("max_sequences"): "2"}
+           DecodeSettings.env_name("max_context"): "512", DecodeSettings.env_name("max_sequences"): "2",
+           # the prefix check runs one pair busier than the other: no guard (tests/gateway/test_prefix_routing.py has it)
+           "HYBRIDSERVE_GATEWAY_PREFIX_BALANCE_GUARD": "100"}
     stack = start_stack(tmp_path / "up.log", env, timeout=600, pairs=2)
     log = tmp_path / "up.log"
     up_pid = stack.process.proc.pid
@@ -114,6 +117,7 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
                                                           "prefill_gpu@1", "decode_fpga@1"}
         model = http_json(stack.url + "/v1/models")[2]["data"][0]["id"]
         decode_1 = _decode_pid(stack, up_pid, 1)
+        _a_second_turn_goes_where_its_prefix_is(stack.url, model)
 
         clients, _ = load(stack.url, model, CLIENTS)
         # the kill once pair 1 streams: some of its requests mid-stream, others maybe not started yet
@@ -153,6 +157,76 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
         stack.stop()
     assert stack.process.proc.returncode == 0 and len(pids) == 5  # two pairs and the gateway
     assert not any(alive(p) for p in pids)
+
+
+TURN = ("Once upon a time there was a small robot who lived in a lighthouse by the sea. Every night it "
+        "climbed the stairs, polished the great lamp and counted the ships that passed, writing each name in")
+
+
+class Hog(threading.Thread):
+    """A long streamed completion that keeps one pair busy until stop() drops its connection."""
+
+    def __init__(self, url: str, model: str, prompt: str):
+        super().__init__(daemon=True)
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        self.body = {"model": model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                     "mode": "fpga", "stream": True}
+        self.pair, self.streaming, self.done = None, threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        try:
+            self.conn.request("POST", "/v1/completions", json.dumps(self.body), {"Content-Type": "application/json"})
+            r = self.conn.getresponse()
+            self.pair = int(r.getheader("x-hybridserve-pair"))
+            for raw in r:
+                if raw.startswith(b"data: {"):
+                    self.streaming.set()
+                if self.done.is_set():
+                    return
+        except (OSError, http.client.HTTPException):
+            pass  # the connection dropped by stop()
+        finally:
+            self.streaming.set()
+
+    def stop(self) -> None:
+        """Drop the connection (the gateway cancels the request) and wait for the reader to end."""
+        self.done.set()
+        if self.conn.sock is not None:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)  # the reader's next read ends; closing is its own
+        self.join(60)
+        self.conn.close()
+
+
+def _a_second_turn_goes_where_its_prefix_is(url: str, model: str) -> None:
+    """Prefix-aware placement, live: the first turn lands on pair X while the other pair is busy;
+    then, with X the busier pair (a long request sharing the prefix runs there), the second turn
+    still goes to X for its cached prefix, where the least-loaded choice alone would take the other."""
+    def complete(prompt: str) -> dict:
+        status, _, body = http_json(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2,
+                                                             "temperature": 0, "mode": "fpga"})
+        assert status == 200, body
+        return body["hybridserve"]["placement"]
+
+    hog = Hog(url, model, "The capital of France is")
+    hog.start()
+    assert hog.streaming.wait(300) and hog.pair in (0, 1)
+    first = complete(TURN)
+    x = 1 - hog.pair
+    assert first == {"pair": x, "reason": "load", "prefix_hit_tokens": 0}, first
+    hog.stop()
+    time.sleep(2.5)  # the gateway learns the new blocks (and the idle loads) at its next Info, every second
+    busy = Hog(url, model, TURN + " a lighthouse keeper's log.")
+    busy.start()
+    try:
+        assert busy.streaming.wait(300) and busy.pair == x
+        time.sleep(1.5)
+        second = complete(TURN + " a little book.")
+        assert second["pair"] == x and second["reason"] == "prefix" and second["prefix_hit_tokens"] >= 32, second
+    finally:
+        busy.stop()
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    assert re.search(r'^hybridserve_pair_placements_total\{reason="prefix"\} [1-9]', text, re.M)
 
 
 def _decode_pid(stack, up_pid: int, pair: int) -> int | None:

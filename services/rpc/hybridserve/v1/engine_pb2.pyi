@@ -145,11 +145,31 @@ class PrefillResponse(_message.Message):
     def __init__(self, slot: _Optional[_Union[SlotGranted, _Mapping]] = ..., layer: _Optional[_Union[LayerReady, _Mapping]] = ..., done: _Optional[_Union[PrefillDone, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_events_epoch", "kv_events_since")
+    KV_EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_SINCE_FIELD_NUMBER: _ClassVar[int]
+    kv_events_epoch: str
+    kv_events_since: int
+    def __init__(self, kv_events_epoch: _Optional[str] = ..., kv_events_since: _Optional[int] = ...) -> None: ...
+
+class KVEvents(_message.Message):
+    __slots__ = ("epoch", "seq", "snapshot", "stored", "removed", "partial")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    partial: bool
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")
+    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_events")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +189,7 @@ class InfoResponse(_message.Message):
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
     device: str
@@ -188,7 +209,8 @@ class InfoResponse(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage_ratio: float
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ...) -> None: ...
+    kv_events: KVEvents
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("refresh",)
