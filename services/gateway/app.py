@@ -38,6 +38,8 @@ from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
 from services.gateway.pair_discovery import DnsPairs
 from services.gateway.pairs import Pairs
+from services.gateway.planner import Planner
+from services.gateway.planner import publish as publish_planner
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
 from services.gateway.router import Router
@@ -94,8 +96,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         file_samples = json.loads(open(settings.calibration_file).read()) if settings.calibration_file else []
         router = Router(file_samples, explore_share=settings.router_explore_share)
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        app.state.hs = State(settings, tokenizer, pairs, router, Dispatcher(pairs, router),
+        dispatcher = Dispatcher(pairs, router)
+        dispatcher.planner = planner = Planner(settings.planner_targets())
+        app.state.hs = State(settings, tokenizer, pairs, router, dispatcher,
                              settings.served_model_name or ckpt.model_id, pool)
+        publish_planner(planner, router, pairs)  # hybridserve_planner_* on /metrics
         watch = asyncio.create_task(watch_engines(pairs, router, file_samples, settings.health_interval_s,
                                                   settings.engines_share_cpu, discover))
         try:

@@ -45,6 +45,7 @@ import grpc
 from services.gateway import metrics as m
 from services.gateway.errors import APIError, engine_error
 from services.gateway.pairs import Engines, Pairs
+from services.gateway.planner import Planner
 from services.gateway.router import Decision, Router
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.modes import AUTO, ENGINE_NAMES, MODES
@@ -197,6 +198,7 @@ class Dispatcher:
     def __init__(self, pairs: Pairs | Engines, router: Router):
         self.pairs = pairs if isinstance(pairs, Pairs) else Pairs([pairs])
         self.router = router
+        self.planner: Planner | None = None  # told of each request admitted (the pools' sizing signal)
 
     def route(self, n_in: int, max_tokens: int, forced: str | None, attempt: int = 0,
               failed: frozenset = frozenset(), prefer: str | None = None) -> Decision:
@@ -231,6 +233,8 @@ class Dispatcher:
 
     async def open(self, req: EngineRequest) -> EngineStream:
         """Route and call, retrying as the module docstring says; the call once its first message is in."""
+        if self.planner is not None:
+            self.planner.arrived(len(req.prompt_ids), req.max_tokens)
         call, decision, first = await self.call(req)
         return EngineStream(self, req, call, decision, first)
 

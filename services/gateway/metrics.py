@@ -22,6 +22,10 @@ MIGRATIONS = Counter("hybridserve_request_migrations", "Requests moved to anothe
                      ["from", "to"])
 # engine calls opened on each pair (pairs.py; the label is the pair's index, so bounded by the pairs
 # at once): a migrated request counts once on each pair it ran on
+PLANNER_DESIRED = Gauge("hybridserve_planner_desired_replicas", "Engines each pool needs for the TTFT and ITL "
+                        "targets at the last window's load (services/gateway/planner.py)", ["pool"])
+PLANNER_DEMAND = Gauge("hybridserve_planner_demand_requests_per_second", "Requests admitted per second over the "
+                       "planner's window")
 PAIR_PLACEMENTS = Counter("hybridserve_pair_placements", "Pair choices with several pairs, by what decided: "
                           "prefix (cached prefix and load), load (no hit anywhere), balance (the balance guard "
                           "overrode prefix affinity), only (one pair could serve)", ["reason"])

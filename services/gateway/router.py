@@ -199,6 +199,11 @@ class Router:
             seconds *= self._slowdown[key[1]].factor(company)
         return seconds
 
+    def stage_seconds(self, stage: str, device: str, n_in: int, n_out: int, company: int = 0) -> float:
+        """One stage's fitted seconds, corrections and batch slowdown included (the planner's costs)."""
+        with self._lock:
+            return self._stage_estimate((stage, device), n_in, n_out, company)
+
     # ---- queueing -------------------------------------------------------------------
     def started(self, mode: str) -> None:
         with self._lock:

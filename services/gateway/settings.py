@@ -6,6 +6,7 @@ from typing import ClassVar
 from pydantic import Field, SecretStr, field_validator
 
 from services.gateway.pairs import parse_pairs
+from services.gateway.planner import Targets
 from services.gateway.prefix_routing import PrefixPolicy
 from services.settings import CommonSettings
 
@@ -54,6 +55,15 @@ class GatewaySettings(CommonSettings):
     prefix_routing: bool = True
     prefix_weight: float = Field(1.0, ge=0.0)
     prefix_balance_guard: float = Field(0.5, ge=0.0)
+
+    # the planner (planner.py): the targets it sizes the prefill and decode pools for, on /metrics
+    planner_ttft_s: float = Field(2.0, gt=0)
+    planner_itl_s: float = Field(0.1, gt=0)
+    planner_max_replicas: int = Field(16, ge=1)
+    planner_window_s: float = Field(60.0, gt=0)
+
+    def planner_targets(self) -> Targets:
+        return Targets(self.planner_ttft_s, self.planner_itl_s, self.planner_max_replicas, self.planner_window_s)
 
     def prefix_policy(self) -> PrefixPolicy:
         return PrefixPolicy(self.prefix_routing, self.prefix_weight, self.prefix_balance_guard)

@@ -255,16 +255,28 @@ def test_the_autoscalers_scale_engine_pods_on_a_metric_the_engines_export(render
 
     from services.engine import metrics
 
+    from services.gateway import metrics as gateway_metrics
+
     exported = {family.name for collector in vars(metrics).values() if isinstance(collector, MetricWrapperBase)
                 for family in collector.describe()}
+    gateway_exported = {family.name for collector in vars(gateway_metrics).values()
+                        if isinstance(collector, MetricWrapperBase) for family in collector.describe()}
     objects = rendered[overlay]
     autoscalers = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
     assert autoscalers
     for hpa in autoscalers:
         target = hpa["spec"]["scaleTargetRef"]
         assert "hybridserve.io/role" in pod_labels(k8s.named(objects, target["kind"], target["name"]))
-        names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+        names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
         assert names <= exported and "hybridserve_engine_num_requests_waiting" in names
+        for m in (m for m in hpa["spec"]["metrics"] if m["type"] == "External"):
+            # the planner's signal, from the gateway, for the pool this StatefulSet is
+            assert m["external"]["metric"]["name"] in gateway_exported
+            role = pod_labels(k8s.named(objects, target["kind"], target["name"]))["app.kubernetes.io/component"]
+            assert m["external"]["metric"]["selector"]["matchLabels"] == {"pool": role}
+            assert m["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    if overlay == "split":  # its prefill and decode pools scale on the planner
+        assert sum(m["type"] == "External" for hpa in autoscalers for m in hpa["spec"]["metrics"]) == 2
 
 
 @pytest.mark.parametrize("overlay", ["gpu-fpga", "split"])
