@@ -17,3 +17,6 @@ class BatchingSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)  # sequences running in one batch at most
     max_num_batched_tokens: int = Field(512, ge=16)  # tokens per engine step, decodes included
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix
+    # while decodes run, a step's prompt tokens are cut so the step stays within this (measured costs,
+    # services/engine/step_pacer.py): a long prompt arriving never stalls the streams for long. 0 = off
+    step_target_s: float = Field(0.1, ge=0.0)

@@ -341,6 +341,7 @@ class EngineLoop:
             return
         self.steps += 1
         m.STEP_SECONDS.observe(time.perf_counter() - now)
+        self.scheduler.observe_step(out, time.perf_counter() - now)
         m.STEP_SEQUENCES.observe(len(out.chunks))
         m.STEP_TOKENS.observe(out.num_batched_tokens)
         if out.preempted:

@@ -33,7 +33,8 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
     return SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                            max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=engine.max_num_batched_tokens,
-                           max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching)
+                           max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching,
+                           step_target_s=settings.step_target_s)
 
 
 class EngineRuntime:

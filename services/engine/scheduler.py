@@ -39,6 +39,7 @@ from typing import Any, Mapping
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_events import KVEventLog
+from services.engine.step_pacer import StepPacer
 from services.engine.request_state import RequestState, state_after_token
 
 
@@ -54,6 +55,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens computed per step, decodes included
     max_model_len: int = 2048  # context window: prompt + generated tokens
     enable_prefix_caching: bool = True
+    step_target_s: float = 0.0  # with decodes running, prompt tokens per step cut to fit it (step_pacer.py)
 
     def __post_init__(self) -> None:
         checks = {
@@ -160,6 +162,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
+        self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens)
 
     # ---- metrics ---------------------------------------------------------------------------
     @property
@@ -258,6 +261,9 @@ class Scheduler:
         preempted: list[int] = []
         decodes = self._schedule_decodes(preempted)
         budget = self.config.max_num_batched_tokens - len(decodes)
+        cap = self.pacer.cap() if decodes else None
+        if cap is not None:  # streams wait on this step: no more prompt than fits the step target
+            budget = min(budget, cap)
         prefills, budget = self._schedule_running_prefills(budget)
         if not preempted:  # blocks ran short this step: admitting more would only thrash
             prefills += self._admit_waiting(budget)
@@ -285,6 +291,10 @@ class Scheduler:
                 self._finish(seq)
                 finished.append(seq)
         return finished
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """How long the engine took for `output`: what the pacer sizes later steps' prompt chunks by."""
+        self.pacer.observe(len(output.decodes), sum(c.num_tokens for c in output.prefills), seconds)
 
     # ---- internals -------------------------------------------------------------------------
     def _schedule_decodes(self, preempted: list[int]) -> list[ScheduledChunk]:

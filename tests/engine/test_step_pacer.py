@@ -1,0 +1,79 @@
+"""The step pacer (services/engine/step_pacer.py) and the scheduler cutting prompt chunks to it."""
+from __future__ import annotations
+
+from services.engine.engine_loop import EngineLoop
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from services.engine.step_pacer import StepPacer
+from tests.engine.paged_fake import PagedFakeEngine
+
+
+def test_the_cap_fits_the_target_from_measured_costs():
+    p = StepPacer(target_s=0.1, floor=16, ceiling=512)
+    assert p.cap() is None  # nothing measured yet
+    for _ in range(20):
+        p.observe(4, 0, 0.02)  # decode-only steps: 20 ms
+        p.observe(4, 100, 0.22)  # 100 prompt tokens cost 200 ms more: 2 ms each
+    assert abs(p.base_s - 0.02) < 1e-9 and abs(p.per_token_s - 0.002) < 1e-9
+    assert p.cap() == 40  # (0.1 - 0.02) / 0.002
+    for _ in range(20):
+        p.observe(4, 40, 0.02 + 40 * 0.01)  # the machine got 5x slower per prompt token (or the context grew)
+    assert p.cap() == 16  # never below a block: the prompt always advances
+    assert StepPacer(0.0, 16, 512).cap() is None  # off
+
+
+def test_a_long_prompt_is_cut_to_the_cap_only_while_decodes_run():
+    sched = Scheduler(SchedulerConfig(num_blocks=200, block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
+                                      max_model_len=4096, step_target_s=0.1))
+    sched.pacer.base_s, sched.pacer.per_token_s = 0.02, 0.002  # as measured: cap 40
+    sched.add(Sequence(0, list(range(1, 1201)), 50))  # alone: the whole budget
+    first = sched.schedule()
+    assert [c.num_tokens for c in first.prefills] == [512]
+    sched.update(first, {})
+    sched.abort(0)
+    sched.add(Sequence(1, [5, 6, 7], 50))
+    out = sched.schedule()  # a short prompt, then it decodes
+    sched.update(out, {1: 9})
+    sched.add(Sequence(2, list(range(1, 1201)), 50))
+    steps = []
+    for _ in range(5):
+        out = sched.schedule()
+        steps.append(([c.num_tokens for c in out.decodes], [c.num_tokens for c in out.prefills]))
+        sched.observe_step(out, 0.02 + 0.002 * sum(c.num_tokens for c in out.prefills))
+        sched.update(out, {c.seq_id: 9 for c in out.chunks if c.samples})
+    assert all(decodes == [1] and prefills == [40] for decodes, prefills in steps), steps
+
+
+class PromptCostEngine(PagedFakeEngine):
+    """A fake engine whose step takes 2 ms plus 1 ms per prompt token, as a device's would grow."""
+
+    def step(self, chunks, greedy, on_layer=None):
+        self.step_s = 0.002 + 0.001 * sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        return super().step(chunks, greedy, on_layer)
+
+
+def mixed_steps(target_s: float) -> list[int]:
+    """Prompt tokens of each step that also decoded, while a 200-token prompt arrives beside a stream."""
+    engine = PromptCostEngine(256, block_size=4, max_num_batched_tokens=64)
+    loop = EngineLoop(engine, SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                              max_model_len=512, step_target_s=target_s))
+    try:
+        stream = loop.submit(list(range(1, 9)), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        tokens = stream.events()
+        next(tokens)  # decoding now (the iterator is kept: closing it would cancel the stream)
+        long = loop.submit([i % 90 + 1 for i in range(200)], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        list(long.events())
+        list(tokens)
+    finally:
+        loop.close()
+    return [sum(n for _, _, n in step if n > 1) for step in engine.steps
+            if any(n == 1 for _, _, n in step) and any(n > 1 for _, _, n in step)]
+
+
+def test_the_engine_loop_paces_prompt_chunks_by_its_measured_step_times():
+    unpaced = mixed_steps(0.0)
+    assert max(unpaced) > 40  # the whole budget beside the decode: a 65 ms step
+    paced = mixed_steps(0.02)  # 2 ms a decode step + 1 ms a prompt token: 18 tokens fit
+    # the first mixed step is before anything was measured; after it, the cap (timing noise on a busy
+    # machine only makes the measured costs, so the cap, larger per token: fewer tokens)
+    assert paced[1:] and max(paced[1:]) <= 20, paced
