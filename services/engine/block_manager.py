@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
+    from services.engine.host_kv_tier import HostKVTier
     from services.engine.kv_events import KVEventLog
 
 KV_TENSORS = 2  # K and V
@@ -52,9 +53,10 @@ class Block:
     hash: bytes | None = None  # set while the block is registered in the prefix cache
     token_ids: tuple[int, ...] = ()  # the tokens it caches, checked on every hit
     parent_id: int | None = None  # the block it was computed after (None: first block)
+    parent_hash: bytes = b""  # that block's key (the host tier verifies a hit by it)
 
     def forget(self) -> None:
-        self.hash, self.token_ids, self.parent_id = None, (), None
+        self.hash, self.token_ids, self.parent_id, self.parent_hash = None, (), None, b""
 
 
 class BlockManager:
@@ -74,6 +76,7 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading computed full blocks
         self.events = events  # told of every hash registered and forgotten (kv_events.py: routers follow it)
+        self.host_tier: "HostKVTier | None" = None  # evicted blocks kept in host memory (host_kv_tier.py)
         self.num_queried_tokens = 0  # prompt tokens looked up in the cache, for the hit ratio
         self.num_hit_tokens = 0
 
@@ -125,14 +128,39 @@ class BlockManager:
         hits = self._hits(token_ids, use_cache, max_cached_tokens)
         for block_id in hits:  # take the hits first, so the fresh blocks below cannot evict them
             self._ref(block_id)
+        keys = [self.blocks[b].hash for b in hits]
+        from_host = self._host_hits(token_ids, keys, max_cached_tokens) if use_cache else []
         table = hits + [self._take_free() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))]
+        for i, (key, tokens, saved) in enumerate(from_host, start=len(hits)):
+            self.host_tier.load(saved, table[i])  # its KV back on the device: a hit like the others
+            self._register(self.blocks[table[i]], key, tokens, table[i - 1] if i else None, keys[-1] if keys else b"")
+            keys.append(key)
         self._tables[seq_id] = table
-        self._hashes[seq_id] = [self.blocks[b].hash for b in hits]
-        num_cached_tokens = len(hits) * self.block_size
+        self._hashes[seq_id] = keys
+        num_cached_tokens = len(keys) * self.block_size
         if use_cache:
             self.num_queried_tokens += len(token_ids)
             self.num_hit_tokens += num_cached_tokens
         return num_cached_tokens
+
+    def _host_hits(self, token_ids: Sequence[int], keys: list[bytes], max_cached_tokens: int | None) -> list:
+        """Where the device's cached prefix ends, the blocks that go on along the prompt's hash chain in
+        the host tier: [(key, tokens, saved block)]; at most len-1 tokens cached in all, as on the device."""
+        if self.host_tier is None or not self.enable_prefix_caching:
+            return []
+        bs, found, parent = self.block_size, [], keys[-1] if keys else b""
+        stop = (len(token_ids) - 1) // bs
+        if max_cached_tokens is not None:
+            stop = min(stop, max_cached_tokens // bs)
+        for i in range(len(keys), stop):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = hash_block(parent, tokens)
+            saved = None if key in self._cache else self.host_tier.lookup(key, tokens, parent)
+            if saved is None:
+                break
+            found.append((key, tokens, saved))
+            parent = key
+        return found
 
     def _hits(self, token_ids: Sequence[int], use_cache: bool, max_cached_tokens: int | None) -> list[int]:
         hits = self._cached_prefix(token_ids) if use_cache else []
@@ -190,11 +218,7 @@ class BlockManager:
                 # children then name this block as parent, so they are not found via theirs: a lost
                 # hit, never a wrong one.
                 continue
-            block.hash, block.token_ids = key, tokens
-            block.parent_id = table[i - 1] if i else None
-            self._cache[key] = block.block_id
-            if self.events is not None:
-                self.events.stored(key)
+            self._register(block, key, tokens, table[i - 1] if i else None, hashes[-2] if i else b"")
 
     # ---- release ---------------------------------------------------------------------------
     def free(self, seq_id: int) -> list[int]:
@@ -218,6 +242,8 @@ class BlockManager:
         """Forget every cached block nobody references (what vLLM's reset_prefix_cache does for
         an operator); blocks in use keep their keys. Returns how many were forgotten."""
         n = len(self._evictable)
+        if self.host_tier is not None:
+            self.host_tier.clear()
         for block_id in self._evictable:
             self._forget(self.blocks[block_id])
             self._free.append(block_id)
@@ -225,6 +251,13 @@ class BlockManager:
         return n
 
     # ---- internals -------------------------------------------------------------------------
+    def _register(self, block: Block, key: bytes, tokens: tuple[int, ...], parent_id: int | None,
+                  parent_hash: bytes) -> None:
+        block.hash, block.token_ids, block.parent_id, block.parent_hash = key, tokens, parent_id, parent_hash
+        self._cache[key] = block.block_id
+        if self.events is not None:
+            self.events.stored(key)
+
     def _forget(self, block: Block) -> None:
         """Take a cached block out of the prefix cache (evicted or reset)."""
         del self._cache[block.hash]
@@ -243,6 +276,9 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)  # least recently released
-            self._forget(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if self.host_tier is not None:  # its KV is still there: keep a copy before it is overwritten
+                self.host_tier.save(block.hash, block.token_ids, block.parent_hash, block_id)
+            self._forget(block)
         self.blocks[block_id].ref_count = 1
         return block_id

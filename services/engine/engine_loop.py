@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
+from services.engine.host_kv_tier import HostKVTier
 from services.engine.request_state import finish_reason
 from services.engine.requests import (Cancelled, EngineStepFailed, PromptTooLong, QueueFull, ShuttingDown,
                                       check_prompt)
@@ -147,6 +148,9 @@ class EngineLoop:
         self.engine, self.config, self.eos_token_ids = engine, config, frozenset(eos_token_ids)
         self.max_waiting = max_waiting
         self.scheduler = Scheduler(config)
+        if config.host_kv_cache_mb and config.enable_prefix_caching:
+            self.scheduler.block_manager.host_tier = HostKVTier(engine, config.host_kv_cache_mb << 20,
+                                                                config.block_size)
         self._ids = itertools.count(1)
         self._inbox: list[tuple] = []
         self._wake = threading.Condition()

@@ -34,6 +34,14 @@ KV_CACHE_USAGE = Gauge("hybridserve_engine_kv_cache_usage_ratio",
 NUM_PREEMPTIONS = Counter("hybridserve_engine_num_preemptions", "Requests preempted (blocks freed, recomputed later)")
 PREFIX_CACHE_QUERIES = Counter("hybridserve_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_CACHE_HITS = Counter("hybridserve_engine_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held")
+HOST_KV_HITS = Counter("hybridserve_engine_host_kv_hits", "Prompt tokens loaded back from the host-memory KV tier "
+                       "(also counted in the prefix-cache hits)")
+HOST_KV_BYTES = Counter("hybridserve_engine_host_kv_bytes", "KV bytes moved between the device pool and the host "
+                        "tier", ["direction"])
+HOST_KV_SECONDS = Histogram("hybridserve_engine_host_kv_seconds", "Seconds to save an evicted block to the host "
+                            "tier or load one back", ["direction"],
+                            buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1))
+HOST_KV_USED_BYTES = Gauge("hybridserve_engine_host_kv_used_bytes", "Bytes the host-memory KV tier holds")
 STEP_SEQUENCES = Histogram("hybridserve_engine_step_batch_size", "Sequences computed per engine step",
                            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 STEP_TOKENS = Histogram("hybridserve_engine_step_tokens", "Tokens computed per engine step",

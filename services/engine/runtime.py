@@ -34,7 +34,7 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
                            max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=engine.max_num_batched_tokens,
                            max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching,
-                           step_target_s=settings.step_target_s)
+                           step_target_s=settings.step_target_s, host_kv_cache_mb=settings.host_kv_cache_mb)
 
 
 class EngineRuntime:

@@ -82,6 +82,16 @@ class PairLoads:
             share, kv = max(share, queued / r.max_num_seqs), max(kv, r.kv_usage)
         return share, kv
 
+    def queued(self, pair: int, mode: str) -> int:
+        """Requests on the busier of the mode's engines of `pair`: as reported, plus calls opened since."""
+        with self._lock:
+            most = 0
+            for e in MODES[mode].engines:
+                ours = self._ours.get((pair, e), 0)
+                r = self._reports.get((pair, e))
+                most = max(most, ours if r is None else r.running + r.waiting + max(0, ours - r.ours_then))
+            return most
+
     def choose(self, mode: str, candidates: list[int]) -> int:
         """The least loaded of `candidates` (pairs whose engines for `mode` are up) for `mode`."""
         if not candidates:

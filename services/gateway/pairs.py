@@ -87,7 +87,7 @@ class Pairs:
             blocks = getattr(self.members[p], "blocks", None)
             hits[p] = max((blocks[e].hit_tokens(prompt_ids, chains) for e in MODES[mode].engines),
                           default=0) if blocks and len(candidates) > 1 else 0
-            loads[p] = self.loads.load(p, mode)[0]
+            loads[p] = self.loads.queued(p, mode)
         return place(candidates, least, loads, hits, len(prompt_ids), self.prefix_policy)
 
     def engine_up_anywhere(self, engine: str) -> bool:

@@ -3,16 +3,17 @@
 Pure Python. For each candidate pair: `hit`, the prompt's leading tokens the pair's engines hold
 in their prefix caches (the gateway's index, kv_index.py; for hybrid mode the larger of the two
 engines', since decode_fpga skips what it holds and prefill_gpu computes only the rest), and
-`load`, its queue share (pair_load.py: requests running and waiting / max_num_seqs, of the
-busier of the mode's engines). Then
+`queued`, the requests on the busier of the mode's engines (pair_load.py: running and waiting as
+last reported, plus the calls this gateway opened since). Then
 
-    score = prefix_weight x (1 - hit / prompt tokens) + load          (lowest wins)
+    score = prefix_weight x (1 - hit / prompt tokens) + queued          (lowest wins)
 
-so a whole prompt cached is worth `prefix_weight` batches of queue. The balance guard: when the
-most and least loaded candidates differ by more than `balance_guard` (in queue share), load wins
-and the least loaded pair serves, whatever it has cached: affinity alone piles a hot prefix onto
-one pair (the complaint users of KV-aware routers make) until its hit rate collapses under load.
-With no hit anywhere it is the least-loaded choice of before.
+so a whole prompt cached is worth `prefix_weight` requests of queue (its prefill saved against
+waiting behind them). The balance guard: when the busiest and the least busy candidates differ by
+more than `balance_guard` requests, load wins and the least loaded pair serves, whatever it has
+cached: affinity alone piles a hot prefix onto one pair (the complaint users of KV-aware routers
+make) until its hit rate collapses under load. SGLang's cache-aware policy has the same absolute
+threshold. With no hit anywhere it is the least-loaded choice of before.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PrefixPolicy:
     enabled: bool = True
-    prefix_weight: float = 1.0
-    balance_guard: float = 0.5
+    prefix_weight: float = 2.0  # requests of queue a whole prompt cached is worth
+    balance_guard: float = 4.0  # requests between the busiest and the least busy pair
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class Placement:
 
 def place(candidates: list[int], least_loaded: int, loads: dict[int, float], hits: dict[int, int],
           n_prompt: int, policy: PrefixPolicy) -> Placement:
-    """`least_loaded`: pair_load's choice among `candidates` (its tie-breaks included)."""
+    """`loads`: requests queued per pair; `least_loaded`: pair_load's choice among `candidates` (its
+    tie-breaks included)."""
     if len(candidates) == 1:
         return Placement(candidates[0], "only", hits.get(candidates[0], 0), hits.get(candidates[0], 0))
     best_hit = max((hits.get(p, 0) for p in candidates), default=0)

@@ -50,11 +50,11 @@ class GatewaySettings(CommonSettings):
     # unset: detected from the engines' devices (torch on the CPU and an OpenCL CPU device)
     engines_share_cpu: bool | None = None
     # with several pairs: prefer the pair whose engines hold the prompt's prefix (prefix_routing.py);
-    # a whole prompt cached is worth prefix_weight batches of queue; past a queue-share spread of
-    # prefix_balance_guard between the pairs, the least loaded serves whatever it holds
+    # a whole prompt cached is worth prefix_weight requests of queue; when the pairs' queues differ by
+    # more than prefix_balance_guard requests, the least loaded serves whatever it holds
     prefix_routing: bool = True
-    prefix_weight: float = Field(1.0, ge=0.0)
-    prefix_balance_guard: float = Field(0.5, ge=0.0)
+    prefix_weight: float = Field(2.0, ge=0.0)
+    prefix_balance_guard: float = Field(4.0, ge=0.0)
 
     # the planner (planner.py): the targets it sizes the prefill and decode pools for, on /metrics
     planner_ttft_s: float = Field(2.0, gt=0)

@@ -44,30 +44,31 @@ def test_the_index_follows_stored_removed_and_snapshots():
 
 
 def test_the_pair_holding_the_prefix_wins_at_equal_load():
-    p = place([0, 1], least_loaded=0, loads={0: 0.25, 1: 0.25}, hits={0: 0, 1: 48}, n_prompt=64,
+    p = place([0, 1], least_loaded=0, loads={0: 2, 1: 2}, hits={0: 0, 1: 48}, n_prompt=64,
               policy=PrefixPolicy())
     assert (p.pair, p.reason, p.hit_tokens) == (1, "prefix", 48)
 
 
 def test_load_outweighs_a_small_hit_and_a_hit_outweighs_a_little_load():
-    policy = PrefixPolicy(prefix_weight=1.0, balance_guard=0.5)
-    # 16 of 64 tokens cached (0.25 of a batch) against 0.375 more queue: the emptier pair
-    assert place([0, 1], 0, {0: 0.0, 1: 0.375}, {0: 0, 1: 16}, 64, policy).pair == 0
-    # 64 of 64 cached against 0.375 more queue: the pair with the prefix
-    assert place([0, 1], 0, {0: 0.0, 1: 0.375}, {0: 0, 1: 64}, 64, policy).pair == 1
+    policy = PrefixPolicy(prefix_weight=2.0, balance_guard=4)
+    # 16 of 64 tokens cached (worth half a request) against one more request queued: the emptier pair
+    assert place([0, 1], 0, {0: 0, 1: 1}, {0: 0, 1: 16}, 64, policy).pair == 0
+    # the whole prompt cached (worth two requests) against one more queued: the pair with the prefix
+    assert place([0, 1], 0, {0: 0, 1: 1}, {0: 0, 1: 64}, 64, policy).pair == 1
 
 
 def test_the_balance_guard_lets_load_win_past_the_threshold():
-    policy = PrefixPolicy(balance_guard=0.5)
-    p = place([0, 1], 0, {0: 0.0, 1: 0.75}, {0: 0, 1: 64}, 64, policy)
+    policy = PrefixPolicy(prefix_weight=100.0, balance_guard=4)  # affinity alone would never let go
+    assert place([0, 1], 0, {0: 0, 1: 4}, {0: 0, 1: 64}, 64, policy).pair == 1  # 4 apart: not past it
+    p = place([0, 1], 0, {0: 0, 1: 5}, {0: 0, 1: 64}, 64, policy)
     assert (p.pair, p.reason, p.best_hit_tokens) == (0, "balance", 64)
-    off = place([0, 1], 0, {0: 0.0, 1: 0.25}, {0: 0, 1: 64}, 64, PrefixPolicy(enabled=False))
+    off = place([0, 1], 0, {0: 0, 1: 1}, {0: 0, 1: 64}, 64, PrefixPolicy(enabled=False))
     assert (off.pair, off.reason) == (0, "load")
 
 
 def test_no_hit_anywhere_is_the_least_loaded_choice_and_one_candidate_is_only():
-    assert place([0, 1], 1, {0: 0.5, 1: 0.0}, {}, 64, PrefixPolicy()).reason == "load"
-    assert place([1], 1, {1: 0.9}, {1: 64}, 64, PrefixPolicy()).reason == "only"
+    assert place([0, 1], 1, {0: 3, 1: 0}, {}, 64, PrefixPolicy()).reason == "load"
+    assert place([1], 1, {1: 9}, {1: 64}, 64, PrefixPolicy()).reason == "only"
 
 
 class Pair:
