@@ -28,7 +28,6 @@ import random
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, ROOT, progress, table, write_json  # noqa: E402
 from serving.client import async_client  # noqa: E402
-from serving.probe import scrape  # noqa: E402
+from serving.probe import Periodic, scrape  # noqa: E402
 from serving.stats import pct  # noqa: E402
 from serving.workload import CORPUS_FILES  # noqa: E402
 
@@ -124,28 +123,19 @@ def placements(url: str) -> dict[str, float]:
     return {r: float(v) for r, v in re.findall(r'^hybridserve_pair_placements_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
 
 
-class QueueSampler:
+class QueueSampler(Periodic):
     """Each engine's running + waiting requests, every 0.25 s, while the load is on."""
+
+    interval_s = 0.25
 
     def __init__(self, endpoints: dict[str, str]):
         self.endpoints, self.samples = endpoints, {n: [] for n in endpoints}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.25):
-            for name, url in self.endpoints.items():
-                s = scrape(url, ("num_requests",))
-                self.samples[name].append(s.get("hybridserve_engine_num_requests_running", 0.0)
-                                          + s.get("hybridserve_engine_num_requests_waiting", 0.0))
+    def sample(self) -> None:
+        for name, url in self.endpoints.items():
+            s = scrape(url, ("num_requests",))
+            self.samples[name].append(s.get("hybridserve_engine_num_requests_running", 0.0)
+                                      + s.get("hybridserve_engine_num_requests_waiting", 0.0))
 
     def balance(self) -> dict:
         means = {n: statistics.fmean(v) if v else 0.0 for n, v in self.samples.items()}

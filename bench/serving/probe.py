@@ -32,17 +32,14 @@ def scrape(url: str, words=ENGINE_GAUGE_WORDS) -> dict[str, float]:
         return {}  # an engine without a metrics endpoint, or one that is busy: tolerate it
 
 
-class Sampler:
-    """While the load is on: peak RSS of named processes and peak engine gauges, every 0.5 s, in a thread."""
+class Periodic:
+    """Calls `sample()` every `interval_s` in a thread while the `with` block runs (the load is on)."""
 
-    def __init__(self, pids: dict[str, int], metrics: dict[str, str]):
-        self.pids, self.metrics = pids, metrics
-        self.rss_mb: dict[str, float] = {}
-        self.gauges: dict[str, dict[str, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    interval_s = 0.5
 
     def __enter__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
@@ -51,21 +48,36 @@ class Sampler:
         self._thread.join(10)
 
     def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+class Sampler(Periodic):
+    """While the load is on: peak RSS of named processes and peak engine gauges, every 0.5 s, in a thread."""
+
+    def __init__(self, pids: dict[str, int], metrics: dict[str, str]):
+        self.pids, self.metrics = pids, metrics
+        self.rss_mb: dict[str, float] = {}
+        self.gauges: dict[str, dict[str, float]] = {}
+
+    def sample(self) -> None:
         import psutil
 
-        while True:
-            for name, pid in self.pids.items():
-                try:
-                    mb = psutil.Process(pid).memory_info().rss / 2**20
-                    self.rss_mb[name] = max(mb, self.rss_mb.get(name, 0.0))
-                except psutil.Error:
-                    pass
-            for source, url in self.metrics.items():
-                g = self.gauges.setdefault(source, {})
-                for name, value in scrape(url).items():
-                    g[name] = max(value, g.get(name, float("-inf")))
-            if self._stop.wait(0.5):
-                return
+        for name, pid in self.pids.items():
+            try:
+                mb = psutil.Process(pid).memory_info().rss / 2**20
+                self.rss_mb[name] = max(mb, self.rss_mb.get(name, 0.0))
+            except psutil.Error:
+                pass
+        for source, url in self.metrics.items():
+            g = self.gauges.setdefault(source, {})
+            for name, value in scrape(url).items():
+                g[name] = max(value, g.get(name, float("-inf")))
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
