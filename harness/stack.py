@@ -59,7 +59,7 @@ def _free_strided(stride: int, count: int) -> int:
 
 def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
                 progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
-                port_stride: int = 10) -> Stack:
+                port_stride: int = 10, engines_per_kind: int | None = None) -> Stack:
     """`hybridserve up [--pairs N]` with every port free, once it says it is up (its gateway's
     /health answers 200 and the router is calibrated), as a user of `make run` would wait."""
     from services.decode_fpga.settings import DecodeSettings
@@ -67,7 +67,9 @@ def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 
     from services.prefill_gpu.settings import PrefillSettings
     from services.stack import UpSettings
 
-    ports = {name: _free_strided(port_stride, pairs) if name.startswith(("prefill", "decode")) else free_port()
+    # engines_per_kind: the most engines of one kind (pools, `up --prefill N --decode M`: M), each a stride apart
+    strided = engines_per_kind or pairs
+    ports = {name: _free_strided(port_stride, strided) if name.startswith(("prefill", "decode")) else free_port()
              for name in ("prefill", "prefill_metrics", "decode", "decode_metrics", "gateway", "up_metrics")}
     env = {PrefillSettings.env_name("port"): ports["prefill"],
            PrefillSettings.env_name("metrics_port"): ports["prefill_metrics"],

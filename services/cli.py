@@ -121,7 +121,13 @@ def _add_services(sub) -> None:
     up.add_argument("--pairs", type=_positive, default=None,
                     help="(prefill_gpu, decode_fpga) pairs behind the gateway, on ports a stride apart "
                          "(default: HYBRIDSERVE_UP_PAIRS or 1)")
-    up.set_defaults(func=lambda args: __import__("services.stack", fromlist=["up"]).up(args.pairs))
+    up.add_argument("--prefill", type=_positive, default=None, dest="prefill_engines",
+                    help="pools instead of pairs: this many prefill_gpu engines (with --decode)")
+    up.add_argument("--decode", type=_positive, default=None, dest="decode_engines",
+                    help="pools: this many decode_fpga engines, at least as many as --prefill; decode engine j "
+                         "pulls its KV from prefill engine j mod N")
+    up.set_defaults(func=lambda args: __import__("services.stack", fromlist=["up"]).up(
+        args.pairs, args.prefill_engines, args.decode_engines))
 
 
 def main(argv: list[str] | None = None) -> int:

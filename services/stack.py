@@ -12,6 +12,11 @@ gateway, for tests and benchmarks of many pairs on one machine: pair i's engines
 ports + i x `port_stride` (metrics ports too), each prefill_gpu owns its own KV arena (named per
 process), the profile cache is the one all engines share, and each pair is healed on its own
 (its processes are named prefill_gpu.i and decode_fpga.i).
+
+`up --prefill N --decode M` (M >= N) starts pools instead: N prefill_gpu and M decode_fpga engines,
+decode_fpga.j pulling its hybrid KV from prefill_gpu.(j mod N) through that engine's arena (one host),
+the gateway seeing each decode engine with its prefill engine as a pair (so 1P:2D is two pairs that
+share prefill_gpu.0).
 A process that exits before the stack first comes up stops it (a setting or a
 model that is wrong would only fail again).
 """
@@ -29,7 +34,7 @@ import urllib.request
 from typing import Callable, ClassVar
 
 from prometheus_client import start_http_server
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
@@ -49,7 +54,8 @@ class UpSettings(CommonSettings):
     own_prefix: ClassVar[str] = "HYBRIDSERVE_UP_"
     # fields newer than the per-process prefixes: no deprecated bare name
     old_field_names: ClassVar[dict[str, str]] = {f: "up_" + f for f in (
-        "metrics_port", "restart_backoff_s", "restart_backoff_max_s", "pairs", "port_stride")}
+        "metrics_port", "restart_backoff_s", "restart_backoff_max_s", "pairs", "port_stride", "prefill_engines",
+        "decode_engines")}
 
     host: str = "127.0.0.1"
     startup_timeout_s: float = 900.0
@@ -58,6 +64,20 @@ class UpSettings(CommonSettings):
     restart_backoff_max_s: float = 30.0
     pairs: int = Field(1, ge=1, le=64)  # (prefill_gpu, decode_fpga) pairs behind the gateway
     port_stride: int = Field(10, ge=1)  # pair i's ports: the engines' ports + i x port_stride
+    # pools instead of pairs (either set): N prefill and M decode engines, M >= N
+    prefill_engines: int | None = Field(None, ge=1, le=64)
+    decode_engines: int | None = Field(None, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _pools(self):
+        if self.prefill_engines is not None or self.decode_engines is not None:
+            if self.pairs != 1:
+                raise ValueError("give pairs or pools (prefill_engines, decode_engines), not both")
+            if (self.prefill_engines or 1) > (self.decode_engines or 1):
+                raise ValueError(f"{self.prefill_engines} prefill engines for {self.decode_engines or 1} decode "
+                                 "engines: each decode engine pulls its KV from one prefill engine, so a pool "
+                                 "layout needs at least as many decode engines")
+        return self
 
 
 def _children_environment() -> dict[str, str]:
@@ -117,41 +137,76 @@ def _offset(port: int, by: int) -> int:
     return port + by if port else 0  # 0: no metrics server, for every pair
 
 
+def _prefill_spec(i: int, named: bool, s: UpSettings, prefill: PrefillSettings, base: dict[str, str]
+                  ) -> tuple[ChildSpec, str]:
+    """Prefill engine i's child (ports a stride further per index) and its address."""
+    by, port = i * s.port_stride, prefill.port + i * s.port_stride
+    env = {**base, UpSettings.env_name("host"): s.host,
+           **{k: str(v) for k, v in _pin(PrefillSettings, port=port,
+                                         metrics_port=_offset(prefill.metrics_port, by)).items()}}
+    name = "prefill_gpu" + (f".{i}" if named else "")
+    return ChildSpec(name, [sys.executable, "-m", "services.prefill_gpu"], env,
+                     ready=_grpc_serving(f"{s.host}:{port}")), f"{s.host}:{port}"
+
+
+def _decode_spec(j: int, named: bool, prefill_spec: ChildSpec, prefill_address: str, s: UpSettings,
+                 decode: DecodeSettings, base: dict[str, str]) -> tuple[ChildSpec, str]:
+    """Decode engine j's child, pulling hybrid KV from (and restarted with) the given prefill engine."""
+    by, port = j * s.port_stride, decode.port + j * s.port_stride
+    env = {**base, UpSettings.env_name("host"): s.host,
+           **{k: str(v) for k, v in _pin(DecodeSettings, port=port, metrics_port=_offset(decode.metrics_port, by),
+                                         prefill_address=prefill_address).items()}}
+    name = "decode_fpga" + (f".{j}" if named else "")
+    return ChildSpec(name, [sys.executable, "-m", "services.decode_fpga"], env,
+                     follows=prefill_spec.name), f"{s.host}:{port}"
+
+
 def _pair_specs(i: int, s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings,
                 base: dict[str, str]) -> tuple[list[ChildSpec], str]:
     """Pair i's two children, and its engines' addresses as the gateway's pairs setting spells a pair."""
-    suffix, by = (f".{i}" if s.pairs > 1 else ""), i * s.port_stride
-    prefill_port, decode_port = prefill.port + by, decode.port + by
-    env = {**base, UpSettings.env_name("host"): s.host}
-    prefill_env = _pin(PrefillSettings, port=prefill_port, metrics_port=_offset(prefill.metrics_port, by))
-    decode_env = _pin(DecodeSettings, port=decode_port, metrics_port=_offset(decode.metrics_port, by),
-                      prefill_address=f"{s.host}:{prefill_port}")
-    specs = [ChildSpec("prefill_gpu" + suffix, [sys.executable, "-m", "services.prefill_gpu"],
-                       {**env, **{k: str(v) for k, v in prefill_env.items()}},
-                       ready=_grpc_serving(f"{s.host}:{prefill_port}")),
-             ChildSpec("decode_fpga" + suffix, [sys.executable, "-m", "services.decode_fpga"],
-                       {**env, **{k: str(v) for k, v in decode_env.items()}}, follows="prefill_gpu" + suffix)]
-    return specs, f"{s.host}:{prefill_port},{s.host}:{decode_port}"
+    p, p_address = _prefill_spec(i, s.pairs > 1, s, prefill, base)
+    d, d_address = _decode_spec(i, s.pairs > 1, p, p_address, s, decode, base)
+    return [p, d], f"{p_address},{d_address}"
 
 
-def up(pairs: int | None = None) -> int:
-    """`pairs`: from `up --pairs`; None: the settings' (HYBRIDSERVE_UP_PAIRS, 1 by default)."""
+def _layout_specs(s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings,
+                  base: dict[str, str]) -> tuple[list[ChildSpec], list[str]]:
+    """Every engine child and the gateway's pairs: `pairs` pairs, or pools of `prefill_engines` and
+    `decode_engines` where decode engine j pulls its KV from prefill engine j mod N, and each decode
+    engine with its prefill engine is a pair to the gateway (1P:2D is two pairs sharing prefill_gpu.0:
+    gpu mode and hybrid prefills of both go there)."""
+    if s.prefill_engines is None and s.decode_engines is None:
+        specs, addresses = [], []
+        for i in range(s.pairs):
+            pair, address = _pair_specs(i, s, prefill, decode, base)
+            specs += pair
+            addresses.append(address)
+        return specs, addresses
+    n, m = s.prefill_engines or 1, s.decode_engines or 1
+    prefills = [_prefill_spec(i, True, s, prefill, base) for i in range(n)]
+    decodes = [_decode_spec(j, True, prefills[j % n][0], prefills[j % n][1], s, decode, base) for j in range(m)]
+    return ([spec for spec, _ in prefills + decodes],
+            [f"{prefills[j % n][1]},{address}" for j, (_, address) in enumerate(decodes)])
+
+
+def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engines: int | None = None) -> int:
+    """`pairs`: from `up --pairs`; None: the settings' (HYBRIDSERVE_UP_PAIRS, 1 by default). The pools'
+    sizes: from `up --prefill N --decode M` (HYBRIDSERVE_UP_PREFILL_ENGINES, ..._DECODE_ENGINES)."""
     base = _children_environment()
     # read here as each child will, so a typo stops `up` before anything starts
     s, prefill, decode, gateway = (cls.from_environ(base) for cls in (UpSettings, PrefillSettings, DecodeSettings,
                                                                     GatewaySettings))
     if pairs is not None:
         s = s.model_copy(update={"pairs": pairs})
+    if prefill_engines is not None or decode_engines is not None:
+        s = UpSettings.model_validate({**s.model_dump(), "prefill_engines": prefill_engines or s.prefill_engines,
+                                       "decode_engines": decode_engines or s.decode_engines})
     base["PYTHONUNBUFFERED"] = "1"
     quiet = threading.Event()
-    specs, addresses = [], []
-    for i in range(s.pairs):
-        pair_specs, address = _pair_specs(i, s, prefill, decode, base)
-        specs += pair_specs
-        addresses.append(address)
+    specs, addresses = _layout_specs(s, prefill, decode, base)
     prefill_address, decode_address = addresses[0].split(",")
     gateway_env = _pin(GatewaySettings, port=gateway.port, prefill_address=prefill_address,
-                       decode_address=decode_address, **({"pairs": ";".join(addresses)} if s.pairs > 1 else {}))
+                       decode_address=decode_address, **({"pairs": ";".join(addresses)} if len(addresses) > 1 else {}))
     specs.append(ChildSpec("gateway", [sys.executable, "-m", "services.gateway"],
                            {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in gateway_env.items()}}))
 
