@@ -23,9 +23,13 @@ from services.model.weights import unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
-# qtype → (elements per block, bytes per block); f16/f32 are "blocks" of one element
-BLOCK_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "f16": (1, 2), "f32": (1, 4)}
-_GGML_NAMES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "F16": "f16", "F32": "f32"}
+# qtype → (elements per block, bytes per block); f16/f32 are "blocks" of one element; the K-quants'
+# blocks are super-blocks of 256
+BLOCK_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22), "q5_1": (32, 24),
+                 "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "f32": (1, 4)}
+_GGML_NAMES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k",
+               "Q5_K": "q5_k", "Q6_K": "q6_k", "F16": "f16", "F32": "f32"}
+SUPPORTED_GGML_TYPES = tuple(_GGML_NAMES)  # the GGUF tensor types the decode engine stores as they are
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,13 +1,49 @@
 // One row's dot product with a vector, straight from GGUF blocks (layout and arithmetic: see
 // gemv_quant.cl), shared by gemv_quant.cl and decode_layers.cl, which include this file;
-// DeviceContext.build inlines it. Defines: QFMT (40 Q4_0, 41 Q4_1, 80 Q8_0), and XAS, the
+// DeviceContext.build inlines it. Defines: QFMT (the format's code, below), and XAS, the
 // address space of the vector (__global or __local), before the include.
+//
+// Formats (QFMT), each a 32-weight block on the device (quant_gemv.py's split_blocks repacks the
+// file's blocks; K-quant super-blocks of 256 become 8 such blocks):
+//   40 Q4_0  d (q - 8)         41 Q4_1  d q + m (m fp16)    80 Q8_0  d q
+//   50 Q5_0  d (q - 16)        51 Q5_1  d q + m (m fp16)
+//   42 Q4_K  d q + m           52 Q5_K  d q + m             (d = d_super sc, m = -dmin_super mn, fp32)
+//   62 Q6_K  d_h (q - 32), one scale d_h per 16 weights (d_super sc_h, fp32)
+// Every product d q is exact in fp32 (at most 11 + 7 + 6 bits), so the weights are gguf's bit
+// for bit however the kernels order them (the one rounding is the minimum's addition).
 
 #if QFMT == 80
 #define QBYTES 32
+#elif QFMT == 50 || QFMT == 51 || QFMT == 52
+#define QBYTES 20  // 16 bytes of low nibbles, then the 32 fifth bits as one little-endian uint
+#elif QFMT == 62
+#define QBYTES 24  // 16 bytes of low nibbles, then 8 bytes of 2-bit highs (byte j: weights j, j+8, j+16, j+24)
 #else
 #define QBYTES 16
 #endif
+
+// scales per block: Q6_K has one per 16 weights
+#if QFMT == 62
+#define DPER 2
+#else
+#define DPER 1
+#endif
+
+// minimums: Q4_1 and Q5_1 fp16 as in the file; Q4_K and Q5_K fp32 (dmin times a 6-bit integer
+// needs 17 bits), read through the kernels' `half *m` argument
+#define HAS_MINS (QFMT == 41 || QFMT == 51 || QFMT == 42 || QFMT == 52)
+#if QFMT == 42 || QFMT == 52
+#define MINS_F32 1
+#define LOAD_MIN4(G, MROW) vload4((G), (__global const float *)(MROW))
+#define MIN_AT(MROW, B) (((__global const float *)(MROW))[B])
+#define MROW_AT(M, O, NBP) ((__global const half *)((__global const float *)(M) + (size_t)(O) * (NBP)))
+#else
+#define MINS_F32 0
+#define LOAD_MIN4(G, MROW) vload_half4((G), (MROW))
+#define MIN_AT(MROW, B) vload_half((B), (MROW))
+#define MROW_AT(M, O, NBP) ((M) + (size_t)(O) * (NBP))
+#endif
+#define DROW_AT(D, O, NBP) ((D) + (size_t)(O) * (NBP) * DPER)
 
 inline float hsum16(const float16 a)
 {
@@ -21,13 +57,57 @@ inline float pick4(const float4 v, const int i)
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
+// the 32 weights of block b of a row before its scale (and minimum): w0 = weights 0..15,
+// w1 = weights 16..31 (Q4_0, Q5_0, Q6_K with their offsets already subtracted)
+inline void block_weights(__global const uchar *q, const int b, float16 *w0, float16 *w1)
+{
+#if QFMT == 80
+    __global const char *qc = (__global const char *)q;
+    *w0 = convert_float16(vload16(2 * b, qc));
+    *w1 = convert_float16(vload16(2 * b + 1, qc));
+#elif QFMT == 40 || QFMT == 41 || QFMT == 42
+    const uint16 qi = convert_uint16(vload16(b, q));
+#if QFMT == 40
+    *w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
+    *w1 = convert_float16(convert_int16(qi >> (uint16)(4)) - 8);
+#else
+    *w0 = convert_float16(qi & (uint16)(0x0F));
+    *w1 = convert_float16(qi >> (uint16)(4));
+#endif
+#elif QFMT == 50 || QFMT == 51 || QFMT == 52
+    __global const uchar *qb = q + QBYTES * b;
+    const uint16 qi = convert_uint16(vload16(0, qb));
+    const uint16 h = (uint16)(*(__global const uint *)(qb + 16));  // QBYTES * b + 16: 4-byte aligned
+    const uint16 sh = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const uint16 lo = (qi & (uint16)(0x0F)) | (((h >> sh) & (uint16)(1)) << (uint16)(4));
+    const uint16 hi = (qi >> (uint16)(4)) | (((h >> (sh + (uint16)(16))) & (uint16)(1)) << (uint16)(4));
+#if QFMT == 50
+    *w0 = convert_float16(convert_int16(lo) - 16);
+    *w1 = convert_float16(convert_int16(hi) - 16);
+#else
+    *w0 = convert_float16(lo);
+    *w1 = convert_float16(hi);
+#endif
+#elif QFMT == 62
+    __global const uchar *qb = q + QBYTES * b;
+    const uint16 qi = convert_uint16(vload16(0, qb));
+    const uint8 h8 = convert_uint8(vload8(0, qb + 16));
+    const uint16 h0 = (uint16)(h8 & (uint8)(3), (h8 >> (uint8)(2)) & (uint8)(3));
+    const uint16 h1 = (uint16)((h8 >> (uint8)(4)) & (uint8)(3), h8 >> (uint8)(6));
+    *w0 = convert_float16(convert_int16((qi & (uint16)(0x0F)) | (h0 << (uint16)(4))) - 32);
+    *w1 = convert_float16(convert_int16((qi >> (uint16)(4)) | (h1 << (uint16)(4))) - 32);
+#else
+#error "unknown QFMT"
+#endif
+}
+
 // sum_j q_bj * x_bj of block b as 16 lanes (Q4_0: (q - 8)), before the block's scale
 inline float16 block_dot(__global const uchar *q, const int b, XAS const float *x)
 {
 #if QFMT == 80
     __global const char *qc = (__global const char *)q;
     const float16 w0 = convert_float16(vload16(2 * b, qc)), w1 = convert_float16(vload16(2 * b + 1, qc));
-#else
+#elif QFMT == 40 || QFMT == 41
     const uint16 qi = convert_uint16(vload16(b, q));
 #if QFMT == 40
     const float16 w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
@@ -35,12 +115,34 @@ inline float16 block_dot(__global const uchar *q, const int b, XAS const float *
 #else
     const float16 w0 = convert_float16(qi & (uint16)(0x0F)), w1 = convert_float16(qi >> (uint16)(4));
 #endif
+#else
+    float16 w0, w1;
+    block_weights(q, b, &w0, &w1);
 #endif
     return fma(w1, vload16(2 * b + 1, x), w0 * vload16(2 * b, x));
 }
 
+// A += block B of a row (quants QROW, scales DROW) times X, scaled: one scale a block, or
+// Q6_K's two (the 16-weight halves scaled apart). The one expression of the one-row kernels
+// (ROW_DOT) and of gemv_quant_rows (ROWS_BLOCK, gemv_quant.cl), so they round alike.
+#if QFMT == 62
+#define BLOCK_ACC(A, W0, W1, X, B, DROW)                                                       \
+    A = fma((W1) * vload16(2 * (B) + 1, (X)), (float16)((DROW)[2 * (B) + 1]),                  \
+            fma((W0) * vload16(2 * (B), (X)), (float16)((DROW)[2 * (B)]), A))
+#define ROW_BLOCK(A, QROW, DROW, B, X)                                                         \
+    do {                                                                                       \
+        float16 w0_, w1_;                                                                      \
+        block_weights((QROW), (B), &w0_, &w1_);                                                \
+        BLOCK_ACC(A, w0_, w1_, (X), (B), (DROW));                                              \
+    } while (0)
+#else
+#define BLOCK_ACC(A, W0, W1, X, B, DROW)                                                       \
+    A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))), (float16)((DROW)[B]), A)
+#define ROW_BLOCK(A, QROW, DROW, B, X) A = fma(block_dot((QROW), (B), (X)), (float16)((DROW)[B]), A)
+#endif
+
 // ACC = sum_c W[o, c] * X[c] of one row o (DROW, MROW, QROW: its scales, minimums and quants),
-// the scales out of the inner loop, two accumulators taking blocks in turn, Q4_1's minimums
+// the scales out of the inner loop, two accumulators taking blocks in turn, the minimums
 // through the block sums XSUM. A macro, not a function: the same loop in a function measured
 // 5-10% slower on PoCL (interleaved A/B runs on a 92160x576 Q4_1 matrix), though it was inlined.
 #define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB)                                            \
@@ -48,18 +150,18 @@ inline float16 block_dot(__global const uchar *q, const int b, XAS const float *
         float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
         int b_ = 0;                                                                            \
         for (; b_ + 2 <= (NB); b_ += 2) {                                                      \
-            a0_ = fma(block_dot((QROW), b_, (X)), (float16)((DROW)[b_]), a0_);                 \
-            a1_ = fma(block_dot((QROW), b_ + 1, (X)), (float16)((DROW)[b_ + 1]), a1_);         \
+            ROW_BLOCK(a0_, (QROW), (DROW), b_, (X));                                           \
+            ROW_BLOCK(a1_, (QROW), (DROW), b_ + 1, (X));                                       \
         }                                                                                      \
-        if (b_ < (NB)) a0_ = fma(block_dot((QROW), b_, (X)), (float16)((DROW)[b_]), a0_);      \
+        if (b_ < (NB)) ROW_BLOCK(a0_, (QROW), (DROW), b_, (X));                                \
         ACC = hsum16(a0_ + a1_);                                                               \
-        if (QFMT == 41) {                                                                      \
+        if (HAS_MINS) {                                                                        \
             const int ng_ = (NB) / 4;                                                          \
             float4 ms_ = (float4)(0.0f);                                                       \
-            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(vload_half4(g_, (MROW)), vload4(g_, (XSUM)), ms_); \
+            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(LOAD_MIN4(g_, (MROW)), vload4(g_, (XSUM)), ms_); \
             ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                                          \
             if ((NB) > 4 * ng_) { /* 1-3 blocks left; minimums are padded to 4 */              \
-                const float4 m4_ = vload_half4(ng_, (MROW));                                   \
+                const float4 m4_ = LOAD_MIN4(ng_, (MROW));                                     \
                 for (b_ = 4 * ng_; b_ < (NB); ++b_) ACC += pick4(m4_, b_ & 3) * (XSUM)[b_];    \
             }                                                                                  \
         }                                                                                      \
@@ -71,7 +173,7 @@ inline float16 block_dot(__global const uchar *q, const int b, XAS const float *
     do {                                                                                       \
         const int nb_o_ = (COLS) / 32, nbp_o_ = (nb_o_ + 3) & ~3;                              \
         float acc_o_;                                                                          \
-        ROW_DOT(acc_o_, (D) + (size_t)(O) * nbp_o_, (M) + (size_t)(O) * nbp_o_,                \
+        ROW_DOT(acc_o_, DROW_AT((D), (O), nbp_o_), MROW_AT((M), (O), nbp_o_),                  \
                 (Q) + (size_t)(O) * nb_o_ * QBYTES, (X), (XSUM), nb_o_);                       \
         (Y)[O] = (ACCUMULATE) ? (Y)[O] + acc_o_ : acc_o_;                                      \
     } while (0)
