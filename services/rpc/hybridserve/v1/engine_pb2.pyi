@@ -149,7 +149,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio")
+    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "stored_weight_types")
+    class StoredWeightTypesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +176,7 @@ class InfoResponse(_message.Message):
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    STORED_WEIGHT_TYPES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
     device: str
@@ -188,7 +196,8 @@ class InfoResponse(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage_ratio: float
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ...) -> None: ...
+    stored_weight_types: _containers.ScalarMap[str, int]
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., stored_weight_types: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("refresh",)
