@@ -25,7 +25,8 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.packed_arrays import PackedArrays
-from services.decode_fpga.quant_gemv import MINIMUM_FORMATS, QFMT_CODES, QuantMatrix, split_blocks, upload_block_matrix
+from services.decode_fpga.quant_gemv import (MINIMUM_FORMATS, QFMT_BITS, QFMT_CODES, QuantMatrix, split_blocks,
+                                              upload_block_matrix)
 from services.model.config import ModelConfig
 from services.model.checkpoint import CheckpointError
 from services.model.gguf_blocks import BlockTensor, stack_exact
@@ -56,8 +57,15 @@ class PackedLayers:
     """Every layer's norms and block arrays in one buffer (decode_layers.cl reads them through a table)."""
 
     arrays: PackedArrays
-    table: cl.Buffer  # int32 [n_layers, 2 + 3 * len(MATRICES)]: byte offsets of each layer's arrays
-    qfmt: str  # the one block format of every layer matrix
+    # int32 [n_layers, 2 + 4 * len(MATRICES)]: byte offsets of each layer's arrays, then each matrix's
+    # format code (QFMT_CODES)
+    table: cl.Buffer
+    qfmts: tuple[str, ...]  # the block formats the layer matrices hold
+
+    @property
+    def qfmt_set(self) -> int:
+        """decode_layers.cl's QFMT_SET: a bit per format held (QFMT_BITS)."""
+        return sum(1 << QFMT_BITS[f] for f in self.qfmts)
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,7 @@ def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: 
     tensors = [gguf_layer_tensors(blocks, i, allow_dense_fallback) for i in range(len(w.layers))]
     fmts = {getattr(t, "qtype", None) for ts in tensors for t in ts.values()}
     packed = None
-    if pack_layers and len(fmts) == 1 and fmts <= set(QFMT_CODES):
+    if pack_layers and fmts <= set(QFMT_CODES):
         layers, packed = _pack_layers(dev, w, tensors)
     else:
         def mat(t: BlockTensor | np.ndarray) -> DeviceMatrix:
@@ -204,6 +212,7 @@ def _pack_layers(dev: DeviceContext, w: ModelWeights,
     table = np.array(packed.offsets, np.int64).reshape(len(w.layers), per)
     if table.max() >= 2 ** 31:
         raise ValueError("the packed layer weights exceed 2 GB; decode_layers indexes them with int")
+    codes = np.array([[QFMT_CODES[ts[k].qtype] for k in MATRICES] for ts in tensors], np.int64)
     layers = []
     for li, ts in enumerate(tensors):
         views = packed.views[li * per:(li + 1) * per]
@@ -213,8 +222,10 @@ def _pack_layers(dev: DeviceContext, w: ModelWeights,
             mats[k] = QuantMatrix(dev, ts[k], (d_buf, m_buf if ts[k].qtype in MINIMUM_FORMATS else None, q_buf),
                                   split=splits[li][k])
         layers.append(DeviceLayer(attn_norm=views[0], ffn_norm=views[1], **mats))
-    table_buf = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=table.astype(np.int32))
-    return layers, PackedLayers(packed, table_buf, tensors[0]["qkv"].qtype)
+    table_buf = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                          hostbuf=np.concatenate([table, codes], axis=1).astype(np.int32))
+    fmts = tuple(sorted({ts[k].qtype for ts in tensors for k in MATRICES}))
+    return layers, PackedLayers(packed, table_buf, fmts)
 
 
 # ---- by format ----------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ from services.model.gguf_blocks import BlockTensor
 
 # each format's code in the kernels (quant_blocks.h)
 QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80, "q5_0": 50, "q5_1": 51, "q4_k": 42, "q5_k": 52, "q6_k": 62}
+# each format's bit in decode_layers.cl's QFMT_SET (the formats a model's packed layers hold)
+QFMT_BITS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
 MINIMUM_FORMATS = {"q4_1": np.float16, "q5_1": np.float16, "q4_k": np.float32, "q5_k": np.float32}  # m's dtype
 MF = cl.mem_flags
 

@@ -97,28 +97,37 @@ def test_three_modes_give_transformers_tokens(mixed_model, mixed_engine, mixed_h
         arena.close()
 
 
-@pytest.mark.parametrize("qtype", KTYPES)
+@pytest.mark.parametrize("qtype", [*KTYPES, "mixed"])
 def test_one_launch_layers_bit_for_bit_per_type(tmp_path, cl_dev, qtype):
-    """Every layer matrix in one format, packed for decode_layers.cl: its one launch (slot path and
-    paged step) gives the launch-by-launch step's logits bit for bit (each launch is held to gguf's
-    values by test_kquant_gemv.py)."""
+    """Every layer matrix in one format (or, "mixed", MIXED's five formats across matrices and layers),
+    packed for decode_layers.cl: its one launch (slot path and paged step) gives the launch-by-launch
+    step's logits bit for bit (each launch is held to gguf's values by test_kquant_gemv.py)."""
     from services.model.gguf_blocks import read_block_tensors
     from tests.decode_fpga.conftest import make_engine
 
-    model = load_model(str(write_tiny_llama(tmp_path / f"{qtype}.gguf", {"token_embd": "q6_k", **{
-        n: qtype for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}},
-        n_layers=2, seed=7)))
+    if qtype == "mixed":
+        path, want = write_tiny_llama(tmp_path / "mixed.gguf", MIXED, intermediate=608, seed=7), tuple(sorted(KTYPES))
+    else:
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        path = write_tiny_llama(tmp_path / f"{qtype}.gguf", {"token_embd": "q6_k", **{n: qtype for n in names}}, seed=7)
+        want = (qtype,)
+    model = load_model(str(path))
     engine = make_engine(model, cl_dev, blocks=read_block_tensors(model.checkpoint, model.config),
                          weights_dtype="gguf", max_context=64, max_sequences=1, kv_cache_mb=2)
-    assert engine.weights.packed is not None and engine.weights.packed.qfmt == qtype
+    assert engine.weights.packed is not None and engine.weights.packed.qfmts == want
+    # one work-group: its barriers never wait for another, so the one launch runs even beside busy
+    # processes (with several, it gives up and the step is redone launch by launch); the rows each
+    # computes are the same
+    engine.plans.layer_groups = 1
+    engine.paged_plans.one_launch = engine.paged_plans._bind_one_launch(1)
     prompt = random_prompt(9, model.config.vocab_size, seed=8)
     table = scattered_tables(engine, [len(prompt) + 8], seed=9)[0]
     out = {}
     for one_launch in (True, False):
         choice = engine.one_launch_choice = OneLaunchChoice(fixed=one_launch)
         out[one_launch] = (steps(engine, prompt, 6), decode_logits(engine, prompt, table, 6))
-        if one_launch:  # every step one launch, but for any that gave up beside a busy process (redone)
-            assert choice.ran[True] + choice.gave_up == 7 + 6
+        if one_launch:
+            assert choice.ran[True] == 7 + 6 and not choice.gave_up
     (tokens, logits), paged = out[True]
     (ref_tokens, ref_logits), ref_paged = out[False]
     assert tokens == ref_tokens

@@ -74,7 +74,7 @@ inline void dequant_block(__global const uchar *q, __global const float *drow, _
     *w0 *= drow[2 * b];
     *w1 *= drow[2 * b + 1];
 #elif HAS_MINS
-    const float d = drow[b], m = MIN_AT(mrow, b);
+    const float d = drow[b], m = pick4(LOAD_MIN4(b >> 2, mrow), b & 3);  // 4-wide: a scalar half load is emulated
     *w0 = *w0 * d + m;
     *w1 = *w1 * d + m;
 #else
