@@ -5,8 +5,9 @@ the launch plans only bind their GEMVs (gemv.py's DeviceMatrix), so every format
 serves the same forward:
 
     fp32, fp16  dense_weights: the host weights, one buffer per matrix (gemv.py)
-    gguf        gguf_weights: the checkpoint's own blocks (quant_gemv.py); on a CPU device that
-                runs a step's layers as one launch, every layer packed into one buffer
+    gguf        gguf_weights: the checkpoint's own blocks (quant_gemv.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+                Q4_K, Q5_K, Q6_K); on a CPU device that runs a step's layers as one launch, every
+                layer packed into one buffer
 
 A new format is a builder here returning DeviceWeights, its branch in
 build_device_weights and its name in WEIGHT_FORMATS (and in the settings'
@@ -174,9 +175,10 @@ def gguf_lm_head_tensor(blocks: dict[str, BlockTensor]) -> BlockTensor:
 def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: dict[str, BlockTensor],
                  pack_layers: bool, allow_dense_fallback: bool = True) -> DeviceWeights:
     """Layer matrices, the LM head and the embedding as the checkpoint's blocks (quant_gemv.py).
-    pack_layers (a CPU device that runs a step's layers as one launch): when every layer matrix shares
-    one block format, the layers are packed into one buffer, the matrices sub-buffers of it, so they
-    are on the device once. allow_dense_fallback: see gguf_layer_tensors."""
+    pack_layers (a CPU device that runs a step's layers as one launch): when every layer matrix is in a
+    block format (any mix of them: decode_layers.cl reads each matrix's from its table), the layers
+    are packed into one buffer, the matrices sub-buffers of it, so they are on the device once.
+    allow_dense_fallback: see gguf_layer_tensors."""
     tensors = [gguf_layer_tensors(blocks, i, allow_dense_fallback) for i in range(len(w.layers))]
     fmts = {getattr(t, "qtype", None) for ts in tensors for t in ts.values()}
     packed = None

@@ -9,8 +9,14 @@ work-group of lanes per row on a GPU (kernels/gemv_quant_wg.cl; the device's
 
 At upload the blocks are split into three arrays, values unchanged: the scales
 (widened to fp32, exactly, so the one-row loop broadcasts them from memory),
-fp16 minimums (Q4_1) and the quants, so no load straddles a scale and its
-quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
+the minimums (fp16 for Q4_1/Q5_1) and the quants, so no load straddles a scale
+and its quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
+Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) become the same 32-weight blocks:
+a K-quant super-block of 256 is 8 blocks whose scale is the exact fp32 product
+d * sc and whose minimum is -(dmin * m) (Q6_K: a scale per 16 weights), the
+quants repacked into Q4's nibble order with their fifth (or fifth and sixth)
+bits after them (kernels/quant_blocks.h). That costs device bytes the file
+does not: Q4_K 24 bytes per 32 weights against 18 in the file, Q6_K 32 against 26.25.
 
 This module is one matrix; which GGUF tensors make up a layer's matrices and
 how they sit on the device is device_weights.py's (gguf_weights).
