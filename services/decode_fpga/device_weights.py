@@ -26,7 +26,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.packed_arrays import PackedArrays
-from services.decode_fpga.quant_gemv import (MINIMUM_FORMATS, QFMT_BITS, QFMT_CODES, QuantMatrix, split_blocks,
+from services.decode_fpga.quant_gemv import (QFMT_BITS, QFMT_CODES, QuantMatrix, split_blocks,
                                               upload_block_matrix)
 from services.model.config import ModelConfig
 from services.model.checkpoint import CheckpointError
@@ -221,7 +221,7 @@ def _pack_layers(dev: DeviceContext, w: ModelWeights,
         mats = {}
         for j, k in enumerate(MATRICES):
             d_buf, m_buf, q_buf = views[2 + 3 * j:5 + 3 * j]
-            mats[k] = QuantMatrix(dev, ts[k], (d_buf, m_buf if ts[k].qtype in MINIMUM_FORMATS else None, q_buf),
+            mats[k] = QuantMatrix(dev, ts[k], (d_buf, m_buf if splits[li][k][1] is not None else None, q_buf),
                                   split=splits[li][k])
         layers.append(DeviceLayer(attn_norm=views[0], ffn_norm=views[1], **mats))
     table_buf = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,

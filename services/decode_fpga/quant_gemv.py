@@ -11,12 +11,13 @@ At upload the blocks are split into three arrays, values unchanged: the scales
 (widened to fp32, exactly, so the one-row loop broadcasts them from memory),
 the minimums (fp16 for Q4_1/Q5_1) and the quants, so no load straddles a scale
 and its quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
-Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) become the same 32-weight blocks:
-a K-quant super-block of 256 is 8 blocks whose scale is the exact fp32 product
-d * sc and whose minimum is -(dmin * m) (Q6_K: a scale per 16 weights), the
-quants repacked into Q4's nibble order with their fifth (or fifth and sixth)
-bits after them (kernels/quant_blocks.h). That costs device bytes the file
-does not: Q4_K 24 bytes per 32 weights against 18 in the file, Q6_K 32 against 26.25.
+Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) become the same 32-weight blocks,
+the quants repacked into Q4's nibble order with their fifth (or fifth and sixth)
+bits after them; a K-quant keeps its super-blocks' fp16 scales (widened to fp32)
+and each block's small integer scale and minimum as bytes, multiplied in the
+kernel (exact products: kernels/quant_blocks.h). Device bits a weight against
+the file's: Q4_K 4.75 / 4.5, Q5_K 5.75 / 5.5, Q6_K 6.63 / 6.56, Q5_0 6 / 5.5,
+Q5_1 6.5 / 6.
 
 This module is one matrix; which GGUF tensors make up a layer's matrices and
 how they sit on the device is device_weights.py's (gguf_weights).
@@ -35,7 +36,7 @@ from services.model.gguf_blocks import BlockTensor
 QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80, "q5_0": 50, "q5_1": 51, "q4_k": 42, "q5_k": 52, "q6_k": 62}
 # each format's bit in decode_layers.cl's QFMT_SET (the formats a model's packed layers hold)
 QFMT_BITS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
-MINIMUM_FORMATS = {"q4_1": np.float16, "q5_1": np.float16, "q4_k": np.float32, "q5_k": np.float32}  # m's dtype
+MINIMUM_FORMATS = ("q4_1", "q5_1", "q4_k", "q5_k")  # weights d q + m: one-row GEMVs read x's block sums
 MF = cl.mem_flags
 
 
@@ -54,16 +55,6 @@ def _fifth_bits(v: np.ndarray) -> np.ndarray:
     return np.packbits((v >> 4) & 1, axis=-1, bitorder="little")
 
 
-def _k_scales(raw: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: each 32-block's scale d * sc and minimum -(dmin * mn) [rows, nsb, 8], float32 (exact products)."""
-    from gguf.quants import Q4_K
-
-    rows, nsb = raw.shape[:2]
-    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(raw[..., offset:offset + 12]).reshape(-1, 12))
-    d, dmin = _halves(raw, 0)[..., None], _halves(raw, 2)[..., None]
-    return d * sc.reshape(rows, nsb, 8).astype(np.float32), -(dmin * mn.reshape(rows, nsb, 8).astype(np.float32))
-
-
 def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
     """Q4_K/Q5_K's 128 quant bytes [rows, nsb, 128] as values [rows, nsb, 256]: 32 bytes hold
     weights 64c..64c+31 (low nibbles) and 64c+32..64c+63 (high)."""
@@ -71,43 +62,52 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
     return (qs & 15).reshape(*qs.shape[:2], 256)
 
 
-def _block_values(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """Scales [rows, n16 or n32] (float32), minimums [rows, n32] or None, and the unsigned quant
-    values [rows, n32, 32] (int32) of a 5- or 6-bit or K format, per 32-weight block (Q6_K: a scale
-    per 16), so that gguf's weight is d * (v - offset) or d * v + m exactly."""
+def _values(t: BlockTensor) -> np.ndarray:
+    """The unsigned quant values [rows, nb, 32] (int32) of a 5-bit, 6-bit or K format, per 32-weight
+    block in weight order (gguf's weight: d (v - offset), or d v + m)."""
     raw = t.blocks()
     rows = t.rows
     if t.qtype in ("q5_0", "q5_1"):
         head = 2 if t.qtype == "q5_0" else 4
         qh = np.ascontiguousarray(raw[..., head:head + 4]).view("<u4")  # [rows, nb, 1]
         qs = raw[..., head + 4:].astype(np.int32)
-        low = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        high = (qh >> np.arange(32, dtype=np.uint32)) & 1
-        v = low | (high.astype(np.int32) << 4)
-        m = _halves(raw, 2) if t.qtype == "q5_1" else None
-        return _halves(raw, 0), m, v
+        return np.concatenate([qs & 15, qs >> 4], axis=-1) | (((qh >> np.arange(32, dtype=np.uint32)) & 1)
+                                                               .astype(np.int32) << 4)
     if t.qtype in ("q4_k", "q5_k"):
-        d, m = _k_scales(raw, 4)
-        v = _k_low_nibbles(raw[..., 16:16 + 128] if t.qtype == "q4_k" else raw[..., 48:176]).astype(np.int32)
+        v = _k_low_nibbles(raw[..., 16:144] if t.qtype == "q4_k" else raw[..., 48:176]).astype(np.int32)
         if t.qtype == "q5_k":  # bit s of qh[j]: weight 32 s + j's fifth bit
             qh = raw[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
             v |= (qh & 1).reshape(rows, -1, 256).astype(np.int32) << 4
-        return d.reshape(rows, -1), m.reshape(rows, -1), v.reshape(rows, -1, 32)
+        return v.reshape(rows, -1, 32)
     if t.qtype == "q6_k":  # ql[128] qh[64] scales[16] (int8) d (fp16)
         ql = raw[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
         qh = raw[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
         v = (ql & 15).reshape(rows, -1, 256).astype(np.int32) | ((qh & 3).reshape(rows, -1, 256).astype(np.int32) << 4)
-        scales = raw[..., 192:208].view(np.int8).astype(np.float32)
-        d = _halves(raw, 208)[..., None] * scales  # [rows, nsb, 16]: one per 16 weights
-        return d.reshape(rows, -1), None, v.reshape(rows, -1, 32)
+        return v.reshape(rows, -1, 32)
     raise ValueError(f"{t.name}: {t.qtype} has no 5-bit, 6-bit or K layout")
 
 
+def _k_scales(t: BlockTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant's d (float32 [rows, nsb * 2]: d, dmin of each super-block; Q6_K [rows, nsb]: d) and
+    m (uint8 [rows, nb * 2]: each block's integer scale and minimum; Q6_K: its halves' int8 scales)."""
+    from gguf.quants import Q4_K
+
+    raw = t.blocks()
+    rows, nsb = raw.shape[:2]
+    if t.qtype == "q6_k":
+        return _halves(raw, 208), np.ascontiguousarray(raw[..., 192:208]).reshape(rows, -1)
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(raw[..., 4:16]).reshape(-1, 12))
+    d = np.stack([_halves(raw, 0), _halves(raw, 2)], axis=-1).reshape(rows, -1)
+    m = np.stack([sc.reshape(rows, nsb * 8), mn.reshape(rows, nsb * 8)], axis=-1).astype(np.uint8)
+    return d, m.reshape(rows, -1)
+
+
 def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """The device arrays of a block matrix (gemv_quant.cl's layout): d fp32 [rows, nbp] (the scales;
-    Q6_K [rows, 2 nbp], one per 16 weights), m [rows, nbp] (fp16 for Q4_1/Q5_1, fp32 for Q4_K/Q5_K,
-    else None), quants uint8 [rows, nb * QBYTES]; nb = cols / 32 blocks, nbp = nb rounded up to 4,
-    the padding is zero. Every value is the block's own or an exact product of its own."""
+    """The device arrays of a block matrix (gemv_quant.cl's layout, quant_blocks.h's scales): d fp32
+    [rows, nbp] (the scales; K-quants their super-blocks' d and dmin), m [rows, nbp] fp16 (the
+    minimums of Q4_1/Q5_1; K-quants uint8 [rows, 2 nb]: each block's integer scale and minimum,
+    Q6_K its halves' int8 scales; else None), quants uint8 [rows, nb * QBYTES]; nb = cols / 32
+    blocks, nbp = nb rounded up to 4, the padding is zero. Every value is the block's own."""
     if t.qtype not in QFMT_CODES:
         raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
     nb = t.cols // 32
@@ -124,7 +124,7 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
         d = padded(_halves(blocks, 0), 1, np.float32)
         m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q4_1" else None
         return d, m, np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
-    d, m, v = _block_values(t)
+    v = _values(t)
     parts = [_nibbles(v)]
     if t.qtype in ("q5_0", "q5_1", "q5_k"):
         parts.append(_fifth_bits(v))
@@ -132,9 +132,12 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
         h = (v >> 4) & 3
         parts.append((h[..., 0:8] | h[..., 8:16] << 2 | h[..., 16:24] << 4 | h[..., 24:32] << 6).astype(np.uint8))
     quants = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(t.rows, -1)
-    per = 2 if t.qtype == "q6_k" else 1
-    mins = padded(m, 1, MINIMUM_FORMATS[t.qtype]) if m is not None else None
-    return padded(d, per, np.float32), mins, quants
+    if t.qtype in ("q5_0", "q5_1"):
+        blocks = t.blocks()
+        m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q5_1" else None
+        return padded(_halves(blocks, 0), 1, np.float32), m, quants
+    d, m = _k_scales(t)  # a whole number of super-blocks: nbp == nb, nothing to pad
+    return np.ascontiguousarray(d, np.float32), m, quants
 
 
 class QuantMatrix(EnqueueOnce):

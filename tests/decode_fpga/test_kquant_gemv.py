@@ -9,7 +9,7 @@ import pyopencl as cl
 import pytest
 from gguf.quants import dequantize
 
-from services.decode_fpga.quant_gemv import MINIMUM_FORMATS, QuantMatrix, split_blocks
+from services.decode_fpga.quant_gemv import QuantMatrix, split_blocks
 from services.model.gguf_blocks import BlockTensor, as_q8_0, stack_exact
 from tests.decode_fpga.kquant_checkpoint import ggml_type, random_blocks
 from tests.decode_fpga.test_gemv_rows import check
@@ -48,12 +48,18 @@ def numpy_weights(t: BlockTensor) -> np.ndarray:
         v |= np.concatenate([h & 3, (h >> 2) & 3, (h >> 4) & 3, h >> 6], axis=-1) << 4
     offset = {"q5_0": 16, "q6_k": 32}.get(t.qtype, 0)
     vf = (v - offset).astype(np.float32)
-    if t.qtype == "q6_k":  # a scale per 16 weights
-        w = vf.reshape(t.rows, nb, 2, 16) * d[:, :2 * nb].reshape(t.rows, nb, 2, 1)
+    if t.qtype == "q6_k":  # a scale per 16 weights: d_super * the half's int8
+        scale = d[:, :, None] * m.view(np.int8).reshape(t.rows, -1, 16).astype(np.float32)
+        return (vf.reshape(t.rows, nb, 2, 16) * scale.reshape(t.rows, nb, 2, 1)).reshape(t.rows, t.cols)
+    if t.qtype in ("q4_k", "q5_k"):  # d_super * sc_b, -(dmin_super * mn_b)
+        ints = m.reshape(t.rows, -1, 8, 2).astype(np.float32)
+        sup = d.reshape(t.rows, -1, 1, 2)
+        scale, minimum = (sup[..., 0] * ints[..., 0]).reshape(t.rows, nb), -(sup[..., 1] * ints[..., 1]).reshape(t.rows, nb)
     else:
-        w = vf * d[:, :nb, None]
-        if m is not None:
-            w = w + m[:, :nb, None].astype(np.float32)
+        scale, minimum = d[:, :nb], (m[:, :nb].astype(np.float32) if m is not None else None)
+    w = vf * scale[..., None]
+    if minimum is not None:
+        w = w + minimum[..., None]
     return w.reshape(t.rows, t.cols)
 
 
@@ -63,7 +69,7 @@ def test_numpy_reference_of_the_device_arrays_is_ggufs(qtype):
     gguf.quants.dequantize's, bit for bit (the padding of scales is zero)."""
     t = random_blocks(qtype, 6, cols_for(qtype, 24), seed=1)
     d, m, _ = split_blocks(t)
-    assert d.dtype == np.float32 and (m is None) == (qtype not in MINIMUM_FORMATS)
+    assert d.dtype == np.float32 and (m is None) == (qtype == "q5_0")
     np.testing.assert_array_equal(numpy_weights(t), ggufs(t))
     np.testing.assert_array_equal(t.dequantize(), ggufs(t))
 

@@ -7,8 +7,9 @@
 //   d: float [rows][nbp]  the blocks' scales, widened from fp16 (exact), nbp = nb rounded up
 //                         to 4 (zero padded); fp32 so the one-row loop broadcasts each from
 //                         memory (a half needed a conversion and a lane permute: ~5% of the GEMV).
-//                         K-quants: d_super * sc of each 32-block (Q6_K: of each 16, [rows][2 nbp])
-//   m: [rows][nbp]        the blocks' minimums: half (Q4_1, Q5_1), float (Q4_K, Q5_K: -dmin * mn)
+//                         K-quants: their super-blocks' d (and dmin), see quant_blocks.h
+//   m: [rows][nbp]        the blocks' minimums, half (Q4_1, Q5_1); K-quants: 2 bytes a block,
+//                         the block's integer scale and minimum (Q6_K: its halves' scales)
 //   q: Q4: uchar [rows][nb][16]  byte j = weight j (low nibble) | weight j+16 (high nibble)
 //      Q5: uchar [rows][nb][20]  the Q4 bytes, then the fifth bits (bit j: weight j), a uint
 //      Q6_K: uchar [rows][nb][24] the Q4 bytes, then 8 bytes of the two high bits
@@ -71,10 +72,10 @@ inline void dequant_block(__global const uchar *q, __global const float *drow, _
 #else
     block_weights(q, b, w0, w1);
 #if DPER == 2
-    *w0 *= drow[2 * b];
-    *w1 *= drow[2 * b + 1];
+    *w0 *= HALF_SCALE(drow, mrow, b, 0);
+    *w1 *= HALF_SCALE(drow, mrow, b, 1);
 #elif HAS_MINS
-    const float d = drow[b], m = pick4(LOAD_MIN4(b >> 2, mrow), b & 3);  // 4-wide: a scalar half load is emulated
+    const float d = SCALE(drow, mrow, b), m = pick4(LOAD_MIN4(b >> 2, mrow, drow), b & 3);  // 4-wide: a scalar half load is emulated
     *w0 = *w0 * d + m;
     *w1 = *w1 * d + m;
 #else
@@ -147,17 +148,17 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
 }
 
 // ROW_DOT's ending of one row: its two accumulators' sum, then the minimums over the block sums
-inline float rows_finish(const float16 a0, const float16 a1, __global const half *mrow, __global const float *xsum,
-                         const int nb)
+inline float rows_finish(const float16 a0, const float16 a1, __global const float *drow, __global const half *mrow,
+                         __global const float *xsum, const int nb)
 {
     float acc = hsum16(a0 + a1);
     if (HAS_MINS) {
         const int ng = nb / 4;
         float4 ms = (float4)(0.0f);
-        for (int g = 0; g < ng; ++g) ms = fma(LOAD_MIN4(g, mrow), vload4(g, xsum), ms);
+        for (int g = 0; g < ng; ++g) ms = fma(LOAD_MIN4(g, mrow, drow), vload4(g, xsum), ms);
         acc += (ms.x + ms.y) + (ms.z + ms.w);
         if (nb > 4 * ng) {
-            const float4 m4 = LOAD_MIN4(ng, mrow);
+            const float4 m4 = LOAD_MIN4(ng, mrow, drow);
             for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
         }
     }
@@ -191,21 +192,21 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
             block_weights(qrow, b, &w0, &w1);
-            BLOCK_ACC(a00, w0, w1, x0, b, drow); BLOCK_ACC(a10, w0, w1, x1, b, drow);
-            BLOCK_ACC(a20, w0, w1, x2, b, drow); BLOCK_ACC(a30, w0, w1, x3, b, drow);
+            BLOCK_ACC(a00, w0, w1, x0, b, drow, mrow); BLOCK_ACC(a10, w0, w1, x1, b, drow, mrow);
+            BLOCK_ACC(a20, w0, w1, x2, b, drow, mrow); BLOCK_ACC(a30, w0, w1, x3, b, drow, mrow);
             block_weights(qrow, b + 1, &w0, &w1);
-            BLOCK_ACC(a01, w0, w1, x0, b + 1, drow); BLOCK_ACC(a11, w0, w1, x1, b + 1, drow);
-            BLOCK_ACC(a21, w0, w1, x2, b + 1, drow); BLOCK_ACC(a31, w0, w1, x3, b + 1, drow);
+            BLOCK_ACC(a01, w0, w1, x0, b + 1, drow, mrow); BLOCK_ACC(a11, w0, w1, x1, b + 1, drow, mrow);
+            BLOCK_ACC(a21, w0, w1, x2, b + 1, drow, mrow); BLOCK_ACC(a31, w0, w1, x3, b + 1, drow, mrow);
         }
         if (b < nb) {
             block_weights(qrow, b, &w0, &w1);
-            BLOCK_ACC(a00, w0, w1, x0, b, drow); BLOCK_ACC(a10, w0, w1, x1, b, drow);
-            BLOCK_ACC(a20, w0, w1, x2, b, drow); BLOCK_ACC(a30, w0, w1, x3, b, drow);
+            BLOCK_ACC(a00, w0, w1, x0, b, drow, mrow); BLOCK_ACC(a10, w0, w1, x1, b, drow, mrow);
+            BLOCK_ACC(a20, w0, w1, x2, b, drow, mrow); BLOCK_ACC(a30, w0, w1, x3, b, drow, mrow);
         }
-        const float v[4] = {rows_finish(a00, a01, mrow, xsum + (size_t)r0 * nb, nb),
-                            rows_finish(a10, a11, mrow, xsum + (size_t)r1 * nb, nb),
-                            rows_finish(a20, a21, mrow, xsum + (size_t)r2 * nb, nb),
-                            rows_finish(a30, a31, mrow, xsum + (size_t)r3 * nb, nb)};
+        const float v[4] = {rows_finish(a00, a01, drow, mrow, xsum + (size_t)r0 * nb, nb),
+                            rows_finish(a10, a11, drow, mrow, xsum + (size_t)r1 * nb, nb),
+                            rows_finish(a20, a21, drow, mrow, xsum + (size_t)r2 * nb, nb),
+                            rows_finish(a30, a31, drow, mrow, xsum + (size_t)r3 * nb, nb)};
         for (int r = 0; r < 4 && r0 + r < n; ++r) {
             const size_t k = (size_t)(r0 + r) * out_rows + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];

@@ -44,17 +44,17 @@ inline float kq_weight(__global const uchar *qb, const float d, const float m, c
 #define HALF_DOT(ACC, D, M, Q, U)                                                              \
     do {                                                                                       \
         const int b_ = (U) >> 1, h_ = (U) & 1;                                                 \
-        const float d_ = (D)[DPER * b_ + (DPER - 1) * h_];                                     \
+        const float d_ = HALF_SCALE((D), (M), b_, h_);                                         \
         const int c0_ = 32 * b_;                                                               \
         if (QBYTES != 16 && QFMT != 80) { /* 5 and 6 bits: weight by weight */                 \
-            const float m_ = HAS_MINS ? MIN_AT((M), b_) : 0.0f;                                \
+            const float m_ = HAS_MINS ? MIN_AT((M), b_, (D)) : 0.0f;                           \
             for (int j_ = 0; j_ < 16; ++j_)                                                    \
                 ACC += kq_weight((Q) + QBYTES * b_, d_, m_, 16 * h_ + j_) * XAT(c0_ + 16 * h_ + j_); \
         } else if (QFMT == 80) {                                                               \
             __global const char *qc_ = (__global const char *)(Q) + QBYTES * b_ + 16 * h_;     \
             for (int j_ = 0; j_ < 16; ++j_) ACC += (d_ * (float)qc_[j_]) * XAT(c0_ + 16 * h_ + j_); \
         } else {                                                                               \
-            const float m_ = HAS_MINS ? MIN_AT((M), b_) : 0.0f;                                \
+            const float m_ = HAS_MINS ? MIN_AT((M), b_, (D)) : 0.0f;                           \
             __global const uchar *qb_ = (Q) + QBYTES * b_ + 8 * h_;                            \
             for (int j_ = 0; j_ < 8; ++j_) {                                                   \
                 const int lo_ = qb_[j_] & 0x0F, hi_ = qb_[j_] >> 4;                            \

@@ -10,26 +10,46 @@
 // file's blocks; K-quant super-blocks of 256 become 8 such blocks):
 //   40 Q4_0  d (q - 8)         41 Q4_1  d q + m (m fp16)    80 Q8_0  d q
 //   50 Q5_0  d (q - 16)        51 Q5_1  d q + m (m fp16)
-//   42 Q4_K  d q + m           52 Q5_K  d q + m             (d = d_super sc, m = -dmin_super mn, fp32)
-//   62 Q6_K  d_h (q - 32), one scale d_h per 16 weights (d_super sc_h, fp32)
-// Every product d q is exact in fp32 (at most 11 + 7 + 6 bits), so the weights are gguf's bit
-// for bit however the kernels order them (the one rounding is the minimum's addition).
+//   42 Q4_K  d q + m           52 Q5_K  d q + m       (d = d_super sc_b, m = -(dmin_super mn_b))
+//   62 Q6_K  d_h (q - 32), one scale a 16 weights   (d_h = d_super sc_h)
+// Every product d q is exact in fp32 (at most 11 + 7 + 6 bits), as are d_super sc and
+// dmin_super mn, so the weights are gguf's bit for bit however the kernels order them (the one
+// rounding is the minimum's addition).
+//
+// Scales and minimums, per row: d float [nbp] (the blocks' own, widened from fp16) and m half
+// [nbp] (Q4_1, Q5_1); the K-quants keep their super-blocks' fp16 scales as floats in d (Q4_K,
+// Q5_K: d_super, dmin_super of each 256 weights; Q6_K: d_super) and their small integer
+// scales as bytes in m (Q4_K, Q5_K: sc_b, mn_b of each block; Q6_K: sc_h of each half, int8),
+// read through the kernels' `half *m` argument: ~4.75 bits a weight for Q4_K, not 6 with an fp32
+// scale and minimum a block.
 
 // quant bytes per block: 16 of low nibbles (byte j: weight j | weight j + 16 << 4); Q5: then the
 // 32 fifth bits as one little-endian uint; Q6_K: then 8 bytes of 2-bit highs (byte j: weights j,
 // j + 8, j + 16, j + 24); Q8_0: 32 int8
 #define QBYTES_F(F) ((F) == 80 ? 32 : ((F) == 50 || (F) == 51 || (F) == 52) ? 20 : (F) == 62 ? 24 : 16)
 #define DPER_F(F) ((F) == 62 ? 2 : 1)  // scales per block: Q6_K has one per 16 weights
-// minimums: Q4_1 and Q5_1 fp16 as in the file; Q4_K and Q5_K fp32 (dmin times a 6-bit integer
-// needs 17 bits), read through the kernels' `half *m` argument
+#define KQ_F(F) ((F) == 42 || (F) == 52 || (F) == 62)  // super-block scales and byte scales
 #define HAS_MINS_F(F) ((F) == 41 || (F) == 51 || (F) == 42 || (F) == 52)
-#define MINS_F32_F(F) ((F) == 42 || (F) == 52)
-#define LOAD_MIN4_F(F, G, MROW) (MINS_F32_F(F) ? vload4((G), (__global const float *)(MROW)) : vload_half4((G), (MROW)))
-#define MIN_AT_F(F, MROW, B) (MINS_F32_F(F) ? ((__global const float *)(MROW))[B] : vload_half((B), (MROW)))
+// floats of d per row (NBP: the row's blocks rounded up to 4; a whole number of super-blocks for K)
+#define DSTRIDE_F(F, NBP) ((F) == 62 ? (NBP) / 8 : ((F) == 42 || (F) == 52) ? (NBP) / 4 : (NBP))
+#define DROW_AT_F(F, D, O, NBP) ((D) + (size_t)(O) * DSTRIDE_F(F, NBP))
+// m's row: NBP halves, or for K 2 bytes a block
 #define MROW_AT_F(F, M, O, NBP)                                                                \
-    (MINS_F32_F(F) ? (__global const half *)((__global const float *)(M) + (size_t)(O) * (NBP)) \
-                   : (M) + (size_t)(O) * (NBP))
-#define DROW_AT_F(F, D, O, NBP) ((D) + (size_t)(O) * (NBP) * DPER_F(F))
+    (KQ_F(F) ? (__global const half *)((__global const uchar *)(M) + (size_t)(O) * 2 * (NBP))     \
+             : (M) + (size_t)(O) * (NBP))
+#define MBYTES(MROW) ((__global const uchar *)(MROW))
+// block B's scale (one-scale formats), half H's scale (Q6_K)
+#define SCALE_F(F, DROW, MROW, B)                                                              \
+    (((F) == 42 || (F) == 52) ? (DROW)[2 * ((B) >> 3)] * (float)MBYTES(MROW)[2 * (B)] : (DROW)[B])
+#define HALF_SCALE_F(F, DROW, MROW, B, H)                                                      \
+    ((F) == 62 ? (DROW)[(B) >> 3] * (float)((__global const char *)(MROW))[2 * (B) + (H)]    \
+               : SCALE_F(F, DROW, MROW, B))
+// the minimums of blocks 4G..4G+3, and of block B
+#define LOAD_MIN4_F(F, G, MROW, DROW)                                                          \
+    (KQ_F(F) ? -(DROW)[2 * ((G) >> 1) + 1] * convert_float4(vload8((G), MBYTES(MROW)).odd)     \
+             : vload_half4((G), (MROW)))
+#define MIN_AT_F(F, MROW, B, DROW)                                                             \
+    (KQ_F(F) ? -(DROW)[2 * ((B) >> 3) + 1] * (float)MBYTES(MROW)[2 * (B) + 1] : vload_half((B), (MROW)))
 
 inline float hsum16(const float16 a)
 {
@@ -96,23 +116,23 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
 // A += block B of a row (quants QROW, scales DROW) times X, scaled: one scale a block, or
 // Q6_K's two (the 16-weight halves scaled apart). The one expression of the one-row kernels
 // (ROW_DOT) and of gemv_quant_rows (gemv_quant.cl), so they round alike.
-#define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW)                                                  \
+#define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
     do {                                                                                       \
         if (DPER_F(F) == 2)                                                                    \
-            A = fma((W1) * vload16(2 * (B) + 1, (X)), (float16)((DROW)[2 * (B) + 1]),          \
-                    fma((W0) * vload16(2 * (B), (X)), (float16)((DROW)[2 * (B)]), A));         \
+            A = fma((W1) * vload16(2 * (B) + 1, (X)), (float16)(HALF_SCALE_F(F, DROW, MROW, B, 1)), \
+                    fma((W0) * vload16(2 * (B), (X)), (float16)(HALF_SCALE_F(F, DROW, MROW, B, 0)), A)); \
         else                                                                                   \
             A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))),        \
-                    (float16)((DROW)[B]), A);                                                  \
+                    (float16)(SCALE_F(F, DROW, MROW, B)), A);                                  \
     } while (0)
-#define ROW_BLOCK_F(F, A, QROW, DROW, B, X)                                                    \
+#define ROW_BLOCK_F(F, A, QROW, DROW, MROW, B, X)                                              \
     do {                                                                                       \
         if (DPER_F(F) == 2) {                                                                  \
             float16 w0_, w1_;                                                                  \
             block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
-            BLOCK_ACC_F(F, A, w0_, w1_, (X), (B), (DROW));                                     \
+            BLOCK_ACC_F(F, A, w0_, w1_, (X), (B), (DROW), (MROW));                             \
         } else {                                                                               \
-            A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)((DROW)[B]), A);              \
+            A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SCALE_F(F, DROW, MROW, B)), A); \
         }                                                                                      \
     } while (0)
 
@@ -125,18 +145,18 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
         float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
         int b_ = 0;                                                                            \
         for (; b_ + 2 <= (NB); b_ += 2) {                                                      \
-            ROW_BLOCK_F(F, a0_, (QROW), (DROW), b_, (X));                                      \
-            ROW_BLOCK_F(F, a1_, (QROW), (DROW), b_ + 1, (X));                                  \
+            ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                              \
+            ROW_BLOCK_F(F, a1_, (QROW), (DROW), (MROW), b_ + 1, (X));                          \
         }                                                                                      \
-        if (b_ < (NB)) ROW_BLOCK_F(F, a0_, (QROW), (DROW), b_, (X));                           \
+        if (b_ < (NB)) ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                   \
         ACC = hsum16(a0_ + a1_);                                                               \
         if (HAS_MINS_F(F)) {                                                                   \
             const int ng_ = (NB) / 4;                                                          \
             float4 ms_ = (float4)(0.0f);                                                       \
-            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(LOAD_MIN4_F(F, g_, (MROW)), vload4(g_, (XSUM)), ms_); \
+            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(LOAD_MIN4_F(F, g_, (MROW), (DROW)), vload4(g_, (XSUM)), ms_); \
             ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                                          \
             if ((NB) > 4 * ng_) { /* 1-3 blocks left; minimums are padded to 4 */              \
-                const float4 m4_ = LOAD_MIN4_F(F, ng_, (MROW));                                \
+                const float4 m4_ = LOAD_MIN4_F(F, ng_, (MROW), (DROW));                        \
                 for (b_ = 4 * ng_; b_ < (NB); ++b_) ACC += pick4(m4_, b_ & 3) * (XSUM)[b_];    \
             }                                                                                  \
         }                                                                                      \
@@ -157,15 +177,17 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
 #ifdef QFMT
 #define QBYTES QBYTES_F(QFMT)
 #define DPER DPER_F(QFMT)
+#define KQ KQ_F(QFMT)
 #define HAS_MINS HAS_MINS_F(QFMT)
-#define MINS_F32 MINS_F32_F(QFMT)
-#define LOAD_MIN4(G, MROW) LOAD_MIN4_F(QFMT, G, MROW)
-#define MIN_AT(MROW, B) MIN_AT_F(QFMT, MROW, B)
+#define SCALE(DROW, MROW, B) SCALE_F(QFMT, DROW, MROW, B)
+#define HALF_SCALE(DROW, MROW, B, H) HALF_SCALE_F(QFMT, DROW, MROW, B, H)
+#define LOAD_MIN4(G, MROW, DROW) LOAD_MIN4_F(QFMT, G, MROW, DROW)
+#define MIN_AT(MROW, B, DROW) MIN_AT_F(QFMT, MROW, B, DROW)
 #define MROW_AT(M, O, NBP) MROW_AT_F(QFMT, M, O, NBP)
 #define DROW_AT(D, O, NBP) DROW_AT_F(QFMT, D, O, NBP)
 #define block_weights(Q, B, W0, W1) block_weights_f(QFMT, (Q), (B), (W0), (W1))
 #define block_dot(Q, B, X) block_dot_f(QFMT, (Q), (B), (X))
-#define BLOCK_ACC(A, W0, W1, X, B, DROW) BLOCK_ACC_F(QFMT, A, W0, W1, X, B, DROW)
+#define BLOCK_ACC(A, W0, W1, X, B, DROW, MROW) BLOCK_ACC_F(QFMT, A, W0, W1, X, B, DROW, MROW)
 #define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB) ROW_DOT_F(QFMT, ACC, DROW, MROW, QROW, X, XSUM, NB)
 #define GEMV_ROW(O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE) GEMV_ROW_F(QFMT, O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)
 #endif
