@@ -93,13 +93,12 @@ def main() -> int:
     args = ap.parse_args()
     gguf = Path(args.gguf) if args.gguf else quantize_default(args.quantize, Path(tempfile.gettempdir()))
     engs = engines(gguf, max(BATCHES), args.context + args.steps + 8)
-    cfg = next(iter(engs.values())).cfg
     cells: dict[tuple[str, int], list[float]] = {}
     for r in range(args.rounds):
         progress(f"round {r + 1}/{args.rounds}")
         for batch in BATCHES:
             for name, eng in engs.items():
-                cells.setdefault((name, batch), []).extend(time_paged(eng, cfg, batch, args.context, args.steps))
+                cells.setdefault((name, batch), []).extend(time_paged(eng, eng.cfg, batch, args.context, args.steps))
     rows, lines = [], []
     for name, eng in engs.items():
         row = [name, f"{eng.weights_nbytes / 1e6:.1f}", eng.weights.storage_summary()]
