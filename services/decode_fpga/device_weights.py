@@ -80,7 +80,7 @@ class DeviceWeights:
     packed: PackedLayers | None = None  # set when the layers also sit in one buffer for decode_layers.cl
     # what each GGUF matrix is stored as on the device: name → (its type in the file, the device format);
     # empty for the dense formats
-    stored: dict[str, tuple[str, str]] = field(default_factory=dict)
+    stored: dict[str, tuple[str, str]] = field(default_factory=dict, kw_only=True)
 
     def stored_types(self) -> dict[str, int]:
         """GGUF matrices per device format ("q4_k", "q8_0", "f32", ...); the layers' matrix count
