@@ -200,7 +200,8 @@ class GGUFBlocks:
 _EXACT_AS_F32 = ("BF16", "F64")
 
 
-def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig, allow_dense_fallback: bool = False) -> dict[str, BlockTensor]:
+def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig,
+                       allow_dense_fallback: bool = False) -> dict[str, BlockTensor]:
     """Every 2-D tensor of a GGUF checkpoint by its GGUF name, q/k rows already un-permuted. A
     quantized type without a device kernel is refused (CheckpointError naming it and the supported
     ones) unless allow_dense_fallback, which stores it as f32 (gguf's values, 4 bytes a weight)."""

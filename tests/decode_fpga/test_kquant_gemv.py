@@ -54,7 +54,8 @@ def numpy_weights(t: BlockTensor) -> np.ndarray:
     if t.qtype in ("q4_k", "q5_k"):  # d_super * sc_b, -(dmin_super * mn_b)
         ints = m.reshape(t.rows, -1, 8, 2).astype(np.float32)
         sup = d.reshape(t.rows, -1, 1, 2)
-        scale, minimum = (sup[..., 0] * ints[..., 0]).reshape(t.rows, nb), -(sup[..., 1] * ints[..., 1]).reshape(t.rows, nb)
+        scale = (sup[..., 0] * ints[..., 0]).reshape(t.rows, nb)
+        minimum = -(sup[..., 1] * ints[..., 1]).reshape(t.rows, nb)
     else:
         scale, minimum = d[:, :nb], (m[:, :nb].astype(np.float32) if m is not None else None)
     w = vf * scale[..., None]

@@ -75,7 +75,8 @@ inline void dequant_block(__global const uchar *q, __global const float *drow, _
     *w0 *= HALF_SCALE(drow, mrow, b, 0);
     *w1 *= HALF_SCALE(drow, mrow, b, 1);
 #elif HAS_MINS
-    const float d = SCALE(drow, mrow, b), m = pick4(LOAD_MIN4(b >> 2, mrow, drow), b & 3);  // 4-wide: a scalar half load is emulated
+    // the minimum 4-wide: a scalar half load is emulated in software on PoCL
+    const float d = SCALE(drow, mrow, b), m = pick4(LOAD_MIN4(b >> 2, mrow, drow), b & 3);
     *w0 = *w0 * d + m;
     *w1 = *w1 * d + m;
 #else
