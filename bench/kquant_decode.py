@@ -41,8 +41,10 @@ def quantize_default(quantize: str, out_dir: Path) -> Path:
     out = out_dir / (src.name.split(".Q4_1")[0] + ".Q4_K_M.gguf")
     if not out.exists():
         progress(f"llama-quantize {src.name} -> {out.name}")
-        subprocess.run([quantize, "--allow-requantize", str(src), str(out), "Q4_K_M"], check=True,
-                       stdout=subprocess.DEVNULL)
+        done = subprocess.run([quantize, "--allow-requantize", str(src), str(out), "Q4_K_M"], capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"llama-quantize failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return out
 
 
@@ -93,6 +95,7 @@ def main() -> int:
     args = ap.parse_args()
     gguf = Path(args.gguf) if args.gguf else quantize_default(args.quantize, Path(tempfile.gettempdir()))
     engs = engines(gguf, max(BATCHES), args.context + args.steps + 8)
+    load_before = os.getloadavg()  # the machine is shared: say how busy it was
     cells: dict[tuple[str, int], list[float]] = {}
     for r in range(args.rounds):
         progress(f"round {r + 1}/{args.rounds}")
@@ -110,7 +113,11 @@ def main() -> int:
                           "stored_weight_types": eng.stored_weight_types, "storage": eng.weights.storage_summary()})
         rows.append(row)
     print(table(["engine", "MB/step", "stored (file type→device)", *(f"b{b} ms/step" for b in BATCHES)], rows))
+    load_after = os.getloadavg()
+    print(f"load average (1, 5, 15 min) before {load_before}, after {load_after}; medians of {args.rounds} rounds "
+          f"x {args.steps} steps, context {args.context}")
     write_json("kquant_decode", {"gguf": gguf.name, "rounds": args.rounds, "steps": args.steps,
+                                 "loadavg_before": load_before, "loadavg_after": load_after,
                                  "device": next(iter(engs.values())).device_name, "lines": lines})
     return 0
 
