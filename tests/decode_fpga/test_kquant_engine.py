@@ -164,3 +164,17 @@ def test_the_dense_fallback_when_allowed(unsupported_file, monkeypatch, caplog):
         assert np.isfinite(engine.prefill(seq, [5, 6, 7])).all()
     finally:
         engine.release(seq)
+
+
+def test_the_service_refuses_it_in_one_line(unsupported_file):
+    """`python -m services.decode_fpga` on that file: exit status 2, the reason in one log line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HYBRIDSERVE_MODEL": str(unsupported_file), "HYBRIDSERVE_PROFILE_AT_START": "false"}
+    r = subprocess.run([sys.executable, "-m", "services.decode_fpga"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert "cannot serve" in r.stderr and "Q2_K" in r.stderr and "ALLOW_DENSE_FALLBACK" in r.stderr
