@@ -174,3 +174,23 @@ def test_symmetric_blocks_become_q8_0_exactly(qtype):
     np.testing.assert_array_equal(stacked.dequantize()[:6], t.dequantize())
     with pytest.raises(ValueError, match="formats differ"):
         stack_exact("qkv", [random_blocks("q4_k", 4, 256), random_blocks("q6_k", 4, 256)])
+
+
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_fused_norm_on_gpu_shaped_kernels(gemv_dev, qtype):
+    """bind_gemv_norm with a work-group of lanes per row (gemv_quant_norm_wg, a GPU's) as with one
+    work-item (gemv_quant_norm): against numpy."""
+    rows, cols = 24, 512
+    t = random_blocks(qtype, rows, cols, seed=5)
+    m = QuantMatrix(gemv_dev, t)
+    rng = np.random.default_rng(5)
+    x, nw = (rng.normal(size=cols).astype(np.float32) for _ in range(2))
+    ctx, q = gemv_dev.context, gemv_dev.queue
+    xb, nwb = (cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=a) for a in (x, nw))
+    yb = cl.Buffer(ctx, MF.READ_WRITE, rows * 4)
+    m.bind_gemv_norm(xb, nwb, 1e-5, yb).enqueue(q)
+    got = np.empty(rows, np.float32)
+    cl.enqueue_copy(q, got, yb, is_blocking=True)
+    x64 = x.astype(np.float64)
+    ref = reference(t, (x64 / np.sqrt((x64 ** 2).mean() + 1e-5) * nw)[None], np.zeros((1, rows)))[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
