@@ -5,8 +5,9 @@ the launch plans only bind their GEMVs (gemv.py's DeviceMatrix), so every format
 serves the same forward:
 
     fp32, fp16  dense_weights: the host weights, one buffer per matrix (gemv.py)
-    gguf        gguf_weights: the checkpoint's own blocks (quant_gemv.py); on a CPU device that
-                runs a step's layers as one launch, every layer packed into one buffer
+    gguf        gguf_weights: the checkpoint's own blocks (quant_gemv.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+                Q4_K, Q5_K, Q6_K); on a CPU device that runs a step's layers as one launch, every
+                layer packed into one buffer
 
 A new format is a builder here returning DeviceWeights, its branch in
 build_device_weights and its name in WEIGHT_FORMATS (and in the settings'
@@ -16,7 +17,8 @@ in fp32.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyopencl as cl
@@ -24,9 +26,11 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.packed_arrays import PackedArrays
-from services.decode_fpga.quant_gemv import QFMT_CODES, QuantMatrix, split_blocks, upload_block_matrix
+from services.decode_fpga.quant_gemv import (QFMT_BITS, QFMT_CODES, QuantMatrix, split_blocks,
+                                              upload_block_matrix)
 from services.model.config import ModelConfig
-from services.model.gguf_blocks import BlockTensor, stack_rows
+from services.model.checkpoint import CheckpointError
+from services.model.gguf_blocks import BlockTensor, stack_exact
 from services.model.weights import ModelWeights
 
 log = logging.getLogger(__name__)
@@ -54,8 +58,15 @@ class PackedLayers:
     """Every layer's norms and block arrays in one buffer (decode_layers.cl reads them through a table)."""
 
     arrays: PackedArrays
-    table: cl.Buffer  # int32 [n_layers, 2 + 3 * len(MATRICES)]: byte offsets of each layer's arrays
-    qfmt: str  # the one block format of every layer matrix
+    # int32 [n_layers, 2 + 4 * len(MATRICES)]: byte offsets of each layer's arrays, then each matrix's
+    # format code (QFMT_CODES)
+    table: cl.Buffer
+    qfmts: tuple[str, ...]  # the block formats the layer matrices hold
+
+    @property
+    def qfmt_set(self) -> int:
+        """decode_layers.cl's QFMT_SET: a bit per format held (QFMT_BITS)."""
+        return sum(1 << QFMT_BITS[f] for f in self.qfmts)
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,23 @@ class DeviceWeights:
     final_norm: cl.Buffer  # [hidden] fp32
     inv_freq: cl.Buffer  # [head_dim / 2] fp32: RoPE's inverse frequencies
     packed: PackedLayers | None = None  # set when the layers also sit in one buffer for decode_layers.cl
+    # what each GGUF matrix is stored as on the device: name → (its type in the file, the device format);
+    # empty for the dense formats
+    stored: dict[str, tuple[str, str]] = field(default_factory=dict, kw_only=True)
+
+    def stored_types(self) -> dict[str, int]:
+        """GGUF matrices per device format ("q4_k", "q8_0", "f32", ...); the layers' matrix count
+        under the dense formats (every one in `fmt`)."""
+        if not self.stored:
+            return {self.fmt: len(self.layers) * len(MATRICES) + (1 if self.lm_head is self.embed else 2)}
+        return dict(Counter(dev for _, dev in self.stored.values()))
+
+    def storage_summary(self) -> str:
+        """One line: each (file type → device format) pair and its count, for the start-up log."""
+        if not self.stored:
+            return f"every matrix {self.fmt}"
+        pairs = Counter(f"{src}→{dev}" for src, dev in self.stored.values())
+        return ", ".join(f"{pair} x{n}" for pair, n in sorted(pairs.items()))
 
     @property
     def nbytes(self) -> int:
@@ -105,18 +133,37 @@ def dense_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: st
 
 
 # ---- gguf blocks --------------------------------------------------------------------------------
-def gguf_layer_tensors(blocks: dict[str, BlockTensor], layer: int) -> dict[str, BlockTensor | np.ndarray]:
+def gguf_layer_tensors(blocks: dict[str, BlockTensor], layer: int,
+                       allow_dense_fallback: bool = True) -> dict[str, BlockTensor | np.ndarray]:
     """Layer `layer`'s MATRICES from the checkpoint's blocks (gguf_blocks.read_block_tensors: q/k rows
-    already un-permuted), q|k|v and gate|up stacked. A stack whose parts differ in format comes back
-    dense (fp32 [rows, cols], gguf's values exactly)."""
+    already un-permuted), q|k|v and gate|up stacked (Q4_0/Q5_0 parts beside Q8_0 ones as Q8_0, the
+    same weights: gguf_blocks.stack_exact). A stack whose formats still differ comes back dense (fp32
+    [rows, cols], gguf's values exactly) when allow_dense_fallback, else raises CheckpointError."""
     out: dict[str, BlockTensor | np.ndarray] = {}
     for key, names in GGUF_PARTS.items():
         parts = [blocks[f"blk.{layer}.{n}.weight"] for n in names]
         try:
-            out[key] = parts[0] if len(parts) == 1 else stack_rows(names[0], parts)
+            out[key] = parts[0] if len(parts) == 1 else stack_exact(names[0], parts)
         except ValueError as exc:  # mixed formats in one stack: keep that one exact, dense fp32
+            if not allow_dense_fallback:
+                raise CheckpointError(f"layer {layer}: {exc}; the device stacks {'|'.join(names)} in one format. "
+                                      f"Set HYBRIDSERVE_DECODE_ALLOW_DENSE_FALLBACK=true to store it as f32") from exc
             log.warning("layer %d %s: %s; storing it as fp32", layer, names, exc)
             out[key] = np.concatenate([p.dequantize() for p in parts])
+    return out
+
+
+def _stored(blocks: dict[str, BlockTensor], tensors: list[dict], lm_head: BlockTensor) -> dict[str, tuple[str, str]]:
+    """Each GGUF matrix the engine reads → (its type in the file, its format on the device)."""
+    out = {}
+    for layer, ts in enumerate(tensors):
+        for key, names in GGUF_PARTS.items():
+            dev = getattr(ts[key], "qtype", "f32")  # a dense stack is an ndarray
+            for n in names:
+                name = f"blk.{layer}.{n}.weight"
+                out[name] = (blocks[name].source or blocks[name].qtype, dev)
+    for t in {id(lm_head): lm_head, id(blocks["token_embd.weight"]): blocks["token_embd.weight"]}.values():
+        out[t.name] = (t.source or t.qtype, t.qtype)
     return out
 
 
@@ -126,14 +173,16 @@ def gguf_lm_head_tensor(blocks: dict[str, BlockTensor]) -> BlockTensor:
 
 
 def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: dict[str, BlockTensor],
-                 pack_layers: bool) -> DeviceWeights:
-    """Layer matrices and the LM head as the checkpoint's blocks (quant_gemv.py). pack_layers (a CPU
-    device that runs a step's layers as one launch): when every layer matrix shares one block format,
-    the layers are packed into one buffer, the matrices sub-buffers of it, so they are on the device once."""
-    tensors = [gguf_layer_tensors(blocks, i) for i in range(len(w.layers))]
+                 pack_layers: bool, allow_dense_fallback: bool = True) -> DeviceWeights:
+    """Layer matrices, the LM head and the embedding as the checkpoint's blocks (quant_gemv.py).
+    pack_layers (a CPU device that runs a step's layers as one launch): when every layer matrix is in a
+    block format (any mix of them: decode_layers.cl reads each matrix's from its table), the layers
+    are packed into one buffer, the matrices sub-buffers of it, so they are on the device once.
+    allow_dense_fallback: see gguf_layer_tensors."""
+    tensors = [gguf_layer_tensors(blocks, i, allow_dense_fallback) for i in range(len(w.layers))]
     fmts = {getattr(t, "qtype", None) for ts in tensors for t in ts.values()}
     packed = None
-    if pack_layers and len(fmts) == 1 and fmts <= set(QFMT_CODES):
+    if pack_layers and fmts <= set(QFMT_CODES):
         layers, packed = _pack_layers(dev, w, tensors)
     else:
         def mat(t: BlockTensor | np.ndarray) -> DeviceMatrix:
@@ -141,11 +190,12 @@ def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: 
 
         layers = [DeviceLayer(attn_norm=upload_vector(dev, lw.attn_norm), ffn_norm=upload_vector(dev, lw.ffn_norm),
                               **{k: mat(t) for k, t in ts.items()}) for lw, ts in zip(w.layers, tensors)]
-    lm_head = upload_block_matrix(dev, gguf_lm_head_tensor(blocks))
-    # tied: rows are looked up from the same blocks, gguf's values exactly; else a dense fp32 table
-    # (row lookups only: one row per token)
-    embed = lm_head if w.lm_head is w.embed else upload_dense_matrix(dev, w.embed, "fp32")
-    return _device_weights(dev, cfg, w, "gguf", layers, embed, lm_head, packed)
+    head_blocks = gguf_lm_head_tensor(blocks)
+    lm_head = upload_block_matrix(dev, head_blocks)
+    # tied: rows are looked up from the same blocks; else from the embedding's own (gguf's values exactly)
+    embed = lm_head if w.lm_head is w.embed else upload_block_matrix(dev, blocks["token_embd.weight"])
+    weights = _device_weights(dev, cfg, w, "gguf", layers, embed, lm_head, packed)
+    return replace(weights, stored=_stored(blocks, tensors, head_blocks))
 
 
 def _pack_layers(dev: DeviceContext, w: ModelWeights,
@@ -164,28 +214,32 @@ def _pack_layers(dev: DeviceContext, w: ModelWeights,
     table = np.array(packed.offsets, np.int64).reshape(len(w.layers), per)
     if table.max() >= 2 ** 31:
         raise ValueError("the packed layer weights exceed 2 GB; decode_layers indexes them with int")
+    codes = np.array([[QFMT_CODES[ts[k].qtype] for k in MATRICES] for ts in tensors], np.int64)
     layers = []
     for li, ts in enumerate(tensors):
         views = packed.views[li * per:(li + 1) * per]
         mats = {}
         for j, k in enumerate(MATRICES):
             d_buf, m_buf, q_buf = views[2 + 3 * j:5 + 3 * j]
-            mats[k] = QuantMatrix(dev, ts[k], (d_buf, m_buf if ts[k].qtype == "q4_1" else None, q_buf),
+            mats[k] = QuantMatrix(dev, ts[k], (d_buf, m_buf if splits[li][k][1] is not None else None, q_buf),
                                   split=splits[li][k])
         layers.append(DeviceLayer(attn_norm=views[0], ffn_norm=views[1], **mats))
-    table_buf = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=table.astype(np.int32))
-    return layers, PackedLayers(packed, table_buf, tensors[0]["qkv"].qtype)
+    table_buf = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                          hostbuf=np.concatenate([table, codes], axis=1).astype(np.int32))
+    fmts = tuple(sorted({ts[k].qtype for ts in tensors for k in MATRICES}))
+    return layers, PackedLayers(packed, table_buf, fmts)
 
 
 # ---- by format ----------------------------------------------------------------------------------
 def build_device_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: str,
-                         blocks: dict[str, BlockTensor] | None = None, pack_layers: bool = False) -> DeviceWeights:
+                         blocks: dict[str, BlockTensor] | None = None, pack_layers: bool = False,
+                         allow_dense_fallback: bool = True) -> DeviceWeights:
     """The weights in storage format `fmt` (one of WEIGHT_FORMATS). blocks: the checkpoint's blocks
-    (gguf_blocks.read_block_tensors), which gguf needs; pack_layers: see gguf_weights."""
+    (gguf_blocks.read_block_tensors), which gguf needs; pack_layers, allow_dense_fallback: see gguf_weights."""
     if fmt in ("fp32", "fp16"):
         return dense_weights(dev, cfg, w, fmt)
     if fmt == "gguf":
         if blocks is None:
             raise ValueError("weights_dtype gguf needs the checkpoint's blocks (gguf_blocks.read_block_tensors)")
-        return gguf_weights(dev, cfg, w, blocks, pack_layers)
+        return gguf_weights(dev, cfg, w, blocks, pack_layers, allow_dense_fallback)
     raise ValueError(f"no device weights builder for {fmt!r} (known: {WEIGHT_FORMATS})")

@@ -92,8 +92,10 @@ class OpenCLEngine:
         gguf_blocks.read_block_tensors) and build the engine on them."""
         start = time.perf_counter()
         pack = DeviceFit.of(config, cfg, dev).one_launch_layers  # the layers in one buffer for decode_layers
-        weights = build_device_weights(dev, cfg, host_weights, config.weights_dtype, blocks, pack_layers=pack)
+        weights = build_device_weights(dev, cfg, host_weights, config.weights_dtype, blocks, pack_layers=pack,
+                                       allow_dense_fallback=config.allow_dense_fallback)
         engine = cls(cfg, dev, config, weights)
+        log.info("OpenCL engine weights by type (in the file → on the device): %s", weights.storage_summary())
         log.info("OpenCL engine on %s: %.1f MB of %s weights resident, %.1f MB KV over %d channel(s), "
                  "a paged KV pool of %.1f MB (%d blocks of %d tokens), uploaded in %.2fs", dev.name,
                  weights.nbytes / 1e6, weights.fmt, engine.kv.nbytes / 1e6, config.kv_channels,
@@ -105,13 +107,19 @@ class OpenCLEngine:
         dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir,
                             settings.opencl_lanes)
         config = EngineConfig.from_settings(settings, loaded.checkpoint.kind)
-        blocks = read_block_tensors(loaded.checkpoint, loaded.config) if config.weights_dtype == "gguf" else None
+        blocks = (read_block_tensors(loaded.checkpoint, loaded.config, config.allow_dense_fallback)
+                  if config.weights_dtype == "gguf" else None)
         return cls.create(loaded.config, loaded.weights, dev, config, blocks)
 
     # ---- what services, benchmarks and tests read ----------------------------------------
     @property
     def weights_dtype(self) -> str:
         return self.config.weights_dtype
+
+    @property
+    def stored_weight_types(self) -> dict[str, int]:
+        """Weight matrices per storage format on the device (Info's stored_weight_types)."""
+        return self.weights.stored_types()
 
     @property
     def weights_nbytes(self) -> int:

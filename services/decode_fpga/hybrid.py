@@ -59,7 +59,8 @@ class DecodeRuntime(EngineRuntime):
         self.modes = {"fpga": self.local_generation, "hybrid": self.hybrid_generation}
 
     def info_fields(self) -> dict:
-        return {**super().info_fields(), "kv_dtype": "fp32"}
+        return {**super().info_fields(), "kv_dtype": "fp32",
+                "stored_weight_types": self.engine.stored_weight_types}
 
     def hybrid_generation(self, request: EngineRequest, timings: RequestTimings,
                           cancel: Cancellation) -> Iterator[TokenEvent]:

@@ -30,7 +30,6 @@ from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_step_rows import PagedStepInputs, StepRows
 from services.decode_fpga.plans import ARGMAX_WG
-from services.decode_fpga.quant_gemv import QFMT_CODES
 from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
 from services.model.config import ModelConfig
 
@@ -118,7 +117,7 @@ class PagedStepPlans:
         c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
         b = self.inputs.buffers
         program = self.dev.build("decode_layers.cl", {
-            "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
+            "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
             "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
             "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})

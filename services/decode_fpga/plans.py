@@ -31,7 +31,6 @@ from services.decode_fpga.gemv import DeviceMatrix
 from services.decode_fpga.kv_store import KVStore
 from services.decode_fpga.launch import Launch, bind
 from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
-from services.decode_fpga.quant_gemv import QFMT_CODES
 from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
 from services.model.config import ModelConfig
 
@@ -179,7 +178,7 @@ class LaunchPlans:
         """Every layer of a one-sequence decode step as one launch (decode_layers.cl)."""
         c, s, packed = self.cfg, self.s, self.weights.packed
         program = self.dev.build("decode_layers.cl", {
-            "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
+            "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
             "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
         self._kv_bases = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,

@@ -9,8 +9,15 @@ work-group of lanes per row on a GPU (kernels/gemv_quant_wg.cl; the device's
 
 At upload the blocks are split into three arrays, values unchanged: the scales
 (widened to fp32, exactly, so the one-row loop broadcasts them from memory),
-fp16 minimums (Q4_1) and the quants, so no load straddles a scale and its
-quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
+the minimums (fp16 for Q4_1/Q5_1) and the quants, so no load straddles a scale
+and its quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
+Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) become the same 32-weight blocks,
+the quants repacked into Q4's nibble order with their fifth (or fifth and sixth)
+bits after them; a K-quant keeps its super-blocks' fp16 scales (widened to fp32)
+and each block's small integer scale and minimum as bytes, multiplied in the
+kernel (exact products: kernels/quant_blocks.h). Device bits a weight against
+the file's: Q4_K 4.75 / 4.5, Q5_K 5.75 / 5.5, Q6_K 6.63 / 6.56, Q5_0 6 / 5.5,
+Q5_1 6.5 / 6.
 
 This module is one matrix; which GGUF tensors make up a layer's matrices and
 how they sit on the device is device_weights.py's (gguf_weights).
@@ -25,34 +32,116 @@ from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
 from services.decode_fpga.launch import Launch, RowLaunch, bind, bind_rows
 from services.model.gguf_blocks import BlockTensor
 
-QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80}
+# each format's code in the kernels (quant_blocks.h)
+QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80, "q5_0": 50, "q5_1": 51, "q4_k": 42, "q5_k": 52, "q6_k": 62}
+# each format's bit in decode_layers.cl's QFMT_SET (the formats a model's packed layers hold)
+QFMT_BITS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
+MINIMUM_FORMATS = ("q4_1", "q5_1", "q4_k", "q5_k")  # weights d q + m: one-row GEMVs read x's block sums
 MF = cl.mem_flags
 
 
+def _halves(raw: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 field at byte `offset` of every block of raw [rows, nb, bytes], widened to float32."""
+    return np.ascontiguousarray(raw[..., offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(v: np.ndarray) -> np.ndarray:
+    """Quant values v [rows, nb, 32] as the Q4 bytes: byte j = v[j] & 15 | (v[j + 16] & 15) << 4."""
+    return ((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).astype(np.uint8)
+
+
+def _fifth_bits(v: np.ndarray) -> np.ndarray:
+    """Bit 4 of v [rows, nb, 32] as 4 bytes a block: a little-endian uint, bit j of weight j."""
+    return np.packbits((v >> 4) & 1, axis=-1, bitorder="little")
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 128 quant bytes [rows, nsb, 128] as values [rows, nsb, 256]: 32 bytes hold
+    weights 64c..64c+31 (low nibbles) and 64c+32..64c+63 (high)."""
+    qs = qs.reshape(*qs.shape[:2], 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+    return (qs & 15).reshape(*qs.shape[:2], 256)
+
+
+def _values(t: BlockTensor) -> np.ndarray:
+    """The unsigned quant values [rows, nb, 32] (int32) of a 5-bit, 6-bit or K format, per 32-weight
+    block in weight order (gguf's weight: d (v - offset), or d v + m)."""
+    raw = t.blocks()
+    rows = t.rows
+    if t.qtype in ("q5_0", "q5_1"):
+        head = 2 if t.qtype == "q5_0" else 4
+        qh = np.ascontiguousarray(raw[..., head:head + 4]).view("<u4")  # [rows, nb, 1]
+        qs = raw[..., head + 4:].astype(np.int32)
+        return np.concatenate([qs & 15, qs >> 4], axis=-1) | (((qh >> np.arange(32, dtype=np.uint32)) & 1)
+                                                               .astype(np.int32) << 4)
+    if t.qtype in ("q4_k", "q5_k"):
+        v = _k_low_nibbles(raw[..., 16:144] if t.qtype == "q4_k" else raw[..., 48:176]).astype(np.int32)
+        if t.qtype == "q5_k":  # bit s of qh[j]: weight 32 s + j's fifth bit
+            qh = raw[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            v |= (qh & 1).reshape(rows, -1, 256).astype(np.int32) << 4
+        return v.reshape(rows, -1, 32)
+    if t.qtype == "q6_k":  # ql[128] qh[64] scales[16] (int8) d (fp16)
+        ql = raw[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        qh = raw[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+        v = (ql & 15).reshape(rows, -1, 256).astype(np.int32) | ((qh & 3).reshape(rows, -1, 256).astype(np.int32) << 4)
+        return v.reshape(rows, -1, 32)
+    raise ValueError(f"{t.name}: {t.qtype} has no 5-bit, 6-bit or K layout")
+
+
+def _k_scales(t: BlockTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant's d (float32 [rows, nsb * 2]: d, dmin of each super-block; Q6_K [rows, nsb]: d) and
+    m (uint8 [rows, nb * 2]: each block's integer scale and minimum; Q6_K: its halves' int8 scales)."""
+    from gguf.quants import Q4_K
+
+    raw = t.blocks()
+    rows, nsb = raw.shape[:2]
+    if t.qtype == "q6_k":
+        return _halves(raw, 208), np.ascontiguousarray(raw[..., 192:208]).reshape(rows, -1)
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(raw[..., 4:16]).reshape(-1, 12))
+    d = np.stack([_halves(raw, 0), _halves(raw, 2)], axis=-1).reshape(rows, -1)
+    m = np.stack([sc.reshape(rows, nsb * 8), mn.reshape(rows, nsb * 8)], axis=-1).astype(np.uint8)
+    return d, m.reshape(rows, -1)
+
+
 def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """The device arrays of a block matrix: d fp32 [rows, nbp] (the fp16 scales widened, exactly),
-    m fp16 [rows, nbp] (Q4_1, else None), quants uint8 [rows, nb * bytes]; nbp = nb rounded up to 4,
-    the padding is zero."""
+    """The device arrays of a block matrix (gemv_quant.cl's layout, quant_blocks.h's scales): d fp32
+    [rows, nbp] (the scales; K-quants their super-blocks' d and dmin), m [rows, nbp] fp16 (the
+    minimums of Q4_1/Q5_1; K-quants uint8 [rows, 2 nb]: each block's integer scale and minimum,
+    Q6_K its halves' int8 scales; else None), quants uint8 [rows, nb * QBYTES]; nb = cols / 32
+    blocks, nbp = nb rounded up to 4, the padding is zero. Every value is the block's own."""
     if t.qtype not in QFMT_CODES:
         raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
-    blocks = t.blocks()  # [rows, nb, block_bytes]
-    nb = t.n_blocks
+    nb = t.cols // 32
     nbp = (nb + 3) // 4 * 4
-    head = 4 if t.qtype == "q4_1" else 2  # bytes before the quants: d (and m)
 
-    def halves(offset: int) -> np.ndarray:
-        out = np.zeros((t.rows, nbp), np.float16)
-        out[:, :nb] = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0]
+    def padded(a: np.ndarray, per: int, dtype) -> np.ndarray:
+        out = np.zeros((t.rows, nbp * per), dtype)
+        out[:, :nb * per] = a
         return out
 
-    d = halves(0).astype(np.float32)
-    m = halves(2) if t.qtype == "q4_1" else None
-    quants = np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
-    return d, m, quants
+    if t.qtype in ("q4_0", "q4_1", "q8_0"):
+        blocks = t.blocks()  # [rows, nb, block_bytes]
+        head = 4 if t.qtype == "q4_1" else 2  # bytes before the quants: d (and m)
+        d = padded(_halves(blocks, 0), 1, np.float32)
+        m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q4_1" else None
+        return d, m, np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
+    v = _values(t)
+    parts = [_nibbles(v)]
+    if t.qtype in ("q5_0", "q5_1", "q5_k"):
+        parts.append(_fifth_bits(v))
+    elif t.qtype == "q6_k":  # byte j: the two high bits of weights j, j + 8, j + 16, j + 24
+        h = (v >> 4) & 3
+        parts.append((h[..., 0:8] | h[..., 8:16] << 2 | h[..., 16:24] << 4 | h[..., 24:32] << 6).astype(np.uint8))
+    quants = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(t.rows, -1)
+    if t.qtype in ("q5_0", "q5_1"):
+        blocks = t.blocks()
+        m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q5_1" else None
+        return padded(_halves(blocks, 0), 1, np.float32), m, quants
+    d, m = _k_scales(t)  # a whole number of super-blocks: nbp == nb, nothing to pad
+    return np.ascontiguousarray(d, np.float32), m, quants
 
 
 class QuantMatrix(EnqueueOnce):
-    """A [rows, cols] Q4_0/Q4_1/Q8_0 matrix resident on the device; implements DeviceMatrix."""
+    """A [rows, cols] matrix in one of QFMT_CODES' formats resident on the device; implements DeviceMatrix."""
 
     def __init__(self, dev: DeviceContext, t: BlockTensor, buffers: tuple | None = None, split: tuple | None = None):
         """buffers: the device copies of split_blocks(t)'s arrays (d, m or None, quants) where the caller
@@ -68,7 +157,7 @@ class QuantMatrix(EnqueueOnce):
 
         d_buf, m_buf, q_buf = buffers if buffers is not None else (up(d), up(m) if m is not None else None, up(quants))
         self._d, self._q = d_buf, q_buf
-        self._m = m_buf if m_buf is not None else self._d  # unread unless Q4_1
+        self._m = m_buf if m_buf is not None else self._d  # unread unless the format has minimums
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
         self._dev = dev
         self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
@@ -82,9 +171,9 @@ class QuantMatrix(EnqueueOnce):
 
     @property
     def needs_block_sums(self) -> bool:
-        """Q4_1 at one row reads the block sums of x (gemv_quant.cl): sum_b m_b * xsum_b. The GPU
-        kernels dequantize d*q + m per weight and read none."""
-        return self.fmt == "q4_1" and self.lanes == 1
+        """A format with minimums at one row reads the block sums of x (gemv_quant.cl): sum_b m_b *
+        xsum_b. The GPU kernels dequantize d*q + m per weight and read none."""
+        return self.fmt in MINIMUM_FORMATS and self.lanes == 1
 
     def _wg_program(self, norm_cols: int | None = None) -> cl.Program:
         defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes}

@@ -39,6 +39,10 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values
     weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = "auto"
+    # gguf storage: a quantized tensor type without a device kernel (e.g. Q3_K, IQ4_XS), or a q|k|v or
+    # gate|up stack of types that share no block format, is refused at start; true stores it as f32
+    # instead (the same values, 4 bytes a weight)
+    allow_dense_fallback: bool = False
     kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
     max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
     max_sequences: int = 4  # slots of the per-sequence engine API (tests, tools); serving uses the pool

@@ -20,13 +20,18 @@ def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
     from services.engine.service import serve
+    from services.model.checkpoint import CheckpointError
     from services.model.loading import load_model
 
     log = logging.getLogger(f"services.{process}")
     log.info("loading the model")
-    loaded = load_model(settings.model)
     with contextlib.ExitStack() as resources:
-        servicer = build(loaded, settings, resources)
+        try:
+            loaded = load_model(settings.model)
+            servicer = build(loaded, settings, resources)
+        except CheckpointError as exc:  # a model this engine cannot serve: one line saying why, not a traceback
+            log.error("cannot serve %s: %s", settings.model or "the default model", exc)
+            return 2
         resources.callback(servicer.runtime.close)
         if settings.profile_at_start:
             log.info("profiling (cached after the first run)")

@@ -23,9 +23,13 @@ from services.model.weights import unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
-# qtype → (elements per block, bytes per block); f16/f32 are "blocks" of one element
-BLOCK_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "f16": (1, 2), "f32": (1, 4)}
-_GGML_NAMES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "F16": "f16", "F32": "f32"}
+# qtype → (elements per block, bytes per block); f16/f32 are "blocks" of one element; the K-quants'
+# blocks are super-blocks of 256
+BLOCK_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22), "q5_1": (32, 24),
+                 "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "f32": (1, 4)}
+_GGML_NAMES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k",
+               "Q5_K": "q5_k", "Q6_K": "q6_k", "F16": "f16", "F32": "f32"}
+SUPPORTED_GGML_TYPES = tuple(_GGML_NAMES)  # the GGUF tensor types the decode engine stores as they are
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,6 +41,7 @@ class BlockTensor:
     rows: int
     cols: int
     raw: np.ndarray
+    source: str = ""  # the file's type name (Q4_K, BF16, ...), when the blocks came from one
 
     def __post_init__(self):
         per_block, block_bytes = BLOCK_FORMATS[self.qtype]
@@ -90,7 +95,8 @@ def dequantize_rows(t: BlockTensor, rows: np.ndarray | slice | None = None) -> n
 
 def unpermute_rope(t: BlockTensor, n_heads: int) -> BlockTensor:
     """Q/K rows from llama.cpp's interleaved-pair order to HF's rotate-half order."""
-    return BlockTensor(t.name, t.qtype, t.rows, t.cols, np.ascontiguousarray(unpermute_rope_rows(t.raw, n_heads)))
+    return BlockTensor(t.name, t.qtype, t.rows, t.cols, np.ascontiguousarray(unpermute_rope_rows(t.raw, n_heads)),
+                       t.source)
 
 
 def stack_rows(name: str, parts: list[BlockTensor]) -> BlockTensor:
@@ -99,7 +105,41 @@ def stack_rows(name: str, parts: list[BlockTensor]) -> BlockTensor:
     if len(kinds) != 1:
         raise ValueError(f"cannot stack {name}: formats differ or widths differ: {sorted(kinds)}")
     qtype, cols = kinds.pop()
-    return BlockTensor(name, qtype, sum(p.rows for p in parts), cols, np.concatenate([p.raw for p in parts]))
+    return BlockTensor(name, qtype, sum(p.rows for p in parts), cols, np.concatenate([p.raw for p in parts]),
+                       "+".join(dict.fromkeys(p.source for p in parts)))
+
+
+# formats whose weights are d * (integer in [-128, 127]) with the block's fp16 d: Q8_0 holds them exactly
+_SYMMETRIC_32 = ("q4_0", "q5_0", "q8_0")
+
+
+def as_q8_0(t: BlockTensor) -> BlockTensor:
+    """A Q4_0 or Q5_0 tensor as Q8_0 blocks with the same weights bit for bit (the same fp16 scale d,
+    each q - 8 or q - 16 as an int8): so a stack mixing them with Q8_0 (q|k|v of a Q4_K_M file whose
+    rows are not multiples of 256) keeps one block format, at 34 bytes a block instead of 18 or 22."""
+    if t.qtype == "q8_0":
+        return t
+    if t.qtype not in _SYMMETRIC_32:
+        raise ValueError(f"{t.name}: {t.qtype} weights are not Q8_0 values")
+    raw = t.blocks()
+    head = 2 if t.qtype == "q4_0" else 6  # d, then Q5_0's fifth bits
+    qs = raw[..., head:].astype(np.int16)
+    v = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if t.qtype == "q5_0":
+        qh = np.ascontiguousarray(raw[..., 2:6]).view("<u4")
+        v = v | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4)
+    v = (v - (8 if t.qtype == "q4_0" else 16)).astype(np.int8)
+    out = np.concatenate([raw[..., :2], v.view(np.uint8)], axis=-1).reshape(t.rows, -1)
+    return BlockTensor(t.name, "q8_0", t.rows, t.cols, out, t.source)
+
+
+def stack_exact(name: str, parts: list[BlockTensor]) -> BlockTensor:
+    """stack_rows, after turning Q4_0/Q5_0 parts beside Q8_0 ones into Q8_0 (as_q8_0: the same
+    weights); ValueError when the formats still differ."""
+    fmts = {p.qtype for p in parts}
+    if len(fmts) > 1 and fmts <= set(_SYMMETRIC_32) and "q8_0" in fmts:
+        parts = [as_q8_0(p) for p in parts]
+    return stack_rows(name, parts)
 
 
 class GGUFBlocks:
@@ -127,8 +167,12 @@ class GGUFBlocks:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def tensor_type(self, name: str) -> str:
+        """The GGUF type name of a tensor (Q4_K, F32, ...)."""
+        return self._tensors[name].tensor_type.name
+
     def tensor(self, name: str, dense_fallback: bool = False) -> BlockTensor:
-        """The tensor's blocks; a type without a device kernel (e.g. Q6_K) raises CheckpointError,
+        """The tensor's blocks; a type without a device kernel (e.g. Q3_K) raises CheckpointError,
         or with dense_fallback comes back as f32 (gguf's dequantization: same values, 4 bytes each)."""
         if name not in self._tensors:
             raise CheckpointError(f"{self.path.name} has no tensor {name!r}")
@@ -139,27 +183,43 @@ class GGUFBlocks:
         if qtype is None:
             if not dense_fallback:
                 raise CheckpointError(f"{name}: GGUF type {t.tensor_type.name} has no device kernel "
-                                      f"(supported: {sorted(_GGML_NAMES)})")
+                                      f"(supported: {', '.join(SUPPORTED_GGML_TYPES)})")
             from gguf.quants import dequantize
 
             log.warning("%s: GGUF type %s has no device kernel; stored as f32", name, t.tensor_type.name)
             dense = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(rows, cols), np.float32)
-            return BlockTensor(name, "f32", rows, cols, dense.view(np.uint8))
+            return BlockTensor(name, "f32", rows, cols, dense.view(np.uint8), t.tensor_type.name)
         raw = np.asarray(t.data).reshape(rows, -1).view(np.uint8)
-        return BlockTensor(name, qtype, rows, cols, raw)
+        return BlockTensor(name, qtype, rows, cols, raw, t.tensor_type.name)
 
     def is_matrix(self, name: str) -> bool:
         return len(self._tensors[name].shape) == 2
 
 
-def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, BlockTensor]:
-    """Every 2-D tensor of a GGUF checkpoint by its GGUF name, q/k rows already un-permuted;
-    types without a device kernel come back as f32 (so any GGUF file can use gguf storage)."""
+# unquantized types without a kernel: f32 holds their values exactly, so they need no permission
+_EXACT_AS_F32 = ("BF16", "F64")
+
+
+def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig,
+                       allow_dense_fallback: bool = False) -> dict[str, BlockTensor]:
+    """Every 2-D tensor of a GGUF checkpoint by its GGUF name, q/k rows already un-permuted. A
+    quantized type without a device kernel is refused (CheckpointError naming it and the supported
+    ones) unless allow_dense_fallback, which stores it as f32 (gguf's values, 4 bytes a weight)."""
     src = GGUFBlocks.from_checkpoint(ckpt)
+    matrices = [name for name in src.names() if src.is_matrix(name)]  # norms and vectors stay dense
+    missing: dict[str, list[str]] = {}
+    for name in matrices:
+        kind = src.tensor_type(name)
+        if kind not in _GGML_NAMES and kind not in _EXACT_AS_F32:
+            missing.setdefault(kind, []).append(name)
+    if missing and not allow_dense_fallback:
+        which = "; ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in missing.items())
+        raise CheckpointError(
+            f"{ckpt.path.name}: GGUF tensor types without a device kernel: {which}. The decode engine serves "
+            f"{', '.join(t for t in SUPPORTED_GGML_TYPES)}; set HYBRIDSERVE_DECODE_ALLOW_DENSE_FALLBACK=true to "
+            f"store the others as f32 (the same values, 4 bytes a weight)")
     out = {}
-    for name in src.names():
-        if not src.is_matrix(name):
-            continue  # norms and other vectors stay with the dense weights
+    for name in matrices:
         t = src.tensor(name, dense_fallback=True)
         if name.endswith("attn_q.weight"):
             t = unpermute_rope(t, cfg.n_heads)

@@ -80,6 +80,11 @@ def test_a_stack_of_mixed_formats_comes_back_dense_with_ggufs_values():
     np.testing.assert_array_equal(layer["qkv"], want_qkv)
     assert (layer["gate_up"].qtype, layer["gate_up"].rows) == ("q4_1", 16)
     assert layer["o"] is blocks["blk.0.attn_output.weight"] and layer["down"] is blocks["blk.0.ffn_down.weight"]
+    # only where the fallback is allowed (HYBRIDSERVE_DECODE_ALLOW_DENSE_FALLBACK); else refused, named
+    from services.model.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"layer 0: .*formats differ.*attn_q\|attn_k\|attn_v"):
+        gguf_layer_tensors(blocks, 0, allow_dense_fallback=False)
 
 
 def read(dev, buf: cl.Buffer, like: np.ndarray) -> np.ndarray:

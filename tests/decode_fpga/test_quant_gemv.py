@@ -382,14 +382,14 @@ def test_unsupported_and_malformed_blocks_are_refused():
 
 
 def test_types_without_a_kernel_fall_back_to_exact_f32(tmp_path):
-    """A Q5_0 tensor (no kernel here) comes back dense with gguf's values, or is refused."""
+    """A Q2_K tensor (no kernel here) comes back dense with gguf's values, or is refused."""
     from services.model.checkpoint import CheckpointError
     from services.model.gguf_blocks import GGUFBlocks
+    from tests.decode_fpga.kquant_checkpoint import random_raw
 
-    w = np.random.default_rng(1).normal(size=(4, 256)).astype(np.float32)
-    q5 = quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    q2 = random_raw("q2_k", 4, 256)
     writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
-    writer.add_tensor("w.weight", q5, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    writer.add_tensor("w.weight", q2, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -398,8 +398,8 @@ def test_types_without_a_kernel_fall_back_to_exact_f32(tmp_path):
     with pytest.raises(CheckpointError, match="no device kernel"):
         src.tensor("w.weight")
     t = src.tensor("w.weight", dense_fallback=True)
-    assert (t.qtype, t.rows, t.cols) == ("f32", 4, 256)
-    np.testing.assert_array_equal(t.dequantize(), dequantize(q5, gguf.GGMLQuantizationType.Q5_0).reshape(4, 256))
+    assert (t.qtype, t.rows, t.cols, t.source) == ("f32", 4, 256, "Q2_K")
+    np.testing.assert_array_equal(t.dequantize(), dequantize(q2, gguf.GGMLQuantizationType.Q2_K).reshape(4, 256))
 
 
 @pytest.mark.parametrize("qtype", sorted(QTYPES))

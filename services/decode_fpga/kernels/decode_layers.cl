@@ -9,7 +9,9 @@
 // activation blocks are taken one at a time from a shared counter.
 //
 // The weights of every layer live in one buffer (packed_arrays.py), at the byte offsets of
-// table[layer][0:14]: attn_norm, ffn_norm, then d, m, q of q|k|v, o, gate|up and down.
+// table[layer][0:14]: attn_norm, ffn_norm, then d, m, q of q|k|v, o, gate|up and down;
+// table[layer][14:18] are those four matrices' block formats (quant_blocks.h's codes), which may
+// differ between matrices and layers (a Q4_K_M file: Q4_K and Q6_K ffn_down, Q5_0 elsewhere).
 //
 // Each layer's phases, each with the expression of the kernel it replaces, so the outputs are
 // those of the five launches a layer bit for bit:
@@ -26,7 +28,8 @@
 // sets sync[0] and every work-group returns; the host then redoes the step launch by launch
 // (engine.py), and counts it when it chooses how the next steps run (one_launch_choice.py).
 //
-// Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
+// Defines: QFMT_SET (a bit per block format the layers hold, quant_gemv.py's QFMT_BITS: the GEMV
+// of each format is compiled in once and chosen per matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
 // cache line of its own (spinning reads and claims), the host's SYNC_LINE, and SPIN_LIMIT (a
 // long; the host's BARRIER_SPIN_LIMIT).
@@ -46,6 +49,7 @@
 #include "silu.h"
 
 #define N_HEADS (Q_DIM / HEAD_DIM)
+#define TABLE_INTS 18  // per layer: 14 byte offsets, 4 formats
 #define QKV_ROWS (Q_DIM + 2 * KV_DIM)
 
 // sync[0]: set when a barrier gave up; sync[LINE]: arrivals at barriers; sync[LINE (2 + 2 l)]
@@ -76,12 +80,27 @@ inline bool all_arrived(__global int *sync, const int n, long *spun)
 // work-group's share of the rows: a contiguous range, so each core streams its part of the
 // matrix in order (rows dealt out in chunks from a counter measured 30% slower: the hardware
 // prefetchers restart at every chunk)
-#define GEMV_ROWS(ROWS, COLS, D, M, Q, XV, XSV, Y, ACCUMULATE)                                     \
+#define GEMV_ROWS_F(F, ROWS, COLS, D, M, Q, XV, XSV, Y, ACCUMULATE)                              \
     do {                                                                                         \
         const int g_ = get_group_id(0), ng_ = get_num_groups(0);                                 \
         const int end_ = (int)(((long)(ROWS) * (g_ + 1)) / ng_);                                 \
         for (int o = (int)(((long)(ROWS) * g_) / ng_); o < end_; ++o)                            \
-            GEMV_ROW(o, (D), (M), (Q), (XV), (XSV), (COLS), (Y), (ACCUMULATE));                  \
+            GEMV_ROW_F(F, o, (D), (M), (Q), (XV), (XSV), (COLS), (Y), (ACCUMULATE));             \
+    } while (0)
+
+// GEMV_ROWS_F for the matrix's format FMT (a run-time value from the table): one branch per
+// format in QFMT_SET (quant_gemv.py's QFMT_BITS), each compiled for its constant format
+#define HAS_QFMT(F, BIT) (((QFMT_SET) >> (BIT)) & 1)
+#define GEMV_ROWS(FMT, ...)                                                                      \
+    do {                                                                                         \
+        if (HAS_QFMT(40, 0) && (FMT) == 40) GEMV_ROWS_F(40, __VA_ARGS__);                        \
+        else if (HAS_QFMT(41, 1) && (FMT) == 41) GEMV_ROWS_F(41, __VA_ARGS__);                   \
+        else if (HAS_QFMT(80, 2) && (FMT) == 80) GEMV_ROWS_F(80, __VA_ARGS__);                   \
+        else if (HAS_QFMT(50, 3) && (FMT) == 50) GEMV_ROWS_F(50, __VA_ARGS__);                   \
+        else if (HAS_QFMT(51, 4) && (FMT) == 51) GEMV_ROWS_F(51, __VA_ARGS__);                   \
+        else if (HAS_QFMT(42, 5) && (FMT) == 42) GEMV_ROWS_F(42, __VA_ARGS__);                   \
+        else if (HAS_QFMT(52, 6) && (FMT) == 52) GEMV_ROWS_F(52, __VA_ARGS__);                   \
+        else if (HAS_QFMT(62, 7) && (FMT) == 62) GEMV_ROWS_F(62, __VA_ARGS__);                   \
     } while (0)
 
 #define F32(k) ((__global const float *)(w + tab[k]))
@@ -124,13 +143,13 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
     int n = 0;  // barriers passed
     long spun = 0;  // polls at them
     for (int layer = 0; layer < n_layers; ++layer) {
-        __global const int *tab = table + 14 * layer;
+        __global const int *tab = table + TABLE_INTS * layer;
         __global int *heads_taken = sync + LINE * (2 + 2 * layer), *blocks_taken = sync + LINE * (3 + 2 * layer);
         if (layer > 0 && !all_arrived(sync, ++n, &spun)) return;  // the last layer's residual is complete
 
         // 1. attention RMSNorm, q|k|v
         RMS_NORM_ROW(xl, xsl, x, F32(0), eps, HIDDEN);
-        GEMV_ROWS(QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), xl, xsl, qkv, 0);
+        GEMV_ROWS(tab[14], QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), xl, xsl, qkv, 0);
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 2. RoPE, the KV write and attention, a query head at a time
@@ -140,12 +159,12 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
         // 3. the output projection into the residual
         for (int i = 0; i < Q_DIM; ++i) xl[i] = attn[i];
         for (int b = 0; b < Q_DIM / 32; ++b) xsl[b] = attn_sums[b];
-        GEMV_ROWS(HIDDEN, Q_DIM, F32(5), F16(6), U8(7), xl, xsl, x, 1);
+        GEMV_ROWS(tab[15], HIDDEN, Q_DIM, F32(5), F16(6), U8(7), xl, xsl, x, 1);
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 4. MLP RMSNorm, gate|up
         RMS_NORM_ROW(xl, xsl, x, F32(1), eps, HIDDEN);
-        GEMV_ROWS(2 * FF, HIDDEN, F32(8), F16(9), U8(10), xl, xsl, gu, 0);
+        GEMV_ROWS(tab[16], 2 * FF, HIDDEN, F32(8), F16(9), U8(10), xl, xsl, gu, 0);
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 5. silu(gate) * up, a 32-block at a time, its sum in silu_mul's order
@@ -156,6 +175,6 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
         // 6. the down projection into the residual
         for (int i = 0; i < FF; ++i) xl[i] = act[i];
         for (int b = 0; b < FF / 32; ++b) xsl[b] = act_sums[b];
-        GEMV_ROWS(HIDDEN, FF, F32(11), F16(12), U8(13), xl, xsl, x, 1);
+        GEMV_ROWS(tab[17], HIDDEN, FF, F32(11), F16(12), U8(13), xl, xsl, x, 1);
     }
 }

@@ -1,24 +1,30 @@
 // GEMV straight from GGUF blocks: dequantized in registers, accumulated in fp32,
-// one work-item per output row. QFMT: 40 = Q4_0, 41 = Q4_1, 80 = Q8_0.
+// one work-item per output row. QFMT: the format's code (quant_blocks.h: Q4_0, Q4_1, Q8_0,
+// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
 //
 // Device layout of a [rows, cols] matrix, nb = cols / 32 blocks per row (quant_gemv.py
-// repacks the blocks; every value stays the block's own):
+// repacks the blocks; every value stays the block's own, or an exact product of its own):
 //   d: float [rows][nbp]  the blocks' scales, widened from fp16 (exact), nbp = nb rounded up
 //                         to 4 (zero padded); fp32 so the one-row loop broadcasts each from
-//                         memory (a half needed a conversion and a lane permute: ~5% of the GEMV)
-//   m: half [rows][nbp]   the blocks' minimums (Q4_1 only)
+//                         memory (a half needed a conversion and a lane permute: ~5% of the GEMV).
+//                         K-quants: their super-blocks' d (and dmin), see quant_blocks.h
+//   m: [rows][nbp]        the blocks' minimums, half (Q4_1, Q5_1); K-quants: 2 bytes a block,
+//                         the block's integer scale and minimum (Q6_K: its halves' scales)
 //   q: Q4: uchar [rows][nb][16]  byte j = weight j (low nibble) | weight j+16 (high nibble)
+//      Q5: uchar [rows][nb][20]  the Q4 bytes, then the fifth bits (bit j: weight j), a uint
+//      Q6_K: uchar [rows][nb][24] the Q4 bytes, then 8 bytes of the two high bits
 //      Q8: char  [rows][nb][32]
 // Why this layout, measured on PoCL: scales apart from quants so no load straddles
 // both (overlapping loads made the compiler shuffle bytes), and 4 minimums per
 // vload_half4 (scalar and 2-wide half loads are emulated in software there).
 //
-// Weight values: Q4_0 d*(q-8), Q4_1 d*q+m, Q8_0 d*q, as gguf.quants.dequantize, bit for bit
-// even where the compiler fuses d*q+m into an fma: d (11-bit mantissa) times q (at most 8
-// bits) is exact in fp32, so the fused and the separately rounded results are the same.
+// Weight values: Q4_0 d*(q-8), Q4_1 d*q+m, Q8_0 d*q, ... (quant_blocks.h) as
+// gguf.quants.dequantize, bit for bit even where the compiler fuses d*q+m into an fma: d
+// (at most 18 significant bits) times q (at most 6 bits) is exact in fp32, so the fused and
+// the separately rounded results are the same.
 //
 // One row of x (a decode step) takes the scales out of the inner loop:
-//   sum_c W[o,c] x[c] = sum_b d_b * sum_j q_bj x_bj  (+ sum_b m_b * xsum_b for Q4_1)
+//   sum_c W[o,c] x[c] = sum_b d_b * sum_j q_bj x_bj  (+ sum_b m_b * xsum_b with minimums)
 // where xsum_b is the sum of x over block b, written by the kernel that produced x
 // (rms_norm, attention, silu_mul: see their sources), by block_sums below, or, in
 // gemv_quant_norm (the build with -DNORM_COLS), by its own RMSNorm prologue. Per block
@@ -38,10 +44,14 @@
 
 #include "quant_blocks.h"
 
-// the 32 weights of block b of a row: w0 = weights 0..15, w1 = weights 16..31
-inline void dequant_block(__global const uchar *q, const int b, const float d, const float m,
-                          float16 *w0, float16 *w1)
+// the 32 weights of block b of a row (scales DROW, minimums MROW), dequantized: w0 = weights
+// 0..15, w1 = weights 16..31
+inline void dequant_block(__global const uchar *q, __global const float *drow, __global const half *mrow,
+                          const int b, float16 *w0, float16 *w1)
 {
+#if QFMT == 40 || QFMT == 41 || QFMT == 80
+    const float4 d4 = vload4(b >> 2, drow);
+    const float d = pick4(d4, b & 3);
 #if QFMT == 80
     __global const char *qc = (__global const char *)q;
     *w0 = convert_float16(vload16(2 * b, qc)) * d;
@@ -54,21 +64,31 @@ inline void dequant_block(__global const uchar *q, const int b, const float d, c
     *w0 = (lo - 8.0f) * d;
     *w1 = (hi - 8.0f) * d;
 #else
+    const float m = pick4(vload_half4(b >> 2, mrow), b & 3);
     *w0 = lo * d + m;
     *w1 = hi * d + m;
 #endif
 #endif
-}
-
-#if QFMT == 41
-#define LOAD_MINS(g) vload_half4((g), mrow)
 #else
-#define LOAD_MINS(g) ((float4)(0.0f))
+    block_weights(q, b, w0, w1);
+#if DPER == 2
+    *w0 *= HALF_SCALE(drow, mrow, b, 0);
+    *w1 *= HALF_SCALE(drow, mrow, b, 1);
+#elif HAS_MINS
+    // the minimum 4-wide: a scalar half load is emulated in software on PoCL
+    const float d = SCALE(drow, mrow, b), m = pick4(LOAD_MIN4(b >> 2, mrow, drow), b & 3);
+    *w0 = *w0 * d + m;
+    *w1 = *w1 * d + m;
+#else
+    *w0 *= drow[b];
+    *w1 *= drow[b];
 #endif
+#endif
+}
 
 #ifndef PROLOGUE_BUILD
 // y[r, o] (+)= sum_c W[o, c] * x[r, c]   x: [n_rows, cols], y: [n_rows, out_rows], cols % 32 == 0;
-// xsum: [n_rows, nb] block sums of x, read for Q4_1 when n_rows == 1
+// xsum: [n_rows, nb] block sums of x, read by formats with minimums when n_rows == 1
 __kernel void gemv_quant(__global const float *d, __global const half *m, __global const uchar *q,
                          __global const float *x, __global const float *xsum, __global float *y,
                          const int cols, const int out_rows, const int n_rows, const int accumulate)
@@ -76,8 +96,8 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3;
-    __global const float *drow = d + (size_t)o * nbp;
-    __global const half *mrow = m + (size_t)o * nbp;
+    __global const float *drow = DROW_AT(d, o, nbp);
+    __global const half *mrow = MROW_AT(m, o, nbp);
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
     float16 w0, w1;
 
@@ -94,8 +114,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
         __global const float *xr = x + (size_t)r0 * cols;
         float16 c0 = (float16)(0.0f), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
         for (int b = 0; b < nb; ++b) {
-            const float4 d4 = vload4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
-            dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
+            dequant_block(qrow, drow, mrow, b, &w0, &w1);
 #define ROW(c, r) c = fma(w1, vload16(2 * b + 1, xr + (r) * cols), fma(w0, vload16(2 * b, xr + (r) * cols), c))
             ROW(c0, 0); ROW(c1, 1); ROW(c2, 2); ROW(c3, 3); ROW(c4, 4); ROW(c5, 5); ROW(c6, 6); ROW(c7, 7);
 #undef ROW
@@ -115,8 +134,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
         __global const float *x3 = x + (size_t)min(r0 + 3, n_rows - 1) * cols;
         float16 c0 = (float16)(0.0f), c1 = c0, c2 = c0, c3 = c0;
         for (int b = 0; b < nb; ++b) {
-            const float4 d4 = vload4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
-            dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
+            dequant_block(qrow, drow, mrow, b, &w0, &w1);
             c0 = fma(w1, vload16(2 * b + 1, x0), fma(w0, vload16(2 * b, x0), c0));
             c1 = fma(w1, vload16(2 * b + 1, x1), fma(w0, vload16(2 * b, x1), c1));
             c2 = fma(w1, vload16(2 * b + 1, x2), fma(w0, vload16(2 * b, x2), c2));
@@ -130,40 +148,18 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
     }
 }
 
-// the 32 weights of block b as block_dot (quant_blocks.h) converts them, before the scale
-inline void block_weights(__global const uchar *q, const int b, float16 *w0, float16 *w1)
-{
-#if QFMT == 80
-    __global const char *qc = (__global const char *)q;
-    *w0 = convert_float16(vload16(2 * b, qc));
-    *w1 = convert_float16(vload16(2 * b + 1, qc));
-#else
-    const uint16 qi = convert_uint16(vload16(b, q));
-#if QFMT == 40
-    *w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
-    *w1 = convert_float16(convert_int16(qi >> (uint16)(4)) - 8);
-#else
-    *w0 = convert_float16(qi & (uint16)(0x0F));
-    *w1 = convert_float16(qi >> (uint16)(4));
-#endif
-#endif
-}
-
-// ROW_DOT's step for block B of row X into accumulator A: block_dot's expression, then the scale
-#define ROWS_BLOCK(A, X, B, W0, W1, D) A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))), (float16)(D), A)
-
-// ROW_DOT's ending of one row: its two accumulators' sum, then Q4_1's minimums over the block sums
-inline float rows_finish(const float16 a0, const float16 a1, __global const half *mrow, __global const float *xsum,
-                         const int nb)
+// ROW_DOT's ending of one row: its two accumulators' sum, then the minimums over the block sums
+inline float rows_finish(const float16 a0, const float16 a1, __global const float *drow, __global const half *mrow,
+                         __global const float *xsum, const int nb)
 {
     float acc = hsum16(a0 + a1);
-    if (QFMT == 41) {
+    if (HAS_MINS) {
         const int ng = nb / 4;
         float4 ms = (float4)(0.0f);
-        for (int g = 0; g < ng; ++g) ms = fma(vload_half4(g, mrow), vload4(g, xsum), ms);
+        for (int g = 0; g < ng; ++g) ms = fma(LOAD_MIN4(g, mrow, drow), vload4(g, xsum), ms);
         acc += (ms.x + ms.y) + (ms.z + ms.w);
         if (nb > 4 * ng) {
-            const float4 m4 = vload_half4(ng, mrow);
+            const float4 m4 = LOAD_MIN4(ng, mrow, drow);
             for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
         }
     }
@@ -175,7 +171,7 @@ inline float rows_finish(const float16 a0, const float16 a1, __global const half
 // for term): a row's result never depends on how many rows run beside it (batch invariance),
 // where gemv_quant's several-row passes round differently. Four rows a pass share each block's
 // conversion. The row count is read from the device, so a launch bound once serves a step of any
-// size. xsum: [n_rows, nb], read for Q4_1.
+// size. xsum: [n_rows, nb], read by formats with minimums.
 __kernel void gemv_quant_rows(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *x, __global const float *xsum, __global float *y,
                               const int cols, const int out_rows, __global const int *n_rows,
@@ -184,8 +180,8 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3, n = n_rows[0];
-    __global const float *drow = d + (size_t)o * nbp;
-    __global const half *mrow = m + (size_t)o * nbp;
+    __global const float *drow = DROW_AT(d, o, nbp);
+    __global const half *mrow = MROW_AT(m, o, nbp);
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
     float16 w0, w1;
     for (int r0 = 0; r0 < n; r0 += 4) {
@@ -196,25 +192,22 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
         float16 a00 = (float16)(0.0f), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
-            float dd = drow[b];
             block_weights(qrow, b, &w0, &w1);
-            ROWS_BLOCK(a00, x0, b, w0, w1, dd); ROWS_BLOCK(a10, x1, b, w0, w1, dd);
-            ROWS_BLOCK(a20, x2, b, w0, w1, dd); ROWS_BLOCK(a30, x3, b, w0, w1, dd);
-            dd = drow[b + 1];
+            BLOCK_ACC(a00, w0, w1, x0, b, drow, mrow); BLOCK_ACC(a10, w0, w1, x1, b, drow, mrow);
+            BLOCK_ACC(a20, w0, w1, x2, b, drow, mrow); BLOCK_ACC(a30, w0, w1, x3, b, drow, mrow);
             block_weights(qrow, b + 1, &w0, &w1);
-            ROWS_BLOCK(a01, x0, b + 1, w0, w1, dd); ROWS_BLOCK(a11, x1, b + 1, w0, w1, dd);
-            ROWS_BLOCK(a21, x2, b + 1, w0, w1, dd); ROWS_BLOCK(a31, x3, b + 1, w0, w1, dd);
+            BLOCK_ACC(a01, w0, w1, x0, b + 1, drow, mrow); BLOCK_ACC(a11, w0, w1, x1, b + 1, drow, mrow);
+            BLOCK_ACC(a21, w0, w1, x2, b + 1, drow, mrow); BLOCK_ACC(a31, w0, w1, x3, b + 1, drow, mrow);
         }
         if (b < nb) {
-            const float dd = drow[b];
             block_weights(qrow, b, &w0, &w1);
-            ROWS_BLOCK(a00, x0, b, w0, w1, dd); ROWS_BLOCK(a10, x1, b, w0, w1, dd);
-            ROWS_BLOCK(a20, x2, b, w0, w1, dd); ROWS_BLOCK(a30, x3, b, w0, w1, dd);
+            BLOCK_ACC(a00, w0, w1, x0, b, drow, mrow); BLOCK_ACC(a10, w0, w1, x1, b, drow, mrow);
+            BLOCK_ACC(a20, w0, w1, x2, b, drow, mrow); BLOCK_ACC(a30, w0, w1, x3, b, drow, mrow);
         }
-        const float v[4] = {rows_finish(a00, a01, mrow, xsum + (size_t)r0 * nb, nb),
-                            rows_finish(a10, a11, mrow, xsum + (size_t)r1 * nb, nb),
-                            rows_finish(a20, a21, mrow, xsum + (size_t)r2 * nb, nb),
-                            rows_finish(a30, a31, mrow, xsum + (size_t)r3 * nb, nb)};
+        const float v[4] = {rows_finish(a00, a01, drow, mrow, xsum + (size_t)r0 * nb, nb),
+                            rows_finish(a10, a11, drow, mrow, xsum + (size_t)r1 * nb, nb),
+                            rows_finish(a20, a21, drow, mrow, xsum + (size_t)r2 * nb, nb),
+                            rows_finish(a30, a31, drow, mrow, xsum + (size_t)r3 * nb, nb)};
         for (int r = 0; r < 4 && r0 + r < n; ++r) {
             const size_t k = (size_t)(r0 + r) * out_rows + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
@@ -229,14 +222,13 @@ __kernel void embed_rows(__global const float *d, __global const half *m, __glob
     const int r = get_global_id(0);
     const int nb = cols / 32, nbp = (nb + 3) & ~3;
     const size_t row = (size_t)tokens[r];
-    __global const float *drow = d + row * nbp;
-    __global const half *mrow = m + row * nbp;
+    __global const float *drow = DROW_AT(d, row, nbp);
+    __global const half *mrow = MROW_AT(m, row, nbp);
     __global const uchar *qrow = q + row * nb * QBYTES;
     __global float *out = x + (size_t)r * cols;
     float16 w0, w1;
     for (int b = 0; b < nb; ++b) {
-        const float4 d4 = vload4(b >> 2, drow), m4 = LOAD_MINS(b >> 2);
-        dequant_block(qrow, b, pick4(d4, b & 3), pick4(m4, b & 3), &w0, &w1);
+        dequant_block(qrow, drow, mrow, b, &w0, &w1);
         vstore16(w0, 2 * b, out);
         vstore16(w1, 2 * b + 1, out);
     }

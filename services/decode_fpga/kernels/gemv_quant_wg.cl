@@ -1,5 +1,5 @@
 // GEMV straight from GGUF blocks for GPUs: one work-group of WG lanes per output element.
-// QFMT: 40 = Q4_0, 41 = Q4_1, 80 = Q8_0; the device layout is gemv_quant.cl's (quant_gemv.py).
+// QFMT: the format's code (quant_blocks.h); the device layout is gemv_quant.cl's (quant_gemv.py).
 //
 // gemv_quant.cl gives each output row to one work-item, which is what a CPU wants (a row's
 // blocks stream through one core's caches) and what starves a GPU: a 576-row matrix is 576
@@ -9,11 +9,28 @@
 // gguf's values exactly as gemv_quant.cl does, and add their partial sums in local memory.
 // No block sums of x are read: each lane dequantizes d*q + m itself.
 
-#if QFMT == 80
-#define QBYTES 32
-#else
-#define QBYTES 16
+// the formats' sizes and row addressing (its one-row dot is not used here)
+#define XAS __global
+#include "quant_blocks.h"
+
+// the dequantized weight e (0..31) of a 5- or 6-bit block (quants QB, its scale D for weight e,
+// minimum M), gguf's value (quant_blocks.h)
+inline float kq_weight(__global const uchar *qb, const float d, const float m, const int e)
+{
+    int v = e < 16 ? (qb[e] & 0x0F) : (qb[e - 16] >> 4);
+#if QFMT == 50 || QFMT == 51 || QFMT == 52
+    v |= (int)((*(__global const uint *)(qb + 16) >> e) & 1u) << 4;
+#elif QFMT == 62
+    v |= ((qb[16 + (e & 7)] >> (2 * (e >> 3))) & 3) << 4;
 #endif
+#if QFMT == 50
+    return d * (float)(v - 16);
+#elif QFMT == 62
+    return d * (float)(v - 32);
+#else
+    return d * (float)v + m;
+#endif
+}
 
 // XAT(c): element c of the GEMV's input: x, or in gemv_quant_norm_wg's build (-DNORM_COLS)
 // RMSNorm(x) computed on the fly, with the expression of norm.cl's rms_norm
@@ -27,13 +44,17 @@
 #define HALF_DOT(ACC, D, M, Q, U)                                                              \
     do {                                                                                       \
         const int b_ = (U) >> 1, h_ = (U) & 1;                                                 \
-        const float d_ = (D)[b_];                                                              \
+        const float d_ = HALF_SCALE((D), (M), b_, h_);                                         \
         const int c0_ = 32 * b_;                                                               \
-        if (QFMT == 80) {                                                                      \
+        if (QBYTES != 16 && QFMT != 80) { /* 5 and 6 bits: weight by weight */                 \
+            const float m_ = HAS_MINS ? MIN_AT((M), b_, (D)) : 0.0f;                           \
+            for (int j_ = 0; j_ < 16; ++j_)                                                    \
+                ACC += kq_weight((Q) + QBYTES * b_, d_, m_, 16 * h_ + j_) * XAT(c0_ + 16 * h_ + j_); \
+        } else if (QFMT == 80) {                                                               \
             __global const char *qc_ = (__global const char *)(Q) + QBYTES * b_ + 16 * h_;     \
             for (int j_ = 0; j_ < 16; ++j_) ACC += (d_ * (float)qc_[j_]) * XAT(c0_ + 16 * h_ + j_); \
         } else {                                                                               \
-            const float m_ = (QFMT == 41) ? vload_half(b_, (M)) : 0.0f;                        \
+            const float m_ = HAS_MINS ? MIN_AT((M), b_, (D)) : 0.0f;                           \
             __global const uchar *qb_ = (Q) + QBYTES * b_ + 8 * h_;                            \
             for (int j_ = 0; j_ < 8; ++j_) {                                                   \
                 const int lo_ = qb_[j_] & 0x0F, hi_ = qb_[j_] >> 4;                            \
@@ -52,8 +73,8 @@
 #define ROW_SUM_WG(ACC, O, NB, RED)                                                            \
     do {                                                                                       \
         const int nbp_ = ((NB) + 3) & ~3;                                                      \
-        __global const float *drow_ = d + (size_t)(O) * nbp_;                                  \
-        __global const half *mrow_ = m + (size_t)(O) * nbp_;                                   \
+        __global const float *drow_ = DROW_AT(d, (O), nbp_);                                   \
+        __global const half *mrow_ = MROW_AT(m, (O), nbp_);                                    \
         __global const uchar *qrow_ = q + (size_t)(O) * (NB) * QBYTES;                         \
         float acc_ = 0.0f;                                                                     \
         for (int u_ = lid; u_ < 2 * (NB); u_ += WG) HALF_DOT(acc_, drow_, mrow_, qrow_, u_);   \

@@ -1,13 +1,55 @@
 // One row's dot product with a vector, straight from GGUF blocks (layout and arithmetic: see
-// gemv_quant.cl), shared by gemv_quant.cl and decode_layers.cl, which include this file;
-// DeviceContext.build inlines it. Defines: QFMT (40 Q4_0, 41 Q4_1, 80 Q8_0), and XAS, the
-// address space of the vector (__global or __local), before the include.
+// gemv_quant.cl), shared by gemv_quant.cl, gemv_quant_wg.cl and decode_layers.cl, which include
+// this file; DeviceContext.build inlines it. Define XAS, the address space of the vector
+// (__global or __local), before the include, and QFMT (a format's code, below) for the
+// one-format names (ROW_DOT, GEMV_ROW, QBYTES, ...). The *_F forms take the format as their first
+// argument, a constant wherever they are used, so the compiler keeps only that format's code:
+// decode_layers.cl instantiates one per format its model holds and picks per matrix.
+//
+// Formats, each a 32-weight block on the device (quant_gemv.py's split_blocks repacks the
+// file's blocks; K-quant super-blocks of 256 become 8 such blocks):
+//   40 Q4_0  d (q - 8)         41 Q4_1  d q + m (m fp16)    80 Q8_0  d q
+//   50 Q5_0  d (q - 16)        51 Q5_1  d q + m (m fp16)
+//   42 Q4_K  d q + m           52 Q5_K  d q + m       (d = d_super sc_b, m = -(dmin_super mn_b))
+//   62 Q6_K  d_h (q - 32), one scale a 16 weights   (d_h = d_super sc_h)
+// Every product d q is exact in fp32 (at most 11 + 7 + 6 bits), as are d_super sc and
+// dmin_super mn, so the weights are gguf's bit for bit however the kernels order them (the one
+// rounding is the minimum's addition).
+//
+// Scales and minimums, per row: d float [nbp] (the blocks' own, widened from fp16) and m half
+// [nbp] (Q4_1, Q5_1); the K-quants keep their super-blocks' fp16 scales as floats in d (Q4_K,
+// Q5_K: d_super, dmin_super of each 256 weights; Q6_K: d_super) and their small integer
+// scales as bytes in m (Q4_K, Q5_K: sc_b, mn_b of each block; Q6_K: sc_h of each half, int8),
+// read through the kernels' `half *m` argument: ~4.75 bits a weight for Q4_K, not 6 with an fp32
+// scale and minimum a block.
 
-#if QFMT == 80
-#define QBYTES 32
-#else
-#define QBYTES 16
-#endif
+// quant bytes per block: 16 of low nibbles (byte j: weight j | weight j + 16 << 4); Q5: then the
+// 32 fifth bits as one little-endian uint; Q6_K: then 8 bytes of 2-bit highs (byte j: weights j,
+// j + 8, j + 16, j + 24); Q8_0: 32 int8
+#define QBYTES_F(F) ((F) == 80 ? 32 : ((F) == 50 || (F) == 51 || (F) == 52) ? 20 : (F) == 62 ? 24 : 16)
+#define DPER_F(F) ((F) == 62 ? 2 : 1)  // scales per block: Q6_K has one per 16 weights
+#define KQ_F(F) ((F) == 42 || (F) == 52 || (F) == 62)  // super-block scales and byte scales
+#define HAS_MINS_F(F) ((F) == 41 || (F) == 51 || (F) == 42 || (F) == 52)
+// floats of d per row (NBP: the row's blocks rounded up to 4; a whole number of super-blocks for K)
+#define DSTRIDE_F(F, NBP) ((F) == 62 ? (NBP) / 8 : ((F) == 42 || (F) == 52) ? (NBP) / 4 : (NBP))
+#define DROW_AT_F(F, D, O, NBP) ((D) + (size_t)(O) * DSTRIDE_F(F, NBP))
+// m's row: NBP halves, or for K 2 bytes a block
+#define MROW_AT_F(F, M, O, NBP)                                                                \
+    (KQ_F(F) ? (__global const half *)((__global const uchar *)(M) + (size_t)(O) * 2 * (NBP))     \
+             : (M) + (size_t)(O) * (NBP))
+#define MBYTES(MROW) ((__global const uchar *)(MROW))
+// block B's scale (one-scale formats), half H's scale (Q6_K)
+#define SCALE_F(F, DROW, MROW, B)                                                              \
+    (((F) == 42 || (F) == 52) ? (DROW)[2 * ((B) >> 3)] * (float)MBYTES(MROW)[2 * (B)] : (DROW)[B])
+#define HALF_SCALE_F(F, DROW, MROW, B, H)                                                      \
+    ((F) == 62 ? (DROW)[(B) >> 3] * (float)((__global const char *)(MROW))[2 * (B) + (H)]    \
+               : SCALE_F(F, DROW, MROW, B))
+// the minimums of blocks 4G..4G+3, and of block B
+#define LOAD_MIN4_F(F, G, MROW, DROW)                                                          \
+    (KQ_F(F) ? -(DROW)[2 * ((G) >> 1) + 1] * convert_float4(vload8((G), MBYTES(MROW)).odd)     \
+             : vload_half4((G), (MROW)))
+#define MIN_AT_F(F, MROW, B, DROW)                                                             \
+    (KQ_F(F) ? -(DROW)[2 * ((B) >> 3) + 1] * (float)MBYTES(MROW)[2 * (B) + 1] : vload_half((B), (MROW)))
 
 inline float hsum16(const float16 a)
 {
@@ -21,45 +63,100 @@ inline float pick4(const float4 v, const int i)
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
-// sum_j q_bj * x_bj of block b as 16 lanes (Q4_0: (q - 8)), before the block's scale
-inline float16 block_dot(__global const uchar *q, const int b, XAS const float *x)
+// the 32 weights of block b of a row before its scale (and minimum): w0 = weights 0..15,
+// w1 = weights 16..31 (Q4_0, Q5_0, Q6_K with their offsets already subtracted)
+inline void block_weights_f(const int F, __global const uchar *q, const int b, float16 *w0, float16 *w1)
 {
-#if QFMT == 80
-    __global const char *qc = (__global const char *)q;
-    const float16 w0 = convert_float16(vload16(2 * b, qc)), w1 = convert_float16(vload16(2 * b + 1, qc));
-#else
-    const uint16 qi = convert_uint16(vload16(b, q));
-#if QFMT == 40
-    const float16 w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
-    const float16 w1 = convert_float16(convert_int16(qi >> (uint16)(4)) - 8);
-#else
-    const float16 w0 = convert_float16(qi & (uint16)(0x0F)), w1 = convert_float16(qi >> (uint16)(4));
-#endif
-#endif
+    if (F == 80) {
+        __global const char *qc = (__global const char *)q;
+        *w0 = convert_float16(vload16(2 * b, qc));
+        *w1 = convert_float16(vload16(2 * b + 1, qc));
+    } else if (F == 40 || F == 41 || F == 42) {
+        const uint16 qi = convert_uint16(vload16(b, q));
+        if (F == 40) {
+            *w0 = convert_float16(convert_int16(qi & (uint16)(0x0F)) - 8);
+            *w1 = convert_float16(convert_int16(qi >> (uint16)(4)) - 8);
+        } else {
+            *w0 = convert_float16(qi & (uint16)(0x0F));
+            *w1 = convert_float16(qi >> (uint16)(4));
+        }
+    } else if (F == 62) {
+        __global const uchar *qb = q + QBYTES_F(F) * b;
+        const uint16 qi = convert_uint16(vload16(0, qb));
+        const uint8 h8 = convert_uint8(vload8(0, qb + 16));
+        const uint16 h0 = (uint16)(h8 & (uint8)(3), (h8 >> (uint8)(2)) & (uint8)(3));
+        const uint16 h1 = (uint16)((h8 >> (uint8)(4)) & (uint8)(3), h8 >> (uint8)(6));
+        *w0 = convert_float16(convert_int16((qi & (uint16)(0x0F)) | (h0 << (uint16)(4))) - 32);
+        *w1 = convert_float16(convert_int16((qi >> (uint16)(4)) | (h1 << (uint16)(4))) - 32);
+    } else {  // 50, 51, 52: five bits
+        __global const uchar *qb = q + QBYTES_F(F) * b;
+        const uint16 qi = convert_uint16(vload16(0, qb));
+        const uint16 h = (uint16)(*(__global const uint *)(qb + 16));  // QBYTES * b + 16: 4-byte aligned
+        const uint16 sh = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const uint16 lo = (qi & (uint16)(0x0F)) | (((h >> sh) & (uint16)(1)) << (uint16)(4));
+        const uint16 hi = (qi >> (uint16)(4)) | (((h >> (sh + (uint16)(16))) & (uint16)(1)) << (uint16)(4));
+        if (F == 50) {
+            *w0 = convert_float16(convert_int16(lo) - 16);
+            *w1 = convert_float16(convert_int16(hi) - 16);
+        } else {
+            *w0 = convert_float16(lo);
+            *w1 = convert_float16(hi);
+        }
+    }
+}
+
+// sum_j q_bj * x_bj of block b as 16 lanes (Q4_0: (q - 8)), before the block's scale
+inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XAS const float *x)
+{
+    float16 w0, w1;
+    block_weights_f(F, q, b, &w0, &w1);
     return fma(w1, vload16(2 * b + 1, x), w0 * vload16(2 * b, x));
 }
 
+// A += block B of a row (quants QROW, scales DROW) times X, scaled: one scale a block, or
+// Q6_K's two (the 16-weight halves scaled apart). The one expression of the one-row kernels
+// (ROW_DOT) and of gemv_quant_rows (gemv_quant.cl), so they round alike.
+#define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
+    do {                                                                                       \
+        if (DPER_F(F) == 2)                                                                    \
+            A = fma((W1) * vload16(2 * (B) + 1, (X)), (float16)(HALF_SCALE_F(F, DROW, MROW, B, 1)), \
+                    fma((W0) * vload16(2 * (B), (X)), (float16)(HALF_SCALE_F(F, DROW, MROW, B, 0)), A)); \
+        else                                                                                   \
+            A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))),        \
+                    (float16)(SCALE_F(F, DROW, MROW, B)), A);                                  \
+    } while (0)
+#define ROW_BLOCK_F(F, A, QROW, DROW, MROW, B, X)                                              \
+    do {                                                                                       \
+        if (DPER_F(F) == 2) {                                                                  \
+            float16 w0_, w1_;                                                                  \
+            block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
+            BLOCK_ACC_F(F, A, w0_, w1_, (X), (B), (DROW), (MROW));                             \
+        } else {                                                                               \
+            A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SCALE_F(F, DROW, MROW, B)), A); \
+        }                                                                                      \
+    } while (0)
+
 // ACC = sum_c W[o, c] * X[c] of one row o (DROW, MROW, QROW: its scales, minimums and quants),
-// the scales out of the inner loop, two accumulators taking blocks in turn, Q4_1's minimums
+// the scales out of the inner loop, two accumulators taking blocks in turn, the minimums
 // through the block sums XSUM. A macro, not a function: the same loop in a function measured
 // 5-10% slower on PoCL (interleaved A/B runs on a 92160x576 Q4_1 matrix), though it was inlined.
-#define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB)                                            \
+#define ROW_DOT_F(F, ACC, DROW, MROW, QROW, X, XSUM, NB)                                       \
     do {                                                                                       \
         float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
         int b_ = 0;                                                                            \
         for (; b_ + 2 <= (NB); b_ += 2) {                                                      \
-            a0_ = fma(block_dot((QROW), b_, (X)), (float16)((DROW)[b_]), a0_);                 \
-            a1_ = fma(block_dot((QROW), b_ + 1, (X)), (float16)((DROW)[b_ + 1]), a1_);         \
+            ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                              \
+            ROW_BLOCK_F(F, a1_, (QROW), (DROW), (MROW), b_ + 1, (X));                          \
         }                                                                                      \
-        if (b_ < (NB)) a0_ = fma(block_dot((QROW), b_, (X)), (float16)((DROW)[b_]), a0_);      \
+        if (b_ < (NB)) ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                   \
         ACC = hsum16(a0_ + a1_);                                                               \
-        if (QFMT == 41) {                                                                      \
+        if (HAS_MINS_F(F)) {                                                                   \
             const int ng_ = (NB) / 4;                                                          \
             float4 ms_ = (float4)(0.0f);                                                       \
-            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(vload_half4(g_, (MROW)), vload4(g_, (XSUM)), ms_); \
+            for (int g_ = 0; g_ < ng_; ++g_) ms_ = fma(LOAD_MIN4_F(F, g_, (MROW), (DROW)), vload4(g_, (XSUM)), ms_); \
             ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                                          \
             if ((NB) > 4 * ng_) { /* 1-3 blocks left; minimums are padded to 4 */              \
-                const float4 m4_ = vload_half4(ng_, (MROW));                                   \
+                const float4 m4_ = LOAD_MIN4_F(F, ng_, (MROW), (DROW));                        \
                 for (b_ = 4 * ng_; b_ < (NB); ++b_) ACC += pick4(m4_, b_ & 3) * (XSUM)[b_];    \
             }                                                                                  \
         }                                                                                      \
@@ -67,11 +164,30 @@ inline float16 block_dot(__global const uchar *q, const int b, XAS const float *
 
 // Y[O] (+)= row O of the [rows, COLS] matrix (D, M, Q) . X (XSUM: its block sums): one output of
 // the one-row kernels (gemv_quant.cl's prologue builds, decode_layers.cl). COLS % 32 == 0.
-#define GEMV_ROW(O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)                                     \
+#define GEMV_ROW_F(F, O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)                                \
     do {                                                                                       \
         const int nb_o_ = (COLS) / 32, nbp_o_ = (nb_o_ + 3) & ~3;                              \
         float acc_o_;                                                                          \
-        ROW_DOT(acc_o_, (D) + (size_t)(O) * nbp_o_, (M) + (size_t)(O) * nbp_o_,                \
-                (Q) + (size_t)(O) * nb_o_ * QBYTES, (X), (XSUM), nb_o_);                       \
+        ROW_DOT_F(F, acc_o_, DROW_AT_F(F, (D), (O), nbp_o_), MROW_AT_F(F, (M), (O), nbp_o_),   \
+                  (Q) + (size_t)(O) * nb_o_ * QBYTES_F(F), (X), (XSUM), nb_o_);                \
         (Y)[O] = (ACCUMULATE) ? (Y)[O] + acc_o_ : acc_o_;                                      \
     } while (0)
+
+// ---- the one-format names, for the kernels built with -DQFMT ----
+#ifdef QFMT
+#define QBYTES QBYTES_F(QFMT)
+#define DPER DPER_F(QFMT)
+#define KQ KQ_F(QFMT)
+#define HAS_MINS HAS_MINS_F(QFMT)
+#define SCALE(DROW, MROW, B) SCALE_F(QFMT, DROW, MROW, B)
+#define HALF_SCALE(DROW, MROW, B, H) HALF_SCALE_F(QFMT, DROW, MROW, B, H)
+#define LOAD_MIN4(G, MROW, DROW) LOAD_MIN4_F(QFMT, G, MROW, DROW)
+#define MIN_AT(MROW, B, DROW) MIN_AT_F(QFMT, MROW, B, DROW)
+#define MROW_AT(M, O, NBP) MROW_AT_F(QFMT, M, O, NBP)
+#define DROW_AT(D, O, NBP) DROW_AT_F(QFMT, D, O, NBP)
+#define block_weights(Q, B, W0, W1) block_weights_f(QFMT, (Q), (B), (W0), (W1))
+#define block_dot(Q, B, X) block_dot_f(QFMT, (Q), (B), (X))
+#define BLOCK_ACC(A, W0, W1, X, B, DROW, MROW) BLOCK_ACC_F(QFMT, A, W0, W1, X, B, DROW, MROW)
+#define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB) ROW_DOT_F(QFMT, ACC, DROW, MROW, QROW, X, XSUM, NB)
+#define GEMV_ROW(O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE) GEMV_ROW_F(QFMT, O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)
+#endif

@@ -169,7 +169,14 @@ class KVEvents(_message.Message):
     def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., partial: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "kv_events")
+    __slots__ = ("model_id", "engine", "device", "kv_layout", "kv_dtype", "arena_name", "arena_size", "max_context", "max_concurrency", "n_layers", "n_kv_heads", "head_dim", "vocab_size", "max_num_seqs", "block_size", "num_kv_blocks", "num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "stored_weight_types", "kv_events")
+    class StoredWeightTypesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +196,7 @@ class InfoResponse(_message.Message):
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    STORED_WEIGHT_TYPES_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     engine: str
@@ -209,8 +217,9 @@ class InfoResponse(_message.Message):
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage_ratio: float
+    stored_weight_types: _containers.ScalarMap[str, int]
     kv_events: KVEvents
-    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., kv_layout: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., arena_name: _Optional[str] = ..., arena_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., n_layers: _Optional[int] = ..., n_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., kv_cache_usage_ratio: _Optional[float] = ..., stored_weight_types: _Optional[_Mapping[str, int]] = ..., kv_events: _Optional[_Union[KVEvents, _Mapping]] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("refresh",)
