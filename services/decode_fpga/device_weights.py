@@ -6,8 +6,9 @@ serves the same forward:
 
     fp32, fp16  dense_weights: the host weights, one buffer per matrix (gemv.py)
     gguf        gguf_weights: the checkpoint's own blocks (quant_gemv.py: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
-                Q4_K, Q5_K, Q6_K); on a CPU device that runs a step's layers as one launch, every
-                layer packed into one buffer
+                Q4_K, Q5_K, Q6_K; a q|k|v or gate|up of mixed formats as its parts,
+                stacked_matrix.py); on a CPU device that runs a step's layers as one launch,
+                every layer packed into one buffer
 
 A new format is a builder here returning DeviceWeights, its branch in
 build_device_weights and its name in WEIGHT_FORMATS (and in the settings'
@@ -28,6 +29,7 @@ from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.packed_arrays import PackedArrays
 from services.decode_fpga.quant_gemv import (QFMT_BITS, QFMT_CODES, QuantMatrix, split_blocks,
                                               upload_block_matrix)
+from services.decode_fpga.stacked_matrix import StackedMatrix
 from services.model.config import ModelConfig
 from services.model.checkpoint import CheckpointError
 from services.model.gguf_blocks import BlockTensor, stack_exact
@@ -133,19 +135,29 @@ def dense_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: st
 
 
 # ---- gguf blocks --------------------------------------------------------------------------------
+LayerTensor = BlockTensor | list[BlockTensor] | np.ndarray  # one format, parts in their own (mixed), dense
+
+
 def gguf_layer_tensors(blocks: dict[str, BlockTensor], layer: int,
-                       allow_dense_fallback: bool = True) -> dict[str, BlockTensor | np.ndarray]:
+                       allow_dense_fallback: bool = True) -> dict[str, LayerTensor]:
     """Layer `layer`'s MATRICES from the checkpoint's blocks (gguf_blocks.read_block_tensors: q/k rows
     already un-permuted), q|k|v and gate|up stacked (Q4_0/Q5_0 parts beside Q8_0 ones as Q8_0, the
-    same weights: gguf_blocks.stack_exact). A stack whose formats still differ comes back dense (fp32
-    [rows, cols], gguf's values exactly) when allow_dense_fallback, else raises CheckpointError."""
-    out: dict[str, BlockTensor | np.ndarray] = {}
+    same weights: gguf_blocks.stack_exact). A stack whose block formats still differ (a Q4_K_M file's
+    Q4_K q, k beside a Q6_K v) comes back as its parts, each kept in its own format
+    (stacked_matrix.py). A stack with a part in no block format comes back dense (fp32 [rows, cols],
+    gguf's values exactly) when allow_dense_fallback, else raises CheckpointError."""
+    out: dict[str, LayerTensor] = {}
     for key, names in GGUF_PARTS.items():
         parts = [blocks[f"blk.{layer}.{n}.weight"] for n in names]
         try:
             out[key] = parts[0] if len(parts) == 1 else stack_exact(names[0], parts)
-        except ValueError as exc:  # mixed formats in one stack: keep that one exact, dense fp32
-            if not allow_dense_fallback:
+        except ValueError as exc:
+            if all(p.qtype in QFMT_CODES for p in parts):  # mixed block formats: each part its own
+                log.info("layer %d %s: %s; each part kept in its own format, one GEMV launch per part",
+                         layer, "|".join(names), "+".join(p.qtype for p in parts))
+                out[key] = parts
+                continue
+            if not allow_dense_fallback:  # a part in no block format: that stack exact only as dense fp32
                 raise CheckpointError(f"layer {layer}: {exc}; the device stacks {'|'.join(names)} in one format. "
                                       f"Set HYBRIDSERVE_DECODE_ALLOW_DENSE_FALLBACK=true to store it as f32") from exc
             log.warning("layer %d %s: %s; storing it as fp32", layer, names, exc)
@@ -158,9 +170,10 @@ def _stored(blocks: dict[str, BlockTensor], tensors: list[dict], lm_head: BlockT
     out = {}
     for layer, ts in enumerate(tensors):
         for key, names in GGUF_PARTS.items():
-            dev = getattr(ts[key], "qtype", "f32")  # a dense stack is an ndarray
-            for n in names:
+            for i, n in enumerate(names):
                 name = f"blk.{layer}.{n}.weight"
+                t = ts[key][i] if isinstance(ts[key], list) else ts[key]
+                dev = getattr(t, "qtype", "f32")  # a dense stack is an ndarray
                 out[name] = (blocks[name].source or blocks[name].qtype, dev)
     for t in {id(lm_head): lm_head, id(blocks["token_embd.weight"]): blocks["token_embd.weight"]}.values():
         out[t.name] = (t.source or t.qtype, t.qtype)
@@ -175,9 +188,10 @@ def gguf_lm_head_tensor(blocks: dict[str, BlockTensor]) -> BlockTensor:
 def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: dict[str, BlockTensor],
                  pack_layers: bool, allow_dense_fallback: bool = True) -> DeviceWeights:
     """Layer matrices, the LM head and the embedding as the checkpoint's blocks (quant_gemv.py).
-    pack_layers (a CPU device that runs a step's layers as one launch): when every layer matrix is in a
-    block format (any mix of them: decode_layers.cl reads each matrix's from its table), the layers
-    are packed into one buffer, the matrices sub-buffers of it, so they are on the device once.
+    pack_layers (a CPU device that runs a step's layers as one launch): when every layer matrix is in
+    one block format (any mix of them between matrices: decode_layers.cl reads each matrix's from its
+    table), the layers are packed into one buffer, the matrices sub-buffers of it, so they are on the
+    device once. A stack of mixed formats (StackedMatrix) is not packed: its steps run launch by launch.
     allow_dense_fallback: see gguf_layer_tensors."""
     tensors = [gguf_layer_tensors(blocks, i, allow_dense_fallback) for i in range(len(w.layers))]
     fmts = {getattr(t, "qtype", None) for ts in tensors for t in ts.values()}
@@ -185,7 +199,14 @@ def gguf_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, blocks: 
     if pack_layers and fmts <= set(QFMT_CODES):
         layers, packed = _pack_layers(dev, w, tensors)
     else:
-        def mat(t: BlockTensor | np.ndarray) -> DeviceMatrix:
+        mixed = sum(isinstance(t, list) for ts in tensors for t in ts.values())
+        if pack_layers and mixed:
+            log.warning("%d layer stacks hold parts of mixed block formats: decode steps run launch by launch, "
+                        "not as one launch", mixed)
+
+        def mat(t: LayerTensor) -> DeviceMatrix:
+            if isinstance(t, list):
+                return StackedMatrix(dev, t)
             return upload_dense_matrix(dev, t, "fp32") if isinstance(t, np.ndarray) else upload_block_matrix(dev, t)
 
         layers = [DeviceLayer(attn_norm=upload_vector(dev, lw.attn_norm), ffn_norm=upload_vector(dev, lw.ffn_norm),

@@ -143,10 +143,13 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
 class QuantMatrix(EnqueueOnce):
     """A [rows, cols] matrix in one of QFMT_CODES' formats resident on the device; implements DeviceMatrix."""
 
-    def __init__(self, dev: DeviceContext, t: BlockTensor, buffers: tuple | None = None, split: tuple | None = None):
+    def __init__(self, dev: DeviceContext, t: BlockTensor, buffers: tuple | None = None, split: tuple | None = None,
+                 y_offset: int = 0, y_stride: int | None = None):
         """buffers: the device copies of split_blocks(t)'s arrays (d, m or None, quants) where the caller
         has placed them (packed_arrays.py); else each is uploaded into a buffer of its own. split: those
-        arrays, when the caller has them already."""
+        arrays, when the caller has them already. y_offset, y_stride: this matrix is rows
+        [y_offset, y_offset + rows) of a stacked output whose rows are y_stride apart (stacked_matrix.py);
+        its GEMVs write y[b, y_offset + r] of a y [batch, y_stride]."""
         if t.qtype not in QFMT_CODES:
             raise ValueError(f"{t.name}: {t.qtype} is not a block format ({sorted(QFMT_CODES)})")
         self.name, self.rows, self.cols, self.fmt = t.name, t.rows, t.cols, t.qtype
@@ -160,7 +163,9 @@ class QuantMatrix(EnqueueOnce):
         self._m = m_buf if m_buf is not None else self._d  # unread unless the format has minimums
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
         self._dev = dev
-        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype]})
+        # the output's place, compiled in (the kernels' Y_OFFSET, Y_STRIDE); none: y is [batch, rows]
+        self._ydefs = {} if y_stride is None else {"Y_OFFSET": y_offset, "Y_STRIDE": y_stride}
+        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype], **self._ydefs})
         self.lanes = dev.lanes_per_row  # 1: gemv_quant.cl, more: gemv_quant_wg.cl
 
     @property
@@ -176,7 +181,7 @@ class QuantMatrix(EnqueueOnce):
         return self.fmt in MINIMUM_FORMATS and self.lanes == 1
 
     def _wg_program(self, norm_cols: int | None = None) -> cl.Program:
-        defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes}
+        defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes, **self._ydefs}
         if norm_cols is not None:
             defines["NORM_COLS"] = norm_cols
         return self._dev.build("gemv_quant_wg.cl", defines)
@@ -224,7 +229,8 @@ class QuantMatrix(EnqueueOnce):
             return bind(self._wg_program(self.cols), "gemv_quant_norm_wg", (self.rows * self.lanes,), self._d,
                         self._m, self._q, x, norm_w, np.float32(eps), y, np.int32(self.rows),
                         np.int32(bool(accumulate)), local_size=(self.lanes,))
-        program = self._dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols})
+        program = self._dev.build("gemv_quant.cl",
+                                  {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols, **self._ydefs})
         return bind(program, "gemv_quant_norm", (self.rows,), self._d, self._m, self._q, x, norm_w,
                     np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)))
 
@@ -240,7 +246,8 @@ class QuantMatrix(EnqueueOnce):
         silu_mul gives, one launch instead of two."""
         if not self.fuses_silu:
             raise ValueError(f"{self.name}: no fused SiLU GEMV with {self.lanes} lanes per row and {self.cols} columns")
-        program = self._dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[self.fmt], "SILU_COLS": self.cols})
+        program = self._dev.build("gemv_quant.cl",
+                                  {"QFMT": QFMT_CODES[self.fmt], "SILU_COLS": self.cols, **self._ydefs})
         return bind(program, "gemv_quant_silu", (self.rows,), self._d, self._m, self._q, gu, y, np.int32(self.rows),
                     np.int32(bool(accumulate)))
 

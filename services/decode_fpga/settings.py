@@ -40,8 +40,8 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values
     weights_dtype: Literal["auto", "fp32", "fp16", "gguf"] = "auto"
     # gguf storage: a quantized tensor type without a device kernel (e.g. Q3_K, IQ4_XS), or a q|k|v or
-    # gate|up stack of types that share no block format, is refused at start; true stores it as f32
-    # instead (the same values, 4 bytes a weight)
+    # gate|up stack with a part in none, is refused at start; true stores it as f32 instead (the same
+    # values, 4 bytes a weight). Stacks of mixed block formats need no fallback (stacked_matrix.py)
     allow_dense_fallback: bool = False
     kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
     max_context: int = 4096  # positions per sequence slot (capped by the model's own context)

@@ -44,6 +44,16 @@
 
 #include "quant_blocks.h"
 
+// One part of a stacked output (stacked_matrix.py: q, k and v kept in their own formats, writing
+// one q|k|v): output row o of input row r goes to y[r * Y_STRIDE + Y_OFFSET + o]; by default the
+// matrix's own [n_rows, out_rows]
+#ifndef Y_OFFSET
+#define Y_OFFSET 0
+#endif
+#ifndef Y_STRIDE
+#define Y_STRIDE out_rows
+#endif
+
 // the 32 weights of block b of a row (scales DROW, minimums MROW), dequantized: w0 = weights
 // 0..15, w1 = weights 16..31
 inline void dequant_block(__global const uchar *q, __global const float *drow, __global const half *mrow,
@@ -93,6 +103,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
                          __global const float *x, __global const float *xsum, __global float *y,
                          const int cols, const int out_rows, const int n_rows, const int accumulate)
 {
+    y += Y_OFFSET;
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3;
@@ -122,7 +133,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
         const float v[8] = {hsum16(c0), hsum16(c1), hsum16(c2), hsum16(c3),
                             hsum16(c4), hsum16(c5), hsum16(c6), hsum16(c7)};
         for (int r = 0; r < 8; ++r) {
-            const size_t k = (size_t)(r0 + r) * out_rows + o;
+            const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
     }
@@ -142,7 +153,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
         }
         const float v[4] = {hsum16(c0), hsum16(c1), hsum16(c2), hsum16(c3)};
         for (int r = 0; r < 4 && r0 + r < n_rows; ++r) {
-            const size_t k = (size_t)(r0 + r) * out_rows + o;
+            const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
     }
@@ -177,6 +188,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
                               const int cols, const int out_rows, __global const int *n_rows,
                               const int accumulate)
 {
+    y += Y_OFFSET;
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3, n = n_rows[0];
@@ -209,7 +221,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
                             rows_finish(a20, a21, drow, mrow, xsum + (size_t)r2 * nb, nb),
                             rows_finish(a30, a31, drow, mrow, xsum + (size_t)r3 * nb, nb)};
         for (int r = 0; r < 4 && r0 + r < n; ++r) {
-            const size_t k = (size_t)(r0 + r) * out_rows + o;
+            const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
     }
@@ -256,6 +268,7 @@ __kernel void gemv_quant_norm(__global const float *d, __global const half *m, _
                               __global const float *x, __global const float *norm_w, const float eps,
                               __global float *y, const int out_rows, const int accumulate)
 {
+    y += Y_OFFSET;
     __local float xn[NORM_COLS];
     __local float xsum[NORM_COLS / 32];
     if (get_local_id(0) == 0) RMS_NORM_ROW(xn, xsum, x, norm_w, eps, NORM_COLS);
@@ -276,6 +289,7 @@ __kernel void gemv_quant_silu(__global const float *d, __global const half *m, _
                               __global const float *gu, __global float *y, const int out_rows,
                               const int accumulate)
 {
+    y += Y_OFFSET;
     __local float act[SILU_COLS];
     __local float xsum[SILU_COLS / 32];
     if (get_local_id(0) == 0) {

@@ -13,6 +13,16 @@
 #define XAS __global
 #include "quant_blocks.h"
 
+// One part of a stacked output (stacked_matrix.py: q, k and v kept in their own formats, writing
+// one q|k|v): output row o of input row r goes to y[r * Y_STRIDE + Y_OFFSET + o]; by default the
+// matrix's own [n_rows, out_rows]
+#ifndef Y_OFFSET
+#define Y_OFFSET 0
+#endif
+#ifndef Y_STRIDE
+#define Y_STRIDE out_rows
+#endif
+
 // the dequantized weight e (0..31) of a 5- or 6-bit block (quants QB, its scale D for weight e,
 // minimum M), gguf's value (quant_blocks.h)
 inline float kq_weight(__global const uchar *qb, const float d, const float m, const int e)
@@ -87,13 +97,14 @@ __kernel void gemv_quant_wg(__global const float *d, __global const half *m, __g
                             __global const float *x_all, __global float *y, const int cols,
                             const int out_rows, const int accumulate)
 {
+    y += Y_OFFSET;
     __local float part[WG];
     const int o = get_group_id(0), r = get_global_id(1), lid = get_local_id(0);
     __global const float *x = x_all + (size_t)r * cols;
     float sum;
     ROW_SUM_WG(sum, o, cols / 32, part);
     if (lid == 0) {
-        const size_t k = (size_t)r * out_rows + o;
+        const size_t k = (size_t)r * Y_STRIDE + o;
         y[k] = accumulate ? y[k] + sum : sum;
     }
 }
@@ -104,6 +115,7 @@ __kernel void gemv_quant_norm_wg(__global const float *d, __global const half *m
                                  __global const float *x, __global const float *norm_w, const float eps,
                                  __global float *y, const int out_rows, const int accumulate)
 {
+    y += Y_OFFSET;
     __local float part[WG];
     const int o = get_group_id(0), lid = get_local_id(0);
     float ss = 0.0f;
