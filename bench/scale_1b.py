@@ -1,0 +1,168 @@
+"""The 1B-class scale point: decode ms/token of a Llama-3.2-1B-shaped Q4_K_M file on the OpenCL engine
+and on llama.cpp, side by side, against the memory-bandwidth limit.
+
+The file is scale_1b_checkpoint.py's (random weights, quantized by llama.cpp's `llama-quantize`;
+made in a cache directory on the first run). Decode of a 1B model is bound by memory bandwidth:
+every step reads every weight once, so the limit is the bytes a step reads / the machine's GB/s
+(_common.memory_bandwidth_gbs: a numpy copy, read + write, one thread; the better of a measure
+before and after the rounds). Each engine's own bytes:
+ours as its device stores them (quant_gemv.py's layout: Q4_K 4.75 bits a weight against the
+file's 4.5), llama.cpp's the file's matrices (the tied embedding read whole as the LM head).
+
+Rows, interleaved round by round, medians of every round's steps, 2 threads each:
+  * ours        OpenCLEngine on the file's blocks (gguf storage), the paged step (the serving path)
+                with greedy picks, at a context of --context tokens (random KV, imported)
+  * llama.cpp   llama-batched-bench on the same file, -t 2, a shared --context-token prompt, then
+                --steps generated tokens for 1 and 8 parallel sequences (its t_tg / steps)
+
+    python bench/scale_1b.py --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
+
+--llama-bin: a llama.cpp build's bin/ holding llama-quantize and llama-batched-bench; without
+llama-batched-bench the llama.cpp rows are left out (and the JSON says so).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from _common import memory_bandwidth_gbs, progress, stats, table, write_json
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+BATCHES = (1, 8)
+THREADS = 2
+
+
+def light_weights(path: Path, cfg):
+    """ModelWeights with the norms read from the file and every matrix a zero-strided stand-in of its
+    shape: gguf storage reads the matrices from the blocks, so the 4.3 GB of f32 that load_model
+    would dequantize are never made."""
+    import gguf
+
+    from services.model.weights import LayerWeights, ModelWeights
+
+    reader = gguf.GGUFReader(str(path))
+    t = {x.name: np.asarray(x.data, np.float32) for x in reader.tensors if len(x.shape) == 1}
+    h, q, kv, ff = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate
+
+    def stub(*shape):
+        return np.broadcast_to(np.float32(0), shape)
+
+    layers = tuple(LayerWeights(attn_norm=t[f"blk.{i}.attn_norm.weight"], wq=stub(q, h), wk=stub(kv, h),
+                                wv=stub(kv, h), wo=stub(h, q), ffn_norm=t[f"blk.{i}.ffn_norm.weight"],
+                                w_gate=stub(ff, h), w_up=stub(ff, h), w_down=stub(h, ff))
+                   for i in range(cfg.n_layers))
+    embed = stub(cfg.vocab_size, h)
+    return ModelWeights(embed, layers, t["output_norm.weight"], embed)
+
+
+def our_engine(path: Path, context: int):
+    from services.decode_fpga.config import EngineConfig
+    from services.decode_fpga.device import select_device
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.model.checkpoint import locate
+    from services.model.config import read_config
+    from services.model.gguf_blocks import read_block_tensors
+
+    ckpt = locate(str(path))
+    cfg = read_config(ckpt)
+    config = EngineConfig(weights_dtype="gguf", max_context=context, max_sequences=max(BATCHES), kv_cache_mb=64)
+    return OpenCLEngine.create(cfg, light_weights(path, cfg), select_device(), config, read_block_tensors(ckpt, cfg))
+
+
+def file_matrix_bytes(path: Path) -> int:
+    """The bytes of the file's 2-D tensors: what llama.cpp reads per step (the tied embedding as the LM head)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2)
+
+
+def llama_steps(binary: Path, path: Path, context: int, steps: int) -> dict[int, float]:
+    """llama-batched-bench: seconds per decode step for each batch (its generation phase)."""
+    from llama_server import library_env
+
+    n_ctx = context + max(BATCHES) * (steps + 4)
+    cmd = [str(binary), "-m", str(path), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(n_ctx), "-pps",
+           "-npp", str(context), "-ntg", str(steps), "-npl", ",".join(map(str, BATCHES)), "--output-format", "jsonl"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=library_env(binary), timeout=900)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    out = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[int(r["pl"])] = float(r["t_tg"]) / int(r["tg"])
+    return out
+
+
+def main() -> int:
+    from paged_step import time_paged
+    from scale_1b_checkpoint import ensure
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-bin", type=Path, required=True, help="a llama.cpp build's bin/ (llama-quantize, ...)")
+    ap.add_argument("--gguf", type=Path, default=None, help="the Q4_K_M file (default: made in the cache)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per engine, batch and round")
+    ap.add_argument("--context", type=int, default=16)
+    args = ap.parse_args()
+    path = args.gguf or ensure(args.llama_bin / "llama-quantize")
+    batched = args.llama_bin / "llama-batched-bench"
+    have_llama = batched.is_file()
+    progress(f"loading {path.name} on the OpenCL engine")
+    eng = our_engine(path, args.context + args.steps + 8)
+    cfg = eng.cfg
+    progress(f"stored: {eng.weights.storage_summary()}")
+    gbs = memory_bandwidth_gbs()
+    load_before = os.getloadavg()  # the machine is shared: say how busy it was
+    cells: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        progress(f"round {r + 1}/{args.rounds}")
+        for batch in BATCHES:
+            cells.setdefault(("ours", batch), []).extend(time_paged(eng, cfg, batch, args.context, args.steps))
+        if have_llama:
+            for batch, s in llama_steps(batched, path, args.context, args.steps).items():
+                # llama-batched-bench reports the phase's total: one value a round, weighted as such
+                cells.setdefault(("llama.cpp", batch), []).append(s)
+    gbs_after = memory_bandwidth_gbs()
+    load_after = os.getloadavg()
+    nbytes = {"ours": eng.weights_nbytes, "llama.cpp": file_matrix_bytes(path)}
+    best_gbs = max(gbs, gbs_after)  # the limit: the best the (shared) machine gave
+    rows, lines = [], []
+    for name in ("ours", "llama.cpp") if have_llama else ("ours",):
+        limit_ms = nbytes[name] / (best_gbs * 1e9) * 1e3
+        for batch in BATCHES:
+            ms = stats([x * 1e3 for x in cells[(name, batch)]])
+            rows.append([name, batch, nbytes[name] / 1e6, ms["median"], ms["median"] / batch, limit_ms,
+                         ms["median"] / limit_ms, nbytes[name] / (ms["median"] / 1e3) / 1e9])
+            lines.append({"engine": name, "batch": batch, "context": args.context, "ms_per_step": ms,
+                          "ms_per_token": ms["median"] / batch, "mb_per_step": nbytes[name] / 1e6,
+                          "bandwidth_limit_ms_per_step": limit_ms, "x_limit": ms["median"] / limit_ms})
+    print(table(["engine", "batch", "MB/step", "ms/step", "ms/token", "limit ms/step", "x limit", "GB/s"], rows))
+    print(f"memory bandwidth (numpy copy, 1 thread) {gbs:.2f} GB/s before, {gbs_after:.2f} after; load average "
+          f"before {load_before}, after {load_after}; {args.rounds} rounds x {args.steps} steps, context "
+          f"{args.context}, {THREADS} threads")
+    if have_llama:
+        for batch in BATCHES:
+            ours, theirs = (stats(cells[(n, batch)])["median"] for n in ("ours", "llama.cpp"))
+            print(f"batch {batch}: ours {ours * 1e3:.1f} ms/step, llama.cpp {theirs * 1e3:.1f}: ours at "
+                  f"{theirs / ours:.2f}x llama.cpp's speed")
+    write_json("scale_1b", {"gguf": path.name, "shape": {"hidden": cfg.hidden, "layers": cfg.n_layers,
+                                                        "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
+                                                        "intermediate": cfg.intermediate, "vocab": cfg.vocab_size},
+                            "stored": eng.weights.storage_summary(), "stored_weight_types": eng.stored_weight_types,
+                            "one_launch_packed": eng.weights.packed is not None, "device": eng.device_name,
+                            "threads": THREADS, "rounds": args.rounds, "steps": args.steps,
+                            "memory_bandwidth_gbs": [gbs, gbs_after], "loadavg_before": load_before,
+                            "loadavg_after": load_after, "llama_cpp": "llama-batched-bench" if have_llama else None,
+                            "lines": lines})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
