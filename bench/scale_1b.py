@@ -16,6 +16,12 @@ Rows, interleaved round by round, medians of every round's steps, 2 threads each
                 --steps generated tokens for 1 and 8 parallel sequences (its t_tg / steps)
 
     python bench/scale_1b.py --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
+    python bench/scale_1b.py --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
+        --tensor-type attn_v=q4_k --tensor-type ffn_down=q4_k (no mixed stacks, so packable)
+
+--launch-cost: what running launch by launch (as a file with mixed q|k|v stacks must) costs at
+this scale: batch-1 paged steps on FILE as one launch against launch by launch, interleaved;
+written to bench/results/scale_1b_launch_cost.json.
 
 --llama-bin: a llama.cpp build's bin/ holding llama-quantize and llama-batched-bench; without
 llama-batched-bench the llama.cpp rows are left out (and the JSON says so).
@@ -100,6 +106,33 @@ def llama_steps(binary: Path, path: Path, context: int, steps: int) -> dict[int,
     return out
 
 
+def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
+    """Batch-1 paged steps of one engine on `path` as one launch and launch by launch, interleaved."""
+    from paged_step import time_paged
+
+    from services.decode_fpga.one_launch_choice import OneLaunchChoice
+
+    eng = our_engine(path, context + steps + 8)
+    if eng.weights.packed is None:
+        raise SystemExit(f"{path.name}: its layers are not packed (mixed stacks?): no one-launch step to compare")
+    cells: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        progress(f"launch cost round {r + 1}/{rounds}")
+        for one in (True, False):
+            eng.one_launch_choice = choice = OneLaunchChoice(fixed=one)
+            cells[one].extend(time_paged(eng, eng.cfg, 1, context, steps))
+            if one and choice.gave_up:
+                progress(f"the one launch gave up {choice.gave_up} times (a busy core): redone launch by launch")
+    rows = [["one launch" if one else "launch by launch", stats([x * 1e3 for x in xs])["median"]]
+            for one, xs in cells.items()]
+    print(table(["batch-1 paged step", "ms/step"], rows))
+    write_json("scale_1b_launch_cost", {"gguf": path.name, "stored": eng.weights.storage_summary(),
+                                        "rounds": rounds, "steps": steps, "context": context,
+                                        "loadavg": os.getloadavg(),
+                                        "ms_per_step": {r[0]: stats([x * 1e3 for x in cells[r[0] == "one launch"]])
+                                                        for r in rows}})
+
+
 def main() -> int:
     from paged_step import time_paged
     from scale_1b_checkpoint import ensure
@@ -110,7 +143,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per engine, batch and round")
     ap.add_argument("--context", type=int, default=16)
+    ap.add_argument("--launch-cost", type=Path, default=None, metavar="FILE",
+                    help="instead: one launch against launch by launch on FILE (see above)")
     args = ap.parse_args()
+    if args.launch_cost:
+        launch_cost(args.launch_cost, args.rounds, args.steps, args.context)
+        return 0
     path = args.gguf or ensure(args.llama_bin / "llama-quantize")
     batched = args.llama_bin / "llama-batched-bench"
     have_llama = batched.is_file()
