@@ -181,8 +181,8 @@ inline float rows_finish(const float16 a0, const float16 a1, __global const floa
 // (ROW_DOT, as gemv_quant at one row, gemv_quant_norm/silu and decode_layers.cl compute it, term
 // for term): a row's result never depends on how many rows run beside it (batch invariance),
 // where gemv_quant's several-row passes round differently. Four rows a pass share each block's
-// conversion. The row count is read from the device, so a launch bound once serves a step of any
-// size. xsum: [n_rows, nb], read by formats with minimums.
+// conversion; the last n % 4 rows go one at a time. The row count is read from the device, so a
+// launch bound once serves a step of any size. xsum: [n_rows, nb], read by formats with minimums.
 __kernel void gemv_quant_rows(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *x, __global const float *xsum, __global float *y,
                               const int cols, const int out_rows, __global const int *n_rows,
@@ -196,9 +196,9 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     __global const half *mrow = MROW_AT(m, o, nbp);
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
     float16 w0, w1;
-    for (int r0 = 0; r0 < n; r0 += 4) {
-        // rows past n re-read the last row (harmless) and are not stored
-        const int r1 = min(r0 + 1, n - 1), r2 = min(r0 + 2, n - 1), r3 = min(r0 + 3, n - 1);
+    int r0 = 0;
+    for (; r0 + 4 <= n; r0 += 4) {
+        const int r1 = r0 + 1, r2 = r0 + 2, r3 = r0 + 3;
         __global const float *x0 = x + (size_t)r0 * cols, *x1 = x + (size_t)r1 * cols;
         __global const float *x2 = x + (size_t)r2 * cols, *x3 = x + (size_t)r3 * cols;
         float16 a00 = (float16)(0.0f), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
@@ -220,10 +220,19 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
                             rows_finish(a10, a11, drow, mrow, xsum + (size_t)r1 * nb, nb),
                             rows_finish(a20, a21, drow, mrow, xsum + (size_t)r2 * nb, nb),
                             rows_finish(a30, a31, drow, mrow, xsum + (size_t)r3 * nb, nb)};
-        for (int r = 0; r < 4 && r0 + r < n; ++r) {
+        for (int r = 0; r < 4; ++r) {
             const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
+    }
+    // the last n % 4 rows one at a time, with ROW_DOT itself: a pass of four over fewer rows did
+    // four rows' arithmetic (measured 3x a one-row GEMV's time for Q4_K at one row, where the
+    // K-quants are bound by arithmetic, not memory: the paged step of a decode alone)
+    for (; r0 < n; ++r0) {
+        float acc;
+        ROW_DOT(acc, drow, mrow, qrow, x + (size_t)r0 * cols, xsum + (size_t)r0 * nb, nb);
+        const size_t k = (size_t)r0 * Y_STRIDE + o;
+        y[k] = accumulate ? y[k] + acc : acc;
     }
 }
 
