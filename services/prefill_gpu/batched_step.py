@@ -153,7 +153,7 @@ def run_step(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan, greedy: bool,
     """The forward of a planned step; greedy: each sampling row's argmax, else float32 logits [S, vocab]."""
     c, n = model.cfg, plan.n_rows
     rope = model._rope_tables(plan.positions)
-    x = model.embed[plan.token_ids]  # [n_padded, hidden]
+    x = model._embed(plan.token_ids, plan.positions)  # [n_padded, hidden]
     attn = torch.zeros((x.shape[0], c.q_dim), device=x.device, dtype=x.dtype)  # padding rows stay 0
     for li, layer in enumerate(model.layers):
         q, k, v = model._qkv(layer, x, rope)  # q [n_padded, heads, dim]; k, v [n_padded, kv_heads, dim]
