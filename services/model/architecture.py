@@ -44,8 +44,8 @@ class Architecture:
     mlp: str = "silu_gated"  # MLPS
     gguf_rope_permuted: bool = True  # llama.cpp stores q/k rows interleaved (its "normal" rope), to undo
     hf_transposed: bool = False  # HF layer matrices stored [in, out] (Conv1D)
-    hf_names: dict[str, str] = field(default_factory=dict)  # canonical name → HF tensor name
-    gguf_names: dict[str, str] = field(default_factory=dict)  # canonical name → GGUF tensor name
+    hf_names: dict[str, str] = field(default_factory=dict, repr=False)  # canonical name → HF tensor name
+    gguf_names: dict[str, str] = field(default_factory=dict, repr=False)  # canonical name → GGUF tensor name
 
     def __post_init__(self) -> None:
         assert self.norm in NORMS and self.positions in POSITIONS and self.mlp in MLPS, self

@@ -156,15 +156,37 @@ def _from_hf(ckpt: Checkpoint) -> ModelConfig:
     arch = by_hf_name(cfg.get("model_type"))
     if arch is None:
         raise _refuse(f"{where}: model_type", cfg.get("model_type"), SUPPORTED)
-    if arch.name == "gpt2":
-        return _gpt2_from_hf(ckpt, cfg, arch)
+    try:
+        return _gpt2_from_hf(ckpt, cfg, arch) if arch.name == "gpt2" else _llama_like_from_hf(ckpt, cfg, arch)
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: config.json has no {exc.args[0]!r}") from exc
+
+
+def _eos_ids(ckpt: Checkpoint, cfg: dict) -> tuple[int, ...]:
+    """The end-of-sequence ids of config.json and generation_config.json together (Llama 3 Instruct lists
+    <|eot_id|> in the latter only, and transformers' generate stops on either)."""
+    ids: list[int] = []
+    sources = [cfg]
+    try:
+        sources.append(json.loads((ckpt.path / "generation_config.json").read_text()))
+    except (OSError, json.JSONDecodeError):
+        pass
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)
+
+
+def _llama_like_from_hf(ckpt: Checkpoint, cfg: dict, arch: Architecture) -> ModelConfig:
+    where = ckpt.path.name
     theta, scaling = _rope_scaling(cfg, where)
     if cfg.get("attention_bias") and not arch.qkv_bias or cfg.get("mlp_bias"):
         raise CheckpointError(f"{where}: a {arch.name} with attention_bias/mlp_bias is not supported")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise _refuse(f"{where}: hidden_act", act, ("silu",))
-    eos = cfg.get("eos_token_id")
     n_heads = int(cfg["num_attention_heads"])
     max_pos = int(cfg.get("max_position_embeddings", 2048))
     return ModelConfig(
@@ -181,7 +203,7 @@ def _from_hf(ckpt: Checkpoint) -> ModelConfig:
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        eos_token_ids=_eos_ids(ckpt, cfg),
         arch=arch,
         rope_scaling=scaling,
     )
@@ -195,11 +217,10 @@ def _gpt2_from_hf(ckpt: Checkpoint, cfg: dict, arch: Architecture) -> ModelConfi
     if cfg.get("scale_attn_by_inverse_layer_idx") or not cfg.get("scale_attn_weights", True):
         raise CheckpointError(f"{where}: GPT-2 attention scaled other than by 1/sqrt(head_dim) is not supported")
     hidden, n_heads = int(cfg["n_embd"]), int(cfg["n_head"])
-    eos = cfg.get("eos_token_id")
     return ModelConfig(
         model_id=ckpt.model_id, n_layers=int(cfg["n_layer"]), hidden=hidden,
         intermediate=int(cfg.get("n_inner") or 4 * hidden), n_heads=n_heads, n_kv_heads=n_heads,
         head_dim=hidden // n_heads, vocab_size=int(cfg["vocab_size"]), max_context=int(cfg["n_positions"]),
         rope_theta=10000.0, rms_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)), arch=arch)
+        eos_token_ids=_eos_ids(ckpt, cfg), arch=arch)

@@ -68,3 +68,99 @@ def save_checkpoint(model, tokenizer, path: Path) -> Path:
 
 def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, VOCAB, n).tolist()
+
+
+# ---- GGUF, as llama.cpp's converter lays it out ----------------------------------------------------------
+def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF's rotate-half q/k rows into llama.cpp's interleaved order (what its converter does for Llama)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(cfg) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for a llama3 rope scaling: each frequency's divisor."""
+    rope = cfg.rope_parameters
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old, low, high, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                              rope["high_freq_factor"], rope["factor"])
+    out = []
+    for wavelen in 2 * np.pi / inv:
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def save_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None, matrices: str = "q8_0") -> Path:
+    """`model` (llama3 or qwen2) as a GGUF file with llama.cpp's tensor names and metadata: matrices in
+    `matrices` (q8_0 or f32), vectors in f32; the tokenizer metadata of `tokenizer_gguf` (the default
+    model's) when given (reading and writing its 49152 tokens and merges costs seconds, and every
+    reader of the file pays again, so engine tests go without)."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    arch = {"llama3": "llama", "qwen2": "qwen2"}[family]
+    w = gguf.GGUFWriter(str(path), arch)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    w.add_vocab_size(cfg.vocab_size)
+    fields = gguf.GGUFReader(str(tokenizer_gguf)).fields if tokenizer_gguf is not None else {}
+    for key, field in fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+
+    def put(name: str, t) -> None:
+        a = np.ascontiguousarray(t.detach().float().numpy())
+        if a.ndim == 2 and matrices == "q8_0":
+            w.add_tensor(name, quantize(a, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+
+    sd = model.state_dict()
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", sd["lm_head.weight"])
+    if family == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
+    for i in range(cfg.num_hidden_layers):
+        pre, blk = f"model.layers.{i}.", f"blk.{i}."
+        for hf, ours in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")):
+            put(f"{blk}{ours}.weight", sd[f"{pre}{hf}.weight"])
+        for p, ours, n in (("q", "attn_q", heads), ("k", "attn_k", kv_heads), ("v", "attn_v", 0),
+                           ("o", "attn_output", 0)):
+            for kind in ("weight", "bias"):
+                t = sd.get(f"{pre}self_attn.{p}_proj.{kind}")
+                if t is None:
+                    continue
+                if n and arch == "llama":
+                    t = torch_from(_permute_rope_rows(t.detach().numpy(), n))
+                put(f"{blk}{ours}.{kind}", t)
+        for p in ("gate", "up", "down"):
+            put(f"{blk}ffn_{p}.weight", sd[f"{pre}mlp.{p}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def torch_from(a: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a))

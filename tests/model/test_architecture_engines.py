@@ -1,0 +1,154 @@
+"""Every served architecture, token-identical to transformers in every mode: gpu (the torch engine),
+fpga (the OpenCL engine) and hybrid (torch prefill, its KV handed to the OpenCL engine, which decodes).
+
+Tiny checkpoints of each family are made here (tests/model/tiny_checkpoints.py): Hugging Face
+directories of Llama 3 (llama3 rope scaling, untied), Qwen2 (q/k/v biases), Mistral, Qwen3 (q/k
+norms, tied), GPT-2 (learned positions, LayerNorm, GELU, fused q|k|v, biases), and GGUF files of
+Llama 3 and Qwen2 with Q8_0 matrices (the OpenCL engine keeps their blocks). Engines are built once
+per checkpoint; two prompts of different lengths share every step, so each part runs over several
+rows.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from services.engine.scheduler import ScheduledChunk
+from tests.model.tiny_checkpoints import FAMILIES, family_config, prompt, save_checkpoint, save_gguf, tiny_model
+
+N_NEW = 6
+PROMPTS = (prompt(20, 1), prompt(7, 2))
+CASES = FAMILIES + ("llama3-gguf", "qwen2-gguf")
+
+
+@dataclass
+class Case:
+    name: str
+    loaded: object
+    torch_engine: object
+    ocl_engine: object
+    reference: list  # transformers' greedy tokens of each prompt
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.max_new_tokens, gc.do_sample = -1, 0, n, False
+    with torch.no_grad():
+        return model.generate(torch.tensor([ids]), generation_config=gc)[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def device():
+    from services.decode_fpga.device import select_device
+
+    return select_device()
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory, tokenizer, device):
+    from transformers import AutoModelForCausalLM
+
+    from services.decode_fpga.config import EngineConfig
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.engine.batching_settings import BatchingSettings
+    from services.model.loading import load_model
+    from services.prefill_gpu.engine import TorchEngine
+
+    family, _, kind = request.param.partition("-")
+    model = tiny_model(family)
+    path = tmp_path_factory.mktemp(request.param)
+    if kind == "gguf":
+        target = save_gguf(model, family, path / f"{family}.gguf")
+        # transformers reads no rope scaling from a llama GGUF (llama.cpp keeps it in rope_freqs): the
+        # family's config says it
+        extra = {"config": family_config(family)} if family == "llama3" else {}
+        model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=target.name, dtype=torch.float32,
+                                                     **extra).eval()
+    else:
+        target = save_checkpoint(model, tokenizer, path)
+    loaded = load_model(str(target))
+    batching = BatchingSettings(kv_cache_mb=4, max_num_batched_tokens=64)
+    torch_engine = TorchEngine(loaded.config, loaded.weights, device="cpu", batching=batching)
+    ocl = OpenCLEngine.from_settings(loaded, _decode_settings()) if kind == "gguf" else OpenCLEngine.create(
+        loaded.config, loaded.weights, device, EngineConfig(kv_cache_mb=4, max_context=256, max_sequences=2,
+                                                            max_num_batched_tokens=64))
+    return Case(request.param, loaded, torch_engine, ocl, [hf_greedy(model, p, N_NEW) for p in PROMPTS])
+
+
+def _decode_settings():
+    """The decode service's own settings (storage "auto": a GGUF's blocks), sized for a test."""
+    from services.decode_fpga.settings import DecodeSettings
+
+    return DecodeSettings(kv_cache_mb=4, max_context=256, max_sequences=2, max_num_batched_tokens=64)
+
+
+def chunk(seq: int, start: int, tokens, table) -> ScheduledChunk:
+    return ScheduledChunk(seq, start, tuple(int(t) for t in tokens), tuple(table), True, None)
+
+
+TABLES = ([0, 1], [2, 3])  # blocks of 16: room for 20 + 6 and 7 + 6 positions
+
+
+def decode_together(engine, firsts: list[int]) -> list[list[int]]:
+    """Both sequences decoded in shared steps from their first tokens; their N_NEW tokens each."""
+    out = [[f] for f in firsts]
+    for i in range(N_NEW - 1):
+        picks = engine.step([chunk(s, len(PROMPTS[s]) + i, [out[s][-1]], TABLES[s]) for s in range(2)], greedy=True)
+        for s in range(2):
+            out[s].append(picks[s])
+    return out
+
+
+def serve_alone(engine) -> list[list[int]]:
+    """Both prompts prefilled in one step, then decoded together (the engine loop's way)."""
+    return decode_together(engine, engine.step([chunk(s, 0, PROMPTS[s], TABLES[s]) for s in range(2)], greedy=True))
+
+
+def test_gpu_mode_equals_transformers(case):
+    assert serve_alone(case.torch_engine) == case.reference
+
+
+def test_fpga_mode_equals_transformers(case):
+    assert serve_alone(case.ocl_engine) == case.reference
+    # the slot path too (tools and benches use it)
+    e, p = case.ocl_engine, PROMPTS[0]
+    seq = e.new_sequence(len(p) + N_NEW)
+    try:
+        out = [int(np.argmax(e.prefill(seq, p)))]
+        for _ in range(N_NEW - 1):
+            out += e.decode_greedy([seq], [out[-1]])
+    finally:
+        e.release(seq)
+    assert out == case.reference[0]
+
+
+def test_hybrid_mode_equals_transformers(case):
+    """torch prefills both prompts, each layer's KV goes over in wire layout into other blocks of the
+    OpenCL engine, which decodes."""
+    t, o, c = case.torch_engine, case.ocl_engine, case.loaded.config
+    firsts = t.step([chunk(s, 0, PROMPTS[s], TABLES[s]) for s in range(2)], greedy=True)
+    dst = ([4, 5], [6, 7])
+    for s in range(2):
+        for layer in range(c.n_layers):
+            o.import_kv_blocks(dst[s], layer, t.export_kv_blocks(TABLES[s], layer, len(PROMPTS[s])).numpy())
+    o.finish_import_blocks()
+    out = [[f] for f in firsts]
+    for i in range(N_NEW - 1):
+        picks = o.step([chunk(s, len(PROMPTS[s]) + i, [out[s][-1]], dst[s]) for s in range(2)], greedy=True)
+        for s in range(2):
+            out[s].append(picks[s])
+    assert out == case.reference
+
+
+def test_one_launch_only_for_llamas_layer(case):
+    """decode_layers.cl computes Llama's layer only: an architecture with more parts runs launch by
+    launch (arch_parts.py), never the one launch; a Llama-structured GGUF keeps it."""
+    e = case.ocl_engine
+    if case.loaded.config.arch.plain and case.name.endswith("gguf"):
+        assert e.paged_plans.one_launch is not None and e.plans.one_launch
+    else:
+        assert e.paged_plans.one_launch is None and not e.plans.one_launch
