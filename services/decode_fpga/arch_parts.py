@@ -56,11 +56,20 @@ class ArchVectors:
     layers: list[LayerVectors]
     final_norm_b: cl.Buffer | None  # [hidden]
     pos_embed: cl.Buffer | None  # [positions, hidden]
+    qkv_bias_all: cl.Buffer | None  # [n_layers, q_dim + 2 kv_dim]: every layer's q|k|v biases (decode_layers.cl)
 
     @classmethod
     def upload(cls, dev: DeviceContext, w: ModelWeights) -> "ArchVectors":
+        biases = [b for lw in w.layers for b in (lw.bq, lw.bk, lw.bv)] if w.layers[0].bq is not None else [None]
         return cls([LayerVectors.upload(dev, lw) for lw in w.layers], _upload(dev, w.final_norm_b),
-                   _upload(dev, w.pos_embed))
+                   _upload(dev, w.pos_embed), _upload(dev, *biases))
+
+    def one_launch_defines(self) -> dict:
+        """decode_layers.cl's defines for the parts it takes (then one_launch_args is its last argument)."""
+        return {"QKV_BIAS": 1} if self.qkv_bias_all is not None else {}
+
+    def one_launch_args(self) -> tuple:
+        return (self.qkv_bias_all,) if self.qkv_bias_all is not None else ()
 
     @property
     def nbytes(self) -> int:

@@ -76,12 +76,12 @@ class DeviceFit:
             raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
         cpu = bool(dev.device.type & cl.device_type.CPU)
         # decode_layers.cl: one work-item per row (a CPU's kernels), one KV channel, whole 32-column blocks,
-        # and Llama's layer: it has no biases, LayerNorm, q/k norms, GELU or position table (an architecture
-        # with one of them runs launch by launch, arch_parts.py)
+        # and Llama's layer, q/k/v biases or not: it has no other biases, LayerNorm, q/k norms, GELU or
+        # position table (an architecture with one of them runs launch by launch, arch_parts.py)
         whole_blocks = not (cfg.hidden % 32 or cfg.intermediate % 32 or cfg.q_dim % 32 or cfg.head_dim % 32)
         return cls(max_context=min(config.max_context, cfg.max_context),
                    max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),
                    keep_cores_awake=config.keep_cores_awake and cpu,
                    one_launch_layers=(config.layer_kernels and cpu and dev.lanes_per_row == 1
-                                      and config.kv_channels == 1 and whole_blocks and cfg.arch.plain),
+                                      and config.kv_channels == 1 and whole_blocks and cfg.arch.one_launch),
                    layer_groups=dev.device.max_compute_units)

@@ -133,13 +133,13 @@ class PagedStepPlans:
             "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
             "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
-            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
+            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L", **self.weights.arch.one_launch_defines()})
         clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
         layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
                            np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
                            s.act_sums, b["seq_of_row"], b["pos"], s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)),
                            st.pool, np.int64(st.layout.layer_elems), b["block_tables"], np.int32(st.max_blocks),
-                           s.sync, rows_dim=None, local_size=(1,))
+                           s.sync, *self.weights.arch.one_launch_args(), rows_dim=None, local_size=(1,))
         return [clear, layers]
 
     def _bind_head(self) -> list[tuple[Span, RowLaunch]]:

@@ -194,11 +194,13 @@ class LaunchPlans:
         program = self.dev.build("decode_layers.cl", {
             "QFMT": QFMT_CODES[packed.qfmt], "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L",
+            **self.weights.arch.one_launch_defines()})
         self._kv_bases = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                                    hostbuf=self.kv.layer_bases())
         channel, _, slot_stride = self.kv.plane(0, 0, 0)
         return bind(program, "decode_layers", (self.layer_groups,), s.x, packed.arrays.buffer, packed.table,
                     self._kv_bases, np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu,
                     s.act, s.act_sums, s.slots, s.pos, s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)), channel,
-                    slot_stride, np.int64(self.kv.layout.plane_elems), s.sync, local_size=(1,))
+                    slot_stride, np.int64(self.kv.layout.plane_elems), s.sync, *self.weights.arch.one_launch_args(),
+                    local_size=(1,))

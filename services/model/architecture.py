@@ -55,11 +55,11 @@ class Architecture:
         return self.mlp == "silu_gated"
 
     @property
-    def plain(self) -> bool:
-        """Llama's structure (rope, RMSNorm, no biases or extra norms, gated SiLU): what the OpenCL engine's
-        fused one-row kernels and its one-launch decode_layers.cl compute."""
-        return (self.norm == "rms" and self.positions == "rope" and not (self.qkv_bias or self.out_bias
-                or self.mlp_bias or self.qk_norm) and self.gated)
+    def one_launch(self) -> bool:
+        """Whether the OpenCL engine's one-launch decode_layers.cl computes this layer: Llama's, with or
+        without q/k/v biases (its -DQKV_BIAS). Any other part runs launch by launch."""
+        return (self.norm == "rms" and self.positions == "rope" and self.gated
+                and not (self.out_bias or self.mlp_bias or self.qk_norm))
 
     def wanted(self) -> list[str]:
         """The canonical per-layer tensors this family has (without the `layers.{i}.` prefix)."""

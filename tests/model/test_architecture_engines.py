@@ -144,11 +144,31 @@ def test_hybrid_mode_equals_transformers(case):
     assert out == case.reference
 
 
-def test_one_launch_only_for_llamas_layer(case):
-    """decode_layers.cl computes Llama's layer only: an architecture with more parts runs launch by
-    launch (arch_parts.py), never the one launch; a Llama-structured GGUF keeps it."""
+def test_one_launch_where_decode_layers_computes_the_layer(case, device, monkeypatch):
+    """decode_layers.cl computes Llama's layer, q/k/v biases or not: a GGUF of such a family decodes in one
+    launch, bit for bit the launches; any other part (q/k norms, GPT-2's) runs launch by launch, never
+    the one launch."""
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.decode_fpga.one_launch_choice import OneLaunchChoice
+
     e = case.ocl_engine
-    if case.loaded.config.arch.plain and case.name.endswith("gguf"):
-        assert e.paged_plans.one_launch is not None and e.plans.one_launch
-    else:
+    if not (case.loaded.config.arch.one_launch and case.name.endswith("gguf")):
         assert e.paged_plans.one_launch is None and not e.plans.one_launch
+        return
+    assert e.paged_plans.one_launch is not None and e.plans.one_launch
+    choice = OneLaunchChoice(fixed=True)  # no tries of the other way
+    monkeypatch.setattr(e, "one_launch_choice", choice)
+    launches = OpenCLEngine.from_settings(case.loaded, _decode_settings().model_copy(update={"opencl_layer_kernels": False}))
+    assert launches.paged_plans.one_launch is None
+
+    def decode_logits(engine):
+        table = [8, 9]
+        out = [engine.step([chunk(0, 0, PROMPTS[0], table)], greedy=False)[0]]
+        for i in range(N_NEW - 1):
+            token = int(np.argmax(out[-1]))
+            out.append(engine.step([chunk(0, len(PROMPTS[0]) + i, [token], table)], greedy=False)[0])
+        return np.stack(out)
+
+    np.testing.assert_array_equal(decode_logits(e), decode_logits(launches))
+    # the decode steps ran as one launch, but for any that gave up on a busy machine (redone by launches)
+    assert choice.ran[True] + choice.gave_up == N_NEW - 1

@@ -26,6 +26,10 @@
 // sets sync[0] and every work-group returns; the host then redoes the step launch by launch
 // (engine.py), and counts it when it chooses how the next steps run (one_launch_choice.py).
 //
+// With -DQKV_BIAS (Qwen2's q/k/v biases) the kernel takes one more argument, qkv_bias: every layer's
+// [QKV_ROWS] biases one after the other, added by each work-group to its rows of q|k|v right after
+// its GEMV, as arch_ops.cl's add_bias adds them after the launch-by-launch GEMV: the same bits.
+//
 // Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
 // cache line of its own (spinning reads and claims), the host's SYNC_LINE, and SPIN_LIMIT (a
@@ -98,7 +102,11 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
                                   __global const int *seq_of_row, __global const int *pos,
                                   __global const float *rope_cs, const float scale, __global float *pool,
                                   const long layer_elems, __global const int *block_tables, const int max_blocks,
-                                  __global int *sync)
+                                  __global int *sync
+#ifdef QKV_BIAS
+                                  , __global const float *qkv_bias
+#endif
+                                  )
 {
     __global const int *seq_table = block_tables + (size_t)seq_of_row[0] * max_blocks;
 #define ATTEND_HEAD(h) paged_attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,             \
@@ -111,7 +119,11 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
                             __global float *gu, __global float *act, __global float *act_sums,
                             __global const int *slots, __global const int *pos, __global const float *rope_cs,
                             const float scale, __global float *kv_chan, const long slot_stride,
-                            const long head_stride, __global int *sync)
+                            const long head_stride, __global int *sync
+#ifdef QKV_BIAS
+                            , __global const float *qkv_bias
+#endif
+                            )
 {
     const int slot = slots[0];
 #define ATTEND_HEAD(h) attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,                    \
@@ -131,6 +143,14 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
         // 1. attention RMSNorm, q|k|v
         RMS_NORM_ROW(xl, xsl, x, F32(0), eps, HIDDEN);
         GEMV_ROWS(QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), xl, xsl, qkv, 0);
+#ifdef QKV_BIAS
+        {  // this work-group's rows of GEMV_ROWS, their biases added
+            const int g_ = get_group_id(0), ng_ = get_num_groups(0);
+            __global const float *b_ = qkv_bias + (size_t)layer * QKV_ROWS;
+            for (int o = (int)(((long)QKV_ROWS * g_) / ng_); o < (int)(((long)QKV_ROWS * (g_ + 1)) / ng_); ++o)
+                qkv[o] += b_[o];
+        }
+#endif
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 2. RoPE, the KV write and attention, a query head at a time
