@@ -4,7 +4,7 @@ fpga (the OpenCL engine) and hybrid (torch prefill, its KV handed to the OpenCL 
 Tiny checkpoints of each family are made here (tests/model/tiny_checkpoints.py): Hugging Face
 directories of Llama 3 (llama3 rope scaling, untied), Qwen2 (q/k/v biases), Mistral, Qwen3 (q/k
 norms, tied), GPT-2 (learned positions, LayerNorm, GELU, fused q|k|v, biases), and GGUF files of
-Llama 3 and Qwen2 with Q8_0 matrices (the OpenCL engine keeps their blocks). Engines are built once
+Llama 3, Qwen2 and Qwen3 with Q8_0 matrices (the OpenCL engine keeps their blocks). Engines are built once
 per checkpoint; two prompts of different lengths share every step, so each part runs over several
 rows.
 """
@@ -22,7 +22,7 @@ from tests.model.tiny_checkpoints import FAMILIES, family_config, prompt, save_c
 
 N_NEW = 6
 PROMPTS = (prompt(20, 1), prompt(7, 2))
-CASES = FAMILIES + ("llama3-gguf", "qwen2-gguf")
+CASES = FAMILIES + ("llama3-gguf", "qwen2-gguf", "qwen3-gguf")
 
 
 @dataclass
@@ -63,9 +63,9 @@ def case(request, tmp_path_factory, tokenizer, device):
     path = tmp_path_factory.mktemp(request.param)
     if kind == "gguf":
         target = save_gguf(model, family, path / f"{family}.gguf")
-        # transformers reads no rope scaling from a llama GGUF (llama.cpp keeps it in rope_freqs): the
-        # family's config says it
-        extra = {"config": family_config(family)} if family == "llama3" else {}
+        # transformers reads no rope scaling from a llama GGUF (llama.cpp keeps it in rope_freqs) and no
+        # head_dim from a qwen3 one (attention.key_length): the family's config says them
+        extra = {"config": family_config(family)} if family in ("llama3", "qwen3") else {}
         model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=target.name, dtype=torch.float32,
                                                      **extra).eval()
     else:

@@ -96,7 +96,7 @@ def _llama3_rope_factors(cfg) -> np.ndarray:
 
 
 def save_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None, matrices: str = "q8_0") -> Path:
-    """`model` (llama3 or qwen2) as a GGUF file with llama.cpp's tensor names and metadata: matrices in
+    """`model` (llama3, qwen2 or qwen3) as a GGUF file with llama.cpp's tensor names and metadata: matrices in
     `matrices` (q8_0 or f32), vectors in f32; the tokenizer metadata of `tokenizer_gguf` (the default
     model's) when given (reading and writing its 49152 tokens and merges costs seconds, and every
     reader of the file pays again, so engine tests go without)."""
@@ -104,7 +104,7 @@ def save_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None
     from gguf.quants import quantize
 
     cfg = model.config
-    arch = {"llama3": "llama", "qwen2": "qwen2"}[family]
+    arch = {"llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
     w = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     w.add_context_length(cfg.max_position_embeddings)
@@ -115,7 +115,11 @@ def save_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w.add_rope_dimension_count(head_dim)
+    if family == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
     fields = gguf.GGUFReader(str(tokenizer_gguf)).fields if tokenizer_gguf is not None else {}
     for key, field in fields.items():
@@ -151,6 +155,9 @@ def save_gguf(model, family: str, path: Path, tokenizer_gguf: Path | None = None
                 if n and arch == "llama":
                     t = torch_from(_permute_rope_rows(t.detach().numpy(), n))
                 put(f"{blk}{ours}.{kind}", t)
+        for hf, ours in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
+            if f"{pre}self_attn.{hf}.weight" in sd:
+                put(f"{blk}{ours}.weight", sd[f"{pre}self_attn.{hf}.weight"])
         for p in ("gate", "up", "down"):
             put(f"{blk}ffn_{p}.weight", sd[f"{pre}mlp.{p}_proj.weight"])
     w.write_header_to_file()
