@@ -17,21 +17,25 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 
 
-def family_config(family: str):
+def family_config(family: str, **shape_overrides):
+    """The tiny config of `family`; shape_overrides replace its sizes (bench/arch_decode.py's larger shape)."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     shape = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
                  eos_token_id=2)
+    shape.update(shape_overrides)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     if family == "llama3":
         return LlamaConfig(**shape, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)
     if family == "qwen2":
         return Qwen2Config(**shape, tie_word_embeddings=False, rope_theta=10000.0)
     if family == "qwen3":
-        return Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True, rope_theta=10000.0)
+        return Qwen3Config(**shape, head_dim=head_dim, tie_word_embeddings=True, rope_theta=10000.0)
     if family == "mistral":
         # a window wider than the context: full attention everywhere (a narrower one caps the context)
-        return MistralConfig(**shape, head_dim=32, sliding_window=4096, tie_word_embeddings=False, rope_theta=10000.0)
+        return MistralConfig(**shape, head_dim=head_dim, sliding_window=4096, tie_word_embeddings=False,
+                             rope_theta=10000.0)
     if family == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=256, n_inner=256,
                           bos_token_id=1, eos_token_id=2)
