@@ -56,20 +56,25 @@ class ArchVectors:
     layers: list[LayerVectors]
     final_norm_b: cl.Buffer | None  # [hidden]
     pos_embed: cl.Buffer | None  # [positions, hidden]
-    qkv_bias_all: cl.Buffer | None  # [n_layers, q_dim + 2 kv_dim]: every layer's q|k|v biases (decode_layers.cl)
+    # every layer's vectors one after the other, for decode_layers.cl
+    qkv_bias_all: cl.Buffer | None  # [n_layers, q_dim + 2 kv_dim]: q|k|v biases
+    qk_norm_all: cl.Buffer | None  # [n_layers, 2 head_dim]: q_norm | k_norm
 
     @classmethod
     def upload(cls, dev: DeviceContext, w: ModelWeights) -> "ArchVectors":
-        biases = [b for lw in w.layers for b in (lw.bq, lw.bk, lw.bv)] if w.layers[0].bq is not None else [None]
+        first = w.layers[0]
+        biases = [b for lw in w.layers for b in (lw.bq, lw.bk, lw.bv)] if first.bq is not None else [None]
+        norms = [n for lw in w.layers for n in (lw.q_norm, lw.k_norm)] if first.q_norm is not None else [None]
         return cls([LayerVectors.upload(dev, lw) for lw in w.layers], _upload(dev, w.final_norm_b),
-                   _upload(dev, w.pos_embed), _upload(dev, *biases))
+                   _upload(dev, w.pos_embed), _upload(dev, *biases), _upload(dev, *norms))
 
     def one_launch_defines(self) -> dict:
-        """decode_layers.cl's defines for the parts it takes (then one_launch_args is its last argument)."""
-        return {"QKV_BIAS": 1} if self.qkv_bias_all is not None else {}
+        """decode_layers.cl's defines for the parts it takes (one_launch_args are then its last arguments)."""
+        return {**({"QKV_BIAS": 1} if self.qkv_bias_all is not None else {}),
+                **({"QK_NORM": 1} if self.qk_norm_all is not None else {})}
 
     def one_launch_args(self) -> tuple:
-        return (self.qkv_bias_all,) if self.qkv_bias_all is not None else ()
+        return tuple(b for b in (self.qkv_bias_all, self.qk_norm_all) if b is not None)
 
     @property
     def nbytes(self) -> int:

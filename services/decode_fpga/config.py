@@ -76,8 +76,8 @@ class DeviceFit:
             raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
         cpu = bool(dev.device.type & cl.device_type.CPU)
         # decode_layers.cl: one work-item per row (a CPU's kernels), one KV channel, whole 32-column blocks,
-        # and Llama's layer, q/k/v biases or not: it has no other biases, LayerNorm, q/k norms, GELU or
-        # position table (an architecture with one of them runs launch by launch, arch_parts.py)
+        # and Llama's layer, with q/k/v biases and q/k norms or not: it has no other biases, LayerNorm, GELU
+        # or position table (an architecture with one of them runs launch by launch, arch_parts.py)
         whole_blocks = not (cfg.hidden % 32 or cfg.intermediate % 32 or cfg.q_dim % 32 or cfg.head_dim % 32)
         return cls(max_context=min(config.max_context, cfg.max_context),
                    max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),

@@ -57,9 +57,10 @@ class Architecture:
     @property
     def one_launch(self) -> bool:
         """Whether the OpenCL engine's one-launch decode_layers.cl computes this layer: Llama's, with or
-        without q/k/v biases (its -DQKV_BIAS). Any other part runs launch by launch."""
+        without q/k/v biases (its -DQKV_BIAS) and q/k head norms (-DQK_NORM). Any other part (LayerNorm,
+        learned positions, GELU, other biases) runs launch by launch."""
         return (self.norm == "rms" and self.positions == "rope" and self.gated
-                and not (self.out_bias or self.mlp_bias or self.qk_norm))
+                and not (self.out_bias or self.mlp_bias))
 
     def wanted(self) -> list[str]:
         """The canonical per-layer tensors this family has (without the `layers.{i}.` prefix)."""

@@ -29,6 +29,9 @@
 // With -DQKV_BIAS (Qwen2's q/k/v biases) the kernel takes one more argument, qkv_bias: every layer's
 // [QKV_ROWS] biases one after the other, added by each work-group to its rows of q|k|v right after
 // its GEMV, as arch_ops.cl's add_bias adds them after the launch-by-launch GEMV: the same bits.
+// With -DQK_NORM (Qwen3's per-head q/k RMSNorm) it takes qk_norm (after qkv_bias when both): every
+// layer's q_norm | k_norm [2 HEAD_DIM], applied in phase 2 by attend_decode to each head before RoPE,
+// with head_rms_norm's expression (the launches' bits).
 //
 // Defines: QFMT (the block format of every layer matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
@@ -92,6 +95,12 @@ inline bool all_arrived(__global int *sync, const int n, long *spun)
 #define F16(k) ((__global const half *)(w + tab[k]))
 #define U8(k) (w + tab[k])
 
+#ifdef QK_NORM
+#define QK_W(layer) (qk_norm + (size_t)(layer) * 2 * HEAD_DIM)
+#else
+#define QK_W(layer) 0
+#endif
+
 #ifdef BLOCK_SIZE
 // pool: [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM], layer_elems floats a layer;
 // row 0 is sequence seq_of_row[0] (its table: block_tables[seq_of_row[0]][0:max_blocks]) at pos[0]
@@ -106,12 +115,15 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
 #ifdef QKV_BIAS
                                   , __global const float *qkv_bias
 #endif
+#ifdef QK_NORM
+                                  , __global const float *qk_norm
+#endif
                                   )
 {
     __global const int *seq_table = block_tables + (size_t)seq_of_row[0] * max_blocks;
 #define ATTEND_HEAD(h) paged_attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,             \
                                            pool + layer * layer_elems + ((h) / GROUP) * BLOCK_ELEMS,       \
-                                           seq_table, attn, attn_sums)
+                                           seq_table, attn, attn_sums, QK_W(layer), eps)
 #else
 __kernel void decode_layers(__global float *x, __global const uchar *w, __global const int *table,
                             __global const long *kv_bases, const int n_layers, const float eps,
@@ -123,13 +135,16 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
 #ifdef QKV_BIAS
                             , __global const float *qkv_bias
 #endif
+#ifdef QK_NORM
+                            , __global const float *qk_norm
+#endif
                             )
 {
     const int slot = slots[0];
 #define ATTEND_HEAD(h) attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,                    \
                                      kv_chan + kv_bases[2 * layer] + ((h) / GROUP) * head_stride + slot * slot_stride, \
                                      kv_chan + kv_bases[2 * layer + 1] + ((h) / GROUP) * head_stride + slot * slot_stride, \
-                                     attn, attn_sums)
+                                     attn, attn_sums, QK_W(layer), eps)
 #endif
     __local float xl[XL], xsl[XL / 32];  // the current phase's input vector and its block sums
     const int p = pos[0];
