@@ -4,8 +4,10 @@ costs a family whose parts decode_layers.cl does not compute.
 Random-weight checkpoints of SmolLM2-135M's shape (30 layers, hidden 576, 9 heads of 64, 3 KV heads,
 intermediate 1536, vocabulary 49152) in each family, written as GGUF with Q8_0 matrices
 (tests/model/tiny_checkpoints.py's writer), served with the checkpoint's blocks. Per family:
-  * 1L    the paged step at batch 1 in one launch (decode_layers.cl; Llama and Qwen2: q/k/v biases)
-  * LbL   the same launch by launch (an engine with layer_kernels off; the only way for Qwen3)
+  * 1L    the paged step at batch 1 in one launch (decode_layers.cl, with Qwen2's q/k/v biases and
+          Qwen3's q/k head norms)
+  * LbL   the same launch by launch (an engine with layer_kernels off): the extra parts as launches of
+          their own (arch_parts.py), GPT-2's only way
 Interleaved round by round, medians of every round's steps.
 
     python bench/arch_decode.py [--rounds N] [--steps N]
