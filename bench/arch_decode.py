@@ -75,13 +75,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
+    from services.decode_fpga.arch_parts import one_launch_takes
+
     with tempfile.TemporaryDirectory() as tmp:
         ways = {}
         for fam in FAMILIES:
             progress(f"building {fam}")
             path = checkpoint(fam, Path(tmp))
             ways[(fam, "LbL")] = engine(path, False)
-            if ways[(fam, "LbL")].cfg.arch.one_launch:
+            if one_launch_takes(ways[(fam, "LbL")].cfg.arch):
                 ways[(fam, "1L")] = engine(path, True)
         samples: dict = {k: [] for k in ways}
         for r in range(args.rounds):

@@ -18,8 +18,17 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.launch import Launch, bind
 from services.decode_fpga.scratch import blocks32
+from services.model.architecture import Architecture
 from services.model.config import ModelConfig
 from services.model.weights import LayerWeights, ModelWeights
+
+
+def one_launch_takes(arch: Architecture) -> bool:
+    """Whether the one-launch decode_layers.cl computes this architecture's layer: Llama's, with or without
+    q/k/v biases (its -DQKV_BIAS) and q/k head norms (-DQK_NORM). Any other part (LayerNorm, learned
+    positions, GELU, other biases) runs launch by launch."""
+    return (arch.norm == "rms" and arch.positions == "rope" and arch.gated
+            and not (arch.out_bias or arch.mlp_bias))
 
 
 def _upload(dev: DeviceContext, *parts: np.ndarray | None) -> cl.Buffer | None:

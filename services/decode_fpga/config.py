@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pyopencl as cl
 
+from services.decode_fpga.arch_parts import one_launch_takes
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import WEIGHT_FORMATS
 from services.decode_fpga.settings import DecodeSettings
@@ -83,5 +84,5 @@ class DeviceFit:
                    max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),
                    keep_cores_awake=config.keep_cores_awake and cpu,
                    one_launch_layers=(config.layer_kernels and cpu and dev.lanes_per_row == 1
-                                      and config.kv_channels == 1 and whole_blocks and cfg.arch.one_launch),
+                                      and config.kv_channels == 1 and whole_blocks and one_launch_takes(cfg.arch)),
                    layer_groups=dev.device.max_compute_units)

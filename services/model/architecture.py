@@ -3,8 +3,8 @@
 Both engines and the loaders read an `Architecture`; none of them branch on a family's name.
 A family is one entry of ARCHITECTURES: its description and where its tensors are named in a
 Hugging Face checkpoint (safetensors) and in a GGUF file (llama.cpp's names). Adding a family
-(Gemma, Phi, ...) whose parts are already here is one entry and its test
-(tests/model/test_architectures.py); a part not here yet (another norm, another activation) is a
+(Gemma, Phi, ...) whose parts are already here is one entry and its test (a tiny config in
+tests/model/tiny_checkpoints.py, a case of tests/model/test_architecture_engines.py); a part not here yet (another norm, another activation) is a
 field here plus its implementation in each engine, switched on by the field, never by the name.
 
 Canonical tensor names (what the name tables map to; `{i}` is the layer):
@@ -53,14 +53,6 @@ class Architecture:
     @property
     def gated(self) -> bool:
         return self.mlp == "silu_gated"
-
-    @property
-    def one_launch(self) -> bool:
-        """Whether the OpenCL engine's one-launch decode_layers.cl computes this layer: Llama's, with or
-        without q/k/v biases (its -DQKV_BIAS) and q/k head norms (-DQK_NORM). Any other part (LayerNorm,
-        learned positions, GELU, other biases) runs launch by launch."""
-        return (self.norm == "rms" and self.positions == "rope" and self.gated
-                and not (self.out_bias or self.mlp_bias))
 
     def wanted(self) -> list[str]:
         """The canonical per-layer tensors this family has (without the `layers.{i}.` prefix)."""

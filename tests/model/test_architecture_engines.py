@@ -152,8 +152,10 @@ def test_one_launch_where_decode_layers_computes_the_layer(case, device, monkeyp
     from services.decode_fpga.engine import OpenCLEngine
     from services.decode_fpga.one_launch_choice import OneLaunchChoice
 
+    from services.decode_fpga.arch_parts import one_launch_takes
+
     e = case.ocl_engine
-    if not (case.loaded.config.arch.one_launch and case.name.endswith("gguf")):
+    if not (one_launch_takes(case.loaded.config.arch) and case.name.endswith("gguf")):
         assert e.paged_plans.one_launch is None and not e.plans.one_launch
         return
     assert e.paged_plans.one_launch is not None and e.plans.one_launch
