@@ -49,7 +49,7 @@ from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
-from services.model.tokenizer import chat_prompt_ids, load_tokenizer
+from services.model.tokenizer import NoChatTemplate, chat_prompt_ids, load_tokenizer
 from services.modes import ENGINE_NAMES
 
 
@@ -180,7 +180,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         _check_model(st, body.model)
         messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
                     for msg in body.messages]
-        prompt_ids = await st.tokenize(chat_prompt_ids, messages)
+        try:
+            prompt_ids = await st.tokenize(chat_prompt_ids, messages)
+        except NoChatTemplate as exc:
+            raise APIError(400, str(exc), "messages", "invalid_value") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
         return await _respond(st, request, body, prompt_ids, max_tokens, chat=True)
 

@@ -155,7 +155,7 @@ def forward_logits(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan,
     No host synchronisation happens in here (CUDA graphs capture it as it is: cuda_graphs.py)."""
     c, n = model.cfg, plan.n_rows
     rope = model._rope_tables(plan.positions)
-    x = model.embed[plan.token_ids]  # [n_padded, hidden]
+    x = model._embed(plan.token_ids, plan.positions)  # [n_padded, hidden]
     attn = torch.zeros((x.shape[0], c.q_dim), device=x.device, dtype=x.dtype)  # padding rows stay 0
     for li, layer in enumerate(model.layers):
         q, k, v = model._qkv(layer, x, rope)  # q [n_padded, heads, dim]; k, v [n_padded, kv_heads, dim]
