@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.process import Process, free_port, http_ok
+from harness.process import Process, free_port, http_ok, port_is_free
 
 
 @dataclass
@@ -39,20 +38,11 @@ class Stack:
         self.process.stop(signal.SIGTERM, timeout=60)
 
 
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _free_strided(stride: int, count: int) -> int:
     """A free port p with p + i x stride free too, for i < count."""
     for _ in range(100):
         p = free_port()
-        if p + stride * count < 65536 and all(_is_free(p + stride * i) for i in range(1, count)):
+        if p + stride * count < 65536 and all(port_is_free(p + stride * i) for i in range(1, count)):
             return p
     raise RuntimeError(f"no free ports {count} x {stride} apart")
 

@@ -14,6 +14,10 @@ process), the profile cache is the one all engines share, and each pair is heale
 (its processes are named prefill_gpu.i and decode_fpga.i).
 A process that exits before the stack first comes up stops it (a setting or a
 model that is wrong would only fail again).
+
+The children end with `up`: each is told `up`'s pid (HYBRIDSERVE_PARENT_PID) and stops once `up`
+is gone, even SIGKILLed (lifetime.py); `up` itself ends with the process named by the
+HYBRIDSERVE_PARENT_PID it was given, if any (the test harness gives one).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from pydantic import Field
 
 from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
+from services.lifetime import exit_with_parent, launch_env
 from services.prefill_gpu.settings import PrefillSettings
 from services.settings import CommonSettings
 from services.supervisor import ChildSpec, Supervisor
@@ -143,6 +148,7 @@ def up(pairs: int | None = None) -> int:
     if pairs is not None:
         s = s.model_copy(update={"pairs": pairs})
     base["PYTHONUNBUFFERED"] = "1"
+    base.update(launch_env())  # every child stops once `up` is gone
     quiet = threading.Event()
     specs, addresses = [], []
     for i in range(s.pairs):
@@ -166,6 +172,7 @@ def up(pairs: int | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    exit_with_parent(s.parent_pid, "hybridserve up")
     _serve_metrics(s.host, s.metrics_port)
     print(f"starting the stack on {s.host}: {'; '.join(_pair_text(a) for a in addresses)}, "
           f"gateway :{gateway.port} (first start profiles each engine; later starts use the cache)", flush=True)
