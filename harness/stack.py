@@ -33,6 +33,19 @@ class Stack:
         """`name` (prefill, decode, ..._metrics) of pair `pair`."""
         return self.ports[name] + pair * self.port_stride
 
+    def wait_up(self, timeout: float = 900) -> "Stack":
+        """Until `up` says the stack is up (its gateway's /health answers 200 and the router is
+        calibrated), as a user of `make run` would wait; the stack is stopped if it never is."""
+        log_path = self.process.log_path
+        try:
+            self.process.wait_until(http_ok(self.url + "/health"), timeout, "up", interval=1.0)
+            self.process.wait_until(lambda: "hybridserve is up" in log_path.read_text(errors="replace"), timeout,
+                                    "calibrated", interval=1.0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stop(self) -> None:
         # `up` stops its three children on SIGTERM; the group kill is for a stack that hangs
         self.process.stop(signal.SIGTERM, timeout=60)
@@ -47,11 +60,8 @@ def _free_strided(stride: int, count: int) -> int:
     raise RuntimeError(f"no free ports {count} x {stride} apart")
 
 
-def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
-                progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
-                port_stride: int = 10) -> Stack:
-    """`hybridserve up [--pairs N]` with every port free, once it says it is up (its gateway's
-    /health answers 200 and the router is calibrated), as a user of `make run` would wait."""
+def launch_stack(log_path: Path, extra_env: dict | None = None, pairs: int = 1, port_stride: int = 10) -> Stack:
+    """`hybridserve up [--pairs N]` with every port free, started (see Stack.wait_up)."""
     from services.decode_fpga.settings import DecodeSettings
     from services.gateway.settings import GatewaySettings
     from services.prefill_gpu.settings import PrefillSettings
@@ -68,14 +78,15 @@ def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 
            UpSettings.env_name("port_stride"): port_stride}
     env = {**{k: str(v) for k, v in env.items()}, **(extra_env or {})}
     args = ("up",) if pairs == 1 else ("up", "--pairs", str(pairs))
-    stack = Stack(Process("services.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
+    return Stack(Process("services.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
+
+
+def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
+                progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
+                port_stride: int = 10) -> Stack:
+    """`hybridserve up [--pairs N]` with every port free, once it says it is up."""
+    stack = launch_stack(log_path, extra_env, pairs, port_stride)
     progress(f"starting the stack (log: {log_path})")
-    try:
-        stack.process.wait_until(http_ok(stack.url + "/health"), timeout, "up", interval=1.0)
-        stack.process.wait_until(lambda: "hybridserve is up" in log_path.read_text(errors="replace"), timeout,
-                                 "calibrated", interval=1.0)
-    except BaseException:
-        stack.stop()
-        raise
+    stack.wait_up(timeout)
     progress(f"stack up at {stack.url}")
     return stack

@@ -12,8 +12,10 @@ gateway, for tests and benchmarks of many pairs on one machine: pair i's engines
 ports + i x `port_stride` (metrics ports too), each prefill_gpu owns its own KV arena (named per
 process), the profile cache is the one all engines share, and each pair is healed on its own
 (its processes are named prefill_gpu.i and decode_fpga.i).
-A process that exits before the stack first comes up stops it (a setting or a
-model that is wrong would only fail again).
+A process that exits before the stack first comes up (the gateway's /health says every
+engine answers) stops it (a setting or a model that is wrong would only fail again); from then
+on every exit is healed, also while `up` waits for the router's calibration to say the stack
+is up (it says so once the gateway, the first or one started again, is calibrated and answers).
 
 The children end with `up`: each is told `up`'s pid (HYBRIDSERVE_PARENT_PID) and stops once `up`
 is gone, even SIGKILLed (lifetime.py); `up` itself ends with the process named by the
@@ -187,11 +189,16 @@ def up(pairs: int | None = None) -> int:
                 print(f"hybridserve up: the stack did not come up ({why})", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
-        _wait_calibrated(url + "/health", deadline, stop, sup)
-        quiet.set()
-        _print_ready(url, gateway, s)
+        # from here every exit is healed, also while the router calibrates: `up` says the stack is up
+        # once its gateway (the first or one started again) is calibrated and answers
+        ready = _Readiness(url, deadline)
         while not stop.is_set():
             sup.poll()
+            if not quiet.is_set() and ready.due():
+                text = _ready_text(url, gateway, s)
+                if text is not None:
+                    quiet.set()
+                    print(text, flush=True)
             stop.wait(0.5)
         return 0
     finally:
@@ -202,23 +209,31 @@ def up(pairs: int | None = None) -> int:
         print("stopped", flush=True)
 
 
-def _wait_calibrated(url: str, deadline: float, stop: threading.Event, sup: Supervisor) -> None:
-    """Until the gateway's router has both engines' start-up profiles (a first start times each
-    engine, in turn: requests sent meanwhile would share the cores with the sweeps and go to hybrid
-    uncalibrated). Bounded by the start-up deadline; the stack serves either way."""
-    said = False
-    while not (stop.is_set() or sup.exited() or time.monotonic() > deadline):
+class _Readiness:
+    """When to say the stack is up: once the gateway's router has both engines' start-up profiles (a
+    first start times each engine, in turn: requests sent meanwhile would share the cores with the
+    sweeps and go to hybrid uncalibrated), or at the start-up deadline (the stack serves either way)."""
+
+    def __init__(self, url: str, deadline: float):
+        self.url, self.deadline, self._said, self._next = url, deadline, False, 0.0
+
+    def due(self) -> bool:
+        if time.monotonic() > self.deadline:
+            return True
+        if time.monotonic() < self._next:
+            return False
+        self._next = time.monotonic() + 1.0
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                 if json.load(r).get("calibrated"):
-                    return
-        except (OSError, ValueError):
+                    return True
+        except (OSError, ValueError):  # the gateway is away (being started again): ask again later
             pass
-        if not said:
+        if not self._said:
             print("hybridserve up: engines answer; calibrating the router (a first start times each engine)",
                   file=sys.stderr, flush=True)
-            said = True
-        time.sleep(1.0)
+            self._said = True
+        return False
 
 
 def _pair_text(address: str) -> str:
@@ -226,15 +241,20 @@ def _pair_text(address: str) -> str:
     return f"prefill_gpu :{prefill_address.rpartition(':')[2]}, decode_fpga :{decode_address.rpartition(':')[2]}"
 
 
-def _print_ready(url: str, gateway: GatewaySettings, s: UpSettings) -> None:
+def _ready_text(url: str, gateway: GatewaySettings, s: UpSettings) -> str | None:
+    """What `up` says once the stack is up; None while the gateway does not answer (it may have exited
+    just now: the supervisor starts it again, and `up` asks again on its next round)."""
     key = gateway.api_key
     auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
-        model = json.load(r)["data"][0]["id"]
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
+            model = json.load(r)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
     key_header = f"-H 'Authorization: Bearer ${GatewaySettings.env_name('api_key')}' " if key else ""
     metrics = f"; restarts on http://{s.host}:{s.metrics_port}/metrics" if s.metrics_port else ""
-    print(f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics{metrics})\n"
-          f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
-          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-          f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-          f"A process that exits is started again; Ctrl-C stops them all.", flush=True)
+    return (f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics{metrics})\n"
+            f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+            f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
+            f"A process that exits is started again; Ctrl-C stops them all.")
