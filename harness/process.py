@@ -22,15 +22,21 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
-    """Whether a server could listen on TCP port `port` of 127.0.0.1 now: nothing listens on it. With
-    SO_REUSEADDR, as gRPC and uvicorn bind: the closed connections of a server gone (TIME_WAIT) do not count."""
+    """Whether TCP port `port` of 127.0.0.1 can be bound now."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
             return False
     return True
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on TCP port `port` of 127.0.0.1 (a closed server's
+    connections in TIME_WAIT, or another process's client socket on that port, do not count)."""
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def http_ok(url: str) -> Callable[[], bool]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from harness.process import port_is_free
+from harness.process import listening
 from services.kv.arena import SHM_DIR
 from services.lifetime import alive
 from services.prefill_gpu.settings import PrefillSettings
@@ -51,7 +51,7 @@ def test_prefill_gpu_stops_and_removes_its_arena_when_its_launcher_is_sigkilled(
         text = log.read_text()
         assert "is gone; stopping" in text and "serving gRPC" not in text, text  # stopped before serving
         assert not (SHM_DIR / arena[1]).exists()
-        assert all(port_is_free(p) for p in ports)
+        assert not [p for p in ports if listening(p)]
     finally:
         launcher.kill()
         launcher.wait()
