@@ -13,18 +13,17 @@ if str(BENCH) not in sys.path:
 
 
 @pytest.fixture(scope="package")
-def bench_stack(tmp_path_factory, pytestconfig):
+def bench_stack(tmp_path_factory, profile_cache):
     """`hybridserve up` started as `bench/serve.py --start-stack` starts it (Servers.start_stack: its
     processes' PIDs and engines' metrics endpoints recorded), once for test_serve_quick.py and
     test_suite.py, which drive it with --url: a stack's start (model loads, kernel builds, the engines'
-    profile sweeps, the router's calibration) took most of each test's minutes. The sweeps are cached in
-    pytest's cache directory, not the user's ~/.cache, so a later run on a quiet machine skips them."""
+    profile sweeps, the router's calibration) took most of each test's minutes. Its profiles are cached
+    where the other live stacks' are (tests/conftest.py)."""
     from serving.servers import Servers
 
-    profile = pytestconfig.cache.mkdir("hybridserve-profile")
     servers = Servers()
     url = servers.start_stack(tmp_path_factory.mktemp("bench_stack") / "stack.log",
-                              extra_env={"HYBRIDSERVE_PROFILE_CACHE": str(profile)})
+                              extra_env={"HYBRIDSERVE_PROFILE_CACHE": str(profile_cache)})
     try:
         yield url, servers
     finally:

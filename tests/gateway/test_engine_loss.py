@@ -34,11 +34,11 @@ KILL_AFTER = 8
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("engine_loss")
     prefill, decode = engine_pair(tmp, {PrefillSettings.env_name("arena_bytes"): str(32 << 20)},
                                   {DecodeSettings.env_name("max_context"): "1024",
-                                   DecodeSettings.env_name("max_sequences"): "2"})
+                                   DecodeSettings.env_name("max_sequences"): "2"}, profile_cache)
     gateway = start_gateway(tmp, prefill, decode)
     try:
         # start-up (model load, kernel build) takes minutes when other work holds the two cores

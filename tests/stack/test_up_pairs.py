@@ -102,11 +102,10 @@ def load(url: str, model: str, n: int, modes=("hybrid", "fpga")) -> tuple[list[C
 
 
 @pytest.mark.slow
-def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_path, pytestconfig):
-    # the profile cache tests/bench's stack uses (pytest's cache directory): where that stack's sweeps
-    # were quiet enough to be cached, these four engines only probe them instead of sweeping in turn
-    profile = pytestconfig.cache.mkdir("hybridserve-profile")
-    env = {"HYBRIDSERVE_PROFILE_AT_START": "false", "HYBRIDSERVE_PROFILE_CACHE": str(profile),
+def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_path, profile_cache):
+    # the live stacks' shared profile cache: where an earlier stack's sweeps were quiet enough to be
+    # cached, these four engines only probe them instead of sweeping in turn
+    env = {"HYBRIDSERVE_PROFILE_AT_START": "false", "HYBRIDSERVE_PROFILE_CACHE": str(profile_cache),
            UpSettings.env_name("restart_backoff_s"): "0.5",
            PrefillSettings.env_name("arena_bytes"): str(32 << 20),
            PrefillSettings.env_name("kv_cache_mb"): "128", DecodeSettings.env_name("kv_cache_mb"): "128",
