@@ -15,6 +15,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def profile_cache(pytestconfig):
+    """The engines' profile cache for the live stacks that do not test profiling itself: in pytest's
+    cache directory (not the user's ~/.cache), so a sweep one stack's engines could cache (a quiet
+    machine) spares the later stacks theirs: they run a quick probe of it instead."""
+    return pytestconfig.cache.mkdir("hybridserve-profile")
+
+
+@pytest.fixture(scope="session")
 def loaded_model():
     """The default model; TEST_CHECKPOINT names another (a lent GPU machine, which cannot
     receive the default GGUF, runs the `cuda` tests on a checkpoint of the same shape). Not a
