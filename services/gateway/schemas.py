@@ -166,9 +166,22 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. Content may be null (or absent) only on an assistant message that carries tool
+    calls, as in OpenAI's API: any other null message used to reach the model as an empty turn."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # before content: its validator reads them
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_tool_calls(cls, v, info):
+        role = info.data.get("role")
+        if v is None and role is not None and not (role == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError("missing_content", "a {role} message needs content; only an assistant "
+                                      "message with tool_calls may leave it null", {"role": role})
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -184,6 +184,14 @@ BAD = [
      "invalid_value"),
     ("a part that is not an object", "/v1/chat/completions",
      chat(messages=[{"role": "user", "content": ["hi"]}]), "messages.0.content.0", "invalid_value"),
+    ("null user content", "/v1/chat/completions", chat(messages=[{"role": "user", "content": None}]),
+     "messages.0.content", "invalid_value"),
+    ("absent system content", "/v1/chat/completions", chat(messages=[{"role": "system"}, {"role": "user",
+                                                                                         "content": "hi"}]),
+     "messages.0.content", "invalid_value"),
+    ("null assistant content without tool calls", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]),
+     "messages.1.content", "invalid_value"),
     ("logprobs", "/v1/completions", completion(logprobs=1), "logprobs", "unsupported_parameter"),
     ("chat logprobs", "/v1/chat/completions", chat(logprobs=True), "logprobs", "unsupported_parameter"),
     ("top_logprobs", "/v1/chat/completions", chat(top_logprobs=3), "top_logprobs", "unsupported_parameter"),
@@ -234,6 +242,12 @@ def test_what_asks_for_nothing_unsupported_is_accepted(edge):
                                                                                              "text": "hi"}]}]))):
         r = post(edge, path, body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+    # the one message OpenAI lets have null content: an assistant turn that called tools
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = post(edge, "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": None, "tool_calls": calls},
+                                                          {"role": "user", "content": "and?"}]))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
 
 
 # ---- tokenizing off the event loop ---------------------------------------------------------
