@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
+from services.engine.logprobs import TokenLogprob
 from services.engine.request_state import finish_reason
 from services.engine.requests import (Cancelled, EngineStepFailed, PromptTooLong, QueueFull, ShuttingDown,
                                       check_prompt)
@@ -104,9 +105,8 @@ class RequestStream:
                     continue
                 if kind == "error":
                     raise payload
-                for i, token in enumerate(payload):
-                    last = reason is not None and i == len(payload) - 1
-                    yield TokenEvent(token, reason if last else None)
+                token, logprob, prompt_logprobs = payload
+                yield TokenEvent(token, reason, logprob=logprob, prompt_logprobs=prompt_logprobs)
                 if reason is not None:
                     return
         finally:
@@ -128,8 +128,8 @@ class RequestStream:
         return self.block_table
 
     # ---- the loop thread's side --------------------------------------------------------
-    def _emit(self, tokens: list[int], reason: str | None) -> None:
-        self._events.put(("tokens", tokens, reason))
+    def _emit(self, token: int, reason: str | None, logprob=None, prompt_logprobs=None) -> None:
+        self._events.put(("token", (token, logprob, prompt_logprobs), reason))
 
     def _fail(self, exc: Exception) -> None:
         self.loop._release(self)
@@ -190,9 +190,11 @@ class EngineLoop:
         self._post(("reserve", stream))
         return stream
 
-    def activate_remote(self, stream: RequestStream, first_token: int) -> None:
-        """The reserved blocks hold the prompt's KV: decode on from `first_token`."""
-        self._post(("activate", stream, first_token))
+    def activate_remote(self, stream: RequestStream, first_token: int, logprob: TokenLogprob | None = None,
+                        prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
+        """The reserved blocks hold the prompt's KV: decode on from `first_token` (its logprob and the
+        prompt's, when asked for, come from the engine that prefilled)."""
+        self._post(("activate", stream, first_token, logprob, prompt_logprobs))
 
     def reset_prefix_cache(self, timeout: float = 5.0) -> int:
         """Forget every cached block no request holds (between two steps); how many were forgotten."""
@@ -280,7 +282,7 @@ class EngineLoop:
         elif kind == "reserve":
             self._remote_pending.append(stream)
         elif kind == "activate":
-            self._activate(stream, item[2])
+            self._activate(stream, *item[2:])
         elif kind == "abort":
             self._abort(stream)
 
@@ -311,11 +313,11 @@ class EngineLoop:
             stream.timings.scheduled_at = time.perf_counter()
             stream._reserved.set()
 
-    def _activate(self, stream: RequestStream, first_token: int) -> None:
+    def _activate(self, stream: RequestStream, first_token: int, logprob, prompt_logprobs) -> None:
         if self._streams.get(stream.seq_id) is not stream:
             return  # cancelled meanwhile
         seq = self.scheduler.activate_remote(stream.seq_id, first_token)
-        self._emit(stream, seq, first_token)
+        self._emit(stream, seq, first_token, logprob, prompt_logprobs)
 
     def _step(self, out: SchedulerOutput) -> None:
         now = time.perf_counter()
@@ -324,7 +326,8 @@ class EngineLoop:
             if stream is not None and stream.timings.scheduled_at is None:
                 stream.timings.scheduled_at = now
         sampling = [c for c in out.chunks if c.samples]
-        greedy = all(c.sampling_params.greedy for c in sampling)
+        # the device's argmax serves only when no row needs its logits (processing, logprobs, sampling)
+        greedy = all(c.sampling_params.device_greedy for c in sampling)
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
                      if c.samples and c.seq_id in self._streams and self._streams[c.seq_id].export is not None]
         try:
@@ -345,16 +348,24 @@ class EngineLoop:
         m.STEP_TOKENS.observe(out.num_batched_tokens)
         if out.preempted:
             m.NUM_PREEMPTIONS.inc(len(out.preempted))
+        logprobs: dict[int, TokenLogprob | None] = {}
         if greedy:
             sampled = dict(zip((c.seq_id for c in sampling), (int(t) for t in result)))
         else:
-            sampled = {c.seq_id: self._streams[c.seq_id].sampler.sample(row) if c.seq_id in self._streams else 0
-                       for c, row in zip(sampling, result)}
+            sampled = {}
+            for c, row in zip(sampling, result):
+                stream = self._streams.get(c.seq_id)
+                if stream is None:
+                    sampled[c.seq_id] = 0
+                    continue
+                seq = stream.seq
+                sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
+                    row, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
         self.scheduler.update(out, sampled)
         for chunk in sampling:
             stream = self._streams.get(chunk.seq_id)
             if stream is not None and not stream.done:
-                self._emit(stream, stream.seq, sampled[chunk.seq_id])
+                self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id))
         self._update_gauges()
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:
@@ -371,7 +382,8 @@ class EngineLoop:
                     stream._fail(Cancelled("the hand-off stopped"))
         return on_layer
 
-    def _emit(self, stream: RequestStream, seq: Sequence, token: int) -> None:
+    def _emit(self, stream: RequestStream, seq: Sequence, token: int, logprob: TokenLogprob | None = None,
+              prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         t = stream.timings
         t.last_token_at = time.perf_counter()
         t.first_token_at = t.first_token_at or t.last_token_at
@@ -380,9 +392,9 @@ class EngineLoop:
             stream.done = True
             self._release(stream)
             self._streams.pop(stream.seq_id, None)
-            stream._emit([token], finish_reason(seq.status))
+            stream._emit(token, finish_reason(seq.status), logprob, prompt_logprobs)
         else:
-            stream._emit([token], None)
+            stream._emit(token, None, logprob, prompt_logprobs)
 
     def _release(self, stream: RequestStream) -> None:
         """The stream has ended (finished, failed, cancelled): it no longer counts against the limit."""

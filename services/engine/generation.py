@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from services.engine.api import Engine
+from services.engine.logprobs import TokenLogprob
 from services.engine.request_state import RequestState, finish_reason, state_after_token
 from services.engine.requests import InvalidRequest, PromptTooLong, RequestTimings
 from services.engine.sampling import Sampler, SamplingParams
@@ -29,6 +30,8 @@ class TokenEvent:
     token: int
     finish_reason: str | None  # set on the last token only
     timings: RequestTimings | None = None  # the runtime sets it on the last token only
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first token, when asked for
 
 
 @dataclass

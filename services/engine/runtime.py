@@ -13,6 +13,7 @@ one and fills `modes`: mode name → a handler `(request, timings, cancel) → T
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Callable, Iterator
 
@@ -72,7 +73,7 @@ class EngineRuntime:
                     timings.generated_tokens = n
                     self.observe(request.mode, timings)
                     status = "ok"
-                    yield TokenEvent(ev.token, ev.finish_reason, timings)
+                    yield dataclasses.replace(ev, timings=timings)
             finally:
                 events.close()
         except QueueFull:

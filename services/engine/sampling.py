@@ -1,13 +1,19 @@
 """Sampling parameters and the host-side sampler shared by every engine.
 
-Both engines hand float32 logits (or, for greedy on the device, a token id) to
-the same code, so a seed gives the same tokens whichever engine ran the model.
+Both engines hand float32 logits (or, for plain greedy on the device, a token id) to
+the same code, so a seed gives the same tokens whichever engine ran the model. A request
+whose controls change the logits (penalties, logit_bias, min_tokens: logits_processing.py)
+or that asks for logprobs (logprobs.py) takes the logits path even when greedy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
+
+from services.engine.logits_processing import process, processes
+from services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,13 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # each generated token's logprob and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # the same for the prompt's positions 1..n-1 (echo)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 (or 0, the wire's unset) = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), as logits_processing.py adds them
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -31,10 +44,28 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty < 0 or not np.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def device_greedy(self) -> bool:
+        """The device's argmax is the whole answer: greedy, nothing changes the logits, no logprobs."""
+        return self.greedy and self.logprobs is None and not processes(self)
 
 
 class Sampler:
@@ -49,6 +80,16 @@ class Sampler:
         first token is sampled by prefill_gpu), so the stream continues as if here."""
         if not self.params.greedy:
             self._rng.random()
+
+    def pick(self, logits: np.ndarray, token_ids: Sequence[int], num_prompt: int,
+             stop_ids: frozenset[int]) -> tuple[int, TokenLogprob | None]:
+        """The next token of a sequence of `token_ids` (the prompt's `num_prompt`, then its output) from
+        its raw logits [vocab], after its controls (logits_processing.py), and its logprob when asked for
+        (of the raw logits)."""
+        p = self.params
+        row = process(logits, p, token_ids, num_prompt, stop_ids) if processes(p) else logits
+        token = self.sample(row)
+        return token, (token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None)
 
     def sample(self, logits: np.ndarray) -> int:
         # logits: [vocab] float32

@@ -36,6 +36,7 @@ from services.gateway.dispatch import Dispatcher, EngineRequest
 from services.gateway.drain import Drain, DrainGate
 from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
+from services.gateway.logprobs_format import LogprobsWriter, TokenTexts
 from services.gateway.pair_discovery import DnsPairs
 from services.gateway.pairs import Pairs
 from services.gateway.errors import APIError, install
@@ -60,6 +61,7 @@ class State:
     dispatcher: Dispatcher
     model_name: str
     tokenize_pool: ThreadPoolExecutor  # one thread: every tokenizer call runs on it, in turn
+    token_texts: TokenTexts  # each token's text and bytes, for logprobs
 
     async def tokenize(self, fn, *args) -> list[int]:
         """`fn(tokenizer, *args)` on the tokenizer's thread, off the event loop."""
@@ -94,7 +96,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         router = Router(file_samples, explore_share=settings.router_explore_share)
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         app.state.hs = State(settings, tokenizer, pairs, router, Dispatcher(pairs, router),
-                             settings.served_model_name or ckpt.model_id, pool)
+                             settings.served_model_name or ckpt.model_id, pool, TokenTexts(tokenizer))
         watch = asyncio.create_task(watch_engines(pairs, router, file_samples, settings.health_interval_s,
                                                   settings.engines_share_cpu, discover))
         try:
@@ -195,11 +197,17 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
                  prompt_ids: list[int], max_tokens: int, chat: bool) -> Response:
     """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream."""
     started = time.perf_counter()
+    vocab = len(st.tokenizer)
+    beyond = sorted(t for t in body.bias_pairs() if t >= vocab)
+    if beyond:
+        raise APIError(400, f"logit_bias names token ids past the vocabulary ({vocab}): {beyond[:5]}", "logit_bias",
+                       "invalid_value")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max_tokens,
                                                        st.settings.request_timeout_s))
+    logprobs = LogprobsWriter(st.token_texts, chat) if body.top_logprobs_asked is not None else None
     run = Run(st.router, stream.decision, len(prompt_ids), started, IncrementalDetokenizer(st.tokenizer),
-              StopMatcher(body.stops))
+              StopMatcher(body.stops), logprobs)
     headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

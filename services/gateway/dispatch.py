@@ -78,7 +78,14 @@ class EngineRequest:
         """From a validated completion or chat body; its own `timeout` may only shorten the gateway's."""
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      top_k=body.top_k, ignore_eos=body.ignore_eos,
+                                     frequency_penalty=body.frequency_penalty or 0.0,
+                                     presence_penalty=body.presence_penalty or 0.0,
+                                     repetition_penalty=body.repetition_penalty or 1.0,
+                                     logit_bias=body.bias_pairs(), min_tokens=body.min_tokens or 0,
+                                     stop_token_ids=body.stop_token_ids or [],
                                      **({"seed": body.seed} if body.seed is not None else {}))
+        if body.top_logprobs_asked is not None:
+            sampling.logprobs = body.top_logprobs_asked
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,
                    min(body.timeout or max_timeout_s, max_timeout_s))
 
@@ -92,6 +99,8 @@ class EngineRequest:
         sampling = pb.SamplingParams()
         sampling.CopyFrom(self.sampling)
         sampling.max_tokens = rest
+        sampling.min_tokens = max(0, sampling.min_tokens - len(generated))
+        sampling.ClearField("prompt_logprobs")  # the client has the prompt's already
         return replace(self, request_id=f"{self.request_id}-m{n}", prompt_ids=self.prompt_ids + generated,
                        max_tokens=rest, sampling=sampling, forced=None, timeout_s=timeout_s)
 

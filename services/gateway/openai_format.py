@@ -80,12 +80,40 @@ class Hybridserve(_LeavesOutNone):
     migrations: list[MigrationRecord] | None = None  # only on a request that migrated
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion choice's `logprobs` (logprobs_format.py fills it in); an echoed prompt's first
+    token has null in `token_logprobs` and `top_logprobs`."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 # ---- unary responses ------------------------------------------------------------------
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -107,7 +135,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -144,7 +172,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_LeavesOutNone):
@@ -170,10 +198,14 @@ class ChunkWriter:
         """Chat streams open with the assistant's role and no text."""
         return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
 
-    def text(self, text: str) -> ChatCompletionChunk | CompletionChunk:
+    def text(self, text: str, logprobs: CompletionLogprobs | ChatLogprobs | None = None
+             ) -> ChatCompletionChunk | CompletionChunk:
+        """New text and, when asked for, the logprobs of the tokens that came with it."""
         if self.chat:
-            return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(content=text))])
-        return CompletionChunk(**self._head, choices=[CompletionChoice(text=text, finish_reason=None)])
+            choice = ChatChunkChoice(delta=Delta(content=text), logprobs=logprobs)
+            return ChatCompletionChunk(**self._head, choices=[choice])
+        return CompletionChunk(**self._head, choices=[CompletionChoice(text=text, finish_reason=None,
+                                                                       logprobs=logprobs)])
 
     def finish(self, finish_reason: str, extension: Hybridserve) -> ChatCompletionChunk | CompletionChunk:
         """The last chunk with a choice: no new text, the finish reason and the `hybridserve` object."""

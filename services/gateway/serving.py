@@ -25,6 +25,7 @@ from services.gateway import metrics as m
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.dispatch import EngineStream
 from services.gateway.errors import APIError, error_body
+from services.gateway.logprobs_format import LogprobsWriter
 from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion, ChunkWriter,
                                             Completion, CompletionChoice, Hybridserve, MigrationRecord, Timings,
                                             Usage, sse)
@@ -42,9 +43,11 @@ class Run:
     """
 
     def __init__(self, router: Router, decision: Decision, n_in: int, started: float,
-                 detok: IncrementalDetokenizer, stops: StopMatcher):
+                 detok: IncrementalDetokenizer, stops: StopMatcher, logprobs: LogprobsWriter | None = None):
         self.router, self.decision, self.n_in, self.started = router, decision, n_in, started
         self.detok, self.stops = detok, stops
+        self.logprobs = logprobs  # None: the request did not ask for them
+        self.entries: list = []  # (token id, pb.TokenLogprob) of every token taken, when asked for
         self.n_out = 0
         self.finish_reason: str | None = None
         self.engine_timings: pb.Timings | None = None  # from the engine's last message
@@ -74,6 +77,8 @@ class Run:
                 m.ITL.labels(mode=mode).observe(now - self.last_token_at)
             self.last_token_at = now
         text = ""
+        if self.logprobs is not None and not self.stops.stopped:
+            self.entries.extend(zip(msg.token_ids, msg.logprobs))
         for t in msg.token_ids:
             self.n_out += 1
             text += self.stops.feed(self.detok.add(t))
@@ -122,6 +127,14 @@ class Run:
     def usage(self) -> Usage:
         return Usage.of(self.n_in, self.n_out)
 
+    def take_logprobs(self, none_if_empty: bool = False):
+        """The logprobs of the tokens taken since the last call, in the endpoint's shape; None if not asked
+        (or, `none_if_empty`, if no token came since)."""
+        if self.logprobs is None or (none_if_empty and not self.entries):
+            return None
+        entries, self.entries = self.entries, []
+        return self.logprobs.format(entries)
+
 
 async def serve(run: Run, stream: EngineStream) -> AsyncIterator[str]:
     """The text each engine message adds (maybe ""), until the finish; `run.finish_reason` is set then.
@@ -161,13 +174,14 @@ async def unary_response(run: Run, stream: EngineStream, request: Request, model
         headers = {**headers, "x-hybridserve-migrations": ",".join(
             f"{mg.from_mode}->{mg.to_mode}@{mg.after_tokens}" for mg in run.migrations)}
     text, rid, created = "".join(pieces), stream.request_id, int(time.time())
+    logprobs = run.take_logprobs()
     if chat:
         body = ChatCompletion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
                               choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                  finish_reason=run.finish_reason)])
+                                                  finish_reason=run.finish_reason, logprobs=logprobs)])
     else:
         body = Completion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
-                          choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)])
+                          choices=[CompletionChoice(text=text, finish_reason=run.finish_reason, logprobs=logprobs)])
     return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
 
@@ -180,8 +194,9 @@ async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, includ
                 if opening:
                     yield sse(chunks.role())
                     opening = False
-                if text:
-                    yield sse(chunks.text(text))
+                logprobs = run.take_logprobs(none_if_empty=True)
+                if text or logprobs is not None:
+                    yield sse(chunks.text(text, logprobs))
         yield sse(chunks.finish(run.finish_reason, run.extension()))
         if include_usage:
             yield sse(chunks.usage(run.usage()))

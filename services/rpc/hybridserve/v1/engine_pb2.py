@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(services/rpc/hybridserve/v1/engine.proto\x12\x0ehybridserve.v1\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x95\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\"\n\x04mode\x18\x04 \x01(\x0e\x32\x14.hybridserve.v1.Mode\"\xd2\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x17\n\x0fhandoff_total_s\x18\x03 \x01(\x01\x12\x19\n\x11handoff_exposed_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x08 \x01(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\r\"f\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12(\n\x07timings\x18\x03 \x01(\x0b\x32\x17.hybridserve.v1.Timings\"\xad\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\x12\n\nwire_dtype\x18\x04 \x01(\t\x12\x13\n\x0bskip_tokens\x18\x05 \x01(\r\x12\x12\n\nkv_address\x18\x06 \x01(\t\"L\n\x0bSlotGranted\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"O\n\nLayerReady\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x12\n\nwritten_at\x18\x04 \x01(\x01\"v\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_done_at\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"\xa1\x01\n\x0fPrefillResponse\x12+\n\x04slot\x18\x01 \x01(\x0b\x32\x1b.hybridserve.v1.SlotGrantedH\x00\x12+\n\x05layer\x18\x02 \x01(\x0b\x32\x1a.hybridserve.v1.LayerReadyH\x00\x12+\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1b.hybridserve.v1.PrefillDoneH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bInfoRequest\"\xa2\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x12\n\narena_name\x18\x06 \x01(\t\x12\x12\n\narena_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\t \x01(\r\x12\x10\n\x08n_layers\x18\n \x01(\r\x12\x12\n\nn_kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x11 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x12 \x01(\r\x12\x1c\n\x14kv_cache_usage_ratio\x18\x13 \x01(\x02\"!\n\x0eProfileRequest\x12\x0f\n\x07refresh\x18\x01 \x01(\x08\"Z\n\x0bStageSample\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0c\n\x04n_in\x18\x03 \x01(\r\x12\r\n\x05n_out\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"N\n\x0fProfileResponse\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.hybridserve.v1.StageSample\x12\r\n\x05quiet\x18\x02 \x01(\x08*J\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_GPU\x10\x01\x12\r\n\tMODE_FPGA\x10\x02\x12\x0f\n\x0bMODE_HYBRID\x10\x03\x32\xb6\x02\n\x06\x45ngine\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12L\n\x07Prefill\x12\x1e.hybridserve.v1.PrefillRequest\x1a\x1f.hybridserve.v1.PrefillResponse0\x01\x12\x41\n\x04Info\x12\x1b.hybridserve.v1.InfoRequest\x1a\x1c.hybridserve.v1.InfoResponse\x12J\n\x07Profile\x12\x1e.hybridserve.v1.ProfileRequest\x1a\x1f.hybridserve.v1.ProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(services/rpc/hybridserve/v1/engine.proto\x12\x0ehybridserve.v1\"\xcf\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x41\n\nlogit_bias\x18\r \x03(\x0b\x32-.hybridserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x95\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\"\n\x04mode\x18\x04 \x01(\x0e\x32\x14.hybridserve.v1.Mode\"\xd2\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x17\n\x0fhandoff_total_s\x18\x03 \x01(\x01\x12\x19\n\x11handoff_exposed_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x08 \x01(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\r\"\xcd\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12(\n\x07timings\x18\x03 \x01(\x0b\x32\x17.hybridserve.v1.Timings\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\"\xad\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\x12\n\nwire_dtype\x18\x04 \x01(\t\x12\x13\n\x0bskip_tokens\x18\x05 \x01(\r\x12\x12\n\nkv_address\x18\x06 \x01(\t\"L\n\x0bSlotGranted\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"O\n\nLayerReady\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x12\n\nwritten_at\x18\x04 \x01(\x01\"\xe2\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_done_at\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x33\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\"\xa1\x01\n\x0fPrefillResponse\x12+\n\x04slot\x18\x01 \x01(\x0b\x32\x1b.hybridserve.v1.SlotGrantedH\x00\x12+\n\x05layer\x18\x02 \x01(\x0b\x32\x1a.hybridserve.v1.LayerReadyH\x00\x12+\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1b.hybridserve.v1.PrefillDoneH\x00\x42\x07\n\x05\x65vent\"\r\n\x0bInfoRequest\"\xa2\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x12\n\narena_name\x18\x06 \x01(\t\x12\x12\n\narena_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\t \x01(\r\x12\x10\n\x08n_layers\x18\n \x01(\r\x12\x12\n\nn_kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x11 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x12 \x01(\r\x12\x1c\n\x14kv_cache_usage_ratio\x18\x13 \x01(\x02\"!\n\x0eProfileRequest\x12\x0f\n\x07refresh\x18\x01 \x01(\x08\"Z\n\x0bStageSample\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0c\n\x04n_in\x18\x03 \x01(\r\x12\r\n\x05n_out\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"N\n\x0fProfileResponse\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.hybridserve.v1.StageSample\x12\r\n\x05quiet\x18\x02 \x01(\x08*J\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_GPU\x10\x01\x12\r\n\tMODE_FPGA\x10\x02\x12\x0f\n\x0bMODE_HYBRID\x10\x03\x32\xb6\x02\n\x06\x45ngine\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12L\n\x07Prefill\x12\x1e.hybridserve.v1.PrefillRequest\x1a\x1f.hybridserve.v1.PrefillResponse0\x01\x12\x41\n\x04Info\x12\x1b.hybridserve.v1.InfoRequest\x1a\x1c.hybridserve.v1.InfoResponse\x12J\n\x07Profile\x12\x1e.hybridserve.v1.ProfileRequest\x1a\x1f.hybridserve.v1.ProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.rpc.hybridserve.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1953
-  _globals['_MODE']._serialized_end=2027
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_MODE']._serialized_start=2548
+  _globals['_MODE']._serialized_end=2622
   _globals['_SAMPLINGPARAMS']._serialized_start=61
-  _globals['_SAMPLINGPARAMS']._serialized_end=220
-  _globals['_GENERATEREQUEST']._serialized_start=223
-  _globals['_GENERATEREQUEST']._serialized_end=372
-  _globals['_TIMINGS']._serialized_start=375
-  _globals['_TIMINGS']._serialized_end=585
-  _globals['_GENERATERESPONSE']._serialized_start=587
-  _globals['_GENERATERESPONSE']._serialized_end=689
-  _globals['_PREFILLREQUEST']._serialized_start=692
-  _globals['_PREFILLREQUEST']._serialized_end=865
-  _globals['_SLOTGRANTED']._serialized_start=867
-  _globals['_SLOTGRANTED']._serialized_end=943
-  _globals['_LAYERREADY']._serialized_start=945
-  _globals['_LAYERREADY']._serialized_end=1024
-  _globals['_PREFILLDONE']._serialized_start=1026
-  _globals['_PREFILLDONE']._serialized_end=1144
-  _globals['_PREFILLRESPONSE']._serialized_start=1147
-  _globals['_PREFILLRESPONSE']._serialized_end=1308
-  _globals['_INFOREQUEST']._serialized_start=1310
-  _globals['_INFOREQUEST']._serialized_end=1323
-  _globals['_INFORESPONSE']._serialized_start=1326
-  _globals['_INFORESPONSE']._serialized_end=1744
-  _globals['_PROFILEREQUEST']._serialized_start=1746
-  _globals['_PROFILEREQUEST']._serialized_end=1779
-  _globals['_STAGESAMPLE']._serialized_start=1781
-  _globals['_STAGESAMPLE']._serialized_end=1871
-  _globals['_PROFILERESPONSE']._serialized_start=1873
-  _globals['_PROFILERESPONSE']._serialized_end=1951
-  _globals['_ENGINE']._serialized_start=2030
-  _globals['_ENGINE']._serialized_end=2340
+  _globals['_SAMPLINGPARAMS']._serialized_end=524
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=434
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=482
+  _globals['_TOKENLOGPROB']._serialized_start=526
+  _globals['_TOKENLOGPROB']._serialized_end=602
+  _globals['_GENERATEREQUEST']._serialized_start=605
+  _globals['_GENERATEREQUEST']._serialized_end=754
+  _globals['_TIMINGS']._serialized_start=757
+  _globals['_TIMINGS']._serialized_end=967
+  _globals['_GENERATERESPONSE']._serialized_start=970
+  _globals['_GENERATERESPONSE']._serialized_end=1175
+  _globals['_PREFILLREQUEST']._serialized_start=1178
+  _globals['_PREFILLREQUEST']._serialized_end=1351
+  _globals['_SLOTGRANTED']._serialized_start=1353
+  _globals['_SLOTGRANTED']._serialized_end=1429
+  _globals['_LAYERREADY']._serialized_start=1431
+  _globals['_LAYERREADY']._serialized_end=1510
+  _globals['_PREFILLDONE']._serialized_start=1513
+  _globals['_PREFILLDONE']._serialized_end=1739
+  _globals['_PREFILLRESPONSE']._serialized_start=1742
+  _globals['_PREFILLRESPONSE']._serialized_end=1903
+  _globals['_INFOREQUEST']._serialized_start=1905
+  _globals['_INFOREQUEST']._serialized_end=1918
+  _globals['_INFORESPONSE']._serialized_start=1921
+  _globals['_INFORESPONSE']._serialized_end=2339
+  _globals['_PROFILEREQUEST']._serialized_start=2341
+  _globals['_PROFILEREQUEST']._serialized_end=2374
+  _globals['_STAGESAMPLE']._serialized_start=2376
+  _globals['_STAGESAMPLE']._serialized_end=2466
+  _globals['_PROFILERESPONSE']._serialized_start=2468
+  _globals['_PROFILERESPONSE']._serialized_end=2546
+  _globals['_ENGINE']._serialized_start=2625
+  _globals['_ENGINE']._serialized_end=2935
 # @@protoc_insertion_point(module_scope)
