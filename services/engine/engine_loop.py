@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
-from services.engine.logprobs import TokenLogprob
+from services.engine.logprobs import TokenLogprob, token_logprob
 from services.engine.request_state import finish_reason
 from services.engine.requests import (Cancelled, EngineStepFailed, PromptTooLong, QueueFull, ShuttingDown,
                                       check_prompt)
@@ -83,6 +83,22 @@ class RequestStream:
     max_cached_tokens: int | None = None  # reserve_remote: take at most this much from the prefix cache
     done: bool = False
     _counted: bool = False  # holds one of the loop's places (EngineLoop._release gives it back)
+    _prompt_logprobs: dict = field(default_factory=dict)  # prompt position → TokenLogprob (all_logits)
+
+    def keep_prompt_logprobs(self, start: int, rows) -> None:
+        """The loop thread: rows of logits of positions start.. (each predicts the next position's token)."""
+        seq, k = self.seq, self.seq.sampling_params.prompt_logprobs
+        for i, row in enumerate(rows):
+            predicted = start + i + 1
+            if predicted < seq.num_prompt_tokens:
+                self._prompt_logprobs[predicted] = token_logprob(row, seq.token_ids[predicted], k)
+
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """Positions 1..n-1 of the prompt, when the request asked for them."""
+        if self.seq.sampling_params is None or self.seq.sampling_params.prompt_logprobs is None \
+                or not self.seq.all_logits:
+            return None
+        return tuple(self._prompt_logprobs[p] for p in range(1, self.seq.num_prompt_tokens))
 
     @property
     def seq_id(self) -> int:
@@ -166,7 +182,7 @@ class EngineLoop:
         max_num_seqs + max_waiting requests are already running or waiting (unless
         `bounded_elsewhere`: an admission of the caller's own bounds such requests, e.g. hand-off
         prefills, which must not be refused because generations fill the queue)."""
-        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere)
+        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere, computes_prompt=True)
         self._post(("add", stream))
         return stream
 
@@ -219,12 +235,13 @@ class EngineLoop:
 
     # ---- internals ----------------------------------------------------------------------------
     def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None,
-                    counted: bool = True) -> RequestStream:
+                    counted: bool = True, computes_prompt: bool = False) -> RequestStream:
         if self._closed:
             raise ShuttingDown("the engine is shutting down")
         check_prompt(prompt_ids, self.engine.cfg.vocab_size, self.config.max_model_len)
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
-        seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params)
+        seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params,
+                       all_logits=params.prompt_logprobs is not None and computes_prompt)
         stream = RequestStream(self, seq, Sampler(params), export)
         if counted:
             with self._wake:
@@ -327,7 +344,8 @@ class EngineLoop:
                 stream.timings.scheduled_at = now
         sampling = [c for c in out.chunks if c.samples]
         # the device's argmax serves only when no row needs its logits (processing, logprobs, sampling)
-        greedy = all(c.sampling_params.device_greedy for c in sampling)
+        greedy = (all(c.sampling_params.device_greedy for c in sampling)
+                  and not any(c.all_logits for c in out.chunks))
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
                      if c.samples and c.seq_id in self._streams and self._streams[c.seq_id].export is not None]
         try:
@@ -353,19 +371,29 @@ class EngineLoop:
             sampled = dict(zip((c.seq_id for c in sampling), (int(t) for t in result)))
         else:
             sampled = {}
-            for c, row in zip(sampling, result):
+            rows = iter(result)  # in chunk order: an all_logits chunk's every row, a sampling chunk's last
+            for c in out.chunks:
+                if not (c.samples or c.all_logits):
+                    continue
+                block = [next(rows) for _ in range(c.num_tokens if c.all_logits else 1)]
                 stream = self._streams.get(c.seq_id)
                 if stream is None:
                     sampled[c.seq_id] = 0
                     continue
                 seq = stream.seq
-                sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
-                    row, seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
+                if c.all_logits:
+                    stream.keep_prompt_logprobs(c.start, block)
+                if c.samples:
+                    sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
+                        block[-1], seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
         self.scheduler.update(out, sampled)
         for chunk in sampling:
             stream = self._streams.get(chunk.seq_id)
             if stream is not None and not stream.done:
-                self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id))
+                first = stream.timings.tokens == 0
+                self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
+                           stream.prompt_logprobs() if first else None)
+                stream.seq.all_logits = False  # a recompute after a preemption needs no prompt logits
         self._update_gauges()
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:

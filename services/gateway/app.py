@@ -44,7 +44,7 @@ from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Complet
 from services.gateway.router import Router
 from services.gateway.router_debug import debug_routes
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.gateway.serving import Run, sse_events, unary_response
+from services.gateway.serving import Echo, Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
@@ -168,7 +168,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             vocab = len(st.tokenizer)
             if max(prompt_ids) >= vocab:
                 raise APIError(400, f"token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
-        return await _respond(st, request, body, prompt_ids, body.max_tokens or 16, chat=False)
+        echo = None
+        if body.echo:  # the prompt as text: the client's own, or its token ids decoded
+            echo = body.prompt if isinstance(body.prompt, str) else await st.tokenize(_decode, prompt_ids)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await _respond(st, request, body, prompt_ids, max_tokens, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", dependencies=[api_key],
               responses={**openapi.stream_or_json(ChatCompletion), **openapi.errors(*openapi.GENERATION)})
@@ -187,6 +191,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text).input_ids
 
 
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids)
+
+
 def _check_model(st: State, model: str) -> None:
     if model != st.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {st.model_name!r}", "model",
@@ -194,8 +202,11 @@ def _check_model(st: State, model: str) -> None:
 
 
 async def _respond(st: State, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                 prompt_ids: list[int], max_tokens: int, chat: bool) -> Response:
-    """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream."""
+                 prompt_ids: list[int], max_tokens: int, chat: bool, echo: str | None = None) -> Response:
+    """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream.
+
+    `echo`: the prompt's text, returned before the completion. max_tokens 0 (echo only) still asks the
+    engines for one token, which is not shown: an engine call ends with a token."""
     started = time.perf_counter()
     vocab = len(st.tokenizer)
     beyond = sorted(t for t in body.bias_pairs() if t >= vocab)
@@ -203,11 +214,12 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
         raise APIError(400, f"logit_bias names token ids past the vocabulary ({vocab}): {beyond[:5]}", "logit_bias",
                        "invalid_value")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max_tokens,
+    stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max(1, max_tokens),
                                                        st.settings.request_timeout_s))
     logprobs = LogprobsWriter(st.token_texts, chat) if body.top_logprobs_asked is not None else None
     run = Run(st.router, stream.decision, len(prompt_ids), started, IncrementalDetokenizer(st.tokenizer),
-              StopMatcher(body.stops), logprobs)
+              StopMatcher(body.stops), logprobs, Echo(echo, prompt_ids) if echo is not None else None,
+              show_output=max_tokens > 0)
     headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

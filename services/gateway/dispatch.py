@@ -86,6 +86,8 @@ class EngineRequest:
                                      **({"seed": body.seed} if body.seed is not None else {}))
         if body.top_logprobs_asked is not None:
             sampling.logprobs = body.top_logprobs_asked
+        if getattr(body, "prompt_logprobs_asked", None) is not None:
+            sampling.prompt_logprobs = body.prompt_logprobs_asked
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,
                    min(body.timeout or max_timeout_s, max_timeout_s))
 

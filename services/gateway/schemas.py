@@ -124,9 +124,14 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: TokenCount | None = 16
-    echo: bool = False
+    # one prompt: text or token ids; a batch of one (["text"], [[ids]]), as lm-evaluation-harness sends, is
+    # that prompt
+    prompt: (NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmptyText], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    echo: bool = Field(False, description=(  # before max_tokens: its validator reads it
+        "the prompt comes back before the completion; with `logprobs`, its tokens' logprobs too (the first null)"))
+    max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX, description="0 only with `echo`: score the prompt")
     logprobs: TopLogprobs | None = Field(None, description=(
         "each token's logprob and the this many most likely tokens' (0..20), in `choices[i].logprobs`"))
     best_of: int | None = None
@@ -134,17 +139,27 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v):
+    def _one_prompt(cls, v):
         if not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and not isinstance(v[0], int):
+            if len(v) != 1:
+                raise _unsupported("prompt", "as a batch of several prompts is not supported by this server; "
+                                   "send one request per prompt")
+            v = v[0]
         return v
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo")
+    def _zero_tokens_only_to_echo(cls, v, info):
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 is allowed only with echo")
         return v
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt position the engines are asked for (echo with logprobs); None: none."""
+        return self.logprobs if self.echo else None
 
     @property
     def top_logprobs_asked(self) -> int | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -36,6 +37,14 @@ from services.rpc.hybridserve.v1 import engine_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, given back before its completion (`echo`): its text and its token ids."""
+
+    text: str
+    prompt_ids: list[int]
+
+
 class Run:
     """One request's progress and its accounting: metrics, the router's queue, its calibration.
 
@@ -43,11 +52,14 @@ class Run:
     """
 
     def __init__(self, router: Router, decision: Decision, n_in: int, started: float,
-                 detok: IncrementalDetokenizer, stops: StopMatcher, logprobs: LogprobsWriter | None = None):
+                 detok: IncrementalDetokenizer, stops: StopMatcher, logprobs: LogprobsWriter | None = None,
+                 echo: "Echo | None" = None, show_output: bool = True):
         self.router, self.decision, self.n_in, self.started = router, decision, n_in, started
         self.detok, self.stops = detok, stops
         self.logprobs = logprobs  # None: the request did not ask for them
         self.entries: list = []  # (token id, pb.TokenLogprob) of every token taken, when asked for
+        self.echo = echo  # the prompt, given back before the first token's text (then None)
+        self.show_output = show_output  # False: max_tokens 0, the one token the engine made is not shown
         self.n_out = 0
         self.finish_reason: str | None = None
         self.engine_timings: pb.Timings | None = None  # from the engine's last message
@@ -77,6 +89,15 @@ class Run:
                 m.ITL.labels(mode=mode).observe(now - self.last_token_at)
             self.last_token_at = now
         text = ""
+        if self.echo is not None:
+            text, ids = self.echo.text, self.echo.prompt_ids
+            if self.logprobs is not None:  # the first prompt token has nothing before it: no logprob
+                self.entries += [(ids[0], None), *zip(ids[1:], msg.prompt_logprobs)]
+            self.echo = None
+        if not self.show_output:
+            if msg.finish_reason:
+                self.finish_reason, self.engine_timings = "length", msg.timings
+            return text
         if self.logprobs is not None and not self.stops.stopped:
             self.entries.extend(zip(msg.token_ids, msg.logprobs))
         for t in msg.token_ids:

@@ -11,7 +11,7 @@ import torch
 
 from services.model.tokenizer import chat_prompt_ids
 from services.modes import MODE_NAMES
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, random_prompt
 from tests.gateway.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.slow
@@ -84,3 +84,29 @@ def test_streamed_chat_logprobs_equal_transformers_in_every_mode(stack, hf_model
     unary = post(stack, "/v1/chat/completions", {**body, "mode": "hybrid"})["choices"][0]
     assert [c["token"] for c in unary["logprobs"]["content"]] == [tokenizer.decode([t]) for t in new]
     assert unary["logprobs"]["content"][0]["top_logprobs"][0]["token"] == unary["logprobs"]["content"][0]["token"]
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_in_every_mode_cached_or_not(stack, hf_model, tokenizer):
+    # what lm-evaluation-harness's local-completions sends to score a text: a batch of one token-id prompt,
+    # echo, logprobs, no new tokens; 40 tokens: two full blocks, which the second mode finds cached
+    prompt = random_prompt(40, tokenizer.vocab_size, seed=5)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1).numpy()
+    want = ref[np.arange(len(prompt) - 1), prompt[1:]]
+    for mode in MODE_NAMES:
+        r = post(stack, "/v1/completions", {"prompt": [prompt], "echo": True, "max_tokens": 0, "logprobs": 1,
+                                            "temperature": 0, "mode": mode})
+        choice = r["choices"][0]
+        assert choice["text"] == tokenizer.decode(prompt) and r["usage"]["completion_tokens"] == 0, mode
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [tokenizer.decode([t]) for t in prompt], mode
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert np.allclose(lp["token_logprobs"][1:], want, atol=TOL, rtol=0), mode
+    # streamed, with new tokens after the prompt: the prompt's text and logprobs come first
+    events = stream(stack, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 2, "logprobs": 0,
+                                               "temperature": 0, "ignore_eos": True, "mode": "hybrid"})
+    pieces = [ch for e in events for ch in e["choices"]]
+    assert pieces[0]["text"].startswith(tokenizer.decode(prompt))
+    token_logprobs = [v for ch in pieces if ch.get("logprobs") for v in ch["logprobs"]["token_logprobs"]]
+    assert len(token_logprobs) == len(prompt) + 2 and token_logprobs[0] is None
+    assert np.allclose(token_logprobs[1:len(prompt)], want, atol=TOL, rtol=0)

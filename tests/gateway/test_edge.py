@@ -203,6 +203,8 @@ BAD = [
     ("null assistant content without tool calls", "/v1/chat/completions",
      chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]),
      "messages.1.content", "invalid_value"),
+    ("max_tokens 0 without echo", "/v1/completions", completion(max_tokens=0), "max_tokens", "invalid_value"),
+    ("a batch of prompts", "/v1/completions", completion(prompt=["a", "b"]), "prompt", "unsupported_parameter"),
     ("logprobs above 20", "/v1/completions", completion(logprobs=21), "logprobs", "invalid_value"),
     ("negative logprobs", "/v1/completions", completion(logprobs=-1), "logprobs", "invalid_value"),
     ("top_logprobs above 20", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs",
@@ -260,6 +262,8 @@ def test_what_asks_for_nothing_unsupported_is_accepted(edge):
     # defaults that OpenAI's clients send: they reach the dispatcher (503: no engine here), not a 400
     for path, body in (("/v1/completions", completion(logprobs=None, best_of=1, frequency_penalty=0, logit_bias={},
                                                       suffix=None, echo=False, presence_penalty=None)),
+                       ("/v1/completions", completion(prompt=[[1, 2, 3]], echo=True, max_tokens=0, logprobs=1)),
+                       ("/v1/completions", completion(prompt=["a batch of one"])),
                        ("/v1/chat/completions", chat(logprobs=False, tools=[], tool_choice="none", presence_penalty=0.0,
                                                      response_format={"type": "text"},
                                                      messages=[{"role": "user", "content": [{"type": "text",
