@@ -202,7 +202,6 @@ class EngineLoop:
         says how many it got)."""
         stream = self._new_stream(prompt_ids, params, None)
         stream.max_cached_tokens = max_cached_tokens
-        stream.sampler.advance()  # the first token is sampled by the other engine, with the same seed
         self._post(("reserve", stream))
         return stream
 

@@ -66,7 +66,7 @@ class Generation:
             self.state = RequestState.PREFILLING
             t0 = time.perf_counter()
             try:
-                token = sampler.sample(self.engine.prefill(seq, self.prompt_ids))
+                token = sampler.sample(self.engine.prefill(seq, self.prompt_ids), position=len(self.prompt_ids))
             except Exception:
                 self.state = RequestState.FINISHED_ERROR
                 raise
@@ -98,7 +98,7 @@ class Generation:
                 if p.greedy:
                     token = self.engine.decode_greedy([seq], [token])[0]
                 else:
-                    token = sampler.sample(self.engine.decode([seq], [token])[0])
+                    token = sampler.sample(self.engine.decode([seq], [token])[0], position=len(self.prompt_ids) + n)
                 n += 1
         except GeneratorExit:
             self.state = RequestState.FINISHED_ABORTED

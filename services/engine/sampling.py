@@ -7,6 +7,9 @@ or that asks for logprobs (logprobs.py) takes the logits path even when greedy.
 """
 from __future__ import annotations
 
+import hashlib
+import secrets
+import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -68,18 +71,22 @@ class SamplingParams:
         return self.greedy and self.logprobs is None and not processes(self)
 
 
+def uniform(seed: int, stream: int, position: int) -> float:
+    """The random number in [0, 1) of the token at `position` of a request's choice `stream`: a hash
+    of the three, so it does not depend on which engine samples, what ran before, or where a
+    migration cut the request (its continuation samples the same positions)."""
+    digest = hashlib.blake2b(struct.pack("<QQQ", seed, stream, position), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0 ** -53
+
+
 class Sampler:
-    """Picks the next token from one sequence's logits; owns that sequence's RNG."""
+    """Picks the next token from one sequence's logits. Its randomness is keyed by the request's seed
+    (a fresh one when it has none), the choice (`stream`, for n > 1) and the token's position."""
 
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self._rng = np.random.default_rng(params.seed)
-
-    def advance(self) -> None:
-        """Consume the randomness of one token sampled elsewhere (hybrid mode: the
-        first token is sampled by prefill_gpu), so the stream continues as if here."""
-        if not self.params.greedy:
-            self._rng.random()
+    def __init__(self, params: SamplingParams, stream: int = 0):
+        self.params, self.stream = params, stream
+        self.seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self._next_position = 0  # for callers that do not say the position (the slot path's Generation)
 
     def pick(self, logits: np.ndarray, token_ids: Sequence[int], num_prompt: int,
              stop_ids: frozenset[int]) -> tuple[int, TokenLogprob | None]:
@@ -88,11 +95,14 @@ class Sampler:
         (of the raw logits)."""
         p = self.params
         row = process(logits, p, token_ids, num_prompt, stop_ids) if processes(p) else logits
-        token = self.sample(row)
+        token = self.sample(row, position=len(token_ids))
         return token, (token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None)
 
-    def sample(self, logits: np.ndarray) -> int:
-        # logits: [vocab] float32
+    def sample(self, logits: np.ndarray, position: int | None = None) -> int:
+        """logits: [vocab] float32; `position`: of the token sampled (default: one more than the last call's)."""
+        if position is None:
+            position = self._next_position
+        self._next_position = position + 1
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
@@ -110,6 +120,7 @@ class Sampler:
             mask = np.zeros_like(probs)
             mask[keep] = probs[keep]
             probs = mask / mask.sum()
-        # exactly one uniform per token (see advance): inverse CDF over the kept mass
+        # one uniform per token, keyed by its position: inverse CDF over the kept mass
         cdf = np.cumsum(probs)
-        return int(min(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"), probs.size - 1))
+        u = uniform(self.seed, self.stream, position)
+        return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), probs.size - 1))

@@ -20,9 +20,10 @@
   failed in; a forced mode too: the client asked for a mode to run in, not to lose the request).
   The reader gets the new call's messages as if nothing happened: no token twice, none missing.
   Greedy output is the same tokens as an uninterrupted run's (every mode gives the same greedy
-  tokens). A seeded sampled request is re-submitted with the same seed, and engines start a
-  seed's random stream at the first token of a call: after a migration the rest is a fresh draw
-  from that seed, a valid sample but not the tokens an uninterrupted run would have given.
+  tokens). A seeded sampled request is re-submitted with the same seed, and engines key each
+  token's randomness by the seed and the token's position (services/engine/sampling.py), so the
+  rest are the tokens an uninterrupted run would have given too. (frequency and presence
+  penalties count the output of the new call only: the tokens before it are its prompt now.)
   With no mode left, the error is the route's 503.
 * Pairs: the gateway may front several (prefill_gpu, decode_fpga) pairs (pairs.py). A mode is a
   candidate when some pair has its engines up; once the router has picked the mode, the call goes

@@ -1,0 +1,32 @@
+"""Seeded sampling on the real torch engine through the engine loop: a request's continuation (what the
+gateway re-submits after a migration: prompt + the tokens out so far) samples the same tokens as the
+uninterrupted run, because each token's randomness is keyed by the seed and its position."""
+from __future__ import annotations
+
+import pytest
+
+from services.engine.engine_loop import EngineLoop
+from services.engine.sampling import SamplingParams
+from services.engine.scheduler import SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def loop(torch_engine, model_config):
+    e = torch_engine
+    loop = EngineLoop(e, SchedulerConfig(num_blocks=e.num_blocks, block_size=e.block_size, max_num_seqs=4,
+                                         max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=512),
+                      model_config.eos_token_ids)
+    yield loop
+    loop.close()
+
+
+def test_a_seeded_continuation_samples_what_the_uninterrupted_run_did(loop):
+    prompt = [504, 3575, 282, 4649, 314]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=77, ignore_eos=True)
+    whole = [ev.token for ev in loop.submit(prompt, params)]
+    rest = [ev.token for ev in loop.submit(prompt + whole[:3], SamplingParams(
+        max_tokens=5, temperature=1.0, seed=77, ignore_eos=True))]
+    assert rest == whole[3:]
+    other = [ev.token for ev in loop.submit(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=78,
+                                                                    ignore_eos=True))]
+    assert other != whole
