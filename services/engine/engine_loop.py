@@ -177,12 +177,13 @@ class EngineLoop:
 
     # ---- what handlers call (any thread) ------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None = None,
-               bounded_elsewhere: bool = False) -> RequestStream:
+               bounded_elsewhere: bool = False, choice: int = 0) -> RequestStream:
         """Queue a request; its stream. Raises InvalidRequest/PromptTooLong at once, QueueFull when
         max_num_seqs + max_waiting requests are already running or waiting (unless
         `bounded_elsewhere`: an admission of the caller's own bounds such requests, e.g. hand-off
         prefills, which must not be refused because generations fill the queue)."""
-        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere, computes_prompt=True)
+        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere, computes_prompt=True,
+                                  choice=choice)
         self._post(("add", stream))
         return stream
 
@@ -234,14 +235,14 @@ class EngineLoop:
 
     # ---- internals ----------------------------------------------------------------------------
     def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None,
-                    counted: bool = True, computes_prompt: bool = False) -> RequestStream:
+                    counted: bool = True, computes_prompt: bool = False, choice: int = 0) -> RequestStream:
         if self._closed:
             raise ShuttingDown("the engine is shutting down")
         check_prompt(prompt_ids, self.engine.cfg.vocab_size, self.config.max_model_len)
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params,
                        all_logits=params.prompt_logprobs is not None and computes_prompt)
-        stream = RequestStream(self, seq, Sampler(params), export)
+        stream = RequestStream(self, seq, Sampler(params, stream=choice), export)
         if counted:
             with self._wake:
                 if self._n_live >= self.config.max_num_seqs + self.max_waiting:

@@ -32,6 +32,7 @@ class TokenEvent:
     timings: RequestTimings | None = None  # the runtime sets it on the last token only
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first token, when asked for
+    index: int = 0  # the choice (a request with n > 1)
 
 
 @dataclass

@@ -19,6 +19,9 @@ from services.engine.logits_processing import process, processes
 from services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 
 
+MAX_CHOICES = 16  # choices (n, best_of) of one request
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Defaults follow OpenAI's: temperature 1, top_p 1; top_k 0 means off."""
@@ -37,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 (or 0, the wire's unset) = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), as logits_processing.py adds them
     min_tokens: int = 0
+    n: int = 1  # choices: the engine runtime fans the request out (services/engine/runtime.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -58,6 +62,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
 

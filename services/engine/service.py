@@ -52,7 +52,8 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
                               prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
                               frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                               repetition_penalty=s.repetition_penalty or 1.0,
-                              logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens)
+                              logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
+                              n=s.n or 1)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -64,7 +65,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
                              stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
                              frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
-                             min_tokens=p.min_tokens, **optional)
+                             min_tokens=p.min_tokens, n=p.n, **optional)
 
 
 def request_id_of(request) -> str:
@@ -82,7 +83,7 @@ def timings_to_proto(t: RequestTimings) -> pb.Timings:
 
 
 def response_of(ev: TokenEvent) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(token_ids=[ev.token])
+    msg = pb.GenerateResponse(token_ids=[ev.token], index=ev.index)
     if ev.logprob is not None:
         msg.logprobs.append(logprob_to_proto(ev.logprob))
     if ev.prompt_logprobs is not None:

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.gateway import openapi
 from services.gateway.auth import ApiKey, warn_if_exposed
 from services.gateway.body_limit import BodyLimit
+from services.gateway.choice import Choice, Echo
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.dispatch import Dispatcher, EngineRequest
 from services.gateway.drain import Drain, DrainGate
@@ -44,7 +45,7 @@ from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Complet
 from services.gateway.router import Router
 from services.gateway.router_debug import debug_routes
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from services.gateway.serving import Echo, Run, sse_events, unary_response
+from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
@@ -216,14 +217,16 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max(1, max_tokens),
                                                        st.settings.request_timeout_s))
-    logprobs = LogprobsWriter(st.token_texts, chat) if body.top_logprobs_asked is not None else None
-    run = Run(st.router, stream.decision, len(prompt_ids), started, IncrementalDetokenizer(st.tokenizer),
-              StopMatcher(body.stops), logprobs, Echo(echo, prompt_ids) if echo is not None else None,
-              show_output=max_tokens > 0)
+    asked = body.top_logprobs_asked is not None
+    choices = [Choice(i, IncrementalDetokenizer(st.tokenizer), StopMatcher(body.stops),
+                      LogprobsWriter(st.token_texts, chat) if asked else None,
+                      Echo(echo, prompt_ids) if echo is not None else None, show_output=max_tokens > 0)
+               for i in range(body.choices_generated)]
+    run = Run(st.router, stream.decision, len(prompt_ids), started, choices)
     headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(rid, st.model_name, int(time.time()), chat)
         return StreamingResponse(sse_events(run, stream, chunks, include_usage), media_type="text/event-stream",
                                  headers=headers)
-    return await unary_response(run, stream, request, st.model_name, chat, headers)
+    return await unary_response(run, stream, request, st.model_name, chat, headers, body.n)

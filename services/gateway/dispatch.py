@@ -89,6 +89,9 @@ class EngineRequest:
             sampling.logprobs = body.top_logprobs_asked
         if getattr(body, "prompt_logprobs_asked", None) is not None:
             sampling.prompt_logprobs = body.prompt_logprobs_asked
+        sampling.n = body.choices_generated
+        if sampling.n > body.n and not sampling.HasField("logprobs"):
+            sampling.logprobs = 0  # best_of ranks the choices by their cumulative logprob
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,
                    min(body.timeout or max_timeout_s, max_timeout_s))
 
@@ -166,7 +169,7 @@ class EngineStream:
 
     async def _engine_lost(self, code: grpc.StatusCode | None) -> bool:
         """Whether a mid-stream failure (`code`; None: the stream just ended) means the engine is gone."""
-        if code in NEVER_MIGRATE:
+        if code in NEVER_MIGRATE or self._request.sampling.n > 1:  # several choices: not migrated (yet)
             return False
         engines = MODES[self.decision.mode].engines
         clients = self._dispatcher.pairs.members.get(self.decision.pair)

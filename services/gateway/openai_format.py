@@ -9,6 +9,9 @@ Streams (server-sent events), one request:
     chat:        role chunk, text chunks, finish chunk (+ hybridserve), [usage chunk], [DONE]
     completion:  text chunks, finish chunk (+ hybridserve), [usage chunk], [DONE]
 
+With n > 1 each chunk names its choice (`index`): a role chunk per choice, their text chunks as
+they come, then a finish chunk per choice, the last one with `hybridserve`.
+
 An absent `usage` or `hybridserve` on a chunk is left out of the JSON, not sent as null;
 `finish_reason` and `logprobs` are always there (null until the end), as OpenAI sends them.
 """
@@ -194,25 +197,28 @@ class ChunkWriter:
         self.chat = chat
         self._head = {"id": request_id, "created": created, "model": model}
 
-    def role(self) -> ChatCompletionChunk:
-        """Chat streams open with the assistant's role and no text."""
-        return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+    def role(self, index: int = 0) -> ChatCompletionChunk:
+        """Chat streams open with the assistant's role and no text (one such chunk per choice)."""
+        choice = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+        return ChatCompletionChunk(**self._head, choices=[choice])
 
-    def text(self, text: str, logprobs: CompletionLogprobs | ChatLogprobs | None = None
+    def text(self, text: str, logprobs: CompletionLogprobs | ChatLogprobs | None = None, index: int = 0
              ) -> ChatCompletionChunk | CompletionChunk:
-        """New text and, when asked for, the logprobs of the tokens that came with it."""
+        """New text of choice `index` and, when asked for, the logprobs of the tokens that came with it."""
         if self.chat:
-            choice = ChatChunkChoice(delta=Delta(content=text), logprobs=logprobs)
+            choice = ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)
             return ChatCompletionChunk(**self._head, choices=[choice])
-        return CompletionChunk(**self._head, choices=[CompletionChoice(text=text, finish_reason=None,
+        return CompletionChunk(**self._head, choices=[CompletionChoice(index=index, text=text, finish_reason=None,
                                                                        logprobs=logprobs)])
 
-    def finish(self, finish_reason: str, extension: Hybridserve) -> ChatCompletionChunk | CompletionChunk:
-        """The last chunk with a choice: no new text, the finish reason and the `hybridserve` object."""
+    def finish(self, finish_reason: str, extension: Hybridserve | None, index: int = 0
+               ) -> ChatCompletionChunk | CompletionChunk:
+        """A choice's last chunk: no new text, its finish reason; the `hybridserve` object on the last one."""
         if self.chat:
-            choice = ChatChunkChoice(delta=Delta(), finish_reason=finish_reason)
+            choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
             return ChatCompletionChunk(**self._head, choices=[choice], hybridserve=extension)
-        return CompletionChunk(**self._head, choices=[CompletionChoice(text="", finish_reason=finish_reason)],
+        return CompletionChunk(**self._head, choices=[CompletionChoice(index=index, text="",
+                                                                       finish_reason=finish_reason)],
                                hybridserve=extension)
 
     def usage(self, usage: Usage) -> ChatCompletionChunk | CompletionChunk:

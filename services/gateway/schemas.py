@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
-honour (tools, response formats other than text, n or best_of above 1, suffix) are refused with a
+honour (tools, response formats other than text, suffix, a batch of prompts) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
 text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from services.engine.logprobs import MAX_TOP_LOGPROBS
+from services.engine.sampling import MAX_CHOICES
 from services.modes import AUTO, MODE_NAMES
 
 ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
@@ -61,7 +62,7 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=0, le=UINT32_MAX)  # extension
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
-    n: int = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="choices, sharing the prompt's prefill")
     user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode
     ignore_eos: bool = False  # extension, for benchmarks
@@ -85,10 +86,13 @@ class _Common(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n = 1 is supported")
-        return v
+    def _one_unless_said(cls, v):
+        return 1 if v is None else v
+
+    @property
+    def choices_generated(self) -> int:
+        """Choices the engines generate (best_of's, when more than n)."""
+        return self.n
 
     @field_validator("stop")
     @classmethod
@@ -134,7 +138,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX, description="0 only with `echo`: score the prompt")
     logprobs: TopLogprobs | None = Field(None, description=(
         "each token's logprob and the this many most likely tokens' (0..20), in `choices[i].logprobs`"))
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description=(
+        "generate this many choices and return the n of highest cumulative logprob (not with stream)"))
     suffix: Text | None = None
 
     @field_validator("prompt")
@@ -168,10 +173,17 @@ class CompletionRequest(_Common):
 
     @field_validator("best_of")
     @classmethod
-    def _one_best_of(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("only best_of = 1 is supported")
+    def _at_least_n(cls, v, info):
+        if v is not None:
+            if v < (info.data.get("n") or 1):
+                raise ValueError("best_of must be at least n")
+            if v > (info.data.get("n") or 1) and info.data.get("stream"):
+                raise ValueError("best_of above n cannot be streamed: the best are known only at the end")
         return v
+
+    @property
+    def choices_generated(self) -> int:
+        return max(self.n, self.best_of or 1)
 
     @field_validator("suffix")
     @classmethod

@@ -211,7 +211,10 @@ BAD = [
      "invalid_value"),
     ("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=3), "top_logprobs",
      "invalid_value"),
-    ("best_of", "/v1/completions", completion(best_of=2), "best_of", "invalid_value"),
+    ("best_of below n", "/v1/completions", completion(best_of=2, n=3), "best_of", "invalid_value"),
+    ("best_of above n streamed", "/v1/completions", completion(best_of=3, n=2, stream=True), "best_of",
+     "invalid_value"),
+    ("best_of above 16", "/v1/completions", completion(best_of=17), "best_of", "invalid_value"),
     ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "unsupported_parameter"),
     ("tool_choice", "/v1/chat/completions", chat(tool_choice="auto"), "tool_choice", "unsupported_parameter"),
@@ -233,7 +236,8 @@ BAD = [
      "invalid_value"),
     ("response_format json", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
      "response_format", "unsupported_parameter"),
-    ("n > 1", "/v1/chat/completions", chat(n=3), "n", "invalid_value"),
+    ("n above 16", "/v1/chat/completions", chat(n=17), "n", "invalid_value"),
+    ("n 0", "/v1/completions", completion(n=0), "n", "invalid_value"),
 ]
 
 

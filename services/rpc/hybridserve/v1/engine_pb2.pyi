@@ -19,7 +19,7 @@ MODE_FPGA: Mode
 MODE_HYBRID: Mode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -55,7 +56,8 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
     min_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -102,18 +104,20 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_total_s: _Optional[float] = ..., handoff_exposed_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "timings", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "finish_reason", "timings", "logprobs", "prompt_logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     timings: Timings
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "wire_dtype", "skip_tokens", "kv_address")
