@@ -8,7 +8,12 @@ controls (logits_processing.py) in the engine process. The variants take turns w
 on all of them alike. In-process engines on the default model; the gateway's JSON for the logprobs
 is not in these figures.
 
+The engine runs share the machine with whatever else runs; the per-row host cost (`--host-only`
+alone) does not depend on that much: milliseconds per sampling row for each kind of work, the
+figure to set beside a step's time.
+
     python bench/logprobs_cost.py [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
+    python bench/logprobs_cost.py --host-only
 """
 from __future__ import annotations
 
@@ -59,6 +64,34 @@ def run_level(loop: EngineLoop, prompts: list[list[int]], params: SamplingParams
     return sum(counts) / (time.perf_counter() - start)
 
 
+def host_cost(vocab: int, repeats: int = 5, calls: int = 200) -> dict[str, float]:
+    """Milliseconds of host work per sampling row (the best of `repeats` timings of `calls` calls)."""
+    from services.engine.logits_processing import process
+    from services.engine.logprobs import token_logprob
+    from services.engine.sampling import Sampler
+
+    row = np.random.default_rng(0).normal(0, 3, vocab).astype(np.float32)
+    context = np.random.default_rng(1).integers(0, vocab, 300).tolist()
+    penalties = SamplingParams(**VARIANTS["penalties"])
+    sampler = Sampler(SamplingParams(temperature=0.8, seed=1))
+    work = {"argmax (the device's pick, on the host)": lambda: int(np.argmax(row)),
+            "sample (temperature 0.8)": lambda: sampler.sample(row, position=10),
+            "logprobs k=0": lambda: token_logprob(row, 5, 0),
+            "logprobs k=5": lambda: token_logprob(row, 5, 5),
+            "logprobs k=20": lambda: token_logprob(row, 5, 20),
+            "penalties (300-token context)": lambda: process(row, penalties, context, 200, frozenset({2}))}
+    out = {}
+    for name, fn in work.items():
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls * 1e3)
+        out[name] = best
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=8)
@@ -66,7 +99,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default="torch,opencl")
+    ap.add_argument("--host-only", action="store_true", help="only the per-row host cost")
     args = ap.parse_args()
+
+    host = host_cost(49152)
+    print(table(["host work per sampling row (vocab 49152)", "ms"], [[k, v] for k, v in host.items()]))
+    if args.host_only:
+        write_json("logprobs_cost_host", {"args": vars(args), "machine": machine(), "host_ms_per_row": host})
+        return
 
     from services.model.loading import load_model
 
@@ -97,8 +137,8 @@ def main() -> None:
     rows = [[e, v, r["tokens_per_s"], f"{(r['vs_greedy'] - 1) * 100:+.1f}%"]
             for e, vs in results.items() for v, r in vs.items()]
     print(table(["engine", "variant", "tokens/s", "vs greedy"], rows))
-    path = write_json("logprobs_cost", {"args": vars(args), "machine": machine(), "results": results})
-    print(f"wrote {path}")
+    write_json("logprobs_cost", {"args": vars(args), "machine": machine(), "host_ms_per_row": host,
+                                 "results": results})
 
 
 if __name__ == "__main__":
