@@ -32,13 +32,14 @@ class Choice:
         self.cumulative_logprob = 0.0  # of the tokens shown, when the engine sent logprobs (best_of)
         self.finish_reason: str | None = None
 
-    def take(self, msg: pb.GenerateResponse) -> str:
-        """Account for one engine message of this choice; the text it adds (after stop strings)."""
+    def take(self, msg: pb.GenerateResponse, prompt_logprobs=()) -> str:
+        """Account for one engine message of this choice; the text it adds (after stop strings).
+        `prompt_logprobs`: the prompt's (choice 0's first message brings them, for every choice)."""
         text = ""
         if self.echo is not None:
             text, ids = self.echo.text, self.echo.prompt_ids
             if self.logprobs is not None:  # the first prompt token has nothing before it: no logprob
-                self.entries += [(ids[0], None), *zip(ids[1:], msg.prompt_logprobs)]
+                self.entries += [(ids[0], None), *zip(ids[1:], prompt_logprobs)]
             self.echo = None
         if not self.show_output:
             if msg.finish_reason:

@@ -44,6 +44,7 @@ class Run:
     def __init__(self, router: Router, decision: Decision, n_in: int, started: float, choices: list[Choice]):
         self.router, self.decision, self.n_in, self.started = router, decision, n_in, started
         self.choices = choices
+        self.prompt_logprobs: list = []  # echo with logprobs: the engine's, on choice 0's first message
         self.engine_timings: pb.Timings | None = None  # from the engine's last message (choice 0's)
         self.last_token_at: float | None = None
         self.serving = decision  # differs from `decision` once the request migrated
@@ -85,8 +86,10 @@ class Run:
             self.last_token_at = now
         if msg.index >= len(self.choices):
             raise APIError(502, "the engine answered for a choice the request does not have", code="engine_error")
+        if msg.prompt_logprobs:
+            self.prompt_logprobs = list(msg.prompt_logprobs)
         choice = self.choices[msg.index]
-        text = choice.take(msg)
+        text = choice.take(msg, self.prompt_logprobs)
         if msg.finish_reason and (msg.index == 0 or self.engine_timings is None):
             self.engine_timings = msg.timings
         return msg.index, text

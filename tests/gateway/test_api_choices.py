@@ -39,6 +39,11 @@ def test_n_choices_are_seeded_apart_and_equal_across_modes_with_usage_summed(sta
     best = post(stack, "/v1/completions", {"prompt": PROMPT, "n": 1, "best_of": 3, **SAMPLED, "mode": "gpu"})
     assert [c["text"] for c in best["choices"]] == [texts["gpu"][logprob_sums.index(max(logprob_sums))]]
     assert best["choices"][0]["logprobs"] is None and best["usage"]["completion_tokens"] == 18
+    # echo: every choice gives back the prompt and its logprobs (computed once, by choice 0)
+    echoed = post(stack, "/v1/completions", {"prompt": PROMPT, "n": 2, "echo": True, "logprobs": 0, **SAMPLED,
+                                             "mode": "hybrid"})["choices"]
+    prompt_part = [c["logprobs"]["token_logprobs"][:len(PROMPT)] for c in echoed]
+    assert prompt_part[0] == prompt_part[1] and prompt_part[0][0] is None and None not in prompt_part[0][1:]
 
 
 def test_streamed_chat_choices_carry_their_index(stack):
