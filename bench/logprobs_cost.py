@@ -116,7 +116,8 @@ def main() -> None:
     for name in args.engines.split(","):
         engine = make_engine(name, loaded)
         config = SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
-                                 max_num_seqs=max(args.clients, 1), max_num_batched_tokens=engine.max_num_batched_tokens,
+                                 max_num_seqs=max(args.clients, 1),
+                                 max_num_batched_tokens=engine.max_num_batched_tokens,
                                  max_model_len=1024)
         loop = EngineLoop(engine, config, loaded.config.eos_token_ids)
         per_variant: dict[str, list[float]] = {v: [] for v in VARIANTS}

@@ -82,7 +82,8 @@ class DecodeRuntime(EngineRuntime):
         """The prompt's KV from position `skip` on, prefilled by the peer and imported into blocks
         reserved here once the peer admitted the request (its SlotGrant), never before: a request the
         peer refuses or queues holds nothing here. The stream (blocks reserved, KV in them) and the
-        peer's PrefillDone (the first token, its logprobs); PrefixEvicted when the cached prefix was evicted between the peek and the grant."""
+        peer's PrefillDone (the first token, its logprobs); PrefixEvicted when the cached prefix was
+        evicted between the peek and the grant."""
         cfg, prompt, bs = self.loaded.config, list(request.prompt_ids), self.engine.block_size
         wire = self.peer.wire_dtype()
         blocks = BlockImport(self.engine)

@@ -182,7 +182,8 @@ async def unary_response(run: Run, stream: EngineStream, request: Request, model
     returned = run.best(n)
     if chat:
         choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(pieces[c.index])),
-                              finish_reason=c.finish_reason, logprobs=c.take_logprobs()) for i, c in enumerate(returned)]
+                              finish_reason=c.finish_reason, logprobs=c.take_logprobs())
+                   for i, c in enumerate(returned)]
         body = ChatCompletion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
                               choices=choices)
     else:

@@ -159,7 +159,8 @@ def test_the_document_declares_the_logprobs_and_sampling_controls(edge):
                 "stop_token_ids", "logprobs"}
     assert controls <= set(schemas["CompletionRequest"]["properties"])
     assert controls | {"top_logprobs"} <= set(schemas["ChatCompletionRequest"]["properties"])
-    assert {"tokens", "token_logprobs", "top_logprobs", "text_offset"} <= set(schemas["CompletionLogprobs"]["properties"])
+    completion_logprobs = set(schemas["CompletionLogprobs"]["properties"])
+    assert {"tokens", "token_logprobs", "top_logprobs", "text_offset"} <= completion_logprobs
     assert {"token", "logprob", "bytes", "top_logprobs"} <= set(schemas["ChatTokenLogprob"]["properties"])
 
 
