@@ -78,6 +78,7 @@ class OpenCLEngine:
         # the continuous-batching path: the paged pool, a step's int inputs and its launches
         self.paged = PagedKVStore.from_budget(dev, cfg, config.kv_cache_mb, config.block_size, self.fit.max_context)
         # logit rows: one per sequence, and PROMPT_LOGIT_ROWS more for prompts that want every row's
+        self.prompt_logit_rows = PROMPT_LOGIT_ROWS
         self.max_logit_rows = config.max_num_seqs + PROMPT_LOGIT_ROWS
         self.step_inputs = PagedStepInputs(dev, self.paged.layout, cfg.vocab_size, config.max_num_batched_tokens,
                                            config.max_num_seqs, self.paged.max_blocks, self.fit.max_context,

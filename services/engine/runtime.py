@@ -35,7 +35,9 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
     return SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                            max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=engine.max_num_batched_tokens,
-                           max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching)
+                           max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching,
+                           # what the engine's head holds beyond one row per sequence (prompt logprobs)
+                           prompt_logit_rows=getattr(engine, "prompt_logit_rows", SchedulerConfig.prompt_logit_rows))
 
 
 class EngineRuntime:
