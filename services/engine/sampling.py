@@ -41,6 +41,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), as logits_processing.py adds them
     min_tokens: int = 0
     n: int = 1  # choices: the engine runtime fans the request out (services/engine/runtime.py)
+    prior_output_tokens: int = 0  # the prompt's last tokens that are the request's output (a migration's)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -62,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.min_tokens < 0:
@@ -100,7 +103,10 @@ class Sampler:
         its raw logits [vocab], after its controls (logits_processing.py), and its logprob when asked for
         (of the raw logits)."""
         p = self.params
-        row = process(logits, p, token_ids, num_prompt, stop_ids) if processes(p) else logits
+        if processes(p):  # a continuation's earlier output counts as output
+            row = process(logits, p, token_ids, max(0, num_prompt - p.prior_output_tokens), stop_ids)
+        else:
+            row = logits
         token = self.sample(row, position=len(token_ids))
         return token, (token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None)
 

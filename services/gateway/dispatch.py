@@ -22,8 +22,9 @@
   Greedy output is the same tokens as an uninterrupted run's (every mode gives the same greedy
   tokens). A seeded sampled request is re-submitted with the same seed, and engines key each
   token's randomness by the seed and the token's position (services/engine/sampling.py), so the
-  rest are the tokens an uninterrupted run would have given too. (frequency and presence
-  penalties count the output of the new call only: the tokens before it are its prompt now.)
+  rest are the tokens an uninterrupted run would have given too; the call says how many of its
+  prompt's tokens are output already (`prior_output_tokens`), which the penalties and min_tokens
+  count as output.
   With no mode left, the error is the route's 503.
 * Pairs: the gateway may front several (prefill_gpu, decode_fpga) pairs (pairs.py). A mode is a
   candidate when some pair has its engines up; once the router has picked the mode, the call goes
@@ -105,7 +106,9 @@ class EngineRequest:
         sampling = pb.SamplingParams()
         sampling.CopyFrom(self.sampling)
         sampling.max_tokens = rest
-        sampling.min_tokens = max(0, sampling.min_tokens - len(generated))
+        # the tokens out so far are the new call's prompt: the engine still counts them as output
+        # (frequency and presence penalties, min_tokens); `self` is always the request as first sent
+        sampling.prior_output_tokens = len(generated)
         sampling.ClearField("prompt_logprobs")  # the client has the prompt's already
         return replace(self, request_id=f"{self.request_id}-m{n}", prompt_ids=self.prompt_ids + generated,
                        max_tokens=rest, sampling=sampling, forced=None, timeout_s=timeout_s)
