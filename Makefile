@@ -43,7 +43,7 @@ bench: $(STAMP) system-deps
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp (llama-cpp-python) for the comparison: ~20-25 min on 2 cores, once"; \
 	  $(PY) -m pip install -q -e '.[test,llamacpp]' || echo "warning: llama.cpp did not build; engine_opencl.py runs without it"; }
 	$(PY) bench/engine_torch.py
-	@for b in engine_opencl handoff quant_gemv; do \
+	@for b in engine_opencl handoff quant_gemv logprobs_cost; do \
 	  if [ -f bench/$$b.py ]; then $(PY) bench/$$b.py || exit $$?; else echo "bench/$$b.py is not here; skipped"; fi; \
 	done
 	$(PY) bench/suite.py

@@ -49,6 +49,7 @@ def main() -> int:
     from services.kv.arena import ArenaReader
     from services.kv.header import SlotHeader
     from services.kv.shm import ShmReceiver
+    from services.lifetime import launch_env
     from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
     from services.rpc.hybridserve.v1 import engine_pb2 as pb
@@ -63,7 +64,7 @@ def main() -> int:
     port = free_port()
     env = {**os.environ, **model_env, "HYBRIDSERVE_DEVICE": "cuda", "HYBRIDSERVE_PORT": str(port),
            "HYBRIDSERVE_METRICS_PORT": str(free_port()), "HYBRIDSERVE_PROFILE_AT_START": "false",
-           "HYBRIDSERVE_ARENA_BYTES": str(512 << 20)}
+           "HYBRIDSERVE_ARENA_BYTES": str(512 << 20), **launch_env()}  # it stops if this script dies
     log = open(Path(args.out) / "cuda_handoff_server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "services.prefill_gpu"], env=env, stdout=log,
                               stderr=subprocess.STDOUT)

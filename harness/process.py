@@ -21,6 +21,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(port: int) -> bool:
+    """Whether TCP port `port` of 127.0.0.1 can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts connections on TCP port `port` of 127.0.0.1 (a closed server's
+    connections in TIME_WAIT, or another process's client socket on that port, do not count)."""
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def http_ok(url: str) -> Callable[[], bool]:
     """A probe: `url` answers 200."""
     def probe() -> bool:
@@ -50,7 +68,10 @@ def grpc_serving(address: str) -> Callable[[], bool]:
 class Process:
     """`python -m <module> [args]` from the repository root, stdout and stderr into `log_path`.
 
-    Runs in its own process group, so stopping it also stops anything it started.
+    Runs in its own process group, so stopping it also stops anything it started, and is told this
+    process's pid (HYBRIDSERVE_PARENT_PID): a hybridserve service stops by itself once the process
+    that started it is gone, even SIGKILLed (services/lifetime.py), so a killed test run leaves no
+    engine behind.
     """
 
     def __init__(self, module: str, env: dict[str, str], log_path: Path, args: tuple[str, ...] = ()):
@@ -59,10 +80,12 @@ class Process:
         self._log = None
 
     def start(self) -> "Process":
+        from services.lifetime import launch_env
+
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT,
-                                     env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     env={**os.environ, **self.env, **launch_env()}, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def wait_until(self, probe: Callable[[], bool], timeout: float, what: str, interval: float = 0.3) -> None:

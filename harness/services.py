@@ -58,12 +58,15 @@ class Service(Process):
         raise KeyError(name)
 
 
-def engine_pair(tmp: Path, prefill_env: dict | None = None, decode_env: dict | None = None):
-    """prefill_gpu and decode_fpga, wired to each other, started in parallel (not yet waited for)."""
+def engine_pair(tmp: Path, prefill_env: dict | None = None, decode_env: dict | None = None,
+                profile_cache: Path | None = None):
+    """prefill_gpu and decode_fpga, wired to each other, started in parallel (not yet waited for); their
+    start-up profiles cached in `profile_cache` (one several pairs share skips the sweeps that an earlier
+    pair could cache), else in a folder of their own under `tmp`."""
     from services.decode_fpga.settings import DecodeSettings
     from services.prefill_gpu.settings import PrefillSettings
 
-    cache = {PrefillSettings.env_name("profile_cache"): str(tmp / "profile")}
+    cache = {PrefillSettings.env_name("profile_cache"): str(profile_cache or tmp / "profile")}
     prefill = Service("services.prefill_gpu", {**cache, **(prefill_env or {})}, tmp / "prefill.log").start()
     decode = Service("services.decode_fpga", {**cache, DecodeSettings.env_name("prefill_address"): prefill.address,
                                               **(decode_env or {})}, tmp / "decode.log").start()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.process import Process, free_port, http_ok
+from harness.process import Process, free_port, http_ok, port_is_free
 
 
 @dataclass
@@ -34,34 +33,36 @@ class Stack:
         """`name` (prefill, decode, ..._metrics) of pair `pair`."""
         return self.ports[name] + pair * self.port_stride
 
+    def wait_up(self, timeout: float = 900) -> "Stack":
+        """Until `up` says the stack is up (its gateway's /health answers 200 and the router is
+        calibrated), as a user of `make run` would wait; the stack is stopped if it never is."""
+        log_path = self.process.log_path
+        try:
+            self.process.wait_until(http_ok(self.url + "/health"), timeout, "up", interval=1.0)
+            self.process.wait_until(lambda: "hybridserve is up" in log_path.read_text(errors="replace"), timeout,
+                                    "calibrated", interval=1.0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stop(self) -> None:
         # `up` stops its three children on SIGTERM; the group kill is for a stack that hangs
         self.process.stop(signal.SIGTERM, timeout=60)
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _free_strided(stride: int, count: int) -> int:
     """A free port p with p + i x stride free too, for i < count."""
     for _ in range(100):
         p = free_port()
-        if p + stride * count < 65536 and all(_is_free(p + stride * i) for i in range(1, count)):
+        if p + stride * count < 65536 and all(port_is_free(p + stride * i) for i in range(1, count)):
             return p
     raise RuntimeError(f"no free ports {count} x {stride} apart")
 
 
-def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
-                progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
-                port_stride: int = 10, engines_per_kind: int | None = None) -> Stack:
-    """`hybridserve up [--pairs N]` with every port free, once it says it is up (its gateway's
-    /health answers 200 and the router is calibrated), as a user of `make run` would wait."""
+def launch_stack(log_path: Path, extra_env: dict | None = None, pairs: int = 1, port_stride: int = 10,
+                 engines_per_kind: int | None = None) -> Stack:
+    """`hybridserve up [--pairs N]` with every port free, started (see Stack.wait_up)."""
     from services.decode_fpga.settings import DecodeSettings
     from services.gateway.settings import GatewaySettings
     from services.prefill_gpu.settings import PrefillSettings
@@ -80,14 +81,15 @@ def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 
            UpSettings.env_name("port_stride"): port_stride}
     env = {**{k: str(v) for k, v in env.items()}, **(extra_env or {})}
     args = ("up",) if pairs == 1 else ("up", "--pairs", str(pairs))
-    stack = Stack(Process("services.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
+    return Stack(Process("services.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
+
+
+def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,
+                progress=lambda msg: print(msg, file=sys.stderr, flush=True), pairs: int = 1,
+                port_stride: int = 10, engines_per_kind: int | None = None) -> Stack:
+    """`hybridserve up [--pairs N]` with every port free, once it says it is up."""
+    stack = launch_stack(log_path, extra_env, pairs, port_stride, engines_per_kind)
     progress(f"starting the stack (log: {log_path})")
-    try:
-        stack.process.wait_until(http_ok(stack.url + "/health"), timeout, "up", interval=1.0)
-        stack.process.wait_until(lambda: "hybridserve is up" in log_path.read_text(errors="replace"), timeout,
-                                 "calibrated", interval=1.0)
-    except BaseException:
-        stack.stop()
-        raise
+    stack.wait_up(timeout)
     progress(f"stack up at {stack.url}")
     return stack

@@ -3,7 +3,7 @@
 Every variable starts with `HYBRIDSERVE_`. A setting that means the same for every process
 that reads it is shared and keeps the bare prefix (`SHARED_FIELDS`: HYBRIDSERVE_MODEL,
 HYBRIDSERVE_LOG_LEVEL, HYBRIDSERVE_HOST, HYBRIDSERVE_PROFILE_CACHE, HYBRIDSERVE_PROFILE_AT_START,
-HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION).
+HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION, HYBRIDSERVE_PARENT_PID).
 Every other setting belongs to one process and carries its prefix (`SERVICE_PREFIXES`), e.g.
 HYBRIDSERVE_PREFILL_PORT, HYBRIDSERVE_DECODE_KV_CHANNELS, HYBRIDSERVE_GATEWAY_API_KEY.
 
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any, ClassVar
 
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "HYBRIDSERVE_"
@@ -38,7 +38,7 @@ SERVICE_PREFIXES = {"prefill_gpu": "HYBRIDSERVE_PREFILL_", "decode_fpga": "HYBRI
 # sets it once), the engines' one profile cache and profiling choice, and their gRPC edge: the token
 # every engine checks and every client of an engine sends, and whether they serve reflection
 SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "engine_token",
-                           "engine_reflection"})
+                           "engine_reflection", "parent_pid"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
                     "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")
@@ -71,6 +71,9 @@ class CommonSettings(BaseSettings):
     # across containers set one secret for the whole stack
     engine_token: SecretStr | None = None
     engine_reflection: bool = False  # gRPC server reflection on the engines (grpcurl and the like)
+    # the process that started this one (set by `hybridserve up` and the test harness): when it is gone,
+    # this one stops too (lifetime.py); 0: no such watch, as for a service started by hand or in a container
+    parent_pid: int = Field(0, ge=0)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

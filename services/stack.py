@@ -17,8 +17,15 @@ process), the profile cache is the one all engines share, and each pair is heale
 decode_fpga.j pulling its hybrid KV from prefill_gpu.(j mod N) through that engine's arena (one host),
 the gateway seeing each decode engine with its prefill engine as a pair (so 1P:2D is two pairs that
 share prefill_gpu.0).
-A process that exits before the stack first comes up stops it (a setting or a
-model that is wrong would only fail again).
+
+A process that exits before the stack first comes up (the gateway's /health says every
+engine answers) stops it (a setting or a model that is wrong would only fail again); from then
+on every exit is healed, also while `up` waits for the router's calibration to say the stack
+is up (it says so once the gateway, the first or one started again, is calibrated and answers).
+
+The children end with `up`: each is told `up`'s pid (HYBRIDSERVE_PARENT_PID) and stops once `up`
+is gone, even SIGKILLed (lifetime.py); `up` itself ends with the process named by the
+HYBRIDSERVE_PARENT_PID it was given, if any (the test harness gives one).
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from pydantic import Field, model_validator
 
 from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
+from services.lifetime import exit_with_parent, launch_env
 from services.prefill_gpu.settings import PrefillSettings
 from services.settings import CommonSettings
 from services.supervisor import ChildSpec, Supervisor
@@ -202,6 +210,7 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
         s = UpSettings.model_validate({**s.model_dump(), "prefill_engines": prefill_engines or s.prefill_engines,
                                        "decode_engines": decode_engines or s.decode_engines})
     base["PYTHONUNBUFFERED"] = "1"
+    base.update(launch_env())  # every child stops once `up` is gone
     quiet = threading.Event()
     specs, addresses = _layout_specs(s, prefill, decode, base)
     prefill_address, decode_address = addresses[0].split(",")
@@ -221,6 +230,7 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    exit_with_parent(s.parent_pid, "hybridserve up")
     _serve_metrics(s.host, s.metrics_port)
     print(f"starting the stack on {s.host}: {'; '.join(_pair_text(a) for a in addresses)}, "
           f"gateway :{gateway.port} (first start profiles each engine; later starts use the cache)", flush=True)
@@ -235,11 +245,16 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
                 print(f"hybridserve up: the stack did not come up ({why})", file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
-        _wait_calibrated(url + "/health", deadline, stop, sup)
-        quiet.set()
-        _print_ready(url, gateway, s)
+        # from here every exit is healed, also while the router calibrates: `up` says the stack is up
+        # once its gateway (the first or one started again) is calibrated and answers
+        ready = _Readiness(url, deadline)
         while not stop.is_set():
             sup.poll()
+            if not quiet.is_set() and ready.due():
+                text = _ready_text(url, gateway, s)
+                if text is not None:
+                    quiet.set()
+                    print(text, flush=True)
             stop.wait(0.5)
         return 0
     finally:
@@ -250,23 +265,31 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
         print("stopped", flush=True)
 
 
-def _wait_calibrated(url: str, deadline: float, stop: threading.Event, sup: Supervisor) -> None:
-    """Until the gateway's router has both engines' start-up profiles (a first start times each
-    engine, in turn: requests sent meanwhile would share the cores with the sweeps and go to hybrid
-    uncalibrated). Bounded by the start-up deadline; the stack serves either way."""
-    said = False
-    while not (stop.is_set() or sup.exited() or time.monotonic() > deadline):
+class _Readiness:
+    """When to say the stack is up: once the gateway's router has both engines' start-up profiles (a
+    first start times each engine, in turn: requests sent meanwhile would share the cores with the
+    sweeps and go to hybrid uncalibrated), or at the start-up deadline (the stack serves either way)."""
+
+    def __init__(self, url: str, deadline: float):
+        self.url, self.deadline, self._said, self._next = url, deadline, False, 0.0
+
+    def due(self) -> bool:
+        if time.monotonic() > self.deadline:
+            return True
+        if time.monotonic() < self._next:
+            return False
+        self._next = time.monotonic() + 1.0
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                 if json.load(r).get("calibrated"):
-                    return
-        except (OSError, ValueError):
+                    return True
+        except (OSError, ValueError):  # the gateway is away (being started again): ask again later
             pass
-        if not said:
+        if not self._said:
             print("hybridserve up: engines answer; calibrating the router (a first start times each engine)",
                   file=sys.stderr, flush=True)
-            said = True
-        time.sleep(1.0)
+            self._said = True
+        return False
 
 
 def _pair_text(address: str) -> str:
@@ -274,15 +297,20 @@ def _pair_text(address: str) -> str:
     return f"prefill_gpu :{prefill_address.rpartition(':')[2]}, decode_fpga :{decode_address.rpartition(':')[2]}"
 
 
-def _print_ready(url: str, gateway: GatewaySettings, s: UpSettings) -> None:
+def _ready_text(url: str, gateway: GatewaySettings, s: UpSettings) -> str | None:
+    """What `up` says once the stack is up; None while the gateway does not answer (it may have exited
+    just now: the supervisor starts it again, and `up` asks again on its next round)."""
     key = gateway.api_key
     auth = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-    with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
-        model = json.load(r)["data"][0]["id"]
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=5) as r:
+            model = json.load(r)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
     key_header = f"-H 'Authorization: Bearer ${GatewaySettings.env_name('api_key')}' " if key else ""
     metrics = f"; restarts on http://{s.host}:{s.metrics_port}/metrics" if s.metrics_port else ""
-    print(f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics{metrics})\n"
-          f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
-          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
-          f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
-          f"A process that exits is started again; Ctrl-C stops them all.", flush=True)
+    return (f"\nhybridserve is up: {url}/v1  (OpenAI API; health {url}/health, metrics {url}/metrics{metrics})\n"
+            f"try:\n  curl {url}/v1/chat/completions {key_header}-H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+            f"\"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\n"
+            f"A process that exits is started again; Ctrl-C stops them all.")

@@ -15,6 +15,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def profile_cache(pytestconfig, tmp_path_factory):
+    """The engines' profile cache for the live stacks that do not test profiling itself: in pytest's
+    cache directory (not the user's ~/.cache), so a sweep one stack's engines could cache (a quiet
+    machine) spares the later stacks theirs: they run a quick probe of it instead. With pytest's
+    cache turned off (-p no:cacheprovider), a folder of this session's."""
+    cache = getattr(pytestconfig, "cache", None)
+    return cache.mkdir("hybridserve-profile") if cache is not None else tmp_path_factory.mktemp("profile")
+
+
+@pytest.fixture(scope="session")
 def loaded_model():
     """The default model; TEST_CHECKPOINT names another (a lent GPU machine, which cannot
     receive the default GGUF, runs the `cuda` tests on a checkpoint of the same shape). Not a

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pyopencl as cl
 
+from services.decode_fpga.arch_parts import one_launch_takes
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import WEIGHT_FORMATS
 from services.decode_fpga.settings import DecodeSettings
@@ -79,11 +80,13 @@ class DeviceFit:
         if cfg.hidden % 16 or cfg.intermediate % 16 or cfg.head_dim % 4:
             raise ValueError("the OpenCL kernels need hidden and intermediate sizes divisible by 16")
         cpu = bool(dev.device.type & cl.device_type.CPU)
-        # decode_layers.cl: one work-item per row (a CPU's kernels), one KV channel, whole 32-column blocks
+        # decode_layers.cl: one work-item per row (a CPU's kernels), one KV channel, whole 32-column blocks,
+        # and Llama's layer, with q/k/v biases and q/k norms or not: it has no other biases, LayerNorm, GELU
+        # or position table (an architecture with one of them runs launch by launch, arch_parts.py)
         whole_blocks = not (cfg.hidden % 32 or cfg.intermediate % 32 or cfg.q_dim % 32 or cfg.head_dim % 32)
         return cls(max_context=min(config.max_context, cfg.max_context),
                    max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),
                    keep_cores_awake=config.keep_cores_awake and cpu,
                    one_launch_layers=(config.layer_kernels and cpu and dev.lanes_per_row == 1
-                                      and config.kv_channels == 1 and whole_blocks),
+                                      and config.kv_channels == 1 and whole_blocks and one_launch_takes(cfg.arch)),
                    layer_groups=dev.device.max_compute_units)

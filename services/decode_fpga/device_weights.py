@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pyopencl as cl
 
+from services.decode_fpga.arch_parts import ArchVectors
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import DeviceMatrix, upload_dense_matrix
 from services.decode_fpga.packed_arrays import PackedArrays
@@ -80,6 +81,7 @@ class DeviceWeights:
     final_norm: cl.Buffer  # [hidden] fp32
     inv_freq: cl.Buffer  # [head_dim / 2] fp32: RoPE's inverse frequencies
     packed: PackedLayers | None = None  # set when the layers also sit in one buffer for decode_layers.cl
+    arch: ArchVectors | None = None  # the architecture's biases, extra norms, position table (arch_parts.py)
     # what each GGUF matrix is stored as on the device: name → (its type in the file, the device format);
     # empty for the dense formats
     stored: dict[str, tuple[str, str]] = field(default_factory=dict, kw_only=True)
@@ -103,7 +105,8 @@ class DeviceWeights:
         """Bytes a decode step reads: every layer matrix, the LM head, the norms (not the lookup table)."""
         mats = sum(getattr(layer, k).nbytes for layer in self.layers for k in MATRICES)
         hidden = self.lm_head.cols
-        return mats + self.lm_head.nbytes + (2 * len(self.layers) + 1) * hidden * 4
+        extra = self.arch.nbytes if self.arch is not None else 0
+        return mats + self.lm_head.nbytes + (2 * len(self.layers) + 1) * hidden * 4 + extra
 
 
 def upload_vector(dev: DeviceContext, a: np.ndarray) -> cl.Buffer:
@@ -112,12 +115,10 @@ def upload_vector(dev: DeviceContext, a: np.ndarray) -> cl.Buffer:
 
 def _device_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: str, layers: list[DeviceLayer],
                     embed: DeviceMatrix, lm_head: DeviceMatrix, packed: PackedLayers | None = None) -> DeviceWeights:
-    """The matrices with what every format keeps in fp32: the final norm and the RoPE frequencies."""
-    # computed as torch does (int64 arange → float32) so the angles match the reference bit for bit
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32)
-                                         / cfg.head_dim))
-    return DeviceWeights(fmt, layers, embed, lm_head, upload_vector(dev, w.final_norm), upload_vector(dev, inv_freq),
-                         packed)
+    """The matrices with what every format keeps in fp32: the final norm, the RoPE frequencies (the
+    config's: scaling applied, transformers' values bit for bit) and the architecture's vectors."""
+    return DeviceWeights(fmt, layers, embed, lm_head, upload_vector(dev, w.final_norm),
+                         upload_vector(dev, cfg.inv_freq()), packed, ArchVectors.upload(dev, w))
 
 
 # ---- fp32 / fp16 ------------------------------------------------------------------------------
@@ -126,7 +127,8 @@ def dense_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: st
     layers = [DeviceLayer(attn_norm=upload_vector(dev, lw.attn_norm), ffn_norm=upload_vector(dev, lw.ffn_norm),
                           qkv=upload_dense_matrix(dev, np.concatenate([lw.wq, lw.wk, lw.wv]), fmt),
                           o=upload_dense_matrix(dev, lw.wo, fmt),
-                          gate_up=upload_dense_matrix(dev, np.concatenate([lw.w_gate, lw.w_up]), fmt),
+                          gate_up=upload_dense_matrix(dev, np.concatenate([m for m in (lw.w_gate, lw.w_up)
+                                                                           if m is not None]), fmt),
                           down=upload_dense_matrix(dev, lw.w_down, fmt))
               for lw in w.layers]
     embed = upload_dense_matrix(dev, w.embed, fmt)

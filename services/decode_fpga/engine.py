@@ -58,6 +58,8 @@ from services.model.weights import ModelWeights
 
 log = logging.getLogger(__name__)
 
+PROMPT_LOGIT_ROWS = 64  # a step's logit rows for prompt logprobs (SchedulerConfig.prompt_logit_rows)
+
 
 class OpenCLEngine:
     """Engine (services/engine/api.py) on an OpenCL device."""
@@ -75,10 +77,14 @@ class OpenCLEngine:
         self.plans = LaunchPlans(dev, cfg, weights, self.kv, self.scratch, self.fit)
         # the continuous-batching path: the paged pool, a step's int inputs and its launches
         self.paged = PagedKVStore.from_budget(dev, cfg, config.kv_cache_mb, config.block_size, self.fit.max_context)
+        # logit rows: one per sequence, and PROMPT_LOGIT_ROWS more for prompts that want every row's
+        self.prompt_logit_rows = PROMPT_LOGIT_ROWS
+        self.max_logit_rows = config.max_num_seqs + PROMPT_LOGIT_ROWS
         self.step_inputs = PagedStepInputs(dev, self.paged.layout, cfg.vocab_size, config.max_num_batched_tokens,
-                                           config.max_num_seqs, self.paged.max_blocks, self.fit.max_context)
+                                           config.max_num_seqs, self.paged.max_blocks, self.fit.max_context,
+                                           self.max_logit_rows)
         self.paged_plans = PagedStepPlans(dev, cfg, weights, self.paged, self.scratch, self.step_inputs,
-                                          config.max_num_seqs, self.fit.one_launch_layers, self.fit.layer_groups)
+                                          self.max_logit_rows, self.fit.one_launch_layers, self.fit.layer_groups)
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
         self.one_launch_choice = OneLaunchChoice(dev.name)  # both paths' one-sequence decode steps

@@ -24,7 +24,7 @@ from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.engine_loop import RequestStream
 from services.engine.runtime import EngineRuntime, stream_tokens
 from services.engine.sampling import SamplingParams
-from services.kv.handoff import HandoffEvent, KVReceiver, SlotGrant
+from services.kv.handoff import HandoffEvent, KVReceiver, PrefillDone, SlotGrant
 from services.kv.header import SlotHeader
 
 log = logging.getLogger(__name__)
@@ -72,17 +72,19 @@ class DecodeRuntime(EngineRuntime):
             log.info("%s; asking prefill_gpu for the whole prompt", exc)
             stream, first = self._hand_over(request, timings, cancel, 0)
         try:
-            self.loop.activate_remote(stream, first)
+            prompt_logprobs = first.prompt_logprobs if request.params.prompt_logprobs is not None else None
+            self.loop.activate_remote(stream, first.first_token, first.first_logprob, prompt_logprobs)
             yield from stream_tokens(stream, timings, cancel)
         finally:
             stream.cancel()  # a no-op once it finished
 
     def _hand_over(self, request: EngineRequest, timings: RequestTimings, cancel: Cancellation,
-                   skip: int) -> tuple[RequestStream, int]:
+                   skip: int) -> tuple[RequestStream, PrefillDone]:
         """The prompt's KV from position `skip` on, prefilled by the peer and imported into blocks
         reserved here once the peer admitted the request (its SlotGrant), never before: a request the
         peer refuses or queues holds nothing here. The stream (blocks reserved, KV in them) and the
-        first token; PrefixEvicted when the cached prefix was evicted between the peek and the grant."""
+        peer's PrefillDone (the first token, its logprobs); PrefixEvicted when the cached prefix was
+        evicted between the peek and the grant."""
         cfg, prompt, bs = self.loaded.config, list(request.prompt_ids), self.engine.block_size
         wire = self.peer.wire_dtype()
         blocks = BlockImport(self.engine)
@@ -108,7 +110,8 @@ class DecodeRuntime(EngineRuntime):
         return reserved[0], first
 
     def _pull_kv(self, receiver: KVReceiver, request: EngineRequest, wire: str, timings: RequestTimings,
-                 cancel: Cancellation, skip_tokens: int = 0, on_grant: Callable[[], None] = lambda: None) -> int:
+                 cancel: Cancellation, skip_tokens: int = 0,
+                 on_grant: Callable[[], None] = lambda: None) -> PrefillDone:
         events = self.peer.prefill(request, wire, cancel, skip_tokens)
         try:
             d = receiver.consume(_calling_on_grant(events, on_grant), lambda: not cancel.is_cancelled())
@@ -124,7 +127,7 @@ class DecodeRuntime(EngineRuntime):
             m.HANDOFF_SECONDS.observe(timings.handoff_total_s)
             m.HANDOFF_EXPOSED_SECONDS.observe(timings.handoff_exposed_s)
             m.HANDOFF_BYTES.inc(receiver.bytes)
-            return d.first_token
+            return d
         finally:
             events.close()  # ends the peer's call: it frees the request's memory now
 

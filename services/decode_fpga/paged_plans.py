@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pyopencl as cl
 
+from services.decode_fpga.arch_parts import ArchKernels
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import DeviceWeights
 from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
@@ -46,8 +47,8 @@ class PagedStepPlans:
                  scratch: Scratch, inputs: PagedStepInputs, max_samples: int, one_launch: bool = False,
                  layer_groups: int = 1):
         self.dev, self.cfg, self.weights, self.store, self.s, self.inputs = dev, cfg, weights, store, scratch, inputs
-        self._norm = dev.build("norm.cl")
         self._elementwise = dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
+        self._arch = ArchKernels(dev, cfg, self._elementwise)  # the architecture's norm, activation, extras
         ctx = dev.context
         # the sampling rows gathered, their logits [max_samples, vocab] and greedy picks
         self.sampled = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * cfg.hidden * 4)
@@ -81,20 +82,28 @@ class PagedStepPlans:
             self.argmax.enqueue(queue, *rows.span("samples"))
 
     # ---- binding --------------------------------------------------------------------------
-    def _rms_norm(self, rows: cl.Buffer, norm_w: cl.Buffer) -> RowLaunch:
-        c, s = self.cfg, self.s
-        return bind_rows(self._norm, "rms_norm", (1,), rows, norm_w, s.xn, s.xn_sums, np.int32(c.hidden),
-                         np.float32(c.rms_eps))
+    def _norm(self, rows: cl.Buffer, norm_w: cl.Buffer, norm_b: cl.Buffer | None) -> RowLaunch:
+        """The architecture's norm of the rows into scratch.xn (and its block sums)."""
+        return spanning(self._arch.norm(rows, norm_w, norm_b, self.s.xn, self.s.xn_sums, 1))
 
     def _bind_layer(self, li: int) -> list[tuple[Span, RowLaunch]]:
-        """Layer li over the step's rows of scratch.x, in order."""
+        """Layer li over the step's rows of scratch.x, in order; the architecture's extra parts
+        (arch_parts.py) where its vectors exist."""
         c, s, layer, st = self.cfg, self.s, self.weights.layers[li], self.store
+        ext, ak = self.weights.arch.layers[li], self._arch
         b, n_rows = self.inputs.buffers, self.inputs.buffers["n_rows"]
         pool, mb, pa = st.pool, st.max_blocks, st.kernels
         seq, pos, tables = b["seq_of_row"], b["pos"], b["block_tables"]
-        out: list[tuple[Span, RowLaunch]] = [
-            ("all", self._rms_norm(s.x, layer.attn_norm)),
-            ("all", layer.qkv.bind_gemv_rows(s.xn, s.qkv, n_rows, x_sums=s.xn_sums)),
+        out: list[tuple[Span, RowLaunch]] = []
+        if li == 0 and self.weights.arch.pos_embed is not None:  # learned positions, before the first layer
+            out.append(("all", spanning(ak.add_positions(s.x, self.weights.arch.pos_embed, pos, 1))))
+        out += [("all", self._norm(s.x, layer.attn_norm, ext.attn_norm_b)),
+                ("all", layer.qkv.bind_gemv_rows(s.xn, s.qkv, n_rows, x_sums=s.xn_sums))]
+        if ext.b_qkv is not None:
+            out.append(("all", spanning(ak.add_bias(s.qkv, ext.b_qkv, c.q_dim + 2 * c.kv_dim, 1))))
+        if ext.q_norm is not None:  # before RoPE, which the attention launches apply
+            out.append(("all", spanning(ak.head_norm(s.qkv, ext.q_norm, ext.k_norm, 1))))
+        out += [
             ("decodes", spanning(pa.bind_decode(1, s.qkv, seq, pos, s.rope_cs, tables, mb, pool, li, s.attn,
                                                 s.attn_sums))),
             ("chunks", spanning(pa.bind_rope_store(1, s.qkv, seq, pos, s.rope_cs, tables, mb, pool, li))),
@@ -102,14 +111,17 @@ class PagedStepPlans:
         ]
         if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
             out.append(("all", spanning(layer.o.bind_block_sums(s.attn, s.attn_sums, 1))))
-        out += [
-            ("all", layer.o.bind_gemv_rows(s.attn, s.x, n_rows, accumulate=True, x_sums=s.attn_sums)),  # residual
-            ("all", self._rms_norm(s.x, layer.ffn_norm)),
-            ("all", layer.gate_up.bind_gemv_rows(s.xn, s.gu, n_rows, x_sums=s.xn_sums)),
-            ("all", bind_rows(self._elementwise, "silu_mul", (1, blocks32(c.intermediate)), s.gu, s.act, s.act_sums,
-                              np.int32(c.intermediate))),
-            ("all", layer.down.bind_gemv_rows(s.act, s.x, n_rows, accumulate=True, x_sums=s.act_sums)),
-        ]
+        out.append(("all", layer.o.bind_gemv_rows(s.attn, s.x, n_rows, accumulate=True, x_sums=s.attn_sums)))
+        if ext.bo is not None:  # (the residual above, then the bias)
+            out.append(("all", spanning(ak.add_bias(s.x, ext.bo, c.hidden, 1))))
+        out += [("all", self._norm(s.x, layer.ffn_norm, ext.ffn_norm_b)),
+                ("all", layer.gate_up.bind_gemv_rows(s.xn, s.gu, n_rows, x_sums=s.xn_sums))]
+        if ext.b_gate_up is not None:
+            out.append(("all", spanning(ak.add_bias(s.gu, ext.b_gate_up, layer.gate_up.rows, 1))))
+        out += [("all", spanning(ak.activation(s.gu, s.act, s.act_sums, 1))),
+                ("all", layer.down.bind_gemv_rows(s.act, s.x, n_rows, accumulate=True, x_sums=s.act_sums))]
+        if ext.b_down is not None:
+            out.append(("all", spanning(ak.add_bias(s.x, ext.b_down, c.hidden, 1))))
         return out
 
     def _bind_one_launch(self, layer_groups: int) -> list[RowLaunch]:
@@ -120,13 +132,13 @@ class PagedStepPlans:
             "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
             "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
-            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
+            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L", **self.weights.arch.one_launch_defines()})
         clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
         layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
                            np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
                            s.act_sums, b["seq_of_row"], b["pos"], s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)),
                            st.pool, np.int64(st.layout.layer_elems), b["block_tables"], np.int32(st.max_blocks),
-                           s.sync, rows_dim=None, local_size=(1,))
+                           s.sync, *self.weights.arch.one_launch_args(), rows_dim=None, local_size=(1,))
         return [clear, layers]
 
     def _bind_head(self) -> list[tuple[Span, RowLaunch]]:
@@ -136,6 +148,6 @@ class PagedStepPlans:
         return [
             ("samples", bind_rows(self._elementwise, "gather_rows", (1,), s.x, b["sample_rows"], self.sampled,
                                   np.int32(c.hidden))),
-            ("samples", self._rms_norm(self.sampled, w.final_norm)),
+            ("samples", self._norm(self.sampled, w.final_norm, w.arch.final_norm_b)),
             ("samples", w.lm_head.bind_gemv_rows(s.xn, self.logits, b["n_samples"], x_sums=s.xn_sums)),
         ]

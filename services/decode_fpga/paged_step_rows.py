@@ -7,7 +7,8 @@ token (decodes, and a prompt's one-token chunk) come first, in chunk order, then
 chunks: a one-token chunk always runs through paged_rope_attention_decode and a longer one
 through paged_rope_store_kv + paged_attention, whatever else is in the step, so a row's
 arithmetic never depends on its batch (the two attention paths round differently at some
-positions). The sampling rows (each sampling chunk's last row) are listed in chunk order.
+positions). The sampling rows (each sampling chunk's last row; every row of a chunk that wants all its logits,
+for prompt logprobs) are listed in chunk order.
 
 On the device every int input lives in one buffer, a section per input at an aligned origin,
 bound through sub-buffers, so a step uploads them with one copy.
@@ -53,12 +54,13 @@ class PagedStepInputs:
     block_tables [max_seqs, max_blocks], each a sub-buffer of one buffer."""
 
     def __init__(self, dev, layout: PagedKVLayout, vocab: int, max_rows: int, max_seqs: int, max_blocks: int,
-                 max_tokens: int):
+                 max_tokens: int, max_samples: int | None = None):
         self.layout, self.vocab = layout, vocab
+        self.max_samples = max_samples or max_seqs  # logit rows a step gives (prompt logprobs: more than seqs)
         self.max_rows, self.max_seqs, self.max_blocks, self.max_tokens = max_rows, max_seqs, max_blocks, max_tokens
         align = max(1, dev.device.mem_base_addr_align // 32)  # in ints (the device gives bits)
         sizes = {"n_rows": 1, "n_samples": 1, "tokens": max_rows, "seq_of_row": max_rows, "pos": max_rows,
-                 "sample_rows": max_seqs, "block_tables": max_seqs * max_blocks}
+                 "sample_rows": self.max_samples, "block_tables": max_seqs * max_blocks}
         self.offsets, at = {}, 0
         for name in SECTIONS:
             self.offsets[name] = at
@@ -105,7 +107,14 @@ class PagedStepInputs:
             ints[o["pos"] + row:o["pos"] + row + count] = np.arange(c.start, end)
             row += count
             last_row[i] = row - 1
-        samples = [last_row[i] for i, c in enumerate(chunks) if c.samples]
+        samples = []  # in chunk order: a sampling chunk's last row; an all_logits chunk's every row
+        for i, c in enumerate(chunks):
+            if getattr(c, "all_logits", False):
+                samples.extend(range(last_row[i] - len(c.token_ids) + 1, last_row[i] + 1))
+            elif c.samples:
+                samples.append(last_row[i])
+        if len(samples) > self.max_samples:
+            raise ValueError(f"{len(samples)} logit rows in one step; the engine takes at most {self.max_samples}")
         ints[o["n_rows"]], ints[o["n_samples"]] = n, len(samples)
         ints[o["sample_rows"]:o["sample_rows"] + len(samples)] = samples
         return StepRows(n, n_decodes, len(samples), ints)

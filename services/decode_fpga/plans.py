@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyopencl as cl
 
+from services.decode_fpga.arch_parts import ArchKernels
 from services.decode_fpga.config import PREFILL_CHUNK, DeviceFit
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import DeviceWeights
@@ -62,8 +63,8 @@ class LaunchPlans:
         self._attention_lanes = dev.lanes_per_head
         self._attention_wg = (dev.build("attention_wg.cl", {**shape, "WG": self._attention_lanes})
                               if self._attention_lanes > 1 else None)
-        self._norm = dev.build("norm.cl")
         self._elementwise = dev.build("elementwise.cl", {"ARGMAX_WG": ARGMAX_WG})
+        self._arch = ArchKernels(dev, cfg, self._elementwise)  # the architecture's norm, activation, extras
         self.one_launch = fit.one_launch_layers and weights.packed is not None
         self.layer_groups = fit.layer_groups  # work-groups of decode_layers: one per worker thread
         self._steps: dict[tuple[int, bool, bool], StepPlan] = {}  # (rows, decode, one launch) → plan
@@ -98,8 +99,8 @@ class LaunchPlans:
         key = (src, n)
         if key not in self._logits:
             rows = self.s.last if src == "last" else self.s.x
-            self._logits[key] = self._normed_gemv(rows, self.weights.final_norm, self.weights.lm_head, self.s.logits,
-                                                  n, fuse=n == 1)
+            self._logits[key] = self._normed_gemv(rows, self.weights.final_norm, self.weights.arch.final_norm_b,
+                                                  self.weights.lm_head, self.s.logits, n, fuse=n == 1)
         return self._logits[key]
 
     def argmax(self, n: int) -> Launch:
@@ -117,18 +118,25 @@ class LaunchPlans:
             # one launch for every layer, after its counters are zeroed (decode_layers.cl)
             clear = bind(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * self.cfg.n_layers),), self.s.sync)
             return StepPlan(StepKind.ONE_LAUNCH, embed, [[clear, self._decode_layers()]])
-        return StepPlan(StepKind.LAUNCH_BY_LAUNCH, embed, [self._bind_layer(li, n, decode)
-                                                           for li in range(self.cfg.n_layers)])
+        layers = [self._bind_layer(li, n, decode) for li in range(self.cfg.n_layers)]
+        if self.weights.arch.pos_embed is not None:  # learned positions: added before the first layer
+            layers[0].insert(0, self._arch.add_positions(self.s.x, self.weights.arch.pos_embed, self.s.pos, n))
+        return StepPlan(StepKind.LAUNCH_BY_LAUNCH, embed, layers)
 
     def _bind_layer(self, li: int, n: int, decode: bool) -> list[Launch]:
         """The launches of layer li over n rows of scratch.x, in order. decode: every row is a different
         sequence (a decode step), so RoPE, the KV write and attention are one launch; with one row,
         block-format matrices also normalize their own input (no rms_norm launches) and the down
-        projection makes its own activation (no silu_mul launch)."""
-        c, s, layer = self.cfg, self.s, self.weights.layers[li]
+        projection makes its own activation (no silu_mul launch). The architecture's extra parts
+        (arch_parts.py) are launches of their own where its vectors exist."""
+        c, s, layer, ext, ak = self.cfg, self.s, self.weights.layers[li], self.weights.arch.layers[li], self._arch
         group = c.n_heads // c.n_kv_heads
         fuse = decode and n == 1  # prologues in the GEMVs: a work-group's prologue makes one row's input
-        out = self._normed_gemv(s.x, layer.attn_norm, layer.qkv, s.qkv, n, fuse)
+        out = self._normed_gemv(s.x, layer.attn_norm, ext.attn_norm_b, layer.qkv, s.qkv, n, fuse)
+        if ext.b_qkv is not None:
+            out.append(ak.add_bias(s.qkv, ext.b_qkv, c.q_dim + 2 * c.kv_dim, n))
+        if ext.q_norm is not None:  # before RoPE, which the attention launches apply
+            out.append(ak.head_norm(s.qkv, ext.q_norm, ext.k_norm, n))
         scale = np.float32(1.0 / np.sqrt(c.head_dim))
         # one channel: every kv head's plane at a fixed stride, so one launch covers them all
         # (two commands per layer instead of 2 x n_kv_heads; PoCL charges per command)
@@ -155,23 +163,28 @@ class LaunchPlans:
         if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks
             out.append(layer.o.bind_block_sums(s.attn, s.attn_sums, n))
         out.append(layer.o.bind_gemv(s.attn, s.x, n, accumulate=True, x_sums=s.attn_sums))  # residual
-        out += self._normed_gemv(s.x, layer.ffn_norm, layer.gate_up, s.gu, n, fuse)
-        if fuse and layer.down.fuses_silu:  # the activation in the GEMV's prologue
+        if ext.bo is not None:
+            out.append(ak.add_bias(s.x, ext.bo, c.hidden, n))
+        out += self._normed_gemv(s.x, layer.ffn_norm, ext.ffn_norm_b, layer.gate_up, s.gu, n, fuse)
+        if ext.b_gate_up is not None:
+            out.append(ak.add_bias(s.gu, ext.b_gate_up, layer.gate_up.rows, n))
+        elif fuse and layer.down.fuses_silu and c.arch.gated:  # the activation in the GEMV's prologue
             out.append(layer.down.bind_gemv_silu(s.gu, s.x, accumulate=True))
             return out
-        out += [bind(self._elementwise, "silu_mul", (n, blocks32(c.intermediate)), s.gu, s.act, s.act_sums,
-                     np.int32(c.intermediate)),
+        out += [ak.activation(s.gu, s.act, s.act_sums, n),
                 layer.down.bind_gemv(s.act, s.x, n, accumulate=True, x_sums=s.act_sums)]
+        if ext.b_down is not None:
+            out.append(ak.add_bias(s.x, ext.b_down, c.hidden, n))
         return out
 
-    def _normed_gemv(self, rows, norm_w, matrix: DeviceMatrix, y, n: int, fuse: bool) -> list[Launch]:
-        """y = matrix @ rms_norm(rows[0:n], norm_w): one launch when fuse (one row) and the matrix can
-        normalize its input itself (block formats: gemv_quant_norm), else rms_norm into scratch.xn and a GEMV."""
+    def _normed_gemv(self, rows, norm_w, norm_b, matrix: DeviceMatrix, y, n: int, fuse: bool) -> list[Launch]:
+        """y = matrix @ norm(rows[0:n]) (the architecture's norm: norm_b its LayerNorm bias): one launch
+        when fuse (one row), the norm is RMSNorm and the matrix can normalize its input itself (block
+        formats: gemv_quant_norm), else the norm into scratch.xn and a GEMV."""
         c, s = self.cfg, self.s
-        if fuse and matrix.fuses_norm:
+        if fuse and matrix.fuses_norm and c.arch.norm == "rms":
             return [matrix.bind_gemv_norm(rows, norm_w, c.rms_eps, y)]
-        return [bind(self._norm, "rms_norm", (n,), rows, norm_w, s.xn, s.xn_sums, np.int32(c.hidden),
-                     np.float32(c.rms_eps)),
+        return [self._arch.norm(rows, norm_w, norm_b, s.xn, s.xn_sums, n),
                 matrix.bind_gemv(s.xn, y, n, x_sums=s.xn_sums)]
 
     def _decode_layers(self) -> Launch:
@@ -180,11 +193,13 @@ class LaunchPlans:
         program = self.dev.build("decode_layers.cl", {
             "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L"})
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L",
+            **self.weights.arch.one_launch_defines()})
         self._kv_bases = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                                    hostbuf=self.kv.layer_bases())
         channel, _, slot_stride = self.kv.plane(0, 0, 0)
         return bind(program, "decode_layers", (self.layer_groups,), s.x, packed.arrays.buffer, packed.table,
                     self._kv_bases, np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu,
                     s.act, s.act_sums, s.slots, s.pos, s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)), channel,
-                    slot_stride, np.int64(self.kv.layout.plane_elems), s.sync, local_size=(1,))
+                    slot_stride, np.int64(self.kv.layout.plane_elems), s.sync, *self.weights.arch.one_launch_args(),
+                    local_size=(1,))

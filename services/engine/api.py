@@ -71,7 +71,9 @@ class BatchEngine(Protocol):
         Chunk c is positions [c.start, c.start + c.num_tokens) of its sequence, tokens c.token_ids,
         attending to every position before them through c.block_table. For the chunks with
         c.samples, in order: greedy → each one's argmax token (first index on ties); else their
-        float32 logits [n_sampling, vocab]. `on_layer(l)`: layer l's K/V of every chunk is in the pool.
+        float32 logits [n_sampling, vocab], where a chunk with c.all_logits (prompt logprobs; never in
+        a greedy step) gives every row's, in order, its last row being its sampling row if it samples.
+        `on_layer(l)`: layer l's K/V of every chunk is in the pool.
         A row's result does not depend on the other rows of the step (batch invariance).
         """
 

@@ -30,6 +30,7 @@ from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
 from services.engine.host_kv_tier import HostKVTier
+from services.engine.logprobs import TokenLogprob, token_logprob
 from services.engine.request_state import finish_reason
 from services.engine.requests import (Cancelled, EngineStepFailed, PromptTooLong, QueueFull, ShuttingDown,
                                       check_prompt)
@@ -83,6 +84,22 @@ class RequestStream:
     max_cached_tokens: int | None = None  # reserve_remote: take at most this much from the prefix cache
     done: bool = False
     _counted: bool = False  # holds one of the loop's places (EngineLoop._release gives it back)
+    _prompt_logprobs: dict = field(default_factory=dict)  # prompt position → TokenLogprob (all_logits)
+
+    def keep_prompt_logprobs(self, start: int, rows) -> None:
+        """The loop thread: rows of logits of positions start.. (each predicts the next position's token)."""
+        seq, k = self.seq, self.seq.sampling_params.prompt_logprobs
+        for i, row in enumerate(rows):
+            predicted = start + i + 1
+            if predicted < seq.num_prompt_tokens:
+                self._prompt_logprobs[predicted] = token_logprob(row, seq.token_ids[predicted], k)
+
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """Positions 1..n-1 of the prompt, when the request asked for them."""
+        if self.seq.sampling_params is None or self.seq.sampling_params.prompt_logprobs is None \
+                or not self.seq.all_logits:
+            return None
+        return tuple(self._prompt_logprobs[p] for p in range(1, self.seq.num_prompt_tokens))
 
     @property
     def seq_id(self) -> int:
@@ -105,9 +122,8 @@ class RequestStream:
                     continue
                 if kind == "error":
                     raise payload
-                for i, token in enumerate(payload):
-                    last = reason is not None and i == len(payload) - 1
-                    yield TokenEvent(token, reason if last else None)
+                token, logprob, prompt_logprobs = payload
+                yield TokenEvent(token, reason, logprob=logprob, prompt_logprobs=prompt_logprobs)
                 if reason is not None:
                     return
         finally:
@@ -129,8 +145,8 @@ class RequestStream:
         return self.block_table
 
     # ---- the loop thread's side --------------------------------------------------------
-    def _emit(self, tokens: list[int], reason: str | None) -> None:
-        self._events.put(("tokens", tokens, reason))
+    def _emit(self, token: int, reason: str | None, logprob=None, prompt_logprobs=None) -> None:
+        self._events.put(("token", (token, logprob, prompt_logprobs), reason))
 
     def _fail(self, exc: Exception) -> None:
         self.loop._release(self)
@@ -165,12 +181,13 @@ class EngineLoop:
 
     # ---- what handlers call (any thread) ------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None = None,
-               bounded_elsewhere: bool = False) -> RequestStream:
+               bounded_elsewhere: bool = False, choice: int = 0) -> RequestStream:
         """Queue a request; its stream. Raises InvalidRequest/PromptTooLong at once, QueueFull when
         max_num_seqs + max_waiting requests are already running or waiting (unless
         `bounded_elsewhere`: an admission of the caller's own bounds such requests, e.g. hand-off
         prefills, which must not be refused because generations fill the queue)."""
-        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere)
+        stream = self._new_stream(prompt_ids, params, export, counted=not bounded_elsewhere, computes_prompt=True,
+                                  choice=choice)
         self._post(("add", stream))
         return stream
 
@@ -190,13 +207,14 @@ class EngineLoop:
         says how many it got)."""
         stream = self._new_stream(prompt_ids, params, None)
         stream.max_cached_tokens = max_cached_tokens
-        stream.sampler.advance()  # the first token is sampled by the other engine, with the same seed
         self._post(("reserve", stream))
         return stream
 
-    def activate_remote(self, stream: RequestStream, first_token: int) -> None:
-        """The reserved blocks hold the prompt's KV: decode on from `first_token`."""
-        self._post(("activate", stream, first_token))
+    def activate_remote(self, stream: RequestStream, first_token: int, logprob: TokenLogprob | None = None,
+                        prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
+        """The reserved blocks hold the prompt's KV: decode on from `first_token` (its logprob and the
+        prompt's, when asked for, come from the engine that prefilled)."""
+        self._post(("activate", stream, first_token, logprob, prompt_logprobs))
 
     def reset_prefix_cache(self, timeout: float = 5.0) -> int:
         """Forget every cached block no request holds (between two steps); how many were forgotten."""
@@ -221,13 +239,14 @@ class EngineLoop:
 
     # ---- internals ----------------------------------------------------------------------------
     def _new_stream(self, prompt_ids: list[int], params: SamplingParams, export: ExportHook | None,
-                    counted: bool = True) -> RequestStream:
+                    counted: bool = True, computes_prompt: bool = False, choice: int = 0) -> RequestStream:
         if self._closed:
             raise ShuttingDown("the engine is shutting down")
         check_prompt(prompt_ids, self.engine.cfg.vocab_size, self.config.max_model_len)
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
-        seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params)
-        stream = RequestStream(self, seq, Sampler(params), export)
+        seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params,
+                       all_logits=params.prompt_logprobs is not None and computes_prompt)
+        stream = RequestStream(self, seq, Sampler(params, stream=choice), export)
         if counted:
             with self._wake:
                 if self._n_live >= self.config.max_num_seqs + self.max_waiting:
@@ -284,7 +303,7 @@ class EngineLoop:
         elif kind == "reserve":
             self._remote_pending.append(stream)
         elif kind == "activate":
-            self._activate(stream, item[2])
+            self._activate(stream, *item[2:])
         elif kind == "abort":
             self._abort(stream)
 
@@ -315,11 +334,11 @@ class EngineLoop:
             stream.timings.scheduled_at = time.perf_counter()
             stream._reserved.set()
 
-    def _activate(self, stream: RequestStream, first_token: int) -> None:
+    def _activate(self, stream: RequestStream, first_token: int, logprob, prompt_logprobs) -> None:
         if self._streams.get(stream.seq_id) is not stream:
             return  # cancelled meanwhile
         seq = self.scheduler.activate_remote(stream.seq_id, first_token)
-        self._emit(stream, seq, first_token)
+        self._emit(stream, seq, first_token, logprob, prompt_logprobs)
 
     def _step(self, out: SchedulerOutput) -> None:
         now = time.perf_counter()
@@ -328,7 +347,9 @@ class EngineLoop:
             if stream is not None and stream.timings.scheduled_at is None:
                 stream.timings.scheduled_at = now
         sampling = [c for c in out.chunks if c.samples]
-        greedy = all(c.sampling_params.greedy for c in sampling)
+        # the device's argmax serves only when no row needs its logits (processing, logprobs, sampling)
+        greedy = (all(c.sampling_params.device_greedy for c in sampling)
+                  and not any(c.all_logits for c in out.chunks))
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
                      if c.samples and c.seq_id in self._streams and self._streams[c.seq_id].export is not None]
         try:
@@ -350,16 +371,34 @@ class EngineLoop:
         m.STEP_TOKENS.observe(out.num_batched_tokens)
         if out.preempted:
             m.NUM_PREEMPTIONS.inc(len(out.preempted))
+        logprobs: dict[int, TokenLogprob | None] = {}
         if greedy:
             sampled = dict(zip((c.seq_id for c in sampling), (int(t) for t in result)))
         else:
-            sampled = {c.seq_id: self._streams[c.seq_id].sampler.sample(row) if c.seq_id in self._streams else 0
-                       for c, row in zip(sampling, result)}
+            sampled = {}
+            rows = iter(result)  # in chunk order: an all_logits chunk's every row, a sampling chunk's last
+            for c in out.chunks:
+                if not (c.samples or c.all_logits):
+                    continue
+                block = [next(rows) for _ in range(c.num_tokens if c.all_logits else 1)]
+                stream = self._streams.get(c.seq_id)
+                if stream is None:
+                    sampled[c.seq_id] = 0
+                    continue
+                seq = stream.seq
+                if c.all_logits:
+                    stream.keep_prompt_logprobs(c.start, block)
+                if c.samples:
+                    sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
+                        block[-1], seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
         self.scheduler.update(out, sampled)
         for chunk in sampling:
             stream = self._streams.get(chunk.seq_id)
             if stream is not None and not stream.done:
-                self._emit(stream, stream.seq, sampled[chunk.seq_id])
+                first = stream.timings.tokens == 0
+                self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
+                           stream.prompt_logprobs() if first else None)
+                stream.seq.all_logits = False  # a recompute after a preemption needs no prompt logits
         self._update_gauges()
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:
@@ -376,7 +415,8 @@ class EngineLoop:
                     stream._fail(Cancelled("the hand-off stopped"))
         return on_layer
 
-    def _emit(self, stream: RequestStream, seq: Sequence, token: int) -> None:
+    def _emit(self, stream: RequestStream, seq: Sequence, token: int, logprob: TokenLogprob | None = None,
+              prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
         t = stream.timings
         t.last_token_at = time.perf_counter()
         t.first_token_at = t.first_token_at or t.last_token_at
@@ -385,9 +425,9 @@ class EngineLoop:
             stream.done = True
             self._release(stream)
             self._streams.pop(stream.seq_id, None)
-            stream._emit([token], finish_reason(seq.status))
+            stream._emit(token, finish_reason(seq.status), logprob, prompt_logprobs)
         else:
-            stream._emit([token], None)
+            stream._emit(token, None, logprob, prompt_logprobs)
 
     def _release(self, stream: RequestStream) -> None:
         """The stream has ended (finished, failed, cancelled): it no longer counts against the limit."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from services.engine.api import Engine
+from services.engine.logprobs import TokenLogprob
 from services.engine.request_state import RequestState, finish_reason, state_after_token
 from services.engine.requests import InvalidRequest, PromptTooLong, RequestTimings
 from services.engine.sampling import Sampler, SamplingParams
@@ -29,6 +30,9 @@ class TokenEvent:
     token: int
     finish_reason: str | None  # set on the last token only
     timings: RequestTimings | None = None  # the runtime sets it on the last token only
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first token, when asked for
+    index: int = 0  # the choice (a request with n > 1)
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Generation:
             self.state = RequestState.PREFILLING
             t0 = time.perf_counter()
             try:
-                token = sampler.sample(self.engine.prefill(seq, self.prompt_ids))
+                token = sampler.sample(self.engine.prefill(seq, self.prompt_ids), position=len(self.prompt_ids))
             except Exception:
                 self.state = RequestState.FINISHED_ERROR
                 raise
@@ -95,7 +99,7 @@ class Generation:
                 if p.greedy:
                     token = self.engine.decode_greedy([seq], [token])[0]
                 else:
-                    token = sampler.sample(self.engine.decode([seq], [token])[0])
+                    token = sampler.sample(self.engine.decode([seq], [token])[0], position=len(self.prompt_ids) + n)
                 n += 1
         except GeneratorExit:
             self.state = RequestState.FINISHED_ABORTED

@@ -2,12 +2,16 @@
 
 Settings, logging, the model, then the service's own `build` (its engine, runtime
 and servicer), the profile sweep when asked for, serve() until SIGTERM, and the
-service's resources released in reverse order on the way out.
+service's resources released in reverse order on the way out: a SIGTERM that comes
+before serve() (while the model loads, the arena is made or the profile sweep runs)
+unwinds them too, so prefill_gpu's KV arena never outlives it. With
+HYBRIDSERVE_PARENT_PID set the service stops once that process is gone (lifetime.py).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from typing import Callable
 
@@ -20,10 +24,15 @@ def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
     from services.engine.service import serve
+    from services.lifetime import exit_with_parent
     from services.model.checkpoint import CheckpointError
     from services.model.loading import load_model
 
     log = logging.getLogger(f"services.{process}")
+    # until serve() takes SIGTERM over: leave through the `with` below, releasing what is built so far
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_before_serving)
+    exit_with_parent(settings.parent_pid, process)
     log.info("loading the model")
     with contextlib.ExitStack() as resources:
         try:
@@ -38,3 +47,7 @@ def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
             servicer.runtime.profile_samples()
         serve(servicer, settings)
     return 0
+
+
+def _exit_before_serving(sig, frame) -> None:
+    raise SystemExit(128 + sig)

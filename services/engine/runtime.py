@@ -13,6 +13,8 @@ one and fills `modes`: mode name → a handler `(request, timings, cancel) → T
 """
 from __future__ import annotations
 
+import dataclasses
+import queue
 import threading
 from typing import Callable, Iterator
 
@@ -34,7 +36,9 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
                            max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=engine.max_num_batched_tokens,
                            max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching,
-                           step_target_s=settings.step_target_s, host_kv_cache_mb=settings.host_kv_cache_mb)
+                           step_target_s=settings.step_target_s, host_kv_cache_mb=settings.host_kv_cache_mb,
+                           # what the engine's head holds beyond one row per sequence (prompt logprobs)
+                           prompt_logit_rows=getattr(engine, "prompt_logit_rows", SchedulerConfig.prompt_logit_rows))
 
 
 class EngineRuntime:
@@ -62,18 +66,23 @@ class EngineRuntime:
         status = "error"
         try:
             timings = RequestTimings(prompt_tokens=len(request.prompt_ids))
-            events = self.modes[request.mode](request, timings, cancel)
+            if request.params.n == 1:
+                events = self.modes[request.mode](request, timings, cancel)
+            else:
+                events = self._choices(request, timings, cancel)
             try:
-                n = 0
+                n, finished = 0, 0
                 for ev in events:
                     n += 1
                     if ev.finish_reason is None:
                         yield ev
                         continue
+                    finished += 1
                     timings.generated_tokens = n
-                    self.observe(request.mode, timings)
-                    status = "ok"
-                    yield TokenEvent(ev.token, ev.finish_reason, timings)
+                    if finished == request.params.n:
+                        self.observe(request.mode, timings)
+                        status = "ok"
+                    yield dataclasses.replace(ev, timings=timings)
             finally:
                 events.close()
         except QueueFull:
@@ -86,6 +95,48 @@ class EngineRuntime:
             if status == "error" and cancel.is_cancelled():
                 status = "cancelled"
             m.REQUESTS.labels(status=status).inc()
+
+    def _choices(self, request: EngineRequest, timings: RequestTimings,
+                 cancel: Cancellation) -> Iterator[TokenEvent]:
+        """The events of a request's n choices, merged (each with its `index`). Choice 0 runs in the
+        request's mode and computes the prompt; once it has its first token, the prompt's full KV
+        blocks are in this engine's prefix cache (in hybrid mode: imported), and choices 1..n-1 run
+        here from them, computing only the prompt's last, partial block: one prefill, not n."""
+        inner = Cancellation(cancel.deadline)  # ends every choice when the request ends, however
+        cancel.add_callback(inner.cancel)
+        merged: queue.SimpleQueue = queue.SimpleQueue()
+        follower_params = dataclasses.replace(request.params, n=1, prompt_logprobs=None)
+
+        def pump(index: int, events: Iterator[TokenEvent]) -> None:
+            try:
+                for ev in events:
+                    merged.put(("event", dataclasses.replace(ev, index=index)))
+                merged.put(("end", index))
+            except BaseException as exc:
+                merged.put(("error", exc))
+
+        def start(index: int, events: Iterator[TokenEvent]) -> None:
+            threading.Thread(target=pump, args=(index, events), name=f"choice-{index}", daemon=True).start()
+
+        start(0, self.modes[request.mode](request, timings, inner))
+        ended, forked = 0, False
+        try:
+            while ended < request.params.n:
+                kind, payload = merged.get()
+                if kind == "error":
+                    raise payload
+                if kind == "end":
+                    ended += 1
+                    continue
+                if not forked:
+                    forked = True
+                    for index in range(1, request.params.n):
+                        stream = self.loop.submit(list(request.prompt_ids), follower_params, bounded_elsewhere=True,
+                                                  choice=index)
+                        start(index, stream_tokens(stream, RequestTimings(), inner))
+                yield payload
+        finally:
+            inner.cancel()
 
     def local_generation(self, request: EngineRequest, timings: RequestTimings,
                          cancel: Cancellation) -> Iterator[TokenEvent]:

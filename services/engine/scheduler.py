@@ -27,7 +27,8 @@ What engine.step(batch) must do for each ScheduledChunk c of batch.chunks
     p % block_size of block c.block_table[p // block_size] (the table may hold
     more blocks than this step touches);
   * if c.samples, sample one token from the last position's logits with
-    c.sampling_params and return it under c.seq_id.
+    c.sampling_params and return it under c.seq_id;
+  * if c.all_logits (the request wants its prompt's logprobs), give every row's logits.
 The engine keeps no per-sequence KV state of its own; batch.preempted lists
 sequences whose blocks were taken away (drop any other per-sequence state).
 """
@@ -57,6 +58,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     step_target_s: float = 0.0  # with decodes running, prompt tokens per step cut to fit it (step_pacer.py)
     host_kv_cache_mb: int = 0  # evicted prefix blocks kept in host memory (host_kv_tier.py); 0 = none
+    # logit rows one step may give a prompt's every position (prompt logprobs, `Sequence.all_logits`)
+    # beyond the one row each sampling chunk takes: the engine's head holds max_num_seqs + this many
+    prompt_logit_rows: int = 64
 
     def __post_init__(self) -> None:
         checks = {
@@ -67,6 +71,7 @@ class SchedulerConfig:
             # every running decode fits in one step
             "max_num_batched_tokens >= max_num_seqs": self.max_num_batched_tokens >= self.max_num_seqs,
             "max_model_len >= 2": self.max_model_len >= 2,
+            "prompt_logit_rows >= 1": self.prompt_logit_rows >= 1,
         }
         failed = [rule for rule, ok in checks.items() if not ok]
         if failed:
@@ -86,6 +91,9 @@ class Sequence:
     num_computed_tokens: int = 0  # positions whose KV is in the blocks
     num_cached_tokens: int = 0  # of those, how many the prefix cache gave at the last admission
     status: RequestState = RequestState.WAITING
+    # every prompt position's logits are wanted (prompt logprobs): the prompt is computed whole, never
+    # taken from the prefix cache, in chunks of at most config.prompt_logit_rows; off once it has its first token
+    all_logits: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -122,6 +130,7 @@ class ScheduledChunk:
     block_table: tuple[int, ...]  # block ids; position p is in block_table[p // block_size]
     samples: bool  # the chunk ends at the sequence's last token: sample the next one
     sampling_params: Any
+    all_logits: bool = False  # the engine gives the logits of every row (the last one samples, if it does)
 
     @property
     def num_tokens(self) -> int:
@@ -164,6 +173,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
         self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens)
+        self._logit_rows = config.prompt_logit_rows  # what the step being scheduled has left of them
 
     # ---- metrics ---------------------------------------------------------------------------
     @property
@@ -265,6 +275,7 @@ class Scheduler:
         cap = self.pacer.cap() if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
+        self._logit_rows = self.config.prompt_logit_rows
         prefills, budget = self._schedule_running_prefills(budget)
         if not preempted:  # blocks ran short this step: admitting more would only thrash
             prefills += self._admit_waiting(budget)
@@ -325,23 +336,39 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is RequestState.PREFILLING:
-                chunks.append(self._chunk(seq, min(seq.num_uncomputed_tokens, budget)))
-                budget -= chunks[-1].num_tokens
+                n = self._chunk_length(seq, budget)
+                if n:
+                    chunks.append(self._chunk(seq, n))
+                    budget -= n
         return chunks, budget
+
+    def _chunk_length(self, seq: Sequence, budget: int) -> int:
+        """The tokens of `seq` this step computes: what is left of it, within the budget and, for a
+        sequence that wants every row's logits, within this step's logit rows (0: not this step)."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        if seq.all_logits:
+            n = min(n, self._logit_rows)
+            self._logit_rows -= n
+        return n
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks, bm = [], self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not bm.can_allocate(seq.token_ids):
+            # prompt logprobs are recomputed, not kept: a cached prefix's logits are gone
+            most_cached = 0 if seq.all_logits else None
+            if not bm.can_allocate(seq.token_ids, max_cached_tokens=most_cached):
                 break  # first come, first served: no overtaking the head
+            if seq.all_logits and self._logit_rows == 0:
+                break  # this step's logit rows are taken: next step
             self.waiting.popleft()
-            seq.num_cached_tokens = bm.allocate(seq.seq_id, seq.token_ids)
+            seq.num_cached_tokens = bm.allocate(seq.seq_id, seq.token_ids, max_cached_tokens=most_cached)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = RequestState.PREFILLING
             self.running.append(seq)
-            chunks.append(self._chunk(seq, min(seq.num_uncomputed_tokens, budget)))
-            budget -= chunks[-1].num_tokens
+            n = self._chunk_length(seq, budget)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
         return chunks
 
     def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
@@ -353,6 +380,7 @@ class Scheduler:
             block_table=tuple(self.block_manager.block_table(seq.seq_id)),
             samples=start + num_tokens == seq.num_tokens,
             sampling_params=seq.sampling_params,
+            all_logits=seq.all_logits and num_tokens > 0,
         )
 
     def _append_token(self, seq: Sequence, token: int) -> None:

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services.engine.generation import TokenEvent
+from services.engine.handoff_wire import logprob_to_proto
 from services.engine.requests import Cancellation, EngineRequest, InvalidRequest, RequestTimings
 from services.engine.runtime import EngineRuntime
 from services.engine.sampling import SamplingParams
@@ -46,15 +47,25 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=s.max_tokens or 16, temperature=s.temperature, top_p=s.top_p or 1.0,
                               top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
-                              stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                              stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                              logprobs=s.logprobs if s.HasField("logprobs") else None,
+                              prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+                              frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                              repetition_penalty=s.repetition_penalty or 1.0,
+                              logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
+                              n=s.n or 1, prior_output_tokens=s.prior_output_tokens)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    optional = {name: getattr(p, name) for name in ("seed", "logprobs", "prompt_logprobs")
+                if getattr(p, name) is not None}
     return pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                              stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-                             **({"seed": p.seed} if p.seed is not None else {}))
+                             frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
+                             min_tokens=p.min_tokens, n=p.n, prior_output_tokens=p.prior_output_tokens, **optional)
 
 
 def request_id_of(request) -> str:
@@ -72,9 +83,15 @@ def timings_to_proto(t: RequestTimings) -> pb.Timings:
 
 
 def response_of(ev: TokenEvent) -> pb.GenerateResponse:
-    if ev.finish_reason is None:
-        return pb.GenerateResponse(token_ids=[ev.token])
-    return pb.GenerateResponse(token_ids=[ev.token], finish_reason=ev.finish_reason, timings=timings_to_proto(ev.timings))
+    msg = pb.GenerateResponse(token_ids=[ev.token], index=ev.index)
+    if ev.logprob is not None:
+        msg.logprobs.append(logprob_to_proto(ev.logprob))
+    if ev.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in ev.prompt_logprobs)
+    if ev.finish_reason is not None:
+        msg.finish_reason = ev.finish_reason
+        msg.timings.CopyFrom(timings_to_proto(ev.timings))
+    return msg
 
 
 def cancellation_of(context: grpc.ServicerContext) -> Cancellation:

@@ -1,4 +1,5 @@
-"""`python -m services.gateway`: the HTTP gateway (uvicorn, configured in server.py; SIGTERM drains)."""
+"""`python -m services.gateway`: the HTTP gateway (uvicorn, configured in server.py; SIGTERM drains,
+as does the end of the process named by HYBRIDSERVE_PARENT_PID: lifetime.py)."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +9,12 @@ import sys
 def main() -> int:
     from services.gateway.server import server
     from services.gateway.settings import GatewaySettings
+    from services.lifetime import exit_with_parent
 
     settings = GatewaySettings()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
+    exit_with_parent(settings.parent_pid, "gateway")
     server(settings).run()
     return 0
 

@@ -31,11 +31,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.gateway import openapi
 from services.gateway.auth import ApiKey, warn_if_exposed
 from services.gateway.body_limit import BodyLimit
+from services.gateway.choice import Choice, Echo
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.dispatch import Dispatcher, EngineRequest
 from services.gateway.drain import Drain, DrainGate
 from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
+from services.gateway.logprobs_format import LogprobsWriter, TokenTexts
 from services.gateway.pair_discovery import DnsPairs
 from services.gateway.pairs import Pairs
 from services.gateway.planner import Planner
@@ -49,7 +51,7 @@ from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
-from services.model.tokenizer import chat_prompt_ids, load_tokenizer
+from services.model.tokenizer import NoChatTemplate, chat_prompt_ids, load_tokenizer
 from services.modes import ENGINE_NAMES
 
 
@@ -62,6 +64,7 @@ class State:
     dispatcher: Dispatcher
     model_name: str
     tokenize_pool: ThreadPoolExecutor  # one thread: every tokenizer call runs on it, in turn
+    token_texts: TokenTexts  # each token's text and bytes, for logprobs
 
     async def tokenize(self, fn, *args) -> list[int]:
         """`fn(tokenizer, *args)` on the tokenizer's thread, off the event loop."""
@@ -99,7 +102,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         dispatcher = Dispatcher(pairs, router)
         dispatcher.planner = planner = Planner(settings.planner_targets())
         app.state.hs = State(settings, tokenizer, pairs, router, dispatcher,
-                             settings.served_model_name or ckpt.model_id, pool)
+                             settings.served_model_name or ckpt.model_id, pool, TokenTexts(tokenizer))
         publish_planner(planner, router, pairs)  # hybridserve_planner_* on /metrics
         watch = asyncio.create_task(watch_engines(pairs, router, file_samples, settings.health_interval_s,
                                                   settings.engines_share_cpu, discover))
@@ -172,7 +175,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             vocab = len(st.tokenizer)
             if max(prompt_ids) >= vocab:
                 raise APIError(400, f"token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
-        return await _respond(st, request, body, prompt_ids, body.max_tokens or 16, chat=False)
+        echo = None
+        if body.echo:  # the prompt as text: the client's own, or its token ids decoded
+            echo = body.prompt if isinstance(body.prompt, str) else await st.tokenize(_decode, prompt_ids)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await _respond(st, request, body, prompt_ids, max_tokens, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", dependencies=[api_key],
               responses={**openapi.stream_or_json(ChatCompletion), **openapi.errors(*openapi.GENERATION)})
@@ -180,7 +187,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         _check_model(st, body.model)
         messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
                     for msg in body.messages]
-        prompt_ids = await st.tokenize(chat_prompt_ids, messages)
+        try:
+            prompt_ids = await st.tokenize(chat_prompt_ids, messages)
+        except NoChatTemplate as exc:
+            raise APIError(400, str(exc), "messages", "invalid_value") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
         return await _respond(st, request, body, prompt_ids, max_tokens, chat=True)
 
@@ -191,6 +201,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text).input_ids
 
 
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids)
+
+
 def _check_model(st: State, model: str) -> None:
     if model != st.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {st.model_name!r}", "model",
@@ -198,18 +212,30 @@ def _check_model(st: State, model: str) -> None:
 
 
 async def _respond(st: State, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                 prompt_ids: list[int], max_tokens: int, chat: bool) -> Response:
-    """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream."""
+                 prompt_ids: list[int], max_tokens: int, chat: bool, echo: str | None = None) -> Response:
+    """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream.
+
+    `echo`: the prompt's text, returned before the completion. max_tokens 0 (echo only) still asks the
+    engines for one token, which is not shown: an engine call ends with a token."""
     started = time.perf_counter()
+    vocab = len(st.tokenizer)
+    beyond = sorted(t for t in body.bias_pairs() if t >= vocab)
+    if beyond:
+        raise APIError(400, f"logit_bias names token ids past the vocabulary ({vocab}): {beyond[:5]}", "logit_bias",
+                       "invalid_value")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max_tokens,
+    stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max(1, max_tokens),
                                                        st.settings.request_timeout_s))
-    run = Run(st.router, stream.decision, len(prompt_ids), started, IncrementalDetokenizer(st.tokenizer),
-              StopMatcher(body.stops))
+    asked = body.top_logprobs_asked is not None
+    choices = [Choice(i, IncrementalDetokenizer(st.tokenizer), StopMatcher(body.stops),
+                      LogprobsWriter(st.token_texts, chat) if asked else None,
+                      Echo(echo, prompt_ids) if echo is not None else None, show_output=max_tokens > 0)
+               for i in range(body.choices_generated)]
+    run = Run(st.router, stream.decision, len(prompt_ids), started, choices)
     headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(rid, st.model_name, int(time.time()), chat)
         return StreamingResponse(sse_events(run, stream, chunks, include_usage), media_type="text/event-stream",
                                  headers=headers)
-    return await unary_response(run, stream, request, st.model_name, chat, headers)
+    return await unary_response(run, stream, request, st.model_name, chat, headers, body.n)

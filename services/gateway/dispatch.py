@@ -20,9 +20,11 @@
   failed in; a forced mode too: the client asked for a mode to run in, not to lose the request).
   The reader gets the new call's messages as if nothing happened: no token twice, none missing.
   Greedy output is the same tokens as an uninterrupted run's (every mode gives the same greedy
-  tokens). A seeded sampled request is re-submitted with the same seed, and engines start a
-  seed's random stream at the first token of a call: after a migration the rest is a fresh draw
-  from that seed, a valid sample but not the tokens an uninterrupted run would have given.
+  tokens). A seeded sampled request is re-submitted with the same seed, and engines key each
+  token's randomness by the seed and the token's position (services/engine/sampling.py), so the
+  rest are the tokens an uninterrupted run would have given too; the call says how many of its
+  prompt's tokens are output already (`prior_output_tokens`), which the penalties and min_tokens
+  count as output.
   With no mode left, the error is the route's 503.
 * Pairs: the gateway may front several (prefill_gpu, decode_fpga) pairs (pairs.py). A mode is a
   candidate when some pair has its engines up; once the router has picked the mode, the call goes
@@ -79,7 +81,19 @@ class EngineRequest:
         """From a validated completion or chat body; its own `timeout` may only shorten the gateway's."""
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      top_k=body.top_k, ignore_eos=body.ignore_eos,
+                                     frequency_penalty=body.frequency_penalty or 0.0,
+                                     presence_penalty=body.presence_penalty or 0.0,
+                                     repetition_penalty=body.repetition_penalty or 1.0,
+                                     logit_bias=body.bias_pairs(), min_tokens=body.min_tokens or 0,
+                                     stop_token_ids=body.stop_token_ids or [],
                                      **({"seed": body.seed} if body.seed is not None else {}))
+        if body.top_logprobs_asked is not None:
+            sampling.logprobs = body.top_logprobs_asked
+        if getattr(body, "prompt_logprobs_asked", None) is not None:
+            sampling.prompt_logprobs = body.prompt_logprobs_asked
+        sampling.n = body.choices_generated
+        if sampling.n > body.n and not sampling.HasField("logprobs"):
+            sampling.logprobs = 0  # best_of ranks the choices by their cumulative logprob
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,
                    min(body.timeout or max_timeout_s, max_timeout_s))
 
@@ -93,6 +107,10 @@ class EngineRequest:
         sampling = pb.SamplingParams()
         sampling.CopyFrom(self.sampling)
         sampling.max_tokens = rest
+        # the tokens out so far are the new call's prompt: the engine still counts them as output
+        # (frequency and presence penalties, min_tokens); `self` is always the request as first sent
+        sampling.prior_output_tokens = len(generated)
+        sampling.ClearField("prompt_logprobs")  # the client has the prompt's already
         return replace(self, request_id=f"{self.request_id}-m{n}", prompt_ids=self.prompt_ids + generated,
                        max_tokens=rest, sampling=sampling, forced=None, timeout_s=timeout_s)
 
@@ -155,7 +173,7 @@ class EngineStream:
 
     async def _engine_lost(self, code: grpc.StatusCode | None) -> bool:
         """Whether a mid-stream failure (`code`; None: the stream just ended) means the engine is gone."""
-        if code in NEVER_MIGRATE:
+        if code in NEVER_MIGRATE or self._request.sampling.n > 1:  # several choices: not migrated (yet)
             return False
         engines = MODES[self.decision.mode].engines
         clients = self._dispatcher.pairs.members.get(self.decision.pair)

@@ -9,6 +9,9 @@ Streams (server-sent events), one request:
     chat:        role chunk, text chunks, finish chunk (+ hybridserve), [usage chunk], [DONE]
     completion:  text chunks, finish chunk (+ hybridserve), [usage chunk], [DONE]
 
+With n > 1 each chunk names its choice (`index`): a role chunk per choice, their text chunks as
+they come, then a finish chunk per choice, the last one with `hybridserve`.
+
 An absent `usage` or `hybridserve` on a chunk is left out of the JSON, not sent as null;
 `finish_reason` and `logprobs` are always there (null until the end), as OpenAI sends them.
 """
@@ -83,12 +86,40 @@ class Hybridserve(_LeavesOutNone):
     placement: dict | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion choice's `logprobs` (logprobs_format.py fills it in); an echoed prompt's first
+    token has null in `token_logprobs` and `top_logprobs`."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 # ---- unary responses ------------------------------------------------------------------
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -110,7 +141,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -147,7 +178,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_LeavesOutNone):
@@ -169,21 +200,28 @@ class ChunkWriter:
         self.chat = chat
         self._head = {"id": request_id, "created": created, "model": model}
 
-    def role(self) -> ChatCompletionChunk:
-        """Chat streams open with the assistant's role and no text."""
-        return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+    def role(self, index: int = 0) -> ChatCompletionChunk:
+        """Chat streams open with the assistant's role and no text (one such chunk per choice)."""
+        choice = ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))
+        return ChatCompletionChunk(**self._head, choices=[choice])
 
-    def text(self, text: str) -> ChatCompletionChunk | CompletionChunk:
+    def text(self, text: str, logprobs: CompletionLogprobs | ChatLogprobs | None = None, index: int = 0
+             ) -> ChatCompletionChunk | CompletionChunk:
+        """New text of choice `index` and, when asked for, the logprobs of the tokens that came with it."""
         if self.chat:
-            return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(delta=Delta(content=text))])
-        return CompletionChunk(**self._head, choices=[CompletionChoice(text=text, finish_reason=None)])
+            choice = ChatChunkChoice(index=index, delta=Delta(content=text), logprobs=logprobs)
+            return ChatCompletionChunk(**self._head, choices=[choice])
+        return CompletionChunk(**self._head, choices=[CompletionChoice(index=index, text=text, finish_reason=None,
+                                                                       logprobs=logprobs)])
 
-    def finish(self, finish_reason: str, extension: Hybridserve) -> ChatCompletionChunk | CompletionChunk:
-        """The last chunk with a choice: no new text, the finish reason and the `hybridserve` object."""
+    def finish(self, finish_reason: str, extension: Hybridserve | None, index: int = 0
+               ) -> ChatCompletionChunk | CompletionChunk:
+        """A choice's last chunk: no new text, its finish reason; the `hybridserve` object on the last one."""
         if self.chat:
-            choice = ChatChunkChoice(delta=Delta(), finish_reason=finish_reason)
+            choice = ChatChunkChoice(index=index, delta=Delta(), finish_reason=finish_reason)
             return ChatCompletionChunk(**self._head, choices=[choice], hybridserve=extension)
-        return CompletionChunk(**self._head, choices=[CompletionChoice(text="", finish_reason=finish_reason)],
+        return CompletionChunk(**self._head, choices=[CompletionChoice(index=index, text="",
+                                                                       finish_reason=finish_reason)],
                                hybridserve=extension)
 
     def usage(self, usage: Usage) -> ChatCompletionChunk | CompletionChunk:

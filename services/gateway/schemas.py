@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
-honour (penalties, logit_bias, logprobs, tools, response formats other than text, n or best_of
-above 1) are refused with a 400 naming the field, never silently ignored. Numbers are bounded by
+honour (tools, response formats other than text, suffix, a batch of prompts) are refused with a
+400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
 text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
 """
@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from services.engine.logprobs import MAX_TOP_LOGPROBS
+from services.engine.sampling import MAX_CHOICES
 from services.modes import AUTO, MODE_NAMES
 
 ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
@@ -33,6 +35,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]  # alternatives per position
 
 
 def _unsupported(field: str, what: str = "is not supported by this server") -> PydanticCustomError:
@@ -59,23 +62,37 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=0, le=UINT32_MAX)  # extension
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
-    n: int = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="choices, sharing the prompt's prefill")
     user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode
     ignore_eos: bool = False  # extension, for benchmarks
     timeout: float | None = Field(None, gt=0)  # extension: seconds before 504
-    # known to OpenAI's API, refused here unless they ask for nothing (see the validators)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    # sampling controls (services/engine/logits_processing.py), applied the same in every mode
+    # (None, as some clients send for "unset", is the default)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description=(
+        "subtracted from a token's logit once per time it was generated so far"))
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description=(
+        "subtracted from a token's logit once it was generated"))
+    repetition_penalty: float | None = Field(1.0, gt=0.0, le=10.0, description=(
+        "extension (vLLM's): a token in the prompt or the output has its logit divided by it when positive, "
+        "multiplied when not; 1 = off"))
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, description=(
+        "token id (a decimal string) → bias added to its logit"))
+    min_tokens: int | None = Field(0, ge=0, le=UINT32_MAX, description=(
+        "extension (vLLM's): EOS and the stop tokens cannot end the output before this many tokens"))
+    stop_token_ids: list[TokenId] | None = Field(None, description=(
+        "extension (vLLM's): token ids that end the output (finish_reason `stop`)"))
     response_format: ResponseFormat | None = None
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n = 1 is supported")
-        return v
+    def _one_unless_said(cls, v):
+        return 1 if v is None else v
+
+    @property
+    def choices_generated(self) -> int:
+        """Choices the engines generate (best_of's, when more than n)."""
+        return self.n
 
     @field_validator("stop")
     @classmethod
@@ -87,19 +104,16 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v, info):
-        if v:
-            raise _unsupported(info.field_name, "other than 0 is not supported by this server")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise _unsupported("logit_bias")
+    def _token_ids(cls, v):
+        for key in v or {}:
+            if not key.isdigit() or int(key) > UINT32_MAX:
+                raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {key!r}")
         return v
+
+    def bias_pairs(self) -> dict[int, float]:
+        return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
     @field_validator("response_format")
     @classmethod
@@ -114,40 +128,62 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
-    max_tokens: TokenCount | None = 16
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    # one prompt: text or token ids; a batch of one (["text"], [[ids]]), as lm-evaluation-harness sends, is
+    # that prompt
+    prompt: (NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[NonEmptyText], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    echo: bool = Field(False, description=(  # before max_tokens: its validator reads it
+        "the prompt comes back before the completion; with `logprobs`, its tokens' logprobs too (the first null)"))
+    max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX, description="0 only with `echo`: score the prompt")
+    logprobs: TopLogprobs | None = Field(None, description=(
+        "each token's logprob and the this many most likely tokens' (0..20), in `choices[i].logprobs`"))
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description=(
+        "generate this many choices and return the n of highest cumulative logprob (not with stream)"))
     suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty(cls, v):
+    def _one_prompt(cls, v):
         if not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and not isinstance(v[0], int):
+            if len(v) != 1:
+                raise _unsupported("prompt", "as a batch of several prompts is not supported by this server; "
+                                   "send one request per prompt")
+            v = v[0]
         return v
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise _unsupported("echo")
+    def _zero_tokens_only_to_echo(cls, v, info):
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 is allowed only with echo")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise _unsupported("logprobs")
-        return v
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """Alternatives per prompt position the engines are asked for (echo with logprobs); None: none."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token the engines are asked for; None: no logprobs."""
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
-    def _one_best_of(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("only best_of = 1 is supported")
+    def _at_least_n(cls, v, info):
+        if v is not None:
+            if v < (info.data.get("n") or 1):
+                raise ValueError("best_of must be at least n")
+            if v > (info.data.get("n") or 1) and info.data.get("stream"):
+                raise ValueError("best_of above n cannot be streamed: the best are known only at the end")
         return v
+
+    @property
+    def choices_generated(self) -> int:
+        return max(self.n, self.best_of or 1)
 
     @field_validator("suffix")
     @classmethod
@@ -166,9 +202,22 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. Content may be null (or absent) only on an assistant message that carries tool
+    calls, as in OpenAI's API: any other null message used to reach the model as an empty turn."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # before content: its validator reads them
+    content: Text | list[TextPart] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_tool_calls(cls, v, info):
+        role = info.data.get("role")
+        if v is None and role is not None and not (role == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError("missing_content", "a {role} message needs content; only an assistant "
+                                      "message with tool_calls may leave it null", {"role": role})
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -180,25 +229,24 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, description="each output token's logprob, in `choices[i].logprobs`")
+    top_logprobs: TopLogprobs | None = Field(None, description=(
+        "with `logprobs`: the this many most likely tokens at each position (0..20)"))
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise _unsupported("logprobs")
-        return v
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token the engines are asked for; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v):
-        if v:
-            raise _unsupported("top_logprobs")
+    def _needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return v
 
     @field_validator("tools", "functions")

@@ -22,14 +22,13 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.gateway import metrics as m
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.choice import Choice
 from services.gateway.dispatch import EngineStream
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion, ChunkWriter,
                                             Completion, CompletionChoice, Hybridserve, MigrationRecord, Timings,
                                             Usage, sse)
 from services.gateway.router import Decision, Router, samples_from_timings
-from services.gateway.stops import StopMatcher
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,22 +36,34 @@ log = logging.getLogger(__name__)
 
 class Run:
     """One request's progress and its accounting: metrics, the router's queue, its calibration.
+    Its choices (choice.py; one unless n > 1) keep their own text, stops and logprobs.
 
     Counts the request on its mode's engines from construction until `finish`.
     """
 
-    def __init__(self, router: Router, decision: Decision, n_in: int, started: float,
-                 detok: IncrementalDetokenizer, stops: StopMatcher):
+    def __init__(self, router: Router, decision: Decision, n_in: int, started: float, choices: list[Choice]):
         self.router, self.decision, self.n_in, self.started = router, decision, n_in, started
-        self.detok, self.stops = detok, stops
-        self.n_out = 0
-        self.finish_reason: str | None = None
-        self.engine_timings: pb.Timings | None = None  # from the engine's last message
+        self.choices = choices
+        self.prompt_logprobs: list = []  # echo with logprobs: the engine's, on choice 0's first message
+        self.engine_timings: pb.Timings | None = None  # from the engine's last message (choice 0's)
         self.last_token_at: float | None = None
         self.serving = decision  # differs from `decision` once the request migrated
         self.migrations: list = []  # dispatch.Migration, as the stream made them
         self._on_mode_since = started
         router.started(decision.mode)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason for c in self.choices)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's (with n = 1: the request's)."""
+        return self.choices[0].finish_reason
+
+    @property
+    def n_out(self) -> int:
+        return sum(c.n_out for c in self.choices)
 
     def follow(self, stream: EngineStream) -> None:
         """After a read: if the stream migrated, the request now queues on its new mode's engines."""
@@ -63,8 +74,8 @@ class Run:
         self.router.started(stream.decision.mode)
         self.serving, self.migrations, self._on_mode_since = stream.decision, list(stream.migrations), now
 
-    def take(self, msg: pb.GenerateResponse) -> str:
-        """Account for one engine message; the text it adds (after stop strings)."""
+    def take(self, msg: pb.GenerateResponse) -> tuple[int, str]:
+        """Account for one engine message; its choice and the text it adds there (after stop strings)."""
         now = time.perf_counter()
         mode = self.serving.mode
         for _ in msg.token_ids:
@@ -73,16 +84,15 @@ class Run:
             else:
                 m.ITL.labels(mode=mode).observe(now - self.last_token_at)
             self.last_token_at = now
-        text = ""
-        for t in msg.token_ids:
-            self.n_out += 1
-            text += self.stops.feed(self.detok.add(t))
-        if msg.finish_reason:
-            self.finish_reason, self.engine_timings = msg.finish_reason, msg.timings
-            text += self.stops.feed(self.detok.flush()) + self.stops.flush()
-        if self.stops.stopped:
-            self.finish_reason = "stop"
-        return text
+        if msg.index >= len(self.choices):
+            raise APIError(502, "the engine answered for a choice the request does not have", code="engine_error")
+        if msg.prompt_logprobs:
+            self.prompt_logprobs = list(msg.prompt_logprobs)
+        choice = self.choices[msg.index]
+        text = choice.take(msg, self.prompt_logprobs)
+        if msg.finish_reason and (msg.index == 0 or self.engine_timings is None):
+            self.engine_timings = msg.timings
+        return msg.index, text
 
     def finish(self, status: str) -> None:
         """`status`: the HTTP status as a metrics label ("499": the client went away)."""
@@ -100,7 +110,8 @@ class Run:
         if predicted is not None and e2e > 0:
             m.ESTIMATE_ERROR.labels(mode=mode).observe(abs(predicted - e2e) / e2e)
         # a stop string cut the engine short: its timings are not a whole request's
-        if self.engine_timings is not None and self.finish_reason and not self.stops.stopped:
+        if self.engine_timings is not None and self.done and len(self.choices) == 1 \
+                and not self.choices[0].stops.stopped:
             self.router.observe(samples_from_timings(mode, self.n_in, self.timings().model_dump(),
                                                      self.decision.company))
 
@@ -121,11 +132,17 @@ class Run:
                            migrations=moves or None, placement=placed)
 
     def usage(self) -> Usage:
-        return Usage.of(self.n_in, self.n_out)
+        return Usage.of(self.n_in, self.n_out)  # every choice's tokens, best_of's unreturned ones too
+
+    def best(self, n: int) -> list[Choice]:
+        """The n choices to return: all of them, or (best_of) the n of highest cumulative logprob."""
+        if n >= len(self.choices):
+            return self.choices
+        return sorted(self.choices, key=lambda c: -c.cumulative_logprob)[:n]
 
 
-async def serve(run: Run, stream: EngineStream) -> AsyncIterator[str]:
-    """The text each engine message adds (maybe ""), until the finish; `run.finish_reason` is set then.
+async def serve(run: Run, stream: EngineStream) -> AsyncIterator[tuple[int, str]]:
+    """(choice, the text an engine message adds there, maybe ""), until every choice finished.
 
     Raises APIError when the engine fails. Closing the generator early means the client went away.
     """
@@ -134,7 +151,7 @@ async def serve(run: Run, stream: EngineStream) -> AsyncIterator[str]:
         msg = stream.first
         while True:
             yield run.take(msg)
-            if run.finish_reason:
+            if run.done:
                 break
             msg = await stream.read()
             run.follow(stream)
@@ -151,24 +168,30 @@ async def serve(run: Run, stream: EngineStream) -> AsyncIterator[str]:
 
 
 async def unary_response(run: Run, stream: EngineStream, request: Request, model: str, chat: bool,
-                         headers: dict) -> Response:
-    pieces: list[str] = []
+                         headers: dict, n: int = 1) -> Response:
+    """`n`: the choices to return (best_of: fewer than the run has, the best by cumulative logprob)."""
+    pieces: list[list[str]] = [[] for _ in run.choices]
     async with aclosing(serve(run, stream)) as texts:
-        async for text in texts:
-            pieces.append(text)
-            if not run.finish_reason and await request.is_disconnected():
+        async for index, text in texts:
+            pieces[index].append(text)
+            if not run.done and await request.is_disconnected():
                 return Response(status_code=499)  # leaving the block closes `serve`: the call is cancelled
     if run.migrations:  # the response has not started: its headers can say it
         headers = {**headers, "x-hybridserve-migrations": ",".join(
             f"{mg.from_mode}->{mg.to_mode}@{mg.after_tokens}" for mg in run.migrations)}
-    text, rid, created = "".join(pieces), stream.request_id, int(time.time())
+    rid, created = stream.request_id, int(time.time())
+    returned = run.best(n)
     if chat:
+        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(pieces[c.index])),
+                              finish_reason=c.finish_reason, logprobs=c.take_logprobs())
+                   for i, c in enumerate(returned)]
         body = ChatCompletion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
-                              choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                  finish_reason=run.finish_reason)])
+                              choices=choices)
     else:
+        choices = [CompletionChoice(index=i, text="".join(pieces[c.index]), finish_reason=c.finish_reason,
+                                    logprobs=c.take_logprobs()) for i, c in enumerate(returned)]
         body = Completion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
-                          choices=[CompletionChoice(text=text, finish_reason=run.finish_reason)])
+                          choices=choices)
     return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
 
@@ -177,13 +200,17 @@ async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, includ
     try:
         async with aclosing(serve(run, stream)) as texts:
             opening = chunks.chat  # sent from inside the loop, so `serve` has started and will clean up
-            async for text in texts:
+            async for index, text in texts:
                 if opening:
-                    yield sse(chunks.role())
+                    for choice in run.choices:
+                        yield sse(chunks.role(choice.index))
                     opening = False
-                if text:
-                    yield sse(chunks.text(text))
-        yield sse(chunks.finish(run.finish_reason, run.extension()))
+                logprobs = run.choices[index].take_logprobs(none_if_empty=True)
+                if text or logprobs is not None:
+                    yield sse(chunks.text(text, logprobs, index))
+        for i, choice in enumerate(run.choices):  # the request's extension on the last choice's finish
+            yield sse(chunks.finish(choice.finish_reason, run.extension() if i == len(run.choices) - 1 else None,
+                                    choice.index))
         if include_usage:
             yield sse(chunks.usage(run.usage()))
         yield SSE_DONE

@@ -44,7 +44,7 @@ import enum
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
@@ -95,6 +95,10 @@ class PrefillDone:
     prefill_s: float
     queue_s: float
     compute_done_at: float  # unix time the prefill compute ended
+    # services.engine.logprobs.TokenLogprob values, when the request asked for them (the first token's,
+    # and the prompt's positions 1..n-1): the engine that prefilled computed them
+    first_logprob: Any = None
+    prompt_logprobs: Any = None
 
 
 HandoffEvent = Union[SlotGrant, LayerReady, PrefillDone]

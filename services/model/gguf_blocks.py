@@ -221,9 +221,9 @@ def read_block_tensors(ckpt: Checkpoint, cfg: ModelConfig,
     out = {}
     for name in matrices:
         t = src.tensor(name, dense_fallback=True)
-        if name.endswith("attn_q.weight"):
+        if name.endswith("attn_q.weight") and cfg.arch.gguf_rope_permuted:  # (not Qwen's: llama.cpp's neox rope)
             t = unpermute_rope(t, cfg.n_heads)
-        elif name.endswith("attn_k.weight"):
+        elif name.endswith("attn_k.weight") and cfg.arch.gguf_rope_permuted:
             t = unpermute_rope(t, cfg.n_kv_heads)
         out[name] = t
     return out

@@ -1,4 +1,6 @@
-"""Tokenizer and chat template, loaded offline through `transformers`."""
+"""Tokenizer and chat template, loaded offline through `transformers` from the checkpoint itself: a
+GGUF file's tokenizer.* metadata (its chat template included) or a Hugging Face directory's tokenizer
+files (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
 from __future__ import annotations
 
 import logging
@@ -28,7 +30,14 @@ def load_tokenizer(ckpt: Checkpoint):
     return tok
 
 
+class NoChatTemplate(ValueError):
+    """The checkpoint has no chat template (a base model such as GPT-2): chat requests cannot be formatted."""
+
+
 def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
+    """Token ids of `messages` under the model's chat template, ready for the assistant's turn;
+    NoChatTemplate when the checkpoint has none (never a template made up here)."""
+    if not getattr(tok, "chat_template", None):
+        raise NoChatTemplate("this model's checkpoint has no chat template; send plain text to /v1/completions")
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False).input_ids

@@ -3,12 +3,14 @@
 GGUF checkpoints are dequantized with the `gguf` package (the same code path
 `transformers` uses, so the values match the reference bit for bit); Hugging Face
 directories are read from safetensors only: pickled checkpoints are refused.
+Which tensors a layer has, and what each is called in either kind of checkpoint, is the
+architecture's (services/model/architecture.py); this module only reads and checks them.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -20,7 +22,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer; matrices are [out_features, in_features]."""
+    """One decoder layer; matrices are [out_features, in_features]. None: the architecture has no such tensor."""
 
     attn_norm: np.ndarray  # [hidden]
     wq: np.ndarray  # [q_dim, hidden]
@@ -28,9 +30,23 @@ class LayerWeights:
     wv: np.ndarray  # [kv_dim, hidden]
     wo: np.ndarray  # [hidden, q_dim]
     ffn_norm: np.ndarray  # [hidden]
-    w_gate: np.ndarray  # [intermediate, hidden]
+    w_gate: np.ndarray | None  # [intermediate, hidden]; None in a non-gated MLP
     w_up: np.ndarray  # [intermediate, hidden]
     w_down: np.ndarray  # [hidden, intermediate]
+    attn_norm_b: np.ndarray | None = None  # [hidden] (LayerNorm)
+    ffn_norm_b: np.ndarray | None = None
+    bq: np.ndarray | None = None  # [q_dim]
+    bk: np.ndarray | None = None  # [kv_dim]
+    bv: np.ndarray | None = None  # [kv_dim]
+    bo: np.ndarray | None = None  # [hidden]
+    q_norm: np.ndarray | None = None  # [head_dim]: RMSNorm of each query head (Qwen3)
+    k_norm: np.ndarray | None = None  # [head_dim]
+    b_gate: np.ndarray | None = None  # [intermediate]
+    b_up: np.ndarray | None = None  # [intermediate]
+    b_down: np.ndarray | None = None  # [hidden]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [a for a in (getattr(self, f.name) for f in fields(self)) if a is not None]
 
 
 @dataclass(frozen=True)
@@ -39,31 +55,22 @@ class ModelWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: np.ndarray  # [hidden]
     lm_head: np.ndarray  # [vocab, hidden]; the embedding itself when tied
+    final_norm_b: np.ndarray | None = None  # [hidden] (LayerNorm)
+    pos_embed: np.ndarray | None = None  # [max_positions, hidden]: learned absolute positions
 
     def nbytes(self) -> int:
         arrays = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
-        arrays += [a for layer in self.layers for a in vars(layer).values()]
+        arrays += [a for a in (self.final_norm_b, self.pos_embed) if a is not None]
+        arrays += [a for layer in self.layers for a in layer.arrays()]
         return sum(a.nbytes for a in arrays)
-
-
-_LAYER_KEYS = {  # LayerWeights field → (GGUF suffix, HF suffix)
-    "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
-    "wq": ("attn_q.weight", "self_attn.q_proj.weight"),
-    "wk": ("attn_k.weight", "self_attn.k_proj.weight"),
-    "wv": ("attn_v.weight", "self_attn.v_proj.weight"),
-    "wo": ("attn_output.weight", "self_attn.o_proj.weight"),
-    "ffn_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
-    "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
-}
 
 
 def load_weights(ckpt: Checkpoint, cfg: ModelConfig) -> ModelWeights:
     start = time.perf_counter()
     tensors = _gguf_tensors(ckpt, cfg) if ckpt.kind == "gguf" else _hf_tensors(ckpt)
     weights = _assemble(tensors, cfg, gguf=ckpt.kind == "gguf")
-    log.info("loaded %s weights: %.1f MB fp32 in %.2fs", cfg.model_id, weights.nbytes() / 1e6, time.perf_counter() - start)
+    log.info("loaded %s (%s) weights: %.1f MB fp32 in %.2fs", cfg.model_id, cfg.arch.name, weights.nbytes() / 1e6,
+             time.perf_counter() - start)
     return weights
 
 
@@ -71,7 +78,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs → HF's rotate-half order).
 
     Works on any row-major array whose first axis is the output row, including
-    quantized block rows, because it only reorders rows.
+    quantized block rows and biases, because it only reorders rows.
     """
     rows = w.shape[0]
     half = rows // n_heads // 2
@@ -93,9 +100,13 @@ def _gguf_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{ckpt.path.name}: unsupported GGUF tensor type: {exc}") from exc
     except (ValueError, IndexError) as exc:
         raise CheckpointError(f"{ckpt.path.name}: corrupt GGUF tensor data: {exc}") from exc
-    for i in range(cfg.n_layers):
-        out[f"blk.{i}.attn_q.weight"] = unpermute_rope_rows(out[f"blk.{i}.attn_q.weight"], cfg.n_heads)
-        out[f"blk.{i}.attn_k.weight"] = unpermute_rope_rows(out[f"blk.{i}.attn_k.weight"], cfg.n_kv_heads)
+    if cfg.arch.gguf_rope_permuted:
+        for i in range(cfg.n_layers):
+            for part, heads in (("q", cfg.n_heads), ("k", cfg.n_kv_heads)):
+                for kind in ("weight", "bias"):
+                    name = f"blk.{i}.attn_{part}.{kind}"
+                    if name in out:
+                        out[name] = unpermute_rope_rows(out[name], heads)
     return out
 
 
@@ -112,30 +123,54 @@ def _hf_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                out[name] = st.get_tensor(name).float().numpy()
+                # GPT2LMHeadModel prefixes GPT2Model's names with "transformer."
+                out[name.removeprefix("transformer.")] = st.get_tensor(name).float().numpy()
     return out
 
 
 def _assemble(t: dict[str, np.ndarray], cfg: ModelConfig, gguf: bool) -> ModelWeights:
-    prefix = (lambda i: f"blk.{i}.") if gguf else (lambda i: f"model.layers.{i}.")
-    pick = 0 if gguf else 1
+    arch = cfg.arch
+    names = arch.gguf_names if gguf else arch.hf_names
+    transposed = arch.hf_transposed and not gguf
+    h, q, kv, ff, hd = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
+    shapes = {"attn_norm": (h,), "attn_norm_b": (h,), "ffn_norm": (h,), "ffn_norm_b": (h,),
+              "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q), "bq": (q,), "bk": (kv,), "bv": (kv,),
+              "bo": (h,), "q_norm": (hd,), "k_norm": (hd,), "w_gate": (ff, h), "w_up": (ff, h), "w_down": (h, ff),
+              "b_gate": (ff,), "b_up": (ff,), "b_down": (h,), "wqkv": (q + 2 * kv, h), "bqkv": (q + 2 * kv,)}
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in t:
-            raise CheckpointError(f"checkpoint {cfg.model_id} has no tensor {name!r}")
-        if t[name].shape != shape:
-            raise CheckpointError(f"tensor {name!r} has shape {t[name].shape}, expected {shape}")
-        return t[name]
+    def find(canonical: str, i: int | None = None) -> np.ndarray | None:
+        key = names.get(canonical if i is None else f"layers.{{i}}.{canonical}")
+        key = None if key is None else key.format(i=i)
+        if key is None or key not in t:
+            return None
+        a = t[key]
+        return a.T if transposed and i is not None and a.ndim == 2 else a  # (the embeddings are [rows, hidden])
 
-    h, q, kv, ff = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate
-    shapes = {"attn_norm": (h,), "wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
-              "ffn_norm": (h,), "w_gate": (ff, h), "w_up": (ff, h), "w_down": (h, ff)}
-    layers = tuple(
-        LayerWeights(**{k: get(prefix(i) + names[pick], shapes[k]) for k, names in _LAYER_KEYS.items()})
-        for i in range(cfg.n_layers)
-    )
-    embed = get("token_embd.weight" if gguf else "model.embed_tokens.weight", (cfg.vocab_size, h))
-    head_name = "output.weight" if gguf else "lm_head.weight"
-    lm_head = embed if cfg.tie_embeddings or head_name not in t else get(head_name, (cfg.vocab_size, h))
-    final_norm = get("output_norm.weight" if gguf else "model.norm.weight", (h,))
-    return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+    def get(canonical: str, shape: tuple[int, ...], i: int | None = None) -> np.ndarray:
+        a = find(canonical, i)
+        what = canonical if i is None else f"layer {i} {canonical}"
+        if a is None:
+            raise CheckpointError(f"checkpoint {cfg.model_id} ({arch.name}) has no {what} tensor")
+        if a.shape != shape:
+            raise CheckpointError(f"{what} tensor has shape {a.shape}, expected {shape}")
+        return np.ascontiguousarray(a, np.float32)
+
+    def layer(i: int) -> LayerWeights:
+        wanted = arch.wanted()
+        got = {}
+        for fused, parts in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
+            if parts[0] in wanted and find(parts[0], i) is None and find(fused, i) is not None:
+                whole = get(fused, shapes[fused], i)  # one q|k|v tensor (GPT-2): split at q and kv rows
+                got.update(zip(parts, np.split(whole, [q, q + kv])))
+        got.update({k: get(k, shapes[k], i) for k in wanted if k not in got})
+        return LayerWeights(**{"w_gate": None, **{k: np.ascontiguousarray(v) for k, v in got.items()}})
+
+    layers = tuple(layer(i) for i in range(cfg.n_layers))
+    embed = get("embed", (cfg.vocab_size, h))
+    lm_head = embed if cfg.tie_embeddings or find("lm_head") is None else get("lm_head", (cfg.vocab_size, h))
+    layer_norm = arch.norm == "layer"
+    return ModelWeights(embed=embed, layers=layers, final_norm=get("final_norm", (h,)), lm_head=lm_head,
+                        final_norm_b=get("final_norm_b", (h,)) if layer_norm else None,
+                        pos_embed=(get("pos_embed", (find("pos_embed").shape[0] if find("pos_embed") is not None
+                                                     else cfg.max_context, h))
+                                   if arch.positions == "learned" else None))

@@ -59,7 +59,7 @@ class StepPlan:
     decode_slots: torch.Tensor | None  # [B, L]: slots of each decode row's context, padded
     decode_bias: torch.Tensor | None  # [kv_heads * B, 1, L]: 0 at a real position, -inf at padding
     prefills: list[PrefillRows]
-    sample_rows: torch.Tensor  # [S]: each sampling chunk's last row, in chunk order
+    sample_rows: torch.Tensor  # [S]: each sampling chunk's last row (an all_logits chunk's every row), in order
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -93,7 +93,9 @@ def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: i
                 mask = pool.index(allowed)
             prefills.append(PrefillRows(row, row + n, c.start, pool.index(context), mask))
         row += n
-        if c.samples:
+        if getattr(c, "all_logits", False):  # prompt logprobs: every row's logits, the last one samples
+            sample_rows.extend(range(row - n, row))
+        elif c.samples:
             sample_rows.append(row - 1)
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -155,7 +157,7 @@ def forward_logits(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan,
     No host synchronisation happens in here (CUDA graphs capture it as it is: cuda_graphs.py)."""
     c, n = model.cfg, plan.n_rows
     rope = model._rope_tables(plan.positions)
-    x = model.embed[plan.token_ids]  # [n_padded, hidden]
+    x = model._embed(plan.token_ids, plan.positions)  # [n_padded, hidden]
     attn = torch.zeros((x.shape[0], c.q_dim), device=x.device, dtype=x.dtype)  # padding rows stay 0
     for li, layer in enumerate(model.layers):
         q, k, v = model._qkv(layer, x, rope)  # q [n_padded, heads, dim]; k, v [n_padded, kv_heads, dim]

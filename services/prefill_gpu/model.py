@@ -1,4 +1,9 @@
-"""A Llama-family forward in PyTorch with an explicit per-sequence KV cache.
+"""A decoder-only transformer's forward in PyTorch with an explicit per-sequence KV cache.
+
+The architecture (services/model/architecture.py) switches its parts: RMSNorm or LayerNorm,
+RoPE (its frequencies from the config, scaling applied) or learned positions, the biases, the
+per-head q/k RMSNorm, a gated SiLU or a GELU MLP. Each part computes what transformers' module
+of that family computes, in the same order of operations.
 
 The cache of one sequence is `k, v: [n_layers, n_kv_heads, capacity, head_dim]`,
 so `k[l, :, :n]` is exactly layer l's K in the wire layout (services/kv/layout.py).
@@ -36,8 +41,17 @@ class TorchLayer:
     w_qkv: torch.Tensor  # [hidden, q_dim + 2 kv_dim]: one matmul instead of three
     wo: torch.Tensor  # [q_dim, hidden]
     ffn_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [hidden, 2 intermediate]
+    w_gate_up: torch.Tensor  # [hidden, 2 intermediate] (gated MLP) or [hidden, intermediate] (up only)
     w_down: torch.Tensor  # [intermediate, hidden]
+    # None where the architecture has no such tensor
+    attn_norm_b: torch.Tensor | None = None
+    ffn_norm_b: torch.Tensor | None = None
+    b_qkv: torch.Tensor | None = None  # [q_dim + 2 kv_dim]
+    bo: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
 
 
 class LlamaTorch:
@@ -52,22 +66,30 @@ class LlamaTorch:
         def t_in_out(*mats):  # stack along out, store as [in, out]
             return torch.cat([t(m) for m in mats]).T.contiguous()
 
+        def opt(*arrays):  # one vector of the parts, or None when the architecture has none
+            return None if arrays[0] is None else torch.cat([t(a) for a in arrays])
+
+        self.arch = cfg.arch
         self.embed = t(weights.embed)  # [vocab, hidden], for row lookups
+        self.pos_embed = None if weights.pos_embed is None else t(weights.pos_embed)  # [positions, hidden]
         self.lm_head_t = t_in_out(weights.lm_head)  # [hidden, vocab]
         self.final_norm = t(weights.final_norm)
+        self.final_norm_b = opt(weights.final_norm_b)
         self.layers = [
             TorchLayer(
                 attn_norm=t(w.attn_norm),
                 w_qkv=t_in_out(w.wq, w.wk, w.wv),
                 wo=t_in_out(w.wo),
                 ffn_norm=t(w.ffn_norm),
-                w_gate_up=t_in_out(w.w_gate, w.w_up),
+                w_gate_up=t_in_out(*([w.w_gate] if w.w_gate is not None else []), w.w_up),
                 w_down=t_in_out(w.w_down),
+                attn_norm_b=opt(w.attn_norm_b), ffn_norm_b=opt(w.ffn_norm_b), b_qkv=opt(w.bq, w.bk, w.bv),
+                bo=opt(w.bo), q_norm=opt(w.q_norm), k_norm=opt(w.k_norm),
+                b_gate_up=opt(*([w.b_gate] if w.b_gate is not None else []), w.b_up), b_down=opt(w.b_down),
             )
             for w in weights.layers
         ]
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
-        self.inv_freq = inv_freq.to(device)
+        self.inv_freq = torch.from_numpy(cfg.inv_freq()).to(device)  # the same table the OpenCL engine uses
 
     def new_sequence(self, capacity: int) -> TorchSequence:
         c = self.cfg
@@ -80,6 +102,21 @@ class LlamaTorch:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
         return w * x32.to(self.dtype)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The architecture's norm: RMSNorm, or LayerNorm (weight and bias)."""
+        if self.arch.norm == "layer":
+            return F.layer_norm(x, (x.shape[-1],), w, b, self.cfg.rms_eps)
+        return self._rms_norm(x, w)
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, plus the learned position embeddings where the architecture has them."""
+        x = self.embed[ids]
+        return x if self.pos_embed is None else x + self.pos_embed[positions]
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return x @ w_t if b is None else torch.addmm(b, x, w_t)
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # computed once per forward and shared by every layer; [T, 1, dim] each
@@ -97,19 +134,27 @@ class LlamaTorch:
 
     def _qkv(self, layer: TorchLayer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         c = self.cfg
-        qkv = self._rms_norm(x, layer.attn_norm) @ layer.w_qkv  # [T, q_dim + 2 kv_dim]
-        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
-        q = self._rope(q.view(-1, c.n_heads, c.head_dim), rope)
-        k = self._rope(k.view(-1, c.n_kv_heads, c.head_dim), rope)
-        return q, k, v.view(-1, c.n_kv_heads, c.head_dim)
+        qkv = self._linear(self._norm(x, layer.attn_norm, layer.attn_norm_b), layer.w_qkv, layer.b_qkv)
+        q, k, v = qkv.split([c.q_dim, c.kv_dim, c.kv_dim], dim=-1)  # [T, q_dim + 2 kv_dim] split
+        q, k = q.reshape(-1, c.n_heads, c.head_dim), k.reshape(-1, c.n_kv_heads, c.head_dim)
+        if layer.q_norm is not None:  # per-head RMSNorm before RoPE (Qwen3)
+            q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+        if self.arch.positions == "rope":
+            q, k = self._rope(q, rope), self._rope(k, rope)
+        return q, k, v.reshape(-1, c.n_kv_heads, c.head_dim)
 
     def _mlp_residual(self, layer: TorchLayer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + attn @ layer.wo
-        gate, up = (self._rms_norm(x, layer.ffn_norm) @ layer.w_gate_up).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ layer.w_down
+        x = x + self._linear(attn, layer.wo, layer.bo)
+        h = self._linear(self._norm(x, layer.ffn_norm, layer.ffn_norm_b), layer.w_gate_up, layer.b_gate_up)
+        if self.arch.gated:
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = F.gelu(h, approximate="tanh")
+        return x + self._linear(act, layer.w_down, layer.b_down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._rms_norm(x, self.final_norm) @ self.lm_head_t).float()
+        return (self._norm(x, self.final_norm, self.final_norm_b) @ self.lm_head_t).float()
 
     # ---- forwards --------------------------------------------------------
     @torch.inference_mode()
@@ -126,8 +171,9 @@ class LlamaTorch:
         if not 0 < n <= seq.capacity:
             raise ValueError(f"prompt of {n} tokens does not fit capacity {seq.capacity}")
         ids = torch.tensor(token_ids, device=self.device)
-        rope = self._rope_tables(torch.arange(n, device=self.device))
-        x = self.embed[ids]  # [T, hidden]
+        positions = torch.arange(n, device=self.device)
+        rope = self._rope_tables(positions)
+        x = self._embed(ids, positions)  # [T, hidden]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)
             seq.k[li, :, :n] = k.transpose(0, 1)
@@ -150,8 +196,9 @@ class LlamaTorch:
         for s in seqs:
             if s.length >= s.capacity:
                 raise ValueError("sequence is full")
-        rope = self._rope_tables(torch.tensor([s.length for s in seqs], device=self.device))
-        x = self.embed[torch.tensor(tokens, device=self.device)]  # [B, hidden]
+        positions = torch.tensor([s.length for s in seqs], device=self.device)
+        rope = self._rope_tables(positions)
+        x = self._embed(torch.tensor(tokens, device=self.device), positions)  # [B, hidden]
         for li, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, rope)  # q [B, heads, dim]; k, v [B, kv_heads, dim]
             outs = []

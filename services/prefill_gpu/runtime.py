@@ -124,7 +124,7 @@ class PrefillRuntime(EngineRuntime):
         def follow() -> None:  # the stream's one token (or its error) into the same queue
             try:
                 for ev in stream.events(cancelled=cancel.is_cancelled):
-                    events.put(("done", ev.token))
+                    events.put(("done", ev))
             except Exception as exc:
                 events.put(("error", exc))
 
@@ -143,7 +143,9 @@ class PrefillRuntime(EngineRuntime):
                 elif ev[0] == "done":
                     t = stream.timings
                     m.STAGE_SECONDS.labels(stage="prefill", device="gpu").observe(t.prefill_s)
-                    done = PrefillDone(ev[1], t.prefill_s, queue_s + t.queue_s, time.time())
+                    first = ev[1]
+                    done = PrefillDone(first.token, t.prefill_s, queue_s + t.queue_s, time.time(),
+                                       first.logprob, first.prompt_logprobs)
                     sender.finish()  # over TCP: until the reader said every byte is imported
                     yield done
                     m.REQUESTS.labels(status="ok").inc()

@@ -1,5 +1,6 @@
-"""`bench/serve.py --quick --start-stack [--llama-server auto]` drives every mode of a stack it starts
-(and llama-server, when bench/llama_server.py has built it) and writes sane JSON and plots."""
+"""`bench/serve.py --quick --url ... [--llama-server auto]` drives every mode of a running stack (the
+package's, started as --start-stack starts one: conftest.py) and llama-server, when bench/llama_server.py
+has built it, and writes sane JSON and plots."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import llama_server
+from tests.bench.conftest import stack_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 # two modes keep the test within the suite's time on 2 cores; gpu and auto run the same client code
@@ -21,14 +23,13 @@ STACK = {"prefill_gpu", "decode_fpga", "gateway"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, pytestconfig):
+def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, bench_stack):
+    url, servers = bench_stack
     with_llama = llama_server.find() is not None
-    cmd = [sys.executable, str(ROOT / "bench/serve.py"), "--quick", "--start-stack", "--out", str(tmp_path),
-           "--name", "serve", "--modes", ",".join(MODES)] + (["--llama-server", "auto"] if with_llama else [])
-    # the engines' start-up profile sweep is cached in pytest's cache directory, as tests/bench/test_suite.py does
-    profile = pytestconfig.cache.mkdir("hybridserve-profile")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "HYBRIDSERVE_PROFILE_CACHE": str(profile)})
+    cmd = [sys.executable, str(ROOT / "bench/serve.py"), "--quick", "--url", url, *stack_arguments(servers),
+           "--out", str(tmp_path), "--name", "serve", "--modes", ",".join(MODES)] \
+        + (["--llama-server", "auto"] if with_llama else [])
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((tmp_path / "serve.json").read_text())
     assert data["preset"] == "quick" and "--quick" in data["command"]

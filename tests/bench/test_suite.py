@@ -1,4 +1,5 @@
-"""`bench/suite.py --quick` brings the stack up, measures every cell and mode, and writes JSON and plots."""
+"""`bench/suite.py --quick --url ...` measures every cell and mode of a running stack (the package's:
+conftest.py) and writes JSON and plots."""
 from __future__ import annotations
 
 import json
@@ -13,14 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_quick_suite_writes_every_cell_and_mode_and_valid_pngs(tmp_path, pytestconfig):
-    cmd = [sys.executable, str(ROOT / "bench/suite.py"), "--quick", "--inputs", "16,64", "--outputs", "4,8",
-           "--reps", "2", "--load-clients", "2", "--load-requests", "1", "--out", str(tmp_path)]
-    # the engines' start-up profile sweep takes ~2 minutes on this machine: keep it in pytest's cache
-    # directory (not the user's ~/.cache) so only the first run pays for it
-    profile = pytestconfig.cache.mkdir("hybridserve-profile")
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "HYBRIDSERVE_PROFILE_CACHE": str(profile)})
+def test_quick_suite_writes_every_cell_and_mode_and_valid_pngs(tmp_path, bench_stack):
+    url, _ = bench_stack
+    cmd = [sys.executable, str(ROOT / "bench/suite.py"), "--quick", "--url", url, "--inputs", "16,64",
+           "--outputs", "4,8", "--reps", "2", "--load-clients", "2", "--load-requests", "1", "--out", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "router regret" in r.stdout
     data = json.loads((tmp_path / "suite.json").read_text())

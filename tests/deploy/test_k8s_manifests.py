@@ -76,6 +76,21 @@ def test_every_object_of_the_overlay_validates_strictly(rendered, overlay):
     assert ("ServiceMonitor" in kinds) == (overlay != "cpu-dev")
 
 
+def test_no_patch_deletes_more_than_one_object():
+    """kustomize up to 5.5 (kubectl 1.32, which the test extra's kubectl is newer than) panics with a nil
+    pointer on a patch holding several `$patch: delete` documents: each delete is a patch of its own."""
+    crowded = []
+    for kustomization in k8s.K8S.rglob("kustomization.yaml"):
+        for entry in yaml.safe_load(kustomization.read_text()).get("patches", []):
+            text = entry.get("patch") or (kustomization.parent / entry["path"]).read_text()
+            docs = [doc for doc in yaml.safe_load_all(text) if isinstance(doc, dict)]  # (a JSON patch is a list)
+            deletes = sum(doc.get("$patch") == "delete" for doc in docs)
+            if deletes > 1:
+                crowded.append(f"{kustomization.relative_to(k8s.K8S)}: {entry.get('path', 'an inline patch')} "
+                               f"deletes {deletes}")
+    assert not crowded, crowded
+
+
 def test_strict_validation_rejects_a_misspelt_field(rendered):
     pair = k8s.named(rendered["gpu-fpga"], "StatefulSet", "hybridserve-pair")
     broken = yaml.safe_load(yaml.safe_dump(pair))

@@ -32,12 +32,15 @@ def test_top_k_never_samples_outside_the_k_best():
     assert {s.sample(logits) for _ in range(300)} == {7, 8, 9}
 
 
-def test_advance_skips_exactly_one_draw():
+def test_a_tokens_randomness_is_keyed_by_seed_choice_and_position_only():
     logits = np.random.default_rng(1).normal(size=50).astype(np.float32)
     a, b = Sampler(SamplingParams(seed=9)), Sampler(SamplingParams(seed=9))
-    a.sample(logits)
-    b.advance()
-    assert [a.sample(logits) for _ in range(20)] == [b.sample(logits) for _ in range(20)]
+    first = [a.sample(logits, position=p) for p in range(10, 30)]
+    # another sampler (another engine, or a migrated continuation) starting mid-way draws the same
+    assert [b.sample(logits, position=p) for p in range(20, 30)] == first[10:]
+    other_choice = Sampler(SamplingParams(seed=9), stream=1)
+    assert [other_choice.sample(logits, position=p) for p in range(10, 30)] != first
+    assert [Sampler(SamplingParams(seed=10)).sample(logits, position=p) for p in range(10, 30)] != first
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"temperature": -1}, {"temperature": 2.5},

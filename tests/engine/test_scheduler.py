@@ -350,3 +350,18 @@ def test_a_remote_sequence_may_finish_on_its_first_token():
     seq = s.activate_remote(1, 3)
     assert seq.status is RequestState.FINISHED_LENGTH
     assert s.block_manager.num_free_blocks == 4 and not s.has_unfinished()
+
+
+def test_a_prompt_wanting_every_rows_logits_is_recomputed_in_chunks_of_the_logit_rows():
+    s = make_scheduler(budget=16, prompt_logit_rows=6)
+    s.add(make_seq(1, 12, first_token=100))
+    while s.has_unfinished():  # its blocks enter the prefix cache
+        step(s)
+    s.add(make_seq(2, 12, first_token=100, all_logits=True))
+    s.add(make_seq(3, 12, first_token=100))  # the same prompt, as usual: from the cache
+    out, _ = step(s)
+    by_seq = {c.seq_id: c for c in out.prefills}
+    assert (by_seq[2].start, by_seq[2].num_tokens, by_seq[2].all_logits) == (0, 6, True)  # nothing cached
+    assert by_seq[3].start == 8 and not by_seq[3].all_logits  # two cached blocks
+    out, _ = step(s)
+    assert [(c.seq_id, c.start, c.num_tokens, c.samples) for c in out.prefills] == [(2, 6, 6, True)]

@@ -33,9 +33,9 @@ def wait_calibrated(url: str, timeout: float = 240.0) -> None:
 
 
 @pytest.fixture(scope="package")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("stack")
-    prefill, decode = engine_pair(tmp, PREFILL_ENV, DECODE_ENV)
+    prefill, decode = engine_pair(tmp, PREFILL_ENV, DECODE_ENV, profile_cache)
     gateway = start_gateway(tmp, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY, "HYBRIDSERVE_MAX_BODY_BYTES": "200000"})
     try:
         # start-up (model load, profile sweep) takes minutes when other work holds the two cores

@@ -88,7 +88,7 @@ def test_models_and_health(stack, client):
 ERROR_CASES = [
     # (what, request kwargs for httpx, status, error code)
     ("bad temperature", {"json": {"model": MODEL, "prompt": "x", "temperature": 5}}, 400, "invalid_value"),
-    ("n > 1", {"json": {"model": MODEL, "prompt": "x", "n": 2}}, 400, "invalid_value"),
+    ("n above 16", {"json": {"model": MODEL, "prompt": "x", "n": 17}}, 400, "invalid_value"),
     ("five stops", {"json": {"model": MODEL, "prompt": "x", "stop": list("abcde")}}, 400, "invalid_value"),
     ("malformed JSON", {"content": b'{"model": ', "headers": {"Content-Type": "application/json"}}, 400,
      "invalid_json"),

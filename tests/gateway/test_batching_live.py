@@ -66,12 +66,13 @@ def wait_idle(service, timeout: float = 60.0) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def batching_stack(tmp_path_factory):
+def batching_stack(tmp_path_factory, profile_cache):
     """A stack of its own with the batching defaults (the package's stack batches only two gpu-mode
     requests, for its 429 test), on small KV pools."""
     tmp = tmp_path_factory.mktemp("batching")
     prefill, decode = engine_pair(tmp, {"HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256"},
-                                  {"HYBRIDSERVE_DECODE_KV_CACHE_MB": "256", "HYBRIDSERVE_DECODE_MAX_CONTEXT": "2048"})
+                                  {"HYBRIDSERVE_DECODE_KV_CACHE_MB": "256", "HYBRIDSERVE_DECODE_MAX_CONTEXT": "2048"},
+                                  profile_cache)
     gateway = start_gateway(tmp, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY})
     try:
         prefill.wait_healthy(timeout=420)

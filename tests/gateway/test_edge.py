@@ -152,6 +152,18 @@ def test_the_document_declares_every_error_in_the_error_shape(edge):
     assert "401" in doc["paths"]["/metrics"]["get"]["responses"]
 
 
+def test_the_document_declares_the_logprobs_and_sampling_controls(edge):
+    doc = httpx.get(edge["url"] + "/openapi.json", headers=AUTH, timeout=30).json()
+    schemas = doc["components"]["schemas"]
+    controls = {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                "stop_token_ids", "logprobs"}
+    assert controls <= set(schemas["CompletionRequest"]["properties"])
+    assert controls | {"top_logprobs"} <= set(schemas["ChatCompletionRequest"]["properties"])
+    completion_logprobs = set(schemas["CompletionLogprobs"]["properties"])
+    assert {"tokens", "token_logprobs", "top_logprobs", "text_offset"} <= completion_logprobs
+    assert {"token", "logprob", "bytes", "top_logprobs"} <= set(schemas["ChatTokenLogprob"]["properties"])
+
+
 # ---- validation: 400 naming the parameter, never 500, never ignored ------------------------
 def completion(**kw):
     return {"model": MODEL, "prompt": "hi", "max_tokens": 2, **kw}
@@ -184,22 +196,49 @@ BAD = [
      "invalid_value"),
     ("a part that is not an object", "/v1/chat/completions",
      chat(messages=[{"role": "user", "content": ["hi"]}]), "messages.0.content.0", "invalid_value"),
-    ("logprobs", "/v1/completions", completion(logprobs=1), "logprobs", "unsupported_parameter"),
-    ("chat logprobs", "/v1/chat/completions", chat(logprobs=True), "logprobs", "unsupported_parameter"),
-    ("top_logprobs", "/v1/chat/completions", chat(top_logprobs=3), "top_logprobs", "unsupported_parameter"),
-    ("best_of", "/v1/completions", completion(best_of=2), "best_of", "invalid_value"),
+    ("null user content", "/v1/chat/completions", chat(messages=[{"role": "user", "content": None}]),
+     "messages.0.content", "invalid_value"),
+    ("absent system content", "/v1/chat/completions", chat(messages=[{"role": "system"}, {"role": "user",
+                                                                                         "content": "hi"}]),
+     "messages.0.content", "invalid_value"),
+    ("null assistant content without tool calls", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]),
+     "messages.1.content", "invalid_value"),
+    ("max_tokens 0 without echo", "/v1/completions", completion(max_tokens=0), "max_tokens", "invalid_value"),
+    ("a batch of prompts", "/v1/completions", completion(prompt=["a", "b"]), "prompt", "unsupported_parameter"),
+    ("logprobs above 20", "/v1/completions", completion(logprobs=21), "logprobs", "invalid_value"),
+    ("negative logprobs", "/v1/completions", completion(logprobs=-1), "logprobs", "invalid_value"),
+    ("top_logprobs above 20", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs",
+     "invalid_value"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", chat(top_logprobs=3), "top_logprobs",
+     "invalid_value"),
+    ("best_of below n", "/v1/completions", completion(best_of=2, n=3), "best_of", "invalid_value"),
+    ("best_of above n streamed", "/v1/completions", completion(best_of=3, n=2, stream=True), "best_of",
+     "invalid_value"),
+    ("best_of above 16", "/v1/completions", completion(best_of=17), "best_of", "invalid_value"),
     ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "unsupported_parameter"),
     ("tool_choice", "/v1/chat/completions", chat(tool_choice="auto"), "tool_choice", "unsupported_parameter"),
     ("functions", "/v1/chat/completions", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
-    ("frequency_penalty", "/v1/completions", completion(frequency_penalty=0.5), "frequency_penalty",
-     "unsupported_parameter"),
-    ("presence_penalty", "/v1/chat/completions", chat(presence_penalty=-1), "presence_penalty",
-     "unsupported_parameter"),
-    ("logit_bias", "/v1/completions", completion(logit_bias={"50256": -100}), "logit_bias", "unsupported_parameter"),
+    ("frequency_penalty above 2", "/v1/completions", completion(frequency_penalty=2.5), "frequency_penalty",
+     "invalid_value"),
+    ("presence_penalty below -2", "/v1/chat/completions", chat(presence_penalty=-3), "presence_penalty",
+     "invalid_value"),
+    ("repetition_penalty 0", "/v1/completions", completion(repetition_penalty=0), "repetition_penalty",
+     "invalid_value"),
+    ("logit_bias key not a token id", "/v1/completions", completion(logit_bias={"hello": 1}), "logit_bias",
+     "invalid_value"),
+    ("logit_bias above 100", "/v1/completions", completion(logit_bias={"50": 101}), "logit_bias",
+     "invalid_value"),
+    ("logit_bias past the vocabulary", "/v1/completions", completion(logit_bias={"49152": 1}), "logit_bias",
+     "invalid_value"),
+    ("negative min_tokens", "/v1/completions", completion(min_tokens=-1), "min_tokens", "invalid_value"),
+    ("stop_token_ids not ids", "/v1/completions", completion(stop_token_ids=[-1]), "stop_token_ids.0",
+     "invalid_value"),
     ("response_format json", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
      "response_format", "unsupported_parameter"),
-    ("n > 1", "/v1/chat/completions", chat(n=3), "n", "invalid_value"),
+    ("n above 16", "/v1/chat/completions", chat(n=17), "n", "invalid_value"),
+    ("n 0", "/v1/completions", completion(n=0), "n", "invalid_value"),
 ]
 
 
@@ -227,13 +266,21 @@ def test_non_finite_numbers_are_400(edge, field, literal):
 def test_what_asks_for_nothing_unsupported_is_accepted(edge):
     # defaults that OpenAI's clients send: they reach the dispatcher (503: no engine here), not a 400
     for path, body in (("/v1/completions", completion(logprobs=None, best_of=1, frequency_penalty=0, logit_bias={},
-                                                      suffix=None, echo=False)),
+                                                      suffix=None, echo=False, presence_penalty=None)),
+                       ("/v1/completions", completion(prompt=[[1, 2, 3]], echo=True, max_tokens=0, logprobs=1)),
+                       ("/v1/completions", completion(prompt=["a batch of one"])),
                        ("/v1/chat/completions", chat(logprobs=False, tools=[], tool_choice="none", presence_penalty=0.0,
                                                      response_format={"type": "text"},
                                                      messages=[{"role": "user", "content": [{"type": "text",
                                                                                              "text": "hi"}]}]))):
         r = post(edge, path, body)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+    # the one message OpenAI lets have null content: an assistant turn that called tools
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = post(edge, "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"},
+                                                          {"role": "assistant", "content": None, "tool_calls": calls},
+                                                          {"role": "user", "content": "and?"}]))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
 
 
 # ---- tokenizing off the event loop ---------------------------------------------------------

@@ -17,11 +17,11 @@ from tests.services_harness import engine_pair, start_gateway, wait_http_ok
 
 
 @pytest.fixture(scope="module")
-def own_stack(tmp_path_factory):
+def own_stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("engine_failure")
     prefill, decode = engine_pair(tmp, {PrefillSettings.env_name("arena_bytes"): str(32 << 20)},
                                   {DecodeSettings.env_name("max_context"): "1024",
-                                   DecodeSettings.env_name("max_sequences"): "2"})
+                                   DecodeSettings.env_name("max_sequences"): "2"}, profile_cache)
     gateway = start_gateway(tmp, prefill, decode)
     try:
         # start-up (model load, kernel build) takes minutes when other work holds the two cores

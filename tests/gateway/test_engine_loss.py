@@ -34,11 +34,11 @@ KILL_AFTER = 8
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("engine_loss")
     prefill, decode = engine_pair(tmp, {PrefillSettings.env_name("arena_bytes"): str(32 << 20)},
                                   {DecodeSettings.env_name("max_context"): "1024",
-                                   DecodeSettings.env_name("max_sequences"): "2"})
+                                   DecodeSettings.env_name("max_sequences"): "2"}, profile_cache)
     gateway = start_gateway(tmp, prefill, decode)
     try:
         # start-up (model load, kernel build) takes minutes when other work holds the two cores
@@ -121,7 +121,9 @@ def test_sigterm_drains_the_gateway_and_the_stream_in_flight_finishes(stack):
 
         def long_stream():
             try:
-                result["events"] = stream_events({**stack, "url": url}, body(stack, "gpu", True, max_tokens=400),
+                # fpga mode: its decode steps are the quickest here (gpu mode's took ~60 s for the 400
+                # tokens on a busy machine); 400 of them still outlast the checks below many times over
+                result["events"] = stream_events({**stack, "url": url}, body(stack, "fpga", True, max_tokens=400),
                                                  on_chunk=lambda n: first_chunk.set())
             except Exception as exc:  # noqa: BLE001 - the assertion below reports it
                 result["error"] = exc

@@ -1,6 +1,7 @@
 """The whole stack started with a wrong cached profile (OpenCL decode 50x too slow, as a busy
-machine once recorded it): within ten auto requests the router picks the mode that forced runs
-show fastest. Real engines and gateway on loopback; runs under the heavy lock (slow)."""
+machine once recorded it, or slower where that would not put it far behind gpu mode): within ten
+auto requests the router picks the mode that forced runs show fastest. Real engines and gateway on
+loopback; runs under the heavy lock (slow)."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from services.engine.profile_cache import cache_path
+from services.gateway.router import Router
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from tests.gateway.conftest import API_KEY, DECODE_ENV, MODEL, wait_calibrated
@@ -28,11 +30,20 @@ def profile_of(service: Service) -> list[dict]:
             for s in reply.samples]
 
 
-def plant_wrong_profile(tmp_path, decode: Service) -> list[dict]:
-    """decode_fpga's own profile, with every decode time 50x, where its next start will read it."""
+def decode_s_per_token(samples: list[dict]) -> float:
+    return statistics.median(s["seconds"] / s["n_out"] for s in samples if s["stage"] == "decode")
+
+
+def plant_wrong_profile(tmp_path, decode: Service, gpu_samples: list[dict]) -> list[dict]:
+    """decode_fpga's own profile, with every decode time at least 50x, where its next start will read it.
+
+    At least 10x slower per token than gpu mode's decode measured here too, so that, on any machine,
+    the wrong profile ranks gpu first by far at this cell (50x alone did not where gpu mode's decode
+    was slow for the machine)."""
     samples = profile_of(decode)  # measures (and caches, on a quiet machine) under its real key
     key = re.search(r"running the start-up sweep \((.+)\)$", decode.log_path.read_text(), re.M).group(1)
-    wrong = [dict(s, seconds=50 * s["seconds"]) if s["stage"] == "decode" else s
+    factor = max(50.0, 10 * decode_s_per_token(gpu_samples) / decode_s_per_token(samples))
+    wrong = [dict(s, seconds=factor * s["seconds"]) if s["stage"] == "decode" else s
              for s in samples if s["stage"] != "handoff"]
     cache_path(str(tmp_path / "profile"), key).write_text(json.dumps(wrong))
     return wrong
@@ -64,22 +75,31 @@ def test_a_50x_wrong_cached_profile_is_corrected_within_ten_requests(tmp_path):
     try:
         prefill.wait_healthy(timeout=420)
         decode.wait_healthy(timeout=420)
-        wrong = plant_wrong_profile(tmp_path, decode)
+        gpu_profile = profile_of(prefill)
+        wrong = plant_wrong_profile(tmp_path, decode, gpu_profile)
         decode.stop()
         decode = Service("services.decode_fpga", {**decode.env}, tmp_path / "decode_again.log").start()
         decode.wait_healthy(timeout=420)
         # served as planted, unless a start-up probe caught it (then the router starts right)
-        planted = same_samples([s for s in profile_of(decode) if s["stage"] != "handoff"], wrong)
+        served = profile_of(decode)
+        planted = same_samples([s for s in served if s["stage"] != "handoff"], wrong)
+        if planted:
+            # the router the gateway builds from these profiles believes hybrid and fpga far slower than
+            # gpu here: asked of the router itself, before the gateway's calibration check (which may
+            # correct it before the first request, on a busy machine) and whatever the machine's speed
+            believed = Router(gpu_profile + served, explore_share=0.0).estimates(N_IN, N_OUT)
+            assert min(believed["hybrid"], believed["fpga"]) > 2 * believed["gpu"], believed
         gateway = start_gateway(tmp_path, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY})
         wait_http_ok(gateway)
         url = f"http://127.0.0.1:{gateway.port}"
         wait_calibrated(url)
         auto = [complete(url, "auto") for _ in range(10)]
-        if planted:  # the wrong profile did reach the router: at first it thought hybrid far slower than gpu
-            assert auto[0]["estimates"]["hybrid"] > 2 * auto[0]["estimates"]["gpu"], auto[0]
         forced = {m: statistics.median(complete(url, m)["timings"]["e2e_s"] for _ in range(3))
                   for m in ("gpu", "fpga", "hybrid")}
         fastest = min(forced, key=forced.get)
+        if forced["gpu"] <= 1.1 * forced[fastest]:
+            pytest.skip(f"gpu mode, the wrong profile's choice, is (near) the fastest here: nothing to correct "
+                        f"({forced})")
         ran = [a["mode"] for a in auto]
         # the forced-fastest mode, or one the forced runs put within 10% of it (fpga and hybrid tie
         # within a few percent at this cell, and which is ahead changes from run to run)

@@ -32,8 +32,8 @@ def generate(stub, prompt, mode, max_tokens=8) -> list[int]:
                                        timeout=180) for t in msg.token_ids]
 
 
-def test_hybrid_after_prefill_restart_gives_a_fresh_stacks_tokens(tmp_path):
-    prefill, decode = engine_pair(tmp_path, PREFILL_ENV, DECODE_ENV)
+def test_hybrid_after_prefill_restart_gives_a_fresh_stacks_tokens(tmp_path, profile_cache):
+    prefill, decode = engine_pair(tmp_path, PREFILL_ENV, DECODE_ENV, profile_cache)
     try:
         prefill.wait_healthy(timeout=300)
         decode.wait_healthy(timeout=300)

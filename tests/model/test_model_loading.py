@@ -57,8 +57,8 @@ def test_directory_without_config_is_refused(tmp_path):
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon"}))
+    with pytest.raises(CheckpointError, match="model_type 'falcon' is not supported"):
         read_config(locate(tmp_path))
 
 

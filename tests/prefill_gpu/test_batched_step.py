@@ -198,7 +198,9 @@ def test_pool_is_sized_from_the_budget(engine, model_config):
     c = model_config
     bytes_per_block = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * engine.block_size
     assert engine.num_blocks == (64 << 20) // bytes_per_block
-    assert engine.kv_pool.nbytes == engine.num_blocks * bytes_per_block
+    # and one scratch block no sequence gets, for the padding rows of fixed-shape (CUDA graph) steps
+    assert engine.kv_pool.nbytes == (engine.num_blocks + 1) * bytes_per_block
+    assert engine.kv_pool.scratch_block == engine.num_blocks
 
 
 @pytest.mark.slow

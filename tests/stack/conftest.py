@@ -19,8 +19,8 @@ DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "1024", "HYBRIDSERVE_MAX_SEQUENCES": "4
 
 
 @pytest.fixture(scope="package")
-def services(tmp_path_factory):
-    prefill, decode = engine_pair(tmp_path_factory.mktemp("engines"), PREFILL_ENV, DECODE_ENV)
+def services(tmp_path_factory, profile_cache):
+    prefill, decode = engine_pair(tmp_path_factory.mktemp("engines"), PREFILL_ENV, DECODE_ENV, profile_cache)
     try:
         prefill.wait_healthy()
         decode.wait_healthy()

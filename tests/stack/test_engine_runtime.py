@@ -302,3 +302,18 @@ def test_a_failed_prefill_is_internal_on_both_engines_never_unavailable(torch_en
     assert hybrid.value.code() == grpc.StatusCode.INTERNAL
     assert hybrid.value.details() == "internal error in decode_fpga (request rq-2); see its log"
     assert arena.slots_in_use == 0 and all_free(decode) and all_free(broken)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "hybrid"])
+def test_n_choices_cost_one_prefill_the_others_start_from_its_cached_blocks(prefill, decode, model_config, mode):
+    runtime = prefill if mode == "gpu" else decode
+    prompt = random_prompt(40, model_config.vocab_size, seed=901 if mode == "gpu" else 902)  # never seen before
+    bm = runtime.loop.scheduler.block_manager
+    hits = bm.num_hit_tokens
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=3, ignore_eos=True, n=4)
+    events = list(runtime.generate(EngineRequest(tuple(prompt), params, mode), Cancellation()))
+    assert sorted(ev.index for ev in events if ev.finish_reason) == [0, 1, 2, 3]
+    assert len(events) == 12
+    full = len(prompt) // bm.block_size * bm.block_size
+    assert bm.num_hit_tokens - hits == 3 * full  # choices 1..3 took choice 0's full blocks
+    assert all_free(runtime)

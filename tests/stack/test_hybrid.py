@@ -66,12 +66,18 @@ def test_seeded_sampling_continues_identically_across_the_handoff(stubs):
 
 
 @pytest.mark.slow
-def test_300_sequential_and_30_concurrent_leave_no_slot(services, stubs):
+def test_sequential_requests_worth_twice_the_arena_and_30_concurrent_leave_no_slot(services, stubs):
+    """Leaked slots would fill the arena: the sequential requests need twice its bytes. It was 300
+    requests of 3 tokens (1.2x the arena's bytes, 93 s on a fresh machine); 12 of 128 tokens need
+    more of it in a fraction of the time. Distinct prompts: a prefix-cache hit would hand over less."""
     prefill, _ = services
     _, dec = stubs
-    for i in range(300):
-        toks, last = generate(dec, [5 + i % 50, 7, 9], pb.MODE_HYBRID, 1)
-        assert len(toks) == 1
+    n_in = 128
+    slot_bytes = 30 * 2 * 3 * n_in * 64 * 4  # layers x (k, v) x kv heads x tokens x head dim x fp32
+    requests = 2 * int(PREFILL_ENV["HYBRIDSERVE_ARENA_BYTES"]) // slot_bytes + 1
+    for i in range(requests):
+        toks, last = generate(dec, random_prompt(n_in, VOCAB, seed=5000 + i), pb.MODE_HYBRID, 1)
+        assert len(toks) == 1 and last.timings.handoff_bytes == slot_bytes
     # the last call's slot is freed when prefill_gpu sees decode end the call: a moment after the reply
     assert wait_for_zero_slots(prefill, 2.0) == 0
     with ThreadPoolExecutor(30) as pool:

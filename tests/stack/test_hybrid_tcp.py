@@ -22,6 +22,7 @@ import pytest
 
 from harness.process import ROOT
 from services.decode_fpga.settings import DecodeSettings
+from services.lifetime import launch_env
 from services.prefill_gpu.settings import PrefillSettings
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
@@ -43,7 +44,8 @@ class OwnShmService(Service):
         self._log = open(self.log_path, "w")
         script = 'mount -t tmpfs -o size=128m hybridserve-own-shm /dev/shm && exec "$0" -m "$1"'
         self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script,
-                                      sys.executable, self.module], cwd=ROOT, env={**os.environ, **self.env},
+                                      sys.executable, self.module], cwd=ROOT,
+                                     env={**os.environ, **self.env, **launch_env()},
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

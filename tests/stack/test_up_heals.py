@@ -1,9 +1,10 @@
 """`hybridserve up` keeps the stack running: real processes on free ports, an engine SIGKILLed.
 
-Before, `up` stopped all three processes when one exited. Now the dead engine is started
-again (counted on `up`'s metrics port), the gateway serves a hybrid completion through it,
-and SIGTERM stops every child with nothing left behind. The stack runs with a shared engine
-token: the hybrid completion also shows that the gateway and decode_fpga send it.
+Before, `up` stopped all three processes when one exited. Now the gateway SIGKILLed while `up` waits
+for the router's calibration is started again, and `up` still says when the stack is up; a dead
+engine is started again (counted on `up`'s metrics port), the gateway serves a hybrid completion
+through it, and SIGTERM stops every child with nothing left behind. The stack runs with a shared
+engine token: the hybrid completion also shows that the gateway and decode_fpga send it.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from harness.stack import start_stack
+from harness.stack import launch_stack
 from services.decode_fpga.settings import DecodeSettings
 from services.kv.arena import SHM_DIR
 from services.prefill_gpu.settings import PrefillSettings
@@ -89,12 +90,19 @@ def test_a_killed_engine_comes_back_and_sigterm_leaves_nothing(tmp_path):
            "HYBRIDSERVE_PROFILE_CACHE": str(tmp_path / "profile"), UpSettings.env_name("restart_backoff_s"): "0.5",
            PrefillSettings.env_name("arena_bytes"): str(32 << 20),
            DecodeSettings.env_name("max_context"): "512", DecodeSettings.env_name("max_sequences"): "2"}
-    stack = start_stack(tmp_path / "up.log", env, timeout=600)
-    up_pid = stack.process.proc.pid
     log = tmp_path / "up.log"
+    stack = launch_stack(log, env)
+    up_pid = stack.process.proc.pid
     try:
-        # supervision starts once `up` itself has seen the stack healthy and said so
-        wait_for(lambda: "hybridserve is up" in log.read_text(), "`up` saying the stack is up", 60)
+        # the gateway SIGKILLed while `up` waits for the router's calibration (the engines' first
+        # profile sweeps): `up` starts it again and says the stack is up once it is, where it used to
+        # die on its ready announcement (URLError) and take the stack down
+        stack.process.wait_until(lambda: "calibrating the router" in log.read_text(), 600,
+                                 "waiting for the router's calibration", interval=0.1)
+        assert "hybridserve is up" not in log.read_text()
+        os.kill(children_of(up_pid)["services.gateway"], signal.SIGKILL)
+        stack.wait_up(600)
+        assert "gateway exited (killed by SIGKILL)" in log.read_text() and "Traceback" not in log.read_text()
         first = children_of(up_pid)
         assert set(first) == {"services.prefill_gpu", "services.decode_fpga", "services.gateway"}
         with engine_channel(stack.prefill_address, TOKEN) as ch:

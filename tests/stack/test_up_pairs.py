@@ -5,7 +5,9 @@ Checked: both pairs serve (the gateway's per-pair counter and each response's pa
 decode engine is gone, every request still ends with all its tokens, the same greedy text as
 every other (nothing lost, nothing twice), the lost pair's requests having moved to the other
 pair; a wave sent after the kill is carried by the other pair; the supervisor starts the dead
-engine again and the gateway takes the pair back.
+engine again and the gateway takes the pair back. Then `up` is SIGKILLed: its five children stop on
+their own (services/lifetime.py), free every port and remove both KV arenas from /dev/shm (SIGTERM
+to `up`, the orderly way, is tested in test_up_heals.py).
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import urllib.request
 
 import pytest
 
+from harness.process import listening
 from harness.stack import start_stack
 from services.decode_fpga.settings import DecodeSettings
+from services.kv.arena import SHM_DIR
 from services.prefill_gpu.settings import PrefillSettings
 from services.stack import UpSettings
 from tests.stack.test_up_heals import alive, http_json, module_children, wait_for
@@ -99,8 +103,10 @@ def load(url: str, model: str, n: int, modes=("hybrid", "fpga")) -> tuple[list[C
 
 
 @pytest.mark.slow
-def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_path):
-    env = {"HYBRIDSERVE_PROFILE_AT_START": "false", "HYBRIDSERVE_PROFILE_CACHE": str(tmp_path / "profile"),
+def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_path, profile_cache):
+    # the live stacks' shared profile cache: where an earlier stack's sweeps were quiet enough to be
+    # cached, these four engines only probe them instead of sweeping in turn
+    env = {"HYBRIDSERVE_PROFILE_AT_START": "false", "HYBRIDSERVE_PROFILE_CACHE": str(profile_cache),
            UpSettings.env_name("restart_backoff_s"): "0.5",
            PrefillSettings.env_name("arena_bytes"): str(32 << 20),
            PrefillSettings.env_name("kv_cache_mb"): "128", DecodeSettings.env_name("kv_cache_mb"): "128",
@@ -154,9 +160,20 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
         assert "decode_fpga.1 exited (killed by SIGKILL)" in log.read_text()
     finally:
         pids = _children(up_pid)
-        stack.stop()
-    assert stack.process.proc.returncode == 0 and len(pids) == 5  # two pairs and the gateway
-    assert not any(alive(p) for p in pids)
+        arenas = re.findall(r"\[prefill_gpu\.\d\] .*KV arena (\S+): \d+ MiB", log.read_text())
+        os.kill(up_pid, signal.SIGKILL)  # as a time limit or the OOM killer would: no chance to stop its children
+        stack.process.stop()
+        try:
+            wait_for(lambda: not any(alive(p) for p in pids), "`up`'s children gone after `up` was SIGKILLed", 60)
+        finally:
+            for p in pids:
+                if alive(p):
+                    os.kill(p, signal.SIGKILL)
+    assert len(pids) == 5 and len(arenas) == 2  # two pairs and the gateway; each prefill_gpu's arena
+    assert not any((SHM_DIR / name).exists() for name in arenas)
+    ports = [stack.pair_port(name, pair) for pair in (0, 1)
+             for name in ("prefill", "prefill_metrics", "decode", "decode_metrics")]
+    assert not [port for port in [*ports, stack.ports["gateway"]] if listening(port)]
 
 
 TURN = ("Once upon a time there was a small robot who lived in a lighthouse by the sea. Every night it "

@@ -103,5 +103,5 @@ __kernel void rope_attention_decode(__global const float *qkv, __global const in
     k_base += g * head_stride;
     v_base += g * head_stride;
     attend_decode(qkv, r, kv_head0 + g, j, pos[r], rope_cs, scale, k_chan + k_base + slots[r] * k_stride,
-                  v_chan + v_base + slots[r] * v_stride, out, out_sums);
+                  v_chan + v_base + slots[r] * v_stride, out, out_sums, 0, 0.0f);
 }

@@ -99,14 +99,28 @@ inline void store_head(hvec *acc, const float denom, const int r, const int h, _
 #endif
 }
 
+// The per-head RMSNorm of arch_ops.cl's head_rms_norm (Qwen3's q_norm / k_norm) on a head vector in
+// private memory, with its expression, so a head normalized here and one normalized by that launch
+// are the same bits.
+inline void head_norm_private(float *v, __global const float *w, const float eps)
+{
+    float4 acc = (float4)(0.0f);
+    for (int i = 0; i < HEAD_DIM / 4; ++i) { const float4 x = vload4(i, v); acc = fma(x, x, acc); }
+    const float scale = rsqrt((acc.x + acc.y + acc.z + acc.w) / HEAD_DIM + eps);
+    for (int i = 0; i < HEAD_DIM / 4; ++i) vstore4(vload4(i, w) * (vload4(i, v) * scale), i, v);
+}
+
 // Query head h (kv head kv_head, j-th of its group) of row r at position p: RoPE of its query and
 // of the kv head's new key in registers; when j == 0 the new K and V are stored at p. Positions
 // before p are read from the cache (K, V: the slot's planes), the new one from registers, so no
 // work-item reads what another writes; the new position's weight joins the sums last. Writes
-// out[r, h] and its block sums (store_head).
+// out[r, h] and its block sums (store_head). qk_w: when not 0, the layer's q_norm | k_norm weights
+// [2 HEAD_DIM], applied to the query and the key before RoPE (decode_layers.cl; a launch of its own,
+// head_rms_norm, does it in the launch-by-launch path, which passes 0).
 inline void attend_decode(__global const float *qkv, const int r, const int kv_head, const int j, const int p,
                           __global const float *rope_cs, const float scale, __global float *K, __global float *V,
-                          __global float *out, __global float *out_sums)
+                          __global float *out, __global float *out_sums, __global const float *qk_w,
+                          const float qk_eps)
 {
     const int h = kv_head * GROUP + j;
     __global const float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
@@ -115,6 +129,10 @@ inline void attend_decode(__global const float *qkv, const int r, const int kv_h
     for (int i = 0; i < HEAD_DIM; ++i) {
         qf[i] = row[h * HEAD_DIM + i];
         kf[i] = row[Q_DIM + kv_head * HEAD_DIM + i];
+    }
+    if (qk_w) {
+        head_norm_private(qf, qk_w, qk_eps);
+        head_norm_private(kf, qk_w + HEAD_DIM, qk_eps);
     }
     rope(qf, p, rope_cs);
     rope(kf, p, rope_cs);

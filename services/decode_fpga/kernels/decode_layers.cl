@@ -28,6 +28,13 @@
 // sets sync[0] and every work-group returns; the host then redoes the step launch by launch
 // (engine.py), and counts it when it chooses how the next steps run (one_launch_choice.py).
 //
+// With -DQKV_BIAS (Qwen2's q/k/v biases) the kernel takes one more argument, qkv_bias: every layer's
+// [QKV_ROWS] biases one after the other, added by each work-group to its rows of q|k|v right after
+// its GEMV, as arch_ops.cl's add_bias adds them after the launch-by-launch GEMV: the same bits.
+// With -DQK_NORM (Qwen3's per-head q/k RMSNorm) it takes qk_norm (after qkv_bias when both): every
+// layer's q_norm | k_norm [2 HEAD_DIM], applied in phase 2 by attend_decode to each head before RoPE,
+// with head_rms_norm's expression (the launches' bits).
+//
 // Defines: QFMT_SET (a bit per block format the layers hold, quant_gemv.py's QFMT_BITS: the GEMV
 // of each format is compiled in once and chosen per matrix), HIDDEN, FF, HEAD_DIM, GROUP, Q_DIM,
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
@@ -107,6 +114,12 @@ inline bool all_arrived(__global int *sync, const int n, long *spun)
 #define F16(k) ((__global const half *)(w + tab[k]))
 #define U8(k) (w + tab[k])
 
+#ifdef QK_NORM
+#define QK_W(layer) (qk_norm + (size_t)(layer) * 2 * HEAD_DIM)
+#else
+#define QK_W(layer) 0
+#endif
+
 #ifdef BLOCK_SIZE
 // pool: [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM], layer_elems floats a layer;
 // row 0 is sequence seq_of_row[0] (its table: block_tables[seq_of_row[0]][0:max_blocks]) at pos[0]
@@ -117,12 +130,19 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
                                   __global const int *seq_of_row, __global const int *pos,
                                   __global const float *rope_cs, const float scale, __global float *pool,
                                   const long layer_elems, __global const int *block_tables, const int max_blocks,
-                                  __global int *sync)
+                                  __global int *sync
+#ifdef QKV_BIAS
+                                  , __global const float *qkv_bias
+#endif
+#ifdef QK_NORM
+                                  , __global const float *qk_norm
+#endif
+                                  )
 {
     __global const int *seq_table = block_tables + (size_t)seq_of_row[0] * max_blocks;
 #define ATTEND_HEAD(h) paged_attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,             \
                                            pool + layer * layer_elems + ((h) / GROUP) * BLOCK_ELEMS,       \
-                                           seq_table, attn, attn_sums)
+                                           seq_table, attn, attn_sums, QK_W(layer), eps)
 #else
 __kernel void decode_layers(__global float *x, __global const uchar *w, __global const int *table,
                             __global const long *kv_bases, const int n_layers, const float eps,
@@ -130,13 +150,20 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
                             __global float *gu, __global float *act, __global float *act_sums,
                             __global const int *slots, __global const int *pos, __global const float *rope_cs,
                             const float scale, __global float *kv_chan, const long slot_stride,
-                            const long head_stride, __global int *sync)
+                            const long head_stride, __global int *sync
+#ifdef QKV_BIAS
+                            , __global const float *qkv_bias
+#endif
+#ifdef QK_NORM
+                            , __global const float *qk_norm
+#endif
+                            )
 {
     const int slot = slots[0];
 #define ATTEND_HEAD(h) attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,                    \
                                      kv_chan + kv_bases[2 * layer] + ((h) / GROUP) * head_stride + slot * slot_stride, \
                                      kv_chan + kv_bases[2 * layer + 1] + ((h) / GROUP) * head_stride + slot * slot_stride, \
-                                     attn, attn_sums)
+                                     attn, attn_sums, QK_W(layer), eps)
 #endif
     __local float xl[XL], xsl[XL / 32];  // the current phase's input vector and its block sums
     const int p = pos[0];
@@ -150,6 +177,14 @@ __kernel void decode_layers(__global float *x, __global const uchar *w, __global
         // 1. attention RMSNorm, q|k|v
         RMS_NORM_ROW(xl, xsl, x, F32(0), eps, HIDDEN);
         GEMV_ROWS(tab[14], QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), xl, xsl, qkv, 0);
+#ifdef QKV_BIAS
+        {  // this work-group's rows of GEMV_ROWS, their biases added
+            const int g_ = get_group_id(0), ng_ = get_num_groups(0);
+            __global const float *b_ = qkv_bias + (size_t)layer * QKV_ROWS;
+            for (int o = (int)(((long)QKV_ROWS * g_) / ng_); o < (int)(((long)QKV_ROWS * (g_ + 1)) / ng_); ++o)
+                qkv[o] += b_[o];
+        }
+#endif
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 2. RoPE, the KV write and attention, a query head at a time

@@ -106,5 +106,5 @@ __kernel void paged_rope_attention_decode(__global const float *qkv, __global co
 {
     const int r = get_global_id(0), g = get_global_id(1) / GROUP, j = get_global_id(1) % GROUP;
     paged_attend_decode(qkv, r, g, j, pos[r], rope_cs, scale, pool + layer_base + g * BLOCK_ELEMS,
-                        block_tables + (size_t)seq_of_row[r] * max_blocks, out, out_sums);
+                        block_tables + (size_t)seq_of_row[r] * max_blocks, out, out_sums, 0, 0.0f);
 }

@@ -85,12 +85,13 @@ inline float paged_weigh_values(const hvec *qv, __global const float *K, __globa
 }
 
 // attend_decode (attention_decode.h) through a block table: query head kv_head * GROUP + j of row
-// r at position p. RoPE of the query and the new key in registers; j == 0 stores the new K and V
+// r at position p (qk_w, qk_eps: attend_decode's). RoPE of the query and the new key in registers; j == 0 stores the new K and V
 // at p (its block must be in the table); positions [0, p) come from the pool, the new one from
 // registers and joins the sums last. K: the layer's base + kv_head * BLOCK_ELEMS.
 inline void paged_attend_decode(__global const float *qkv, const int r, const int kv_head, const int j, const int p,
                                 __global const float *rope_cs, const float scale, __global float *K,
-                                __global const int *table, __global float *out, __global float *out_sums)
+                                __global const int *table, __global float *out, __global float *out_sums,
+                                __global const float *qk_w, const float qk_eps)
 {
     const int h = kv_head * GROUP + j;
     __global const float *row = qkv + (size_t)r * (Q_DIM + 2 * KV_DIM);
@@ -99,6 +100,10 @@ inline void paged_attend_decode(__global const float *qkv, const int r, const in
     for (int i = 0; i < HEAD_DIM; ++i) {
         qf[i] = row[h * HEAD_DIM + i];
         kf[i] = row[Q_DIM + kv_head * HEAD_DIM + i];
+    }
+    if (qk_w) {  // (attend_decode's, see there)
+        head_norm_private(qf, qk_w, qk_eps);
+        head_norm_private(kf, qk_w + HEAD_DIM, qk_eps);
     }
     rope(qf, p, rope_cs);
     rope(kf, p, rope_cs);
