@@ -44,15 +44,7 @@
 
 #include "quant_blocks.h"
 
-// One part of a stacked output (stacked_matrix.py: q, k and v kept in their own formats, writing
-// one q|k|v): output row o of input row r goes to y[r * Y_STRIDE + Y_OFFSET + o]; by default the
-// matrix's own [n_rows, out_rows]
-#ifndef Y_OFFSET
-#define Y_OFFSET 0
-#endif
-#ifndef Y_STRIDE
-#define Y_STRIDE out_rows
-#endif
+#include "stacked_output.h"
 
 // the 32 weights of block b of a row (scales DROW, minimums MROW), dequantized: w0 = weights
 // 0..15, w1 = weights 16..31

@@ -13,15 +13,7 @@
 #define XAS __global
 #include "quant_blocks.h"
 
-// One part of a stacked output (stacked_matrix.py: q, k and v kept in their own formats, writing
-// one q|k|v): output row o of input row r goes to y[r * Y_STRIDE + Y_OFFSET + o]; by default the
-// matrix's own [n_rows, out_rows]
-#ifndef Y_OFFSET
-#define Y_OFFSET 0
-#endif
-#ifndef Y_STRIDE
-#define Y_STRIDE out_rows
-#endif
+#include "stacked_output.h"
 
 // the dequantized weight e (0..31) of a 5- or 6-bit block (quants QB, its scale D for weight e,
 // minimum M), gguf's value (quant_blocks.h)
