@@ -66,24 +66,29 @@ def test_engine_refuses_weights_of_another_format(ocl_engine, model_config, cl_d
 # ---- the GGUF assembly ----------------------------------------------------------------------
 def synthetic(name: str, qtype: str, rows: int, cols: int, seed: int) -> BlockTensor:
     w = np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
-    raw = quantize(w, gguf.GGMLQuantizationType[qtype.upper()]).reshape(rows, -1)
+    raw = quantize(w, gguf.GGMLQuantizationType[qtype.upper()]).view(np.uint8).reshape(rows, -1)
     return BlockTensor(name, qtype, rows, cols, raw)
 
 
-def test_a_stack_of_mixed_formats_comes_back_dense_with_ggufs_values():
+def test_mixed_block_formats_keep_their_parts_and_a_part_in_no_block_format_comes_back_dense():
     parts = {"attn_q": "q4_1", "attn_k": "q8_0", "attn_v": "q4_1", "attn_output": "q4_0", "ffn_gate": "q4_1",
              "ffn_up": "q4_1", "ffn_down": "q8_0"}
     blocks = {f"blk.0.{n}.weight": synthetic(n, q, 8, 64, seed) for seed, (n, q) in enumerate(parts.items())}
     layer = gguf_layer_tensors(blocks, 0)
-    want_qkv = np.concatenate([blocks[f"blk.0.{n}.weight"].dequantize() for n in ("attn_q", "attn_k", "attn_v")])
-    assert isinstance(layer["qkv"], np.ndarray) and layer["qkv"].dtype == np.float32
-    np.testing.assert_array_equal(layer["qkv"], want_qkv)
+    # every part has a device kernel: each is kept in its own format (stacked_matrix.py), nothing dense
+    assert layer["qkv"] == [blocks[f"blk.0.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v")]
     assert (layer["gate_up"].qtype, layer["gate_up"].rows) == ("q4_1", 16)
     assert layer["o"] is blocks["blk.0.attn_output.weight"] and layer["down"] is blocks["blk.0.ffn_down.weight"]
-    # only where the fallback is allowed (HYBRIDSERVE_DECODE_ALLOW_DENSE_FALLBACK); else refused, named
+    # a part in no block format (f16): dense with gguf's values, only where the fallback is allowed
+    # (HYBRIDSERVE_DECODE_ALLOW_DENSE_FALLBACK); else refused, named
     from services.model.checkpoint import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"layer 0: .*formats differ.*attn_q\|attn_k\|attn_v"):
+    blocks["blk.0.attn_v.weight"] = synthetic("attn_v", "f16", 8, 64, 2)
+    dense = gguf_layer_tensors(blocks, 0)["qkv"]
+    want_qkv = np.concatenate([blocks[f"blk.0.{n}.weight"].dequantize() for n in ("attn_q", "attn_k", "attn_v")])
+    assert isinstance(dense, np.ndarray) and dense.dtype == np.float32
+    np.testing.assert_array_equal(dense, want_qkv)
+    with pytest.raises(CheckpointError, match=r"layer 0: .*attn_q\|attn_k\|attn_v"):
         gguf_layer_tensors(blocks, 0, allow_dense_fallback=False)
 
 
