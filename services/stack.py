@@ -1,5 +1,8 @@
 """`hybridserve up`: the whole local stack (prefill_gpu, decode_fpga, gateway) from one command.
 
+(Just past 300 lines on purpose: the children's layout (pairs or pools), their settings and the
+start/heal/stop sequence are one command's; the supervision itself is supervisor.py.)
+
 Starts the three processes, relays their start-up progress (model load, kernel
 build, profiling), waits until the gateway's /health says both engines answer,
 and prints where to send requests. From then on it keeps them running

@@ -365,8 +365,9 @@ class EngineLoop:
             self.scheduler.update(out, {})
             return
         self.steps += 1
-        m.STEP_SECONDS.observe(time.perf_counter() - now)
-        self.scheduler.observe_step(out, time.perf_counter() - now)
+        seconds = time.perf_counter() - now
+        m.STEP_SECONDS.observe(seconds)
+        self.scheduler.observe_step(out, seconds)
         m.STEP_SEQUENCES.observe(len(out.chunks))
         m.STEP_TOKENS.observe(out.num_batched_tokens)
         if out.preempted:

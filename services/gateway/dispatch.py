@@ -1,5 +1,8 @@
 """From a routed request to an open engine call; retry and fallback are decided here and nowhere else.
 
+(Just past 300 lines on purpose: route, pair placement, the call and its retry and migration rules
+share one failed-set and one load count; split apart, each half would re-derive the other's state.)
+
 * Route (`Dispatcher.route`): the candidates are the modes whose engines are all up and whose
   context windows hold prompt + max_tokens. A forced mode must be a candidate, or the request is
   refused (503 when an engine it needs is down, 400 when it does not fit). Otherwise the router
