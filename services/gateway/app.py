@@ -121,7 +121,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.drain = Drain(settings.drain_grace_s)  # begun by server.DrainingServer on SIGTERM
     app.add_middleware(DrainGate, drain=app.state.drain)  # added last: outermost
 
-    app.include_router(debug_routes(lambda: app.state.hs.router), dependencies=[api_key],
+    app.include_router(debug_routes(lambda: app.state.hs.router, lambda: app.state.hs.pairs), dependencies=[api_key],
                        responses=openapi.errors(*openapi.EDGE))
 
     @app.get("/health", response_model=Health,

@@ -47,6 +47,10 @@ class EngineBlocks:
         self.hashes.difference_update(ev.removed)
         self.epoch, self.seq, self.block_size = ev.epoch, ev.seq, info.block_size
 
+    def snapshot(self) -> dict:
+        """What this picture holds, for `GET /debug/kv_index` (router_debug.py)."""
+        return {"epoch": self.epoch, "seq": self.seq, "block_size": self.block_size, "blocks": len(self.hashes)}
+
     def clear(self) -> None:
         """The engine is gone (or keeps no cache): nothing of its is known any more."""
         self.epoch, self.seq = "", 0

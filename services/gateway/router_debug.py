@@ -1,8 +1,10 @@
 """`GET /debug/router`: what the router believes now (fitted stage coefficients, online
-corrections, engine queues, exploration counts), for people and dashboards.
+corrections, engine queues, exploration counts), for people and dashboards; `GET /debug/kv_index`:
+what the gateway believes each engine holds in its prefix cache (kv_index.py: the events' epoch and
+cursor, the number of block hashes), the picture prefix-aware placement reads.
 
-The gateway mounts it with `app.include_router(debug_routes(lambda: <its Router>))`, adding
-its own auth dependencies when it has them.
+The gateway mounts them with `app.include_router(debug_routes(lambda: <its Router>, lambda: <its
+Pairs>))`, adding its own auth dependencies when it has them.
 """
 from __future__ import annotations
 
@@ -11,14 +13,28 @@ from typing import Callable
 from fastapi import APIRouter
 
 from services.gateway.router import Router
+from services.modes import ENGINE_NAMES
 
 
-def debug_routes(get_router: Callable[[], Router]) -> APIRouter:
-    """An APIRouter serving `get_router().snapshot()` as JSON."""
+def debug_routes(get_router: Callable[[], Router], get_pairs: Callable[[], object] | None = None) -> APIRouter:
+    """An APIRouter serving `get_router().snapshot()` and, given the pairs, their KV index as JSON."""
     routes = APIRouter()
 
     @routes.get("/debug/router")
     async def router_state() -> dict:
         return get_router().snapshot()
+
+    if get_pairs is not None:
+        @routes.get("/debug/kv_index")
+        async def kv_index_state() -> dict:
+            """{"pairs": {pair: {"prefill_gpu": {...}, "decode_fpga": {...}}}}: per engine its up
+            state and the index's picture of its cache (an engine found down holds nothing)."""
+            pairs = get_pairs()
+            out = {}
+            for p, clients in sorted(pairs.members.items()):
+                blocks = getattr(clients, "blocks", {})
+                out[str(p)] = {ENGINE_NAMES[e]: {"up": bool(clients.up.get(e)), **b.snapshot()}
+                               for e, b in blocks.items()}
+            return {"pairs": out}
 
     return routes

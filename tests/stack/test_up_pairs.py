@@ -5,7 +5,9 @@ Checked: both pairs serve (the gateway's per-pair counter and each response's pa
 decode engine is gone, every request still ends with all its tokens, the same greedy text as
 every other (nothing lost, nothing twice), the lost pair's requests having moved to the other
 pair; a wave sent after the kill is carried by the other pair; the supervisor starts the dead
-engine again and the gateway takes the pair back. Then `up` is SIGKILLed: its five children stop on
+engine again and the gateway takes the pair back. The gateway's KV index (`/debug/kv_index`) held the
+killed engine's cached blocks before, forgets them once the engine is found down, and follows the
+new engine's epoch after. Then `up` is SIGKILLed: its five children stop on
 their own (services/lifetime.py), free every port and remove both KV arenas from /dev/shm (SIGTERM
 to `up`, the orderly way, is tested in test_up_heals.py).
 """
@@ -132,7 +134,13 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
             assert time.monotonic() < deadline and any(c.is_alive() for c in clients), "pair 1 never streamed"
             time.sleep(0.02)
         on_pair_1 = [c for c in clients if c.pair == 1 and c.finish is None]
+        # the gateway's KV index holds the blocks decode_fpga.1 cached (the prefix check's turns and hogs)
+        known = _kv_index(stack.url, 1)
+        assert known["up"] and known["blocks"] > 0 and known["epoch"], known
         os.kill(decode_1, signal.SIGKILL)
+        # ... and forgets them once it finds the engine down, while the load still runs
+        wait_for(lambda: (lambda k: not k["up"] and k["blocks"] == 0 and not k["epoch"])(_kv_index(stack.url, 1)),
+                 "the KV index forgetting decode_fpga.1's blocks", 60)
         for c in clients:
             c.join(300)
 
@@ -157,6 +165,8 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
         # the supervisor starts decode_fpga.1 again; the gateway puts pair 1 back
         wait_for(lambda: (_decode_pid(stack, up_pid, 1) or decode_1) != decode_1, "a new decode_fpga.1", 120)
         wait_for(lambda: http_json(stack.url + "/health")[2].get("status") == "ok", "pair 1 back in", 600)
+        # the new engine's events start a new epoch: nothing of the dead one's cache comes back
+        wait_for(lambda: _kv_index(stack.url, 1)["epoch"] not in ("", known["epoch"]), "decode_fpga.1's new epoch", 30)
         assert "decode_fpga.1 exited (killed by SIGKILL)" in log.read_text()
     finally:
         pids = _children(up_pid)
@@ -247,6 +257,13 @@ def _a_second_turn_goes_where_its_prefix_is(url: str, model: str) -> None:
         busy.stop()
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     assert re.search(r'^hybridserve_pair_placements_total\{reason="prefix"\} [1-9]', text, re.M)
+
+
+def _kv_index(url: str, pair: int) -> dict:
+    """The gateway's picture of pair `pair`'s decode_fpga cache (GET /debug/kv_index)."""
+    status, _, body = http_json(url + "/debug/kv_index")
+    assert status == 200, body
+    return body["pairs"][str(pair)]["decode_fpga"]
 
 
 def _decode_pid(stack, up_pid: int, pair: int) -> int | None:
