@@ -18,6 +18,8 @@ four engines' counters), TTFT p50/p99, output tokens/s, and the gateway's placem
 Medians over rounds. Writes `fleet_routing.json` and prints the table.
 
     python bench/fleet_routing.py [--rounds 2] [--conversations 8] [--turns 4] [--mode fpga]
+    python bench/fleet_routing.py --kv-cache-mb 112 --conversations 8 --turns 6 --workloads multiturn \
+        --name fleet_routing_pressure     # KV budgets below the conversations' working set
 """
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ async def multiturn(url: str, model: str, args, rng: random.Random, words: list[
                                                  "temperature": 0, "ignore_eos": True, "mode": args.mode})
                 out.append(r)
                 history += r.get("text", "")
+                if args.think_s:  # the user reads and types: other conversations' turns run meanwhile
+                    await asyncio.sleep(rng.uniform(0, args.think_s))
             return out
         runs = await asyncio.gather(*(conversation(i) for i in range(args.conversations)))
     return [r for run in runs for r in run]
@@ -152,12 +156,21 @@ def main() -> int:
     ap.add_argument("--system-words", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--mode", default="fpga")
+    ap.add_argument("--kv-cache-mb", type=int, default=256,
+                    help="each engine's KV budget: below the conversations' working set, least-loaded placement "
+                         "keeps every conversation on both engines and their caches evict each other")
+    ap.add_argument("--workloads", default="multiturn,skewed")
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="multiturn: a pause of up to this many seconds between a reply and the next turn (0: the "
+                         "next turn at once, which lets least-loaded keep a conversation where it just finished)")
+    ap.add_argument("--name", default="fleet_routing", help="the results file's name (without .json)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     words = corpus_words()
-    env = {"HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256", "HYBRIDSERVE_DECODE_KV_CACHE_MB": "256"}
+    env = {"HYBRIDSERVE_PREFILL_KV_CACHE_MB": str(args.kv_cache_mb), "HYBRIDSERVE_DECODE_KV_CACHE_MB": str(args.kv_cache_mb)}
+    workloads = [(w, {"multiturn": multiturn, "skewed": skewed}[w]) for w in args.workloads.split(",")]
     stack = start_stack(out / "fleet_stack.log", env, pairs=2)
     other = None
     try:
@@ -172,11 +185,11 @@ def main() -> int:
         model = httpx.get(stack.url + "/v1/models", timeout=10, trust_env=False).json()["data"][0]["id"]
         engines = {f"{e}{i}": f"http://127.0.0.1:{stack.pair_port(e + '_metrics', i)}/metrics"
                    for i in range(2) for e in ("prefill", "decode")}
-        rounds: dict[str, dict[str, list[dict]]] = {w: {g: [] for g in GATEWAYS} for w in ("multiturn", "skewed")}
+        rounds: dict[str, dict[str, list[dict]]] = {w: {g: [] for g in GATEWAYS} for w, _ in workloads}
         seed = 0
         for r in range(args.rounds):
             order = GATEWAYS if r % 2 == 0 else GATEWAYS[::-1]
-            for workload, run in (("multiturn", multiturn), ("skewed", skewed)):
+            for workload, run in workloads:
                 for g in order:
                     seed += 1
                     progress(f"round {r + 1}/{args.rounds}: {workload} through the {g} gateway")
@@ -210,7 +223,7 @@ def main() -> int:
                              med["errors"]])
         print(table(["workload", "gateway", "hit rate", "TTFT p50 ms", "p99", "tok/s", "busiest/least queue",
                      "errors"], rows))
-        write_json("fleet_routing", report, out)
+        write_json(args.name, report, out)
     finally:
         if other is not None:
             other.stop()

@@ -124,8 +124,8 @@ def _add_services(sub) -> None:
     up.add_argument("--prefill", type=_positive, default=None, dest="prefill_engines",
                     help="pools instead of pairs: this many prefill_gpu engines (with --decode)")
     up.add_argument("--decode", type=_positive, default=None, dest="decode_engines",
-                    help="pools: this many decode_fpga engines, at least as many as --prefill; decode engine j "
-                         "pulls its KV from prefill engine j mod N")
+                    help="pools: this many decode_fpga engines (any number; with --prefill); the gateway picks "
+                         "each hybrid request's prefill and decode engine separately")
     up.set_defaults(func=lambda args: __import__("services.stack", fromlist=["up"]).up(
         args.pairs, args.prefill_engines, args.decode_engines))
 

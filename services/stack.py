@@ -16,10 +16,11 @@ ports + i x `port_stride` (metrics ports too), each prefill_gpu owns its own KV 
 process), the profile cache is the one all engines share, and each pair is healed on its own
 (its processes are named prefill_gpu.i and decode_fpga.i).
 
-`up --prefill N --decode M` (M >= N) starts pools instead: N prefill_gpu and M decode_fpga engines,
-decode_fpga.j pulling its hybrid KV from prefill_gpu.(j mod N) through that engine's arena (one host),
-the gateway seeing each decode engine with its prefill engine as a pair (so 1P:2D is two pairs that
-share prefill_gpu.0).
+`up --prefill N --decode M` (any sizes) starts pools instead: N prefill_gpu and M decode_fpga engines;
+each decode engine may pull its hybrid KV from any prefill engine (through that engine's arena: one
+host), its own being prefill_gpu.(j mod N), which it is restarted with. The gateway gets the two pools
+(HYBRIDSERVE_GATEWAY_PREFILL_POOL, _DECODE_POOL), sees every combination as a pair and names a hybrid
+request's prefill engine to the decode engine: prefill and decode engines are chosen separately.
 
 A process that exits before the stack first comes up (the gateway's /health says every
 engine answers) stops it (a setting or a model that is wrong would only fail again); from then
@@ -75,19 +76,14 @@ class UpSettings(CommonSettings):
     restart_backoff_max_s: float = 30.0
     pairs: int = Field(1, ge=1, le=64)  # (prefill_gpu, decode_fpga) pairs behind the gateway
     port_stride: int = Field(10, ge=1)  # pair i's ports: the engines' ports + i x port_stride
-    # pools instead of pairs (either set): N prefill and M decode engines, M >= N
+    # pools instead of pairs (either set): N prefill and M decode engines, any sizes
     prefill_engines: int | None = Field(None, ge=1, le=64)
     decode_engines: int | None = Field(None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _pools(self):
-        if self.prefill_engines is not None or self.decode_engines is not None:
-            if self.pairs != 1:
-                raise ValueError("give pairs or pools (prefill_engines, decode_engines), not both")
-            if (self.prefill_engines or 1) > (self.decode_engines or 1):
-                raise ValueError(f"{self.prefill_engines} prefill engines for {self.decode_engines or 1} decode "
-                                 "engines: each decode engine pulls its KV from one prefill engine, so a pool "
-                                 "layout needs at least as many decode engines")
+        if (self.prefill_engines is not None or self.decode_engines is not None) and self.pairs != 1:
+            raise ValueError("give pairs or pools (prefill_engines, decode_engines), not both")
         return self
 
 
@@ -161,12 +157,14 @@ def _prefill_spec(i: int, named: bool, s: UpSettings, prefill: PrefillSettings, 
 
 
 def _decode_spec(j: int, named: bool, prefill_spec: ChildSpec, prefill_address: str, s: UpSettings,
-                 decode: DecodeSettings, base: dict[str, str]) -> tuple[ChildSpec, str]:
-    """Decode engine j's child, pulling hybrid KV from (and restarted with) the given prefill engine."""
+                 decode: DecodeSettings, base: dict[str, str], pool: tuple[str, ...] = ()) -> tuple[ChildSpec, str]:
+    """Decode engine j's child, pulling hybrid KV from (and restarted with) the given prefill engine, or
+    from any engine of `pool` a request names."""
     by, port = j * s.port_stride, decode.port + j * s.port_stride
     env = {**base, UpSettings.env_name("host"): s.host,
            **{k: str(v) for k, v in _pin(DecodeSettings, port=port, metrics_port=_offset(decode.metrics_port, by),
-                                         prefill_address=prefill_address).items()}}
+                                         prefill_address=prefill_address,
+                                         **({"prefill_addresses": ",".join(pool)} if pool else {})).items()}}
     name = "decode_fpga" + (f".{j}" if named else "")
     return ChildSpec(name, [sys.executable, "-m", "services.decode_fpga"], env,
                      follows=prefill_spec.name), f"{s.host}:{port}"
@@ -181,23 +179,26 @@ def _pair_specs(i: int, s: UpSettings, prefill: PrefillSettings, decode: DecodeS
 
 
 def _layout_specs(s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings,
-                  base: dict[str, str]) -> tuple[list[ChildSpec], list[str]]:
-    """Every engine child and the gateway's pairs: `pairs` pairs, or pools of `prefill_engines` and
-    `decode_engines` where decode engine j pulls its KV from prefill engine j mod N, and each decode
-    engine with its prefill engine is a pair to the gateway (1P:2D is two pairs sharing prefill_gpu.0:
-    gpu mode and hybrid prefills of both go there)."""
+                  base: dict[str, str]) -> tuple[list[ChildSpec], list[str], dict[str, str]]:
+    """Every engine child, the gateway's pairs and its settings for them: `pairs` pairs, or pools of
+    `prefill_engines` and `decode_engines`: every decode engine may pull from every prefill engine (its
+    own by default: j mod N, which it restarts with), the gateway sees every combination as a pair and
+    names a hybrid request's prefill engine, so it picks prefill and decode engines separately."""
     if s.prefill_engines is None and s.decode_engines is None:
         specs, addresses = [], []
         for i in range(s.pairs):
             pair, address = _pair_specs(i, s, prefill, decode, base)
             specs += pair
             addresses.append(address)
-        return specs, addresses
+        return specs, addresses, ({"pairs": ";".join(addresses)} if len(addresses) > 1 else {})
     n, m = s.prefill_engines or 1, s.decode_engines or 1
     prefills = [_prefill_spec(i, True, s, prefill, base) for i in range(n)]
-    decodes = [_decode_spec(j, True, prefills[j % n][0], prefills[j % n][1], s, decode, base) for j in range(m)]
+    pool = tuple(address for _, address in prefills)
+    decodes = [_decode_spec(j, True, prefills[j % n][0], prefills[j % n][1], s, decode, base, pool)
+               for j in range(m)]
+    gateway = {"prefill_pool": ",".join(pool), "decode_pool": ",".join(address for _, address in decodes)}
     return ([spec for spec, _ in prefills + decodes],
-            [f"{prefills[j % n][1]},{address}" for j, (_, address) in enumerate(decodes)])
+            [f"{p},{d}" for p in pool for _, d in decodes], gateway)
 
 
 def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engines: int | None = None) -> int:
@@ -215,10 +216,10 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
     base["PYTHONUNBUFFERED"] = "1"
     base.update(launch_env())  # every child stops once `up` is gone
     quiet = threading.Event()
-    specs, addresses = _layout_specs(s, prefill, decode, base)
+    specs, addresses, layout = _layout_specs(s, prefill, decode, base)
     prefill_address, decode_address = addresses[0].split(",")
     gateway_env = _pin(GatewaySettings, port=gateway.port, prefill_address=prefill_address,
-                       decode_address=decode_address, **({"pairs": ";".join(addresses)} if len(addresses) > 1 else {}))
+                       decode_address=decode_address, **layout)
     specs.append(ChildSpec("gateway", [sys.executable, "-m", "services.gateway"],
                            {**base, UpSettings.env_name("host"): s.host, **{k: str(v) for k, v in gateway_env.items()}}))
 

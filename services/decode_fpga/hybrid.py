@@ -1,8 +1,10 @@
 """decode_fpga's request handling in plain Python: fpga-mode Generate, and hybrid mode.
 
 In hybrid mode this engine orchestrates: it looks up how much of the prompt its prefix
-cache holds (whole blocks) and asks its `PrefillPeer` (prefill_gpu, over gRPC and the
-shared-memory arena in the service; in process in tests) for the rest only. Once the
+cache holds (whole blocks) and asks a `PrefillPeer` (prefill_gpu, over gRPC and the
+shared-memory arena in the service; in process in tests) for the rest only: its own, or the one
+the request names among those it was configured with (`PrefillPeers`: pools, where the gateway
+picks a request's prefill engine and its decode engine separately). Once the
 peer admitted the request (its SlotGrant), the engine loop reserves KV blocks: the
 cached prefix's and fresh ones for the rest (if the prefix was evicted meanwhile, the
 whole prompt is asked for again). Each layer is imported into those blocks as the
@@ -13,13 +15,15 @@ the running batch and decodes with the others.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from services.engine import metrics as m
 from services.engine.generation import TokenEvent
-from services.engine.requests import Cancellation, Cancelled, EngineRequest, HandoffFailed, RequestTimings
+from services.engine.requests import (Cancellation, Cancelled, EngineRequest, HandoffFailed, InvalidRequest,
+                                      RequestTimings)
 from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.engine_loop import RequestStream
 from services.engine.runtime import EngineRuntime, stream_tokens
@@ -48,14 +52,49 @@ class PrefillPeer(Protocol):
     def close(self) -> None: ...
 
 
+class PrefillPeers:
+    """The prefill engines this decode engine may pull KV from: `default` (its prefill_address), and
+    the `allowed` addresses a request may name, each connected on first use by `connect(address)`.
+    A request naming any other address is refused: the address comes from the gateway, but an engine
+    only ever dials the peers its own settings list."""
+
+    def __init__(self, default: PrefillPeer, default_address: str = "", allowed: tuple[str, ...] = (),
+                 connect: Callable[[str], PrefillPeer] | None = None):
+        self.default, self.default_address = default, default_address
+        self.allowed, self.connect = frozenset(allowed) - {default_address}, connect
+        self._peers: dict[str, PrefillPeer] = {}
+        self._lock = threading.Lock()
+
+    def for_request(self, request: EngineRequest) -> PrefillPeer:
+        address = request.prefill_address
+        if not address or address == self.default_address:
+            return self.default
+        if address not in self.allowed or self.connect is None:
+            raise InvalidRequest(f"prefill_address {address!r} is not one of this engine's prefill engines "
+                                 f"({', '.join(sorted({self.default_address, *self.allowed} - {''})) or 'none'})")
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is None:
+                peer = self._peers[address] = self.connect(address)
+            return peer
+
+    def close(self) -> None:
+        self.default.close()
+        with self._lock:
+            for peer in self._peers.values():
+                peer.close()
+            self._peers.clear()
+
+
 class DecodeRuntime(EngineRuntime):
     device_label = "fpga"
     engine_name = "opencl"
     default_mode = "fpga"
 
-    def __init__(self, engine, loaded, settings, peer: PrefillPeer):
+    def __init__(self, engine, loaded, settings, peer: PrefillPeer | PrefillPeers):
         super().__init__(engine, loaded, settings, engine.max_context)
-        self.peer = peer
+        self.peers = peer if isinstance(peer, PrefillPeers) else PrefillPeers(peer)
+        self.peer = self.peers.default  # its own prefill engine: the profile's hand-off samples
         self.modes = {"fpga": self.local_generation, "hybrid": self.hybrid_generation}
 
     def info_fields(self) -> dict:
@@ -64,13 +103,14 @@ class DecodeRuntime(EngineRuntime):
 
     def hybrid_generation(self, request: EngineRequest, timings: RequestTimings,
                           cancel: Cancellation) -> Iterator[TokenEvent]:
+        peer = self.peers.for_request(request)
         # what this engine's prefix cache holds of the prompt now: prefill_gpu is asked for the rest
         skip = self.loop.peek_cached_tokens(list(request.prompt_ids))
         try:
-            stream, first = self._hand_over(request, timings, cancel, skip)
+            stream, first = self._hand_over(peer, request, timings, cancel, skip)
         except PrefixEvicted as exc:
             log.info("%s; asking prefill_gpu for the whole prompt", exc)
-            stream, first = self._hand_over(request, timings, cancel, 0)
+            stream, first = self._hand_over(peer, request, timings, cancel, 0)
         try:
             prompt_logprobs = first.prompt_logprobs if request.params.prompt_logprobs is not None else None
             self.loop.activate_remote(stream, first.first_token, first.first_logprob, prompt_logprobs)
@@ -78,7 +118,7 @@ class DecodeRuntime(EngineRuntime):
         finally:
             stream.cancel()  # a no-op once it finished
 
-    def _hand_over(self, request: EngineRequest, timings: RequestTimings, cancel: Cancellation,
+    def _hand_over(self, peer: PrefillPeer, request: EngineRequest, timings: RequestTimings, cancel: Cancellation,
                    skip: int) -> tuple[RequestStream, PrefillDone]:
         """The prompt's KV from position `skip` on, prefilled by the peer and imported into blocks
         reserved here once the peer admitted the request (its SlotGrant), never before: a request the
@@ -86,7 +126,7 @@ class DecodeRuntime(EngineRuntime):
         peer's PrefillDone (the first token, its logprobs); PrefixEvicted when the cached prefix was
         evicted between the peek and the grant."""
         cfg, prompt, bs = self.loaded.config, list(request.prompt_ids), self.engine.block_size
-        wire = self.peer.wire_dtype()
+        wire = peer.wire_dtype()
         blocks = BlockImport(self.engine)
         reserved: list[RequestStream] = []
 
@@ -101,7 +141,7 @@ class DecodeRuntime(EngineRuntime):
 
         expected = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) - skip, cfg.model_id)
         try:
-            first = self._pull_kv(self.peer.receiver(blocks, None, expected), request, wire, timings, cancel,
+            first = self._pull_kv(peer, peer.receiver(blocks, None, expected), request, wire, timings, cancel,
                                   skip, on_grant=reserve_blocks)
         except BaseException:
             if reserved:
@@ -109,10 +149,10 @@ class DecodeRuntime(EngineRuntime):
             raise
         return reserved[0], first
 
-    def _pull_kv(self, receiver: KVReceiver, request: EngineRequest, wire: str, timings: RequestTimings,
-                 cancel: Cancellation, skip_tokens: int = 0,
+    def _pull_kv(self, peer: PrefillPeer, receiver: KVReceiver, request: EngineRequest, wire: str,
+                 timings: RequestTimings, cancel: Cancellation, skip_tokens: int = 0,
                  on_grant: Callable[[], None] = lambda: None) -> PrefillDone:
-        events = self.peer.prefill(request, wire, cancel, skip_tokens)
+        events = peer.prefill(request, wire, cancel, skip_tokens)
         try:
             d = receiver.consume(_calling_on_grant(events, on_grant), lambda: not cancel.is_cancelled())
             if d is None:
@@ -159,7 +199,7 @@ class DecodeRuntime(EngineRuntime):
 
     def close(self) -> None:
         super().close()
-        self.peer.close()
+        self.peers.close()
 
 
 class PrefixEvicted(Exception):

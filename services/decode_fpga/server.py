@@ -131,7 +131,7 @@ class GrpcPrefillPeer:
 def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
     """The OpenCL engine and the servicer over it (the runtime closes its peer on the way out)."""
     from services.decode_fpga.engine import OpenCLEngine
-    from services.decode_fpga.hybrid import DecodeRuntime
+    from services.decode_fpga.hybrid import DecodeRuntime, PrefillPeers
 
     log.info("building kernels and uploading weights")
     engine = OpenCLEngine.from_settings(loaded, settings)
@@ -142,6 +142,9 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
         inbox = KVInbox(host, port, settings.kv_advertise, token=token)  # with a token, only its holders' KV
         resources.callback(inbox.close)  # after the runtime (closed first): no hand-off is running then
         log.info("KV over TCP: listening on %s, prefill_gpu connects to %s", inbox.address, inbox.advertised)
-    peer = GrpcPrefillPeer(settings.prefill_address, loaded.config.model_id, settings.handoff_timeout_s, token,
-                           inbox)
-    return EngineServicer(DecodeRuntime(engine, loaded, settings, peer), "decode_fpga")
+    def connect(address: str) -> GrpcPrefillPeer:
+        return GrpcPrefillPeer(address, loaded.config.model_id, settings.handoff_timeout_s, token, inbox)
+
+    peers = PrefillPeers(connect(settings.prefill_address), settings.prefill_address,
+                         settings.prefill_address_list(), connect)
+    return EngineServicer(DecodeRuntime(engine, loaded, settings, peers), "decode_fpga")

@@ -51,6 +51,9 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     port: int = 50062
     metrics_port: int = 9102
     prefill_address: str = "127.0.0.1:50061"  # prefill_gpu, for hybrid mode
+    # pools: further prefill_gpu engines ("host:port,host:port") a hybrid request may name (the gateway
+    # picks a request's prefill engine and decode engine separately); no others are ever dialled
+    prefill_addresses: str = ""
     queue_depth: int = 16  # requests waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
     max_concurrency: int = 4  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
@@ -78,6 +81,18 @@ class DecodeSettings(CommonSettings, BatchingSettings):
         if v is not None:
             parse_address(v)
         return v
+
+    @field_validator("prefill_addresses")
+    @classmethod
+    def _addresses(cls, v: str) -> str:
+        for a in (a.strip() for a in v.split(",")):
+            if a:
+                parse_address(a)
+        return v
+
+    def prefill_address_list(self) -> tuple[str, ...]:
+        """The prefill engines a hybrid request may name besides prefill_address."""
+        return tuple(a.strip() for a in self.prefill_addresses.split(",") if a.strip())
 
     @model_validator(mode="after")
     def _advertised_address(self) -> "DecodeSettings":

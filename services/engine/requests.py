@@ -23,6 +23,7 @@ class EngineRequest:
     params: SamplingParams
     mode: str  # a services.modes name: "gpu" | "fpga" | "hybrid"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    prefill_address: str = ""  # hybrid mode: which prefill engine hands the KV over ("": the default one)
 
 
 @dataclass

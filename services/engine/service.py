@@ -75,7 +75,7 @@ def request_id_of(request) -> str:
 def request_from_proto(request: pb.GenerateRequest, default_mode: str) -> EngineRequest:
     mode = mode_name_of_proto(request.mode) if request.mode else default_mode
     return EngineRequest(tuple(request.prompt_token_ids), sampling_from_proto(request.sampling), mode,
-                         request_id_of(request))
+                         request_id_of(request), request.prefill_address)
 
 
 def timings_to_proto(t: RequestTimings) -> pb.Timings:

@@ -89,9 +89,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         token = settings.engine_token.get_secret_value() if settings.engine_token else None
         addresses = [] if settings.pairs_dns else settings.pair_addresses()
         connect = lambda address: EngineClients(  # noqa: E731
-            address[0], address[1], token, "" if len(addresses) == 1 else f"pair at {address[0]}: ")
+            address[0], address[1], token, "" if len(addresses) == 1 else f"pair {address[0]}|{address[1]}: ")
         pairs = Pairs({i: connect(a) for i, a in enumerate(addresses)}, dict(enumerate(addresses)),
-                      settings.prefix_policy())
+                      settings.prefix_policy(), pools=settings.pools)
         discover = None
         if settings.pairs_dns:
             ports = [int(a.rpartition(":")[2]) for a in (settings.prefill_address, settings.decode_address)]

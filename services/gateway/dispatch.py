@@ -276,8 +276,8 @@ class Dispatcher:
             # the stream is cancelled, or here when the call fails before its first message
             self.pairs.loads.started(d.pair, d.mode)
             call = clients.generate(mode.served_by, pb.GenerateRequest(
-                request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto),
-                timeout=req.timeout_s)
+                request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto,
+                prefill_address=self.pairs.prefill_address(d.pair, d.mode)), timeout=req.timeout_s)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:

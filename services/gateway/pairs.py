@@ -50,6 +50,15 @@ def parse_pairs(text: str) -> list[Address]:
     return pairs
 
 
+def parse_pool(text: str) -> list[str]:
+    """"host:port,host:port" → the engines' addresses (each once, in order)."""
+    pool = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    bad = [a for a in pool if not _is_address(a)]
+    if bad or not pool:
+        raise ValueError(f"a pool is 'host:port,host:port,...', not {text!r}")
+    return pool
+
+
 def _is_address(a: str) -> bool:
     host, sep, port = a.rpartition(":")
     return bool(host) and bool(sep) and port.isdigit()
@@ -59,9 +68,12 @@ class Pairs:
     """Every pair's clients, and the load book the pair choice reads."""
 
     def __init__(self, members: dict[int, Engines] | list[Engines], addresses: dict[int, Address] | None = None,
-                 prefix_policy: PrefixPolicy | None = None):
+                 prefix_policy: PrefixPolicy | None = None, pools: bool = False):
         self.members: dict[int, Engines] = dict(enumerate(members)) if isinstance(members, list) else dict(members)
         self.addresses: dict[int, Address] = dict(addresses or {})
+        # pools: the pairs are every (prefill, decode) combination, and a hybrid call names its prefill
+        # engine to the decode engine (which otherwise pulls from its own)
+        self.pools = pools
         self.loads = PairLoads()
         self.prefix_policy = prefix_policy or PrefixPolicy()
 
@@ -89,6 +101,11 @@ class Pairs:
                           default=0) if blocks and len(candidates) > 1 else 0
             loads[p] = self.loads.queued(p, mode)
         return place(candidates, least, loads, hits, len(prompt_ids), self.prefix_policy)
+
+    def prefill_address(self, pair: int, mode: str) -> str:
+        """What a call of `mode` on `pair` tells the decode engine about the prefill engine to pull
+        from: with pools, the pair's own (hybrid only); "" otherwise (the decode engine's own)."""
+        return self.addresses[pair][0] if self.pools and mode == "hybrid" and pair in self.addresses else ""
 
     def engine_up_anywhere(self, engine: str) -> bool:
         return any(c.up.get(engine) for c in self.members.values())

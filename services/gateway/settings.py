@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from services.gateway.pairs import parse_pairs
+from services.gateway.pairs import parse_pairs, parse_pool
 from services.gateway.planner import Targets
 from services.gateway.prefix_routing import PrefixPolicy
 from services.settings import CommonSettings
@@ -17,7 +17,8 @@ class GatewaySettings(CommonSettings):
     old_field_names: ClassVar[dict[str, str]] = {"port": "gateway_port",  # HYBRIDSERVE_GATEWAY_PORT either way
                                                   # newer than the per-process prefixes: no bare name
                                                   **{f: "gateway_" + f for f in ("pairs", "pairs_dns",
-                                                                                 "pairs_dns_refresh_s")}}
+                                                                                 "pairs_dns_refresh_s",
+                                                                                 "prefill_pool", "decode_pool")}}
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -30,6 +31,11 @@ class GatewaySettings(CommonSettings):
     # address above; resolved again every pairs_dns_refresh_s (pods come and go). Overrides `pairs`
     pairs_dns: str | None = None
     pairs_dns_refresh_s: float = Field(10.0, gt=0)
+    # pools instead of pairs: "host:port,host:port" each, any sizes. Every (prefill, decode) combination
+    # is a pair to the router, and a hybrid request names its prefill engine to the decode engine, which
+    # must list it (HYBRIDSERVE_DECODE_PREFILL_ADDRESSES, spelled alike)
+    prefill_pool: str | None = None
+    decode_pool: str | None = None
     api_key: SecretStr | None = None  # when set, all but /health need `Authorization: Bearer <key>`
     metrics_open: bool = False  # /metrics without the key, for a scraper on a private network
     served_model_name: str | None = None  # default: the engines' model id
@@ -75,8 +81,31 @@ class GatewaySettings(CommonSettings):
             parse_pairs(v)  # a malformed list stops the gateway at start, with what is wrong
         return v or None
 
+    @field_validator("prefill_pool", "decode_pool")
+    @classmethod
+    def _pool_parse(cls, v):
+        if v in (None, ""):
+            return None
+        parse_pool(v)
+        return v
+
+    @model_validator(mode="after")
+    def _pools_alone(self):
+        if (self.prefill_pool is None) != (self.decode_pool is None):
+            raise ValueError("pools need both prefill_pool and decode_pool")
+        if self.prefill_pool is not None and (self.pairs or self.pairs_dns):
+            raise ValueError("give pairs (pairs or pairs_dns) or pools (prefill_pool, decode_pool), not both")
+        return self
+
+    @property
+    def pools(self) -> bool:
+        return self.prefill_pool is not None
+
     def pair_addresses(self) -> list[tuple[str, str]]:
-        """(prefill, decode) address of each pair the settings name (not the discovered ones)."""
+        """(prefill, decode) address of each pair the settings name (not the discovered ones); with
+        pools, every combination, prefill-major (1P:2D is (p0, d0), (p0, d1))."""
+        if self.pools:
+            return [(p, d) for p in parse_pool(self.prefill_pool) for d in parse_pool(self.decode_pool)]
         return parse_pairs(self.pairs) if self.pairs else [(self.prefill_address, self.decode_address)]
 
     @field_validator("api_key", mode="before")

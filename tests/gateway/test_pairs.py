@@ -183,6 +183,24 @@ def test_a_malformed_pairs_setting_is_refused(bad):
         GatewaySettings(pairs=bad)
 
 
+def test_pools_make_every_combination_a_pair_and_name_the_prefill_engine_of_hybrid_calls():
+    s = GatewaySettings(prefill_pool="p:1,p:2", decode_pool="d:3")
+    assert s.pools and s.pair_addresses() == [("p:1", "d:3"), ("p:2", "d:3")]
+    addresses = dict(enumerate(s.pair_addresses()))
+    pools = Pairs({i: FakeEngines() for i in addresses}, addresses, pools=True)
+    assert [pools.prefill_address(i, "hybrid") for i in addresses] == ["p:1", "p:2"]
+    assert pools.prefill_address(1, "gpu") == pools.prefill_address(1, "fpga") == ""  # one engine: nothing to name
+    pairs = Pairs({i: FakeEngines() for i in addresses}, addresses)
+    assert pairs.prefill_address(1, "hybrid") == ""  # a pair's decode engine pulls from its own
+
+
+@pytest.mark.parametrize("bad", [{"prefill_pool": "p:1"}, {"prefill_pool": "p:1", "decode_pool": "d"},
+                                 {"prefill_pool": "p:1", "decode_pool": "d:2", "pairs": "p:1,d:2"}])
+def test_a_malformed_or_half_pool_setting_is_refused(bad):
+    with pytest.raises(ValueError):
+        GatewaySettings(**bad)
+
+
 class Connected(FakeEngines):
     def __init__(self, address):
         super().__init__()

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services.decode_fpga.hybrid import DecodeRuntime
+from services.decode_fpga.hybrid import DecodeRuntime, PrefillPeers
 from services.decode_fpga.server import GrpcPrefillPeer
 from services.decode_fpga.settings import DecodeSettings
 from services.engine.api import EngineFull
@@ -149,6 +149,40 @@ def test_hybrid_hands_over_only_what_decode_has_not_cached(prefill, decode, peer
     assert last.timings.cached_tokens == 64  # the router learns prefill and hand-off of the rest only
     assert hybrid == tokens_and_last(prefill, second, "gpu")[0] == tokens_and_last(decode, second, "fpga")[0]
     assert peer.link.slots_in_use == 0 and all_free(decode)
+
+
+def test_a_hybrid_request_pulls_from_the_prefill_engine_it_names_and_only_from_one_configured(
+        prefill, ocl_engine, loaded_model, model_config):
+    """Pools: the gateway picks a request's prefill engine; decode_fpga pulls the KV from the one named
+    (connected on first use, then kept), its own when none is, and refuses an address it was not
+    configured with before anything is reserved."""
+    own, other = InProcessPeer(prefill), InProcessPeer(prefill)
+    connected = []
+
+    def connect(address):
+        connected.append(address)
+        return other
+
+    peers = PrefillPeers(own, "10.0.0.1:50061", ("10.0.0.2:50061",), connect)
+    decode = DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=4, queue_depth=4), peers)
+    try:
+        prompt = random_prompt(24, model_config.vocab_size, seed=38)
+        named = [e.token for e in decode.generate(EngineRequest(tuple(prompt), GREEDY, "hybrid",
+                                                                prefill_address="10.0.0.2:50061"), Cancellation())]
+        assert other.skipped == [0] and own.skipped == [] and connected == ["10.0.0.2:50061"]
+        again = random_prompt(24, model_config.vocab_size, seed=39)
+        list(decode.generate(EngineRequest(tuple(again), GREEDY, "hybrid", prefill_address="10.0.0.2:50061"),
+                             Cancellation()))
+        assert connected == ["10.0.0.2:50061"] and len(other.skipped) == 2  # one connection, kept
+        list(decode.generate(EngineRequest(tuple(again[:20]), GREEDY, "hybrid"), Cancellation()))
+        assert len(own.skipped) == 1  # none named: its own prefill engine
+        with pytest.raises(InvalidRequest, match="10.0.0.3:50061.*10.0.0.1:50061, 10.0.0.2:50061"):
+            list(decode.generate(EngineRequest(tuple(prompt), GREEDY, "hybrid", prefill_address="10.0.0.3:50061"),
+                                 Cancellation()))
+        assert named == tokens_and_last(prefill, prompt, "gpu")[0]
+        assert all_free(decode) and own.link.slots_in_use == other.link.slots_in_use == 0
+    finally:
+        decode.close()
 
 
 def test_hybrid_reserves_decode_kv_only_after_prefill_admitted_it(decode, peer, model_config):

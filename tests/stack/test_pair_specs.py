@@ -48,27 +48,37 @@ def test_pools_of_one_prefill_and_two_decodes_share_the_prefill_engine():
     from services.stack import _layout_specs
 
     s = UpSettings(prefill_engines=1, decode_engines=2, port_stride=10)
-    specs, pairs = _layout_specs(s, PrefillSettings(port=50061, metrics_port=9101),
-                                 DecodeSettings(port=50062, metrics_port=9102), {})
+    specs, pairs, gateway = _layout_specs(s, PrefillSettings(port=50061, metrics_port=9101),
+                                          DecodeSettings(port=50062, metrics_port=9102), {})
     assert [c.name for c in specs] == ["prefill_gpu.0", "decode_fpga.0", "decode_fpga.1"]
     assert [c.follows for c in specs] == [None, "prefill_gpu.0", "prefill_gpu.0"]
     assert pairs == ["127.0.0.1:50061,127.0.0.1:50062", "127.0.0.1:50061,127.0.0.1:50072"]
     assert {c.env[DecodeSettings.env_name("prefill_address")] for c in specs[1:]} == {"127.0.0.1:50061"}
+    assert gateway == {"prefill_pool": "127.0.0.1:50061", "decode_pool": "127.0.0.1:50062,127.0.0.1:50072"}
 
 
-def test_pools_of_two_and_four_pull_from_prefill_j_mod_n():
+def test_pools_of_two_and_four_pull_from_prefill_j_mod_n_and_may_pull_from_any():
     from services.stack import _layout_specs
 
     s = UpSettings(prefill_engines=2, decode_engines=4)
-    _, pairs = _layout_specs(s, PrefillSettings(port=50061), DecodeSettings(port=50062), {})
-    assert [p.split(",")[0] for p in pairs] == ["127.0.0.1:50061", "127.0.0.1:50071"] * 2
+    specs, pairs, gateway = _layout_specs(s, PrefillSettings(port=50061), DecodeSettings(port=50062), {})
+    decodes = [c for c in specs if c.name.startswith("decode")]
+    assert [c.env[DecodeSettings.env_name("prefill_address")] for c in decodes] == [
+        "127.0.0.1:50061", "127.0.0.1:50071"] * 2
+    assert {c.env[DecodeSettings.env_name("prefill_addresses")] for c in decodes} == {"127.0.0.1:50061,127.0.0.1:50071"}
+    assert len(pairs) == 8 and [p.split(",")[0] for p in pairs] == ["127.0.0.1:50061"] * 4 + ["127.0.0.1:50071"] * 4
 
 
-def test_more_prefill_than_decode_engines_or_pools_with_pairs_are_refused():
+def test_more_prefill_than_decode_engines_is_a_layout_and_pools_with_pairs_are_refused():
     import pytest
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="at least as many decode engines"):
-        UpSettings(prefill_engines=2, decode_engines=1)
+    from services.stack import _layout_specs
+
+    specs, pairs, gateway = _layout_specs(UpSettings(prefill_engines=2, decode_engines=1), PrefillSettings(port=50061),
+                                          DecodeSettings(port=50062), {})
+    assert [c.name for c in specs] == ["prefill_gpu.0", "prefill_gpu.1", "decode_fpga.0"]
+    assert pairs == ["127.0.0.1:50061,127.0.0.1:50062", "127.0.0.1:50071,127.0.0.1:50062"]
+    assert gateway["prefill_pool"] == "127.0.0.1:50061,127.0.0.1:50071"
     with pytest.raises(ValidationError, match="not both"):
         UpSettings(pairs=2, decode_engines=2)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(services/rpc/hybridserve/v1/engine.proto\x12\x0ehybridserve.v1\"\xf7\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x41\n\nlogit_bias\x18\r \x03(\x0b\x32-.hybridserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1b\n\x13prior_output_tokens\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x95\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\"\n\x04mode\x18\x04 \x01(\x0e\x32\x14.hybridserve.v1.Mode\"\xd2\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x17\n\x0fhandoff_total_s\x18\x03 \x01(\x01\x12\x19\n\x11handoff_exposed_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x08 \x01(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\r\"\xdc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12(\n\x07timings\x18\x03 \x01(\x0b\x32\x17.hybridserve.v1.Timings\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\r\"\xad\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\x12\n\nwire_dtype\x18\x04 \x01(\t\x12\x13\n\x0bskip_tokens\x18\x05 \x01(\r\x12\x12\n\nkv_address\x18\x06 \x01(\t\"L\n\x0bSlotGranted\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"O\n\nLayerReady\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x12\n\nwritten_at\x18\x04 \x01(\x01\"\xe2\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_done_at\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x33\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\"\xa1\x01\n\x0fPrefillResponse\x12+\n\x04slot\x18\x01 \x01(\x0b\x32\x1b.hybridserve.v1.SlotGrantedH\x00\x12+\n\x05layer\x18\x02 \x01(\x0b\x32\x1a.hybridserve.v1.LayerReadyH\x00\x12+\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1b.hybridserve.v1.PrefillDoneH\x00\x42\x07\n\x05\x65vent\"?\n\x0bInfoRequest\x12\x17\n\x0fkv_events_epoch\x18\x01 \x01(\t\x12\x17\n\x0fkv_events_since\x18\x02 \x01(\x04\"j\n\x08KVEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x0f\n\x07partial\x18\x06 \x01(\x08\"\xdb\x04\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x12\n\narena_name\x18\x06 \x01(\t\x12\x12\n\narena_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\t \x01(\r\x12\x10\n\x08n_layers\x18\n \x01(\r\x12\x12\n\nn_kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x11 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x12 \x01(\r\x12\x1c\n\x14kv_cache_usage_ratio\x18\x13 \x01(\x02\x12P\n\x13stored_weight_types\x18\x14 \x03(\x0b\x32\x33.hybridserve.v1.InfoResponse.StoredWeightTypesEntry\x12+\n\tkv_events\x18\x15 \x01(\x0b\x32\x18.hybridserve.v1.KVEvents\x1a\x38\n\x16StoredWeightTypesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"!\n\x0eProfileRequest\x12\x0f\n\x07refresh\x18\x01 \x01(\x08\"Z\n\x0bStageSample\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0c\n\x04n_in\x18\x03 \x01(\r\x12\r\n\x05n_out\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"N\n\x0fProfileResponse\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.hybridserve.v1.StageSample\x12\r\n\x05quiet\x18\x02 \x01(\x08*J\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_GPU\x10\x01\x12\r\n\tMODE_FPGA\x10\x02\x12\x0f\n\x0bMODE_HYBRID\x10\x03\x32\xb6\x02\n\x06\x45ngine\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12L\n\x07Prefill\x12\x1e.hybridserve.v1.PrefillRequest\x1a\x1f.hybridserve.v1.PrefillResponse0\x01\x12\x41\n\x04Info\x12\x1b.hybridserve.v1.InfoRequest\x1a\x1c.hybridserve.v1.InfoResponse\x12J\n\x07Profile\x12\x1e.hybridserve.v1.ProfileRequest\x1a\x1f.hybridserve.v1.ProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(services/rpc/hybridserve/v1/engine.proto\x12\x0ehybridserve.v1\"\xf7\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x41\n\nlogit_bias\x18\r \x03(\x0b\x32-.hybridserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\t\n\x01n\x18\x0f \x01(\r\x12\x1b\n\x13prior_output_tokens\x18\x10 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\"\n\x04mode\x18\x04 \x01(\x0e\x32\x14.hybridserve.v1.Mode\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\"\xd2\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x17\n\x0fhandoff_total_s\x18\x03 \x01(\x01\x12\x19\n\x11handoff_exposed_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x15\n\rhandoff_bytes\x18\x08 \x01(\x04\x12\x15\n\rcached_tokens\x18\t \x01(\r\"\xdc\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12(\n\x07timings\x18\x03 \x01(\x0b\x32\x17.hybridserve.v1.Timings\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\r\"\xad\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.hybridserve.v1.SamplingParams\x12\x12\n\nwire_dtype\x18\x04 \x01(\t\x12\x13\n\x0bskip_tokens\x18\x05 \x01(\r\x12\x12\n\nkv_address\x18\x06 \x01(\t\"L\n\x0bSlotGranted\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08n_tokens\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"O\n\nLayerReady\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x12\n\nwritten_at\x18\x04 \x01(\x01\"\xe2\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x17\n\x0f\x63ompute_done_at\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x33\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\"\xa1\x01\n\x0fPrefillResponse\x12+\n\x04slot\x18\x01 \x01(\x0b\x32\x1b.hybridserve.v1.SlotGrantedH\x00\x12+\n\x05layer\x18\x02 \x01(\x0b\x32\x1a.hybridserve.v1.LayerReadyH\x00\x12+\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1b.hybridserve.v1.PrefillDoneH\x00\x42\x07\n\x05\x65vent\"?\n\x0bInfoRequest\x12\x17\n\x0fkv_events_epoch\x18\x01 \x01(\t\x12\x17\n\x0fkv_events_since\x18\x02 \x01(\x04\"j\n\x08KVEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x0f\n\x07partial\x18\x06 \x01(\x08\"\xdb\x04\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\x12\x10\n\x08kv_dtype\x18\x05 \x01(\t\x12\x12\n\narena_name\x18\x06 \x01(\t\x12\x12\n\narena_size\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\t \x01(\r\x12\x10\n\x08n_layers\x18\n \x01(\r\x12\x12\n\nn_kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\x12\n\nvocab_size\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x11 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x12 \x01(\r\x12\x1c\n\x14kv_cache_usage_ratio\x18\x13 \x01(\x02\x12P\n\x13stored_weight_types\x18\x14 \x03(\x0b\x32\x33.hybridserve.v1.InfoResponse.StoredWeightTypesEntry\x12+\n\tkv_events\x18\x15 \x01(\x0b\x32\x18.hybridserve.v1.KVEvents\x1a\x38\n\x16StoredWeightTypesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"!\n\x0eProfileRequest\x12\x0f\n\x07refresh\x18\x01 \x01(\x08\"Z\n\x0bStageSample\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0c\n\x04n_in\x18\x03 \x01(\r\x12\r\n\x05n_out\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"N\n\x0fProfileResponse\x12,\n\x07samples\x18\x01 \x03(\x0b\x32\x1b.hybridserve.v1.StageSample\x12\r\n\x05quiet\x18\x02 \x01(\x08*J\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0c\n\x08MODE_GPU\x10\x01\x12\r\n\tMODE_FPGA\x10\x02\x12\x0f\n\x0bMODE_HYBRID\x10\x03\x32\xb6\x02\n\x06\x45ngine\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12L\n\x07Prefill\x12\x1e.hybridserve.v1.PrefillRequest\x1a\x1f.hybridserve.v1.PrefillResponse0\x01\x12\x41\n\x04Info\x12\x1b.hybridserve.v1.InfoRequest\x1a\x1c.hybridserve.v1.InfoResponse\x12J\n\x07Profile\x12\x1e.hybridserve.v1.ProfileRequest\x1a\x1f.hybridserve.v1.ProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_INFORESPONSE_STOREDWEIGHTTYPESENTRY']._loaded_options = None
   _globals['_INFORESPONSE_STOREDWEIGHTTYPESENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=2946
-  _globals['_MODE']._serialized_end=3020
+  _globals['_MODE']._serialized_start=2971
+  _globals['_MODE']._serialized_end=3045
   _globals['_SAMPLINGPARAMS']._serialized_start=61
   _globals['_SAMPLINGPARAMS']._serialized_end=564
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=474
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=566
   _globals['_TOKENLOGPROB']._serialized_end=642
   _globals['_GENERATEREQUEST']._serialized_start=645
-  _globals['_GENERATEREQUEST']._serialized_end=794
-  _globals['_TIMINGS']._serialized_start=797
-  _globals['_TIMINGS']._serialized_end=1007
-  _globals['_GENERATERESPONSE']._serialized_start=1010
-  _globals['_GENERATERESPONSE']._serialized_end=1230
-  _globals['_PREFILLREQUEST']._serialized_start=1233
-  _globals['_PREFILLREQUEST']._serialized_end=1406
-  _globals['_SLOTGRANTED']._serialized_start=1408
-  _globals['_SLOTGRANTED']._serialized_end=1484
-  _globals['_LAYERREADY']._serialized_start=1486
-  _globals['_LAYERREADY']._serialized_end=1565
-  _globals['_PREFILLDONE']._serialized_start=1568
-  _globals['_PREFILLDONE']._serialized_end=1794
-  _globals['_PREFILLRESPONSE']._serialized_start=1797
-  _globals['_PREFILLRESPONSE']._serialized_end=1958
-  _globals['_INFOREQUEST']._serialized_start=1960
-  _globals['_INFOREQUEST']._serialized_end=2023
-  _globals['_KVEVENTS']._serialized_start=2025
-  _globals['_KVEVENTS']._serialized_end=2131
-  _globals['_INFORESPONSE']._serialized_start=2134
-  _globals['_INFORESPONSE']._serialized_end=2737
-  _globals['_INFORESPONSE_STOREDWEIGHTTYPESENTRY']._serialized_start=2681
-  _globals['_INFORESPONSE_STOREDWEIGHTTYPESENTRY']._serialized_end=2737
-  _globals['_PROFILEREQUEST']._serialized_start=2739
-  _globals['_PROFILEREQUEST']._serialized_end=2772
-  _globals['_STAGESAMPLE']._serialized_start=2774
-  _globals['_STAGESAMPLE']._serialized_end=2864
-  _globals['_PROFILERESPONSE']._serialized_start=2866
-  _globals['_PROFILERESPONSE']._serialized_end=2944
-  _globals['_ENGINE']._serialized_start=3023
-  _globals['_ENGINE']._serialized_end=3333
+  _globals['_GENERATEREQUEST']._serialized_end=819
+  _globals['_TIMINGS']._serialized_start=822
+  _globals['_TIMINGS']._serialized_end=1032
+  _globals['_GENERATERESPONSE']._serialized_start=1035
+  _globals['_GENERATERESPONSE']._serialized_end=1255
+  _globals['_PREFILLREQUEST']._serialized_start=1258
+  _globals['_PREFILLREQUEST']._serialized_end=1431
+  _globals['_SLOTGRANTED']._serialized_start=1433
+  _globals['_SLOTGRANTED']._serialized_end=1509
+  _globals['_LAYERREADY']._serialized_start=1511
+  _globals['_LAYERREADY']._serialized_end=1590
+  _globals['_PREFILLDONE']._serialized_start=1593
+  _globals['_PREFILLDONE']._serialized_end=1819
+  _globals['_PREFILLRESPONSE']._serialized_start=1822
+  _globals['_PREFILLRESPONSE']._serialized_end=1983
+  _globals['_INFOREQUEST']._serialized_start=1985
+  _globals['_INFOREQUEST']._serialized_end=2048
+  _globals['_KVEVENTS']._serialized_start=2050
+  _globals['_KVEVENTS']._serialized_end=2156
+  _globals['_INFORESPONSE']._serialized_start=2159
+  _globals['_INFORESPONSE']._serialized_end=2762
+  _globals['_INFORESPONSE_STOREDWEIGHTTYPESENTRY']._serialized_start=2706
+  _globals['_INFORESPONSE_STOREDWEIGHTTYPESENTRY']._serialized_end=2762
+  _globals['_PROFILEREQUEST']._serialized_start=2764
+  _globals['_PROFILEREQUEST']._serialized_end=2797
+  _globals['_STAGESAMPLE']._serialized_start=2799
+  _globals['_STAGESAMPLE']._serialized_end=2889
+  _globals['_PROFILERESPONSE']._serialized_start=2891
+  _globals['_PROFILERESPONSE']._serialized_end=2969
+  _globals['_ENGINE']._serialized_start=3048
+  _globals['_ENGINE']._serialized_end=3358
 # @@protoc_insertion_point(module_scope)

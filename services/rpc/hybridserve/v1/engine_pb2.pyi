@@ -72,16 +72,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "prefill_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     mode: Mode
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    prefill_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "handoff_total_s", "handoff_exposed_s", "decode_s", "prompt_tokens", "generated_tokens", "handoff_bytes", "cached_tokens")
