@@ -101,10 +101,21 @@ class BlockManager:
         return seq_id in self._tables
 
     # ---- a new sequence --------------------------------------------------------------------
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], with_host_tier: bool = False) -> int:
         """How many leading positions of `token_ids` the prefix cache holds now (whole blocks),
-        taking nothing: an allocation later may find fewer, if eviction came first."""
-        return len(self._cached_prefix(token_ids)) * self.block_size
+        taking nothing: an allocation later may find fewer, if eviction came first. with_host_tier:
+        also the blocks that go on in the host tier (an allocation loads them back)."""
+        hits = self._cached_prefix(token_ids)
+        n, bs = len(hits), self.block_size
+        if with_host_tier and self.host_tier is not None and self.enable_prefix_caching:
+            parent = self.blocks[hits[-1]].hash if hits else b""
+            for i in range(n, (len(token_ids) - 1) // bs):
+                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+                key = hash_block(parent, tokens)
+                if key in self._cache or not self.host_tier.holds(key, tokens, parent):
+                    break
+                n, parent = n + 1, key
+        return n * bs
 
     def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True,
                      max_cached_tokens: int | None = None) -> bool:

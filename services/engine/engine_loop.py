@@ -195,8 +195,8 @@ class EngineLoop:
         """How many leading positions of `prompt_ids` the prefix cache holds now, taking nothing.
         Read from the caller's thread without the loop (plain dict lookups under the GIL): a hint,
         which `reserve_remote` later confirms or finds evicted."""
-        try:
-            return self.scheduler.block_manager.cached_prefix_tokens(prompt_ids)
+        try:  # the host tier's blocks too: reserve_remote loads them back instead of a hand-off
+            return self.scheduler.block_manager.cached_prefix_tokens(prompt_ids, with_host_tier=True)
         except (KeyError, IndexError, RuntimeError):  # changed under our feet: no hint
             return 0
 

@@ -68,6 +68,12 @@ class HostKVTier:
         self._blocks.move_to_end(key)
         return block
 
+    def holds(self, key: bytes, tokens: tuple[int, ...], parent_hash: bytes) -> bool:
+        """Whether `lookup` would find the block, changing nothing (not even the LRU order): safe from
+        a thread other than the engine loop's, for a hint."""
+        block = self._blocks.get(key)
+        return block is not None and block.tokens == tokens and block.parent_hash == parent_hash
+
     def load(self, block: HostBlock, block_id: int) -> None:
         """Write a saved block into device block `block_id`; waits until the device has it."""
         t = time.perf_counter()

@@ -45,6 +45,33 @@ def test_an_evicted_prefix_comes_back_from_host_memory_with_the_same_tokens(ocl_
     assert no_tier_cached == 64  # only the blocks that stayed on the device
 
 
+def test_hybrid_mode_counts_the_host_tier_as_cached_and_takes_it_back_instead_of_a_hand_off(ocl_engine,
+                                                                                                model_config):
+    """decode_fpga's hybrid path asks prefill_gpu only for what `peek_cached_tokens` says is not here
+    and reserves with `reserve_remote` (services/decode_fpga/hybrid.py): with the tier both count the
+    evicted prefix's blocks in host memory, and the reservation loads them back."""
+    def returning(host_mb: int) -> tuple[int, int]:
+        config = SchedulerConfig(num_blocks=14, block_size=ocl_engine.block_size, max_num_seqs=1,
+                                 max_num_batched_tokens=64, max_model_len=512, host_kv_cache_mb=host_mb)
+        loop = EngineLoop(ocl_engine, config)
+        try:
+            a, b = random_prompt(150, model_config.vocab_size, seed=43), random_prompt(150, model_config.vocab_size,
+                                                                                        seed=44)
+            for prompt in (a, b):  # b evicts six of a's blocks
+                list(loop.submit(prompt, GREEDY).events())
+            peeked = loop.peek_cached_tokens(a)
+            stream = loop.reserve_remote(a, GREEDY, max_cached_tokens=peeked)
+            stream.wait_reserved(lambda: False)
+            reserved = stream.seq.num_cached_tokens
+            stream.cancel()
+            return peeked, reserved
+        finally:
+            loop.close()
+
+    assert returning(64) == (144, 144)  # 4 blocks on the device, 5 back from host memory: 6 tokens to hand over
+    assert returning(0) == (64, 64)
+
+
 def test_the_tier_is_bounded_and_checks_what_it_hands_back():
     from services.engine.host_kv_tier import HostKVTier
 
