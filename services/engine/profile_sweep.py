@@ -63,7 +63,10 @@ class Sweep(list):
 
 def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_contexts=DECODE_CONTEXTS,
               decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Sweep:
-    """Warm up, then time every point `repeats` times; one sample (the median) per point."""
+    """Warm up, then time every point `repeats` times; one sample (the median) per point. A length
+    past the model's context (a small model's) is timed at the longest prompt that fits instead."""
+    prefill_lengths, decode_contexts = _fitting(engine, prefill_lengths, decode_tokens), \
+        _fitting(engine, decode_contexts, decode_tokens)
     _timed_pass(engine, _prompts(engine, prefill_lengths), decode_contexts, decode_tokens)  # warm-up, discarded
     load = ForeignLoad()
     runs = [_timed_pass(engine, _prompts(engine, prefill_lengths), decode_contexts, decode_tokens)
@@ -82,6 +85,16 @@ def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_conte
     out.foreign_load = load.share()
     log.info("profile sweep %s: %s", device, out.verdict)
     return out
+
+
+def _fitting(engine, lengths, decode_tokens: int) -> tuple[int, ...]:
+    """`lengths`, each capped to leave room for the first token and decode_tokens more in the context
+    (a LoopTimer's loop's max_model_len, or an engine's max_context; no cap when neither is known)."""
+    loop = getattr(engine, "loop", None)
+    context = loop.config.max_model_len if loop is not None else getattr(engine, "max_context", None)
+    if not context:
+        return tuple(lengths)
+    return tuple(dict.fromkeys(min(n, context - decode_tokens - 1) for n in lengths))
 
 
 _PASSES = itertools.count()  # every pass of this process gets prompts of its own

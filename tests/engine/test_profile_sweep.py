@@ -198,3 +198,24 @@ def test_a_sweep_through_an_engine_loop_never_times_a_prefix_cache_hit():
         assert bm.num_hit_tokens == 0
     finally:
         loop.close()
+
+
+def test_a_model_with_a_short_context_is_timed_at_the_longest_prompt_that_fits():
+    """A small model's context (a 256-token tiny checkpoint) cannot take the sweep's 256-token point:
+    it is timed at the longest prompt that leaves room for the decode tokens, instead of the sweep
+    failing (the gateway then had no profile and the stack never said it was up)."""
+    from services.engine.engine_loop import EngineLoop
+    from services.engine.profile_sweep import LoopTimer
+    from services.engine.scheduler import SchedulerConfig
+    from tests.engine.paged_fake import PagedFakeEngine
+
+    config = SchedulerConfig(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             max_model_len=64)
+    loop = EngineLoop(PagedFakeEngine(config.num_blocks, config.block_size), config)
+    try:
+        sweep = run_sweep(LoopTimer(loop), "fpga", prefill_lengths=(16, 64, 256), decode_contexts=(16, 256),
+                          decode_tokens=2, repeats=1)
+        assert [(s["stage"], s["n_in"]) for s in sweep] == [("prefill", 16), ("decode", 16), ("prefill", 61),
+                                                            ("decode", 61)]
+    finally:
+        loop.close()
