@@ -184,7 +184,10 @@ class DecodeRuntime(EngineRuntime):
         # hand over one block (the router then believed the hand-off ~100x cheaper than serving's)
         rng = np.random.default_rng()
         params = SamplingParams(max_tokens=1, temperature=0)
-        for n_in in (16, 64, 256):
+        # a small model's context may not take 256 tokens (the sweep caps its lengths alike): then the
+        # longest prompt that fits, or the router would never have hybrid data and never be calibrated
+        longest = self.loop.config.max_model_len - 2
+        for n_in in dict.fromkeys(min(n, longest) for n in (16, 64, 256)):
             request = EngineRequest(tuple(rng.integers(3, self.loaded.config.vocab_size, n_in).tolist()), params,
                                     "hybrid")
             timings = RequestTimings()
