@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
-honour (tools, response formats other than text, suffix, a batch of prompts) are refused with a
+honour (tools, suffix, a batch of prompts) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
 text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from services.engine.logprobs import MAX_TOP_LOGPROBS
 from services.engine.sampling import MAX_CHOICES
+from services.gateway.structured import GrammarError, grammar_of
 from services.modes import AUTO, MODE_NAMES
 
 ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
@@ -46,9 +47,43 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output must validate against")
+    strict: bool | None = Field(None, description="the schema is enforced either way")
+
+
+class ResponseFormat(BaseModel):
+    """What the output must be (services/gateway/structured.py): plain text, any JSON object, JSON valid
+    against a schema, or (extensions) text matching a regex or a Lark grammar. Compiled here: one that
+    cannot be is a 400 with `param: response_format` and the reason."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: Text | None = Field(None, description="extension: with type `regex`, the regex the whole output matches")
+    grammar: Text | None = Field(None, description=(
+        "extension: with type `grammar`, a Lark grammar (llguidance's dialect) the output follows"))
+    _compiled: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _compile(self):
+        needs = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
+        if self.type in needs and needs[self.type] is None:
+            raise PydanticCustomError("invalid_value", "type {kind} needs its `{kind}` field", {"kind": self.type})
+        try:
+            self._compiled = grammar_of(self.type, self.json_schema.schema_ if self.json_schema else None,
+                                        self.regex, self.grammar)
+        except GrammarError as exc:
+            raise PydanticCustomError("invalid_value", "cannot be compiled: {reason}", {"reason": str(exc)}) from None
+        return self
+
+    @property
+    def compiled(self) -> str | None:
+        """The llguidance grammar the engines mask with; None for plain text."""
+        return self._compiled
 
 
 class _Common(BaseModel):
@@ -115,12 +150,10 @@ class _Common(BaseModel):
     def bias_pairs(self) -> dict[int, float]:
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.type != "text":
-            raise _unsupported("response_format", "other than {\"type\": \"text\"} is not supported by this server")
-        return v
+    @property
+    def grammar(self) -> str | None:
+        """The grammar of `response_format` for the engines; None when the output is free text."""
+        return self.response_format.compiled if self.response_format is not None else None
 
     @property
     def stops(self) -> list[str]:
