@@ -81,6 +81,7 @@ class GrammarMatcher:
         if prior_tokens and not self._matcher.consume_tokens(list(prior_tokens)):
             raise InvalidRequest(f"the output so far does not fit the grammar: {self._matcher.get_error()}")
         self._bitmask = llg_np.allocate_token_bitmask(1, vocab_size)
+        self._allowed = np.zeros(vocab_size, bool)
         self._pending: Future | None = None
         self._fill()
 
@@ -102,10 +103,9 @@ class GrammarMatcher:
         return self._pending
 
     def allowed(self) -> np.ndarray:
-        """bool [vocab]: the tokens the grammar allows next."""
+        """bool [vocab]: the tokens the grammar allows next (do not change it)."""
         self._wait()
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        return bits[:self.vocab_size].astype(bool)
+        return self._allowed
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """A copy of `logits` [vocab] with every token the grammar does not allow next at -inf."""
@@ -116,6 +116,9 @@ class GrammarMatcher:
 
     def _fill(self) -> None:
         llg_np.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        # unpacked here, on the worker, so the pick only selects
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:self.vocab_size]
+        self._allowed = bits.view(bool)
 
     def _wait(self) -> None:
         if self._pending is not None:
