@@ -83,6 +83,7 @@ class GrammarMatcher:
         self._bitmask = llg_np.allocate_token_bitmask(1, vocab_size)
         self._allowed = np.zeros(vocab_size, bool)
         self._pending: Future | None = None
+        self._stale = True  # the mask is not yet the next position's
         self._fill()
 
     @property
@@ -93,6 +94,7 @@ class GrammarMatcher:
     def accept(self, token: int) -> None:
         """`token` was picked (under this matcher's mask, or by the engine that prefilled)."""
         self._wait()
+        self._stale = True
         if not self._matcher.consume_token(token):
             # only a token the mask allowed gets here: a broken matcher ends the sequence (`stopped`)
             log.warning("grammar refused token %d: %s", token, self._matcher.get_error())
@@ -105,6 +107,8 @@ class GrammarMatcher:
     def allowed(self) -> np.ndarray:
         """bool [vocab]: the tokens the grammar allows next (do not change it)."""
         self._wait()
+        if self._stale:  # nobody prepared it: fill it now
+            self._fill()
         return self._allowed
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
@@ -119,6 +123,7 @@ class GrammarMatcher:
         # unpacked here, on the worker, so the pick only selects
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[:self.vocab_size]
         self._allowed = bits.view(bool)
+        self._stale = False
 
     def _wait(self) -> None:
         if self._pending is not None:

@@ -241,6 +241,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     tool_calls: list[dict[str, Any]] | None = None  # before content: its validator reads them
+    tool_call_id: Text | None = None  # a tool message: the call it answers
     content: Text | list[TextPart] | None = Field(None, validate_default=True)
 
     @field_validator("content")
@@ -258,6 +259,31 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: TokenCount | None = None
@@ -265,8 +291,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = Field(None, description="each output token's logprob, in `choices[i].logprobs`")
     top_logprobs: TopLogprobs | None = Field(None, description=(
         "with `logprobs`: the this many most likely tokens at each position (0..20)"))
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, description=(
+        "functions the model may call, rendered by the checkpoint's chat template (services/gateway/tools.py)"))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "`auto` (the default with tools), `none`, `required` or a named function: the last two make the output "
+        "one call, enforced by a grammar"))
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -282,16 +311,49 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v, info):
+    def _no_functions(cls, v, info):
         if v:
-            raise _unsupported(info.field_name, "(tool calling) is not supported by this server")
+            raise _unsupported(info.field_name, "(the deprecated form of tools) is not supported by this server; "
+                               "send tools")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
+    def _no_function_call(cls, v, info):
         if v is not None and v != "none":
-            raise _unsupported(info.field_name, "(tool calling) is not supported by this server")
+            raise _unsupported(info.field_name, "(the deprecated form of tool_choice) is not supported by this "
+                               "server; send tool_choice")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice, info):
+        tools = info.data.get("tools")
+        if choice not in (None, "none", "auto") and not tools:
+            raise PydanticCustomError("invalid_value", "tool_choice other than none or auto needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise PydanticCustomError("invalid_value", "tool_choice names {name}, which is not in tools",
+                                      {"name": choice.function.name})
+        return choice
+
+    _tool_grammar: str | None = PrivateAttr(None)  # tool_choice required or named: the call's grammar (app.py)
+
+    @property
+    def grammar(self) -> str | None:
+        return self._tool_grammar or super().grammar
+
+    @property
+    def tools_offered(self) -> list[dict] | None:
+        """The tools the prompt shows the model (none with tool_choice `none`), as chat templates take them."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def forced_function(self) -> str | None:
+        """'' for tool_choice `required` (any tool), the name of a named one, None when the model may answer."""
+        if self.tool_choice == "required":
+            return ""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
