@@ -72,6 +72,9 @@ class EngineRuntime:
             raise InvalidRequest(f"{self.device_label} engine does not serve mode {request.mode}; "
                                  f"it serves {sorted(self.modes)}")
         check_prompt(request.prompt_ids, self.loaded.config.vocab_size, self.max_context)
+        if request.params.grammar and self.loop.grammars is not None:
+            # the tokenizer's first load (seconds) before anything is held: a hand-off's arena slot, blocks
+            self.loop.grammars.get()
         status = "error"
         try:
             timings = RequestTimings(prompt_tokens=len(request.prompt_ids))

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
-honour (tools, suffix, a batch of prompts) are refused with a
+honour (the deprecated functions and function_call, suffix, a batch of prompts) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
 text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
