@@ -3,6 +3,7 @@ puts on a row, the tokens it accepts, where it stops, a migration's earlier outp
 not compile. The engines and modes run it in tests/gateway/test_api_structured.py."""
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -48,3 +49,27 @@ def test_a_continuation_starts_past_the_output_so_far(grammars, tokenizer):
 def test_a_grammar_that_does_not_compile_is_an_invalid_request(grammars):
     with pytest.raises(InvalidRequest, match="does not compile"):
         grammars.matcher("start: nowhere")
+
+
+def test_a_migrated_request_goes_on_under_its_grammar_as_if_uninterrupted(grammars, torch_engine, model_config,
+                                                                          tokenizer):
+    # the gateway's continuation: prompt + the tokens out so far, prior_output_tokens saying how many
+    from services.engine.engine_loop import EngineLoop
+    from services.engine.scheduler import SchedulerConfig
+
+    config = SchedulerConfig(num_blocks=torch_engine.num_blocks, block_size=torch_engine.block_size, max_num_seqs=2,
+                             max_num_batched_tokens=torch_engine.max_num_batched_tokens, max_model_len=1024)
+    loop = EngineLoop(torch_engine, config, model_config.eos_token_ids, grammars=grammars)
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+    params = SamplingParams(max_tokens=30, temperature=0, grammar=grammar_of("json_schema", schema))
+    prompt = tokenizer("A person as JSON:").input_ids
+    try:
+        whole = [e.token for e in loop.submit(prompt, params)]
+        cut = 4
+        events = list(loop.submit(prompt + whole[:cut], SamplingParams(
+            max_tokens=30 - cut, temperature=0, grammar=params.grammar, prior_output_tokens=cut)))
+    finally:
+        loop.close()
+    assert [e.token for e in events] == whole[cut:] and events[-1].finish_reason == "stop"
+    assert isinstance(json.loads(tokenizer.decode(whole)), dict)
