@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # one thread: a step's masks are computed in turn (llguidance drops the GIL meanwhile); more would
 # only take the cores the engine's step runs on
 _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+_SAY = 400  # characters of llguidance's error to pass on (it appends its whole state and grammar)
 
 
 class GrammarTokenizer:
@@ -77,9 +78,9 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
         self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self._matcher.is_error():
-            raise InvalidRequest(f"the grammar does not compile: {self._matcher.get_error()}")
+            raise InvalidRequest(f"the grammar does not compile: {self._matcher.get_error()[:_SAY]}")
         if prior_tokens and not self._matcher.consume_tokens(list(prior_tokens)):
-            raise InvalidRequest(f"the output so far does not fit the grammar: {self._matcher.get_error()}")
+            raise InvalidRequest(f"the output so far does not fit the grammar: {self._matcher.get_error()[:_SAY]}")
         self._bitmask = llg_np.allocate_token_bitmask(1, vocab_size)
         self._allowed = np.zeros(vocab_size, bool)
         self._pending: Future | None = None
@@ -97,7 +98,7 @@ class GrammarMatcher:
         self._stale = True
         if not self._matcher.consume_token(token):
             # only a token the mask allowed gets here: a broken matcher ends the sequence (`stopped`)
-            log.warning("grammar refused token %d: %s", token, self._matcher.get_error())
+            log.warning("grammar refused token %d: %s", token, self._matcher.get_error()[:_SAY])
 
     def prepare(self) -> Future:
         """Compute the next mask on the worker thread; `apply` waits for it."""
