@@ -29,11 +29,12 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
+from services.engine.grammar import GrammarMatcher, GrammarTokenizer, prepare_masks
 from services.engine.host_kv_tier import HostKVTier
 from services.engine.logprobs import TokenLogprob, token_logprob
 from services.engine.request_state import finish_reason
-from services.engine.requests import (Cancelled, EngineStepFailed, PromptTooLong, QueueFull, ShuttingDown,
-                                      check_prompt)
+from services.engine.requests import (Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull,
+                                      ShuttingDown, check_prompt)
 from services.engine.sampling import Sampler, SamplingParams
 from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 
@@ -159,9 +160,10 @@ class EngineLoop:
     """Owns `engine` from its own thread; see the module docstring."""
 
     def __init__(self, engine: BatchEngine, config: SchedulerConfig, eos_token_ids: tuple[int, ...] = (),
-                 max_waiting: int = 64, name: str = "engine-loop"):
+                 max_waiting: int = 64, name: str = "engine-loop", grammars: GrammarTokenizer | None = None):
         # back-pressure: at most max_num_seqs running and max_waiting more queued behind them
         self.engine, self.config, self.eos_token_ids = engine, config, frozenset(eos_token_ids)
+        self.grammars = grammars  # structured outputs; None: requests with a grammar are refused
         self.max_waiting = max_waiting
         self.scheduler = Scheduler(config)
         if config.host_kv_cache_mb and config.enable_prefix_caching:
@@ -246,7 +248,8 @@ class EngineLoop:
         stop = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
         seq = Sequence(next(self._ids), list(prompt_ids), params.max_tokens, stop, params,
                        all_logits=params.prompt_logprobs is not None and computes_prompt)
-        stream = RequestStream(self, seq, Sampler(params, stream=choice), export)
+        stream = RequestStream(self, seq, Sampler(params, stream=choice, grammar=self._matcher(params, prompt_ids)),
+                               export)
         if counted:
             with self._wake:
                 if self._n_live >= self.config.max_num_seqs + self.max_waiting:
@@ -255,6 +258,16 @@ class EngineLoop:
                 self._n_live += 1
             stream._counted = True
         return stream
+
+    def _matcher(self, params: SamplingParams, prompt_ids: list[int]) -> GrammarMatcher | None:
+        """The request's grammar matcher, on the caller's thread (the tokenizer's first load, the grammar's
+        compile and its first mask stay off the loop), past the output an earlier call produced."""
+        if not params.grammar:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest("this engine serves no structured outputs (it was started without a tokenizer)")
+        prior = prompt_ids[len(prompt_ids) - params.prior_output_tokens:] if params.prior_output_tokens else ()
+        return self.grammars.matcher(params.grammar, prior)
 
     def _post(self, item: tuple) -> None:
         with self._wake:
@@ -337,7 +350,13 @@ class EngineLoop:
     def _activate(self, stream: RequestStream, first_token: int, logprob, prompt_logprobs) -> None:
         if self._streams.get(stream.seq_id) is not stream:
             return  # cancelled meanwhile
+        grammar = stream.sampler.grammar
+        if grammar is not None:  # the engine that prefilled picked it under the same grammar
+            grammar.accept(first_token)
+            stream.seq.stop_requested = grammar.stopped
         seq = self.scheduler.activate_remote(stream.seq_id, first_token)
+        if grammar is not None and not seq.status.finished:
+            grammar.prepare()
         self._emit(stream, seq, first_token, logprob, prompt_logprobs)
 
     def _step(self, out: SchedulerOutput) -> None:
@@ -392,6 +411,8 @@ class EngineLoop:
                 if c.samples:
                     sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
                         block[-1], seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
+                    if stream.sampler.grammar is not None:  # a complete grammar ends the sequence at this token
+                        seq.stop_requested = stream.sampler.grammar.stopped
         self.scheduler.update(out, sampled)
         for chunk in sampling:
             stream = self._streams.get(chunk.seq_id)
@@ -400,6 +421,9 @@ class EngineLoop:
                 self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
                            stream.prompt_logprobs() if first else None)
                 stream.seq.all_logits = False  # a recompute after a preemption needs no prompt logits
+        # the grammars' next masks, computed while the next step runs
+        prepare_masks(s.sampler.grammar for c in sampling
+                      if (s := self._streams.get(c.seq_id)) is not None and s.sampler.grammar is not None)
         self._update_gauges()
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from services.engine import metrics as m
 from services.engine.engine_loop import EngineLoop, RequestStream
 from services.engine.generation import TokenEvent
+from services.engine.grammar import GrammarTokenizer
 from services.engine.profile_cache import sweep_lock
 from services.engine.profile_sweep import LoopTimer, Profile, code_fingerprint, profile_engine, run_sweep
 from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull,
@@ -41,6 +42,14 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
                            prompt_logit_rows=getattr(engine, "prompt_logit_rows", SchedulerConfig.prompt_logit_rows))
 
 
+def grammar_tokenizer(loaded) -> GrammarTokenizer:
+    """Structured outputs' view of the checkpoint's tokenizer, loaded at the first request with a grammar."""
+    from services.model.tokenizer import load_tokenizer
+
+    return GrammarTokenizer(lambda: load_tokenizer(loaded.checkpoint), loaded.config.vocab_size,
+                            loaded.config.eos_token_ids)
+
+
 class EngineRuntime:
     device_label = ""  # "gpu" | "fpga"
     engine_name = ""  # "torch" | "opencl"
@@ -50,7 +59,7 @@ class EngineRuntime:
         self.engine, self.loaded, self.settings, self.max_context = engine, loaded, settings, max_context
         self.loop = EngineLoop(engine, scheduler_config(engine, settings, max_context),
                                loaded.config.eos_token_ids, max_waiting=settings.queue_depth,
-                               name=f"{self.device_label}-engine-loop")
+                               name=f"{self.device_label}-engine-loop", grammars=grammar_tokenizer(loaded))
         self.modes: dict[str, ModeHandler] = {}
         self._profile: Profile | None = None
         self._profile_lock = threading.Lock()
@@ -63,6 +72,9 @@ class EngineRuntime:
             raise InvalidRequest(f"{self.device_label} engine does not serve mode {request.mode}; "
                                  f"it serves {sorted(self.modes)}")
         check_prompt(request.prompt_ids, self.loaded.config.vocab_size, self.max_context)
+        if request.params.grammar and self.loop.grammars is not None:
+            # the tokenizer's first load (seconds) before anything is held: a hand-off's arena slot, blocks
+            self.loop.grammars.get()
         status = "error"
         try:
             timings = RequestTimings(prompt_tokens=len(request.prompt_ids))

@@ -11,12 +11,15 @@ import hashlib
 import secrets
 import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from services.engine.logits_processing import process, processes
 from services.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
+
+if TYPE_CHECKING:
+    from services.engine.grammar import GrammarMatcher
 
 
 MAX_CHOICES = 16  # choices (n, best_of) of one request
@@ -42,6 +45,7 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1  # choices: the engine runtime fans the request out (services/engine/runtime.py)
     prior_output_tokens: int = 0  # the prompt's last tokens that are the request's output (a migration's)
+    grammar: str = ""  # structured output: an llguidance grammar the tokens must follow (grammar.py); '' = none
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -77,7 +81,7 @@ class SamplingParams:
     @property
     def device_greedy(self) -> bool:
         """The device's argmax is the whole answer: greedy, nothing changes the logits, no logprobs."""
-        return self.greedy and self.logprobs is None and not processes(self)
+        return self.greedy and self.logprobs is None and not processes(self) and not self.grammar
 
 
 def uniform(seed: int, stream: int, position: int) -> float:
@@ -92,22 +96,26 @@ class Sampler:
     """Picks the next token from one sequence's logits. Its randomness is keyed by the request's seed
     (a fresh one when it has none), the choice (`stream`, for n > 1) and the token's position."""
 
-    def __init__(self, params: SamplingParams, stream: int = 0):
-        self.params, self.stream = params, stream
+    def __init__(self, params: SamplingParams, stream: int = 0, grammar: GrammarMatcher | None = None):
+        self.params, self.stream, self.grammar = params, stream, grammar
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
         self._next_position = 0  # for callers that do not say the position (the slot path's Generation)
 
     def pick(self, logits: np.ndarray, token_ids: Sequence[int], num_prompt: int,
              stop_ids: frozenset[int]) -> tuple[int, TokenLogprob | None]:
         """The next token of a sequence of `token_ids` (the prompt's `num_prompt`, then its output) from
-        its raw logits [vocab], after its controls (logits_processing.py), and its logprob when asked for
-        (of the raw logits)."""
+        its raw logits [vocab], after its controls (logits_processing.py) and its grammar's mask (grammar.py),
+        and its logprob when asked for (of the raw logits). The grammar accepts the token."""
         p = self.params
         if processes(p):  # a continuation's earlier output counts as output
             row = process(logits, p, token_ids, max(0, num_prompt - p.prior_output_tokens), stop_ids)
         else:
             row = logits
+        if self.grammar is not None:
+            row = self.grammar.apply(row)
         token = self.sample(row, position=len(token_ids))
+        if self.grammar is not None:
+            self.grammar.accept(token)
         return token, (token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None)
 
     def sample(self, logits: np.ndarray, position: int | None = None) -> int:

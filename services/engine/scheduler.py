@@ -94,6 +94,8 @@ class Sequence:
     # every prompt position's logits are wanted (prompt logprobs): the prompt is computed whole, never
     # taken from the prefix cache, in chunks of at most config.prompt_logit_rows; off once it has its first token
     all_logits: bool = False
+    # the token about to be appended ends the sequence (its grammar is complete: engine_loop.py sets it)
+    stop_requested: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -387,6 +389,8 @@ class Scheduler:
         seq.token_ids.append(token)
         context_left = self.config.max_model_len - seq.num_tokens
         seq.status = state_after_token(token, seq.num_generated, seq.max_tokens, seq.stop_token_ids, context_left)
+        if seq.stop_requested and not seq.status.finished:
+            seq.status = RequestState.FINISHED_STOPPED
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -49,6 +49,8 @@ from services.gateway.router_debug import debug_routes
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
+from services.gateway.structured import GrammarError
+from services.gateway.tools import call_grammar, template_messages, template_takes_tools
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
 from services.model.tokenizer import NoChatTemplate, chat_prompt_ids, load_tokenizer
@@ -185,14 +187,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
               responses={**openapi.stream_or_json(ChatCompletion), **openapi.errors(*openapi.GENERATION)})
     async def chat_completions(body: ChatCompletionRequest, request: Request, st: State = Depends(state)):
         _check_model(st, body.model)
-        messages = [{"role": "system" if msg.role == "developer" else msg.role, "content": msg.text()}
-                    for msg in body.messages]
+        tools = _offered_tools(st, body)
         try:
-            prompt_ids = await st.tokenize(chat_prompt_ids, messages)
+            prompt_ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), tools)
         except NoChatTemplate as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
-        return await _respond(st, request, body, prompt_ids, max_tokens, chat=True)
+        return await _respond(st, request, body, prompt_ids, max_tokens, chat=True,
+                              tool_names={t["function"]["name"] for t in tools} if tools else None)
 
     return app
 
@@ -205,6 +207,26 @@ def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids)
 
 
+def _offered_tools(st: State, body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the prompt shows the model (services/gateway/tools.py), checked against its chat template;
+    with tool_choice required or named, the call's grammar goes to the engines."""
+    tools = body.tools_offered
+    if tools is None:
+        return None
+    if not template_takes_tools(st.tokenizer):
+        raise APIError(400, "this model's chat template does not define tools, so they cannot be shown to it; "
+                       "send no tools (or tool_choice none)", "tools", "unsupported_parameter")
+    if body.forced_function is not None:
+        if body.response_format is not None and body.response_format.compiled:
+            raise APIError(400, "response_format cannot be combined with tool_choice required or a named function",
+                           "response_format", "invalid_value")
+        try:
+            body._tool_grammar = call_grammar([t["function"] for t in tools], body.forced_function or None)
+        except GrammarError as exc:
+            raise APIError(400, f"a tool's parameters cannot be compiled: {exc}", "tools", "invalid_value") from None
+    return tools
+
+
 def _check_model(st: State, model: str) -> None:
     if model != st.model_name:
         raise APIError(404, f"model {model!r} does not exist; this server serves {st.model_name!r}", "model",
@@ -212,8 +234,11 @@ def _check_model(st: State, model: str) -> None:
 
 
 async def _respond(st: State, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                 prompt_ids: list[int], max_tokens: int, chat: bool, echo: str | None = None) -> Response:
+                 prompt_ids: list[int], max_tokens: int, chat: bool, echo: str | None = None,
+                 tool_names: set[str] | None = None) -> Response:
     """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream.
+
+    `tool_names`: the tools offered; the output's calls of them become `tool_calls` (tools.py).
 
     `echo`: the prompt's text, returned before the completion. max_tokens 0 (echo only) still asks the
     engines for one token, which is not shown: an engine call ends with a token."""
@@ -232,6 +257,7 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
                       Echo(echo, prompt_ids) if echo is not None else None, show_output=max_tokens > 0)
                for i in range(body.choices_generated)]
     run = Run(st.router, stream.decision, len(prompt_ids), started, choices)
+    run.tool_names = tool_names
     headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -95,6 +95,8 @@ class EngineRequest:
         if getattr(body, "prompt_logprobs_asked", None) is not None:
             sampling.prompt_logprobs = body.prompt_logprobs_asked
         sampling.n = body.choices_generated
+        if body.grammar:
+            sampling.grammar = body.grammar
         if sampling.n > body.n and not sampling.HasField("logprobs"):
             sampling.logprobs = 0  # best_of ranks the choices by their cumulative logprob
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,

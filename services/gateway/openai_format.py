@@ -132,9 +132,23 @@ class Completion(BaseModel):
     hybridserve: Hybridserve
 
 
-class AssistantMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI gives it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class AssistantMessage(_LeavesOutNone):
+    _omit_if_none = ("tool_calls",)
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None only beside tool_calls
+    tool_calls: list[ToolCall] | None = None  # the model's calls of the request's tools (tools.py)
 
 
 class ChatChoice(BaseModel):
@@ -167,11 +181,16 @@ class CompletionChunk(_LeavesOutNone):
     hybridserve: Hybridserve | None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # of the call in the message (a stream sends each call whole, in one chunk)
+
+
 class Delta(_LeavesOutNone):
-    _omit_if_none = ("role", "content")
+    _omit_if_none = ("role", "content", "tool_calls")
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -213,6 +232,11 @@ class ChunkWriter:
             return ChatCompletionChunk(**self._head, choices=[choice])
         return CompletionChunk(**self._head, choices=[CompletionChoice(index=index, text=text, finish_reason=None,
                                                                        logprobs=logprobs)])
+
+    def tool_calls(self, calls: list[ToolCall], index: int = 0) -> ChatCompletionChunk:
+        """A chat choice's calls, each whole (a stream with tools holds the text until the calls are known)."""
+        deltas = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+        return ChatCompletionChunk(**self._head, choices=[ChatChunkChoice(index=index, delta=Delta(tool_calls=deltas))])
 
     def finish(self, finish_reason: str, extension: Hybridserve | None, index: int = 0
                ) -> ChatCompletionChunk | CompletionChunk:

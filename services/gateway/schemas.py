@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
-honour (tools, response formats other than text, suffix, a batch of prompts) are refused with a
+honour (the deprecated functions and function_call, suffix, a batch of prompts) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
 text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from services.engine.logprobs import MAX_TOP_LOGPROBS
 from services.engine.sampling import MAX_CHOICES
+from services.gateway.structured import GrammarError, grammar_of
 from services.modes import AUTO, MODE_NAMES
 
 ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
@@ -46,9 +47,43 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    name: Text = Field("response", max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output must validate against")
+    strict: bool | None = Field(None, description="the schema is enforced either way")
+
+
+class ResponseFormat(BaseModel):
+    """What the output must be (services/gateway/structured.py): plain text, any JSON object, JSON valid
+    against a schema, or (extensions) text matching a regex or a Lark grammar. Compiled here: one that
+    cannot be is a 400 with `param: response_format` and the reason."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: Text | None = Field(None, description="extension: with type `regex`, the regex the whole output matches")
+    grammar: Text | None = Field(None, description=(
+        "extension: with type `grammar`, a Lark grammar (llguidance's dialect) the output follows"))
+    _compiled: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _compile(self):
+        needs = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
+        if self.type in needs and needs[self.type] is None:
+            raise PydanticCustomError("invalid_value", "type {kind} needs its `{kind}` field", {"kind": self.type})
+        try:
+            self._compiled = grammar_of(self.type, self.json_schema.schema_ if self.json_schema else None,
+                                        self.regex, self.grammar)
+        except GrammarError as exc:
+            raise PydanticCustomError("invalid_value", "cannot be compiled: {reason}", {"reason": str(exc)}) from None
+        return self
+
+    @property
+    def compiled(self) -> str | None:
+        """The llguidance grammar the engines mask with; None for plain text."""
+        return self._compiled
 
 
 class _Common(BaseModel):
@@ -115,12 +150,10 @@ class _Common(BaseModel):
     def bias_pairs(self) -> dict[int, float]:
         return {int(k): b for k, b in (self.logit_bias or {}).items()}
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.type != "text":
-            raise _unsupported("response_format", "other than {\"type\": \"text\"} is not supported by this server")
-        return v
+    @property
+    def grammar(self) -> str | None:
+        """The grammar of `response_format` for the engines; None when the output is free text."""
+        return self.response_format.compiled if self.response_format is not None else None
 
     @property
     def stops(self) -> list[str]:
@@ -208,6 +241,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     tool_calls: list[dict[str, Any]] | None = None  # before content: its validator reads them
+    tool_call_id: Text | None = None  # a tool message: the call it answers
     content: Text | list[TextPart] | None = Field(None, validate_default=True)
 
     @field_validator("content")
@@ -225,6 +259,31 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: TokenCount | None = None
@@ -232,8 +291,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool | None = Field(None, description="each output token's logprob, in `choices[i].logprobs`")
     top_logprobs: TopLogprobs | None = Field(None, description=(
         "with `logprobs`: the this many most likely tokens at each position (0..20)"))
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, description=(
+        "functions the model may call, rendered by the checkpoint's chat template (services/gateway/tools.py)"))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "`auto` (the default with tools), `none`, `required` or a named function: the last two make the output "
+        "one call, enforced by a grammar"))
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -249,16 +311,49 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs needs logprobs: true")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v, info):
+    def _no_functions(cls, v, info):
         if v:
-            raise _unsupported(info.field_name, "(tool calling) is not supported by this server")
+            raise _unsupported(info.field_name, "(the deprecated form of tools) is not supported by this server; "
+                               "send tools")
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, v, info):
+    def _no_function_call(cls, v, info):
         if v is not None and v != "none":
-            raise _unsupported(info.field_name, "(tool calling) is not supported by this server")
+            raise _unsupported(info.field_name, "(the deprecated form of tool_choice) is not supported by this "
+                               "server; send tool_choice")
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, choice, info):
+        tools = info.data.get("tools")
+        if choice not in (None, "none", "auto") and not tools:
+            raise PydanticCustomError("invalid_value", "tool_choice other than none or auto needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise PydanticCustomError("invalid_value", "tool_choice names {name}, which is not in tools",
+                                      {"name": choice.function.name})
+        return choice
+
+    _tool_grammar: str | None = PrivateAttr(None)  # tool_choice required or named: the call's grammar (app.py)
+
+    @property
+    def grammar(self) -> str | None:
+        return self._tool_grammar or super().grammar
+
+    @property
+    def tools_offered(self) -> list[dict] | None:
+        """The tools the prompt shows the model (none with tool_choice `none`), as chat templates take them."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def forced_function(self) -> str | None:
+        """'' for tool_choice `required` (any tool), the name of a named one, None when the model may answer."""
+        if self.tool_choice == "required":
+            return ""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None

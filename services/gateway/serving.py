@@ -25,10 +25,11 @@ from services.gateway import metrics as m
 from services.gateway.choice import Choice
 from services.gateway.dispatch import EngineStream
 from services.gateway.errors import APIError, error_body
-from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion, ChunkWriter,
+from services.gateway.openai_format import (SSE_DONE, ChatChoice, ChatCompletion, ChunkWriter,
                                             Completion, CompletionChoice, Hybridserve, MigrationRecord, Timings,
                                             Usage, sse)
 from services.gateway.router import Decision, Router, samples_from_timings
+from services.gateway.tools import assistant_message
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class Run:
 
     Counts the request on its mode's engines from construction until `finish`.
     """
+
+    tool_names: set[str] | None = None  # chat with tools offered: calls of them become tool_calls (tools.py)
 
     def __init__(self, router: Router, decision: Decision, n_in: int, started: float, choices: list[Choice]):
         self.router, self.decision, self.n_in, self.started = router, decision, n_in, started
@@ -182,9 +185,10 @@ async def unary_response(run: Run, stream: EngineStream, request: Request, model
     rid, created = stream.request_id, int(time.time())
     returned = run.best(n)
     if chat:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(pieces[c.index])),
-                              finish_reason=c.finish_reason, logprobs=c.take_logprobs())
-                   for i, c in enumerate(returned)]
+        choices = [ChatChoice(index=i, message=message, finish_reason=finish, logprobs=c.take_logprobs())
+                   for i, c in enumerate(returned)
+                   for message, finish in [assistant_message("".join(pieces[c.index]), c.finish_reason,
+                                                             run.tool_names)]]
         body = ChatCompletion(id=rid, created=created, model=model, usage=run.usage(), hybridserve=run.extension(),
                               choices=choices)
     else:
@@ -197,6 +201,7 @@ async def unary_response(run: Run, stream: EngineStream, request: Request, model
 
 async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, include_usage: bool) -> AsyncIterator[str]:
     """The stream's events. The response is already a 200: a failure is sent as its last event."""
+    held: dict[int, list[str]] = {c.index: [] for c in run.choices}  # with tools: the text, until the calls are known
     try:
         async with aclosing(serve(run, stream)) as texts:
             opening = chunks.chat  # sent from inside the loop, so `serve` has started and will clean up
@@ -205,12 +210,21 @@ async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, includ
                     for choice in run.choices:
                         yield sse(chunks.role(choice.index))
                     opening = False
+                if run.tool_names:
+                    held[index].append(text)
+                    text = ""
                 logprobs = run.choices[index].take_logprobs(none_if_empty=True)
                 if text or logprobs is not None:
                     yield sse(chunks.text(text, logprobs, index))
         for i, choice in enumerate(run.choices):  # the request's extension on the last choice's finish
-            yield sse(chunks.finish(choice.finish_reason, run.extension() if i == len(run.choices) - 1 else None,
-                                    choice.index))
+            finish = choice.finish_reason
+            if run.tool_names:
+                message, finish = assistant_message("".join(held[choice.index]), finish, run.tool_names)
+                if message.tool_calls:
+                    yield sse(chunks.tool_calls(message.tool_calls, choice.index))
+                if message.content:
+                    yield sse(chunks.text(message.content, None, choice.index))
+            yield sse(chunks.finish(finish, run.extension() if i == len(run.choices) - 1 else None, choice.index))
         if include_usage:
             yield sse(chunks.usage(run.usage()))
         yield SSE_DONE

@@ -216,9 +216,14 @@ BAD = [
     ("best_of above n streamed", "/v1/completions", completion(best_of=3, n=2, stream=True), "best_of",
      "invalid_value"),
     ("best_of above 16", "/v1/completions", completion(best_of=17), "best_of", "invalid_value"),
-    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
+    ("tools on a chat template without them", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "unsupported_parameter"),
-    ("tool_choice", "/v1/chat/completions", chat(tool_choice="auto"), "tool_choice", "unsupported_parameter"),
+    ("tool_choice required without tools", "/v1/chat/completions", chat(tool_choice="required"), "tool_choice",
+     "invalid_value"),
+    ("tool_choice naming no tool", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f"}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice", "invalid_value"),
     ("functions", "/v1/chat/completions", chat(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
     ("frequency_penalty above 2", "/v1/completions", completion(frequency_penalty=2.5), "frequency_penalty",
      "invalid_value"),
@@ -235,8 +240,18 @@ BAD = [
     ("negative min_tokens", "/v1/completions", completion(min_tokens=-1), "min_tokens", "invalid_value"),
     ("stop_token_ids not ids", "/v1/completions", completion(stop_token_ids=[-1]), "stop_token_ids.0",
      "invalid_value"),
-    ("response_format json", "/v1/chat/completions", chat(response_format={"type": "json_object"}),
-     "response_format", "unsupported_parameter"),
+    ("response_format schema that does not compile", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+     "response_format", "invalid_value"),
+    ("response_format regex that does not compile", "/v1/completions",
+     completion(response_format={"type": "regex", "regex": "a(b"}), "response_format", "invalid_value"),
+    ("response_format grammar that does not compile", "/v1/completions",
+     completion(response_format={"type": "grammar", "grammar": "start: undefined_rule"}), "response_format",
+     "invalid_value"),
+    ("response_format json_schema without its schema", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema"}), "response_format", "invalid_value"),
+    ("response_format of an unknown type", "/v1/chat/completions", chat(response_format={"type": "xml"}),
+     "response_format.type", "invalid_value"),
     ("n above 16", "/v1/chat/completions", chat(n=17), "n", "invalid_value"),
     ("n 0", "/v1/completions", completion(n=0), "n", "invalid_value"),
 ]
@@ -248,6 +263,13 @@ def test_out_of_range_and_unsupported_parameters_are_400_naming_them(edge, what,
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+
+
+def test_a_schema_that_does_not_compile_is_refused_with_the_reason(edge):
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "no-such-format"}}}
+    r = post(edge, "/v1/chat/completions",
+             chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+    assert r.status_code == 400 and "no-such-format" in r.json()["error"]["message"], r.text
 
 
 NON_FINITE = [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN"), ("top_p", "-Infinity"),
@@ -269,6 +291,13 @@ def test_what_asks_for_nothing_unsupported_is_accepted(edge):
                                                       suffix=None, echo=False, presence_penalty=None)),
                        ("/v1/completions", completion(prompt=[[1, 2, 3]], echo=True, max_tokens=0, logprobs=1)),
                        ("/v1/completions", completion(prompt=["a batch of one"])),
+                       ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                                     tool_choice="none")),
+                       ("/v1/completions", completion(response_format={"type": "regex", "regex": "[0-9]+"})),
+                       ("/v1/chat/completions", chat(response_format={"type": "json_object"})),
+                       ("/v1/chat/completions", chat(response_format={
+                           "type": "json_schema", "json_schema": {"name": "n", "strict": True, "schema": {
+                               "type": "object", "properties": {"a": {"type": "integer"}}}}})),
                        ("/v1/chat/completions", chat(logprobs=False, tools=[], tool_choice="none", presence_penalty=0.0,
                                                      response_format={"type": "text"},
                                                      messages=[{"role": "user", "content": [{"type": "text",

@@ -1,0 +1,66 @@
+"""Structured outputs through the real stack in every mode: response_format json_object, json_schema
+(strict) and the regex extension, streamed and not, chat and completions; the output parses, validates
+and is the same in every mode (greedy). The 400s for formats that do not compile are in test_edge.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from services.modes import MODE_NAMES
+from tests.gateway.test_api_logprobs import post, stream
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+ASK_PERSON = [{"role": "user", "content": "Give a person as JSON."}]
+
+
+def test_json_schema_output_validates_and_is_the_same_in_every_mode(stack):
+    texts = {}
+    for mode in MODE_NAMES:
+        body = post(stack, "/v1/chat/completions", {"messages": ASK_PERSON, "max_tokens": 40, "temperature": 0,
+                                                    "response_format": PERSON_FORMAT, "mode": mode})
+        choice = body["choices"][0]
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+        assert choice["finish_reason"] == "stop", (mode, choice)
+        texts[mode] = choice["message"]["content"]
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_streamed_json_object_parses_in_every_mode(stack):
+    messages = [{"role": "user", "content": "Reply with a JSON object with a key \"colour\" and a colour as its value."}]
+    texts = {}
+    for mode in MODE_NAMES:
+        events = stream(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 40, "temperature": 0,
+                                                        "response_format": {"type": "json_object"}, "mode": mode})
+        text = "".join(ch["delta"].get("content") or "" for e in events for ch in e["choices"])
+        assert isinstance(json.loads(text), dict), (mode, text)
+        assert events[-1]["choices"][0]["finish_reason"] == "stop", mode
+        texts[mode] = text
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_regex_completion_matches_streamed_or_not_in_every_mode(stack):
+    pattern = "[0-9]{3}-[a-z]{2,4}"
+    fmt = {"type": "regex", "regex": pattern}
+    for mode in MODE_NAMES:
+        body = {"prompt": "Order number:", "max_tokens": 20, "temperature": 0, "response_format": fmt, "mode": mode}
+        choice = post(stack, "/v1/completions", body)["choices"][0]
+        assert re.fullmatch(pattern, choice["text"]) and choice["finish_reason"] == "stop", (mode, choice)
+        events = stream(stack, "/v1/completions", body)
+        assert "".join(ch["text"] for e in events for ch in e["choices"]) == choice["text"], mode
+
+
+def test_each_sampled_choice_follows_the_schema(stack):
+    # n choices, each its own matcher; sampled, so they differ in more than whitespace
+    body = post(stack, "/v1/chat/completions", {"messages": ASK_PERSON, "max_tokens": 40, "temperature": 1.0,
+                                                "seed": 3, "n": 3, "response_format": PERSON_FORMAT,
+                                                "mode": "hybrid"})
+    for choice in body["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
