@@ -16,7 +16,8 @@ each bounded by `--requests`, on guidellm's synthetic prompts of `--prompt-token
 
 Per (target, profile) it keeps guidellm's own figures: output tokens/s, requests/s, TTFT, ITL and
 request latency (median and p99), errors; prints a table and writes bench/results/guidellm_compare.json
-(guidellm's full report of each run beside it as guidellm_<target>_<profile>.json).
+(guidellm's full report of each run in bench/results/guidellm/<target>_<profile>.json, not committed:
+~130 KB each).
 
     python bench/guidellm_compare.py --llama-server auto [--guidellm PATH] [--requests 16]
         [--concurrency 8] [--prompt-tokens 128] [--output-tokens 64] [--mode auto]
@@ -139,7 +140,8 @@ def main() -> int:
             for pname, profile in profiles.items():  # each profile: the targets in turn
                 for tname, url, extra in targets:
                     progress(f"guidellm {pname} against {tname} ({args.requests} requests)")
-                    report_path = out / f"guidellm_{tname}_{pname}.json"
+                    report_path = out / "guidellm" / f"{tname}_{pname}.json"  # guidellm's whole report (large)
+                    report_path.parent.mkdir(exist_ok=True)
                     spec = scenario(url, served_model(url), profile, args, tokenizer, report_path, extra)
                     results.setdefault(tname, {})[pname] = summary(run_guidellm(binary, spec, work, f"{tname}_{pname}",
                                                                                 log))
@@ -157,7 +159,8 @@ def main() -> int:
     write_json(args.name, {"command": command_line(), "tool": "guidellm", "guidellm": _version(binary),
                            "requests": args.requests, "concurrency": args.concurrency,
                            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-                           "mode": args.mode, "results": results}, out_dir=out)
+                           "mode": args.mode, "loadavg_1m_after": os.getloadavg()[0], "results": results},
+               out_dir=out)
     return 0
 
 

@@ -206,7 +206,8 @@ def main() -> int:
     print("medians in ms, one client, tokens after the first; hops are step end -> got -> sent -> recv -> detok "
           "-> sse -> client; `engine alone`: its Generate over gRPC with no gateway (client = the gRPC reader)")
     write_json(args.name, {"command": command_line(), "requests_per_mode": args.requests,
-                           "output_tokens": args.tokens, "prompt_tokens": args.prompt, "results": results},
+                           "output_tokens": args.tokens, "prompt_tokens": args.prompt,
+                           "loadavg_1m_after": os.getloadavg()[0], "results": results},
                out_dir=out)
     return 0
 
