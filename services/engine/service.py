@@ -110,7 +110,16 @@ def messages_of(events: Iterator[TokenEvent], request_id: str = "") -> Iterator[
     a message's cost per token."""
     pending: list[TokenEvent] = []
     n = 0  # the request's tokens so far (token_trace's count)
-    for ev in events:
+    events = iter(events)
+    while True:
+        try:
+            ev = next(events)
+        except StopIteration:
+            break
+        except Exception:
+            if pending:  # the tokens made before the failure still reach the reader, as one by one they would
+                yield response_of(pending)
+            raise
         if pending and ev.index != pending[0].index:
             yield response_of(pending)
             pending = []

@@ -45,3 +45,18 @@ def test_a_reader_that_keeps_up_gets_one_token_per_message(loop):
     assert tokens == reference(prompt, GREEDY.max_tokens)
     assert len(msgs) >= GREEDY.max_tokens // 2  # mostly one each: nothing waits to be batched
     assert [m.finish_reason for m in msgs][-1] == "length" and not any(m.finish_reason for m in msgs[:-1])
+
+
+def test_tokens_held_for_one_message_are_sent_before_a_failure_ends_the_call():
+    from services.engine.generation import TokenEvent
+    from services.engine.requests import EngineStepFailed
+
+    def events():
+        yield TokenEvent(11, None, more=True)
+        yield TokenEvent(12, None, more=True)
+        raise EngineStepFailed("the engine failed while serving the request")
+
+    msgs = messages_of(events())
+    assert list(next(msgs).token_ids) == [11, 12]
+    with pytest.raises(EngineStepFailed):
+        next(msgs)
