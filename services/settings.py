@@ -3,7 +3,8 @@
 Every variable starts with `HYBRIDSERVE_`. A setting that means the same for every process
 that reads it is shared and keeps the bare prefix (`SHARED_FIELDS`: HYBRIDSERVE_MODEL,
 HYBRIDSERVE_LOG_LEVEL, HYBRIDSERVE_HOST, HYBRIDSERVE_PROFILE_CACHE, HYBRIDSERVE_PROFILE_AT_START,
-HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION, HYBRIDSERVE_PARENT_PID).
+HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION, HYBRIDSERVE_PARENT_PID,
+HYBRIDSERVE_TOKEN_TRACE).
 Every other setting belongs to one process and carries its prefix (`SERVICE_PREFIXES`), e.g.
 HYBRIDSERVE_PREFILL_PORT, HYBRIDSERVE_DECODE_KV_CHANNELS, HYBRIDSERVE_GATEWAY_API_KEY.
 
@@ -38,7 +39,7 @@ SERVICE_PREFIXES = {"prefill_gpu": "HYBRIDSERVE_PREFILL_", "decode_fpga": "HYBRI
 # sets it once), the engines' one profile cache and profiling choice, and their gRPC edge: the token
 # every engine checks and every client of an engine sends, and whether they serve reflection
 SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "engine_token",
-                           "engine_reflection", "parent_pid"})
+                           "engine_reflection", "parent_pid", "token_trace"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
                     "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")
@@ -74,6 +75,9 @@ class CommonSettings(BaseSettings):
     # the process that started this one (set by `hybridserve up` and the test harness): when it is gone,
     # this one stops too (lifetime.py); 0: no such watch, as for a service started by hand or in a container
     parent_pid: int = Field(0, ge=0)
+    # a folder: every process keeps each token's hop times there (services/token_trace.py, for
+    # bench/token_path.py); unset, nothing is traced
+    token_trace: str | None = None
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from services import token_trace
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
@@ -123,8 +124,10 @@ class RequestStream:
                     continue
                 if kind == "error":
                     raise payload
-                token, logprob, prompt_logprobs = payload
-                yield TokenEvent(token, reason, logprob=logprob, prompt_logprobs=prompt_logprobs)
+                token, logprob, prompt_logprobs, at = payload
+                # `more`: the next event is queued already, so a reader may take it before it sends this one
+                yield TokenEvent(token, reason, logprob=logprob, prompt_logprobs=prompt_logprobs, at=at,
+                                 more=not self._events.empty())
                 if reason is not None:
                     return
         finally:
@@ -146,8 +149,8 @@ class RequestStream:
         return self.block_table
 
     # ---- the loop thread's side --------------------------------------------------------
-    def _emit(self, token: int, reason: str | None, logprob=None, prompt_logprobs=None) -> None:
-        self._events.put(("token", (token, logprob, prompt_logprobs), reason))
+    def _emit(self, token: int, reason: str | None, logprob=None, prompt_logprobs=None, at: float = 0.0) -> None:
+        self._events.put(("token", (token, logprob, prompt_logprobs, at), reason))
 
     def _fail(self, exc: Exception) -> None:
         self.loop._release(self)
@@ -384,7 +387,10 @@ class EngineLoop:
             self.scheduler.update(out, {})
             return
         self.steps += 1
-        seconds = time.perf_counter() - now
+        ended = time.perf_counter()
+        seconds = ended - now
+        if token_trace.ON:
+            token_trace.step(now, ended, len(out.chunks))
         m.STEP_SECONDS.observe(seconds)
         self.scheduler.observe_step(out, seconds)
         m.STEP_SEQUENCES.observe(len(out.chunks))
@@ -419,7 +425,7 @@ class EngineLoop:
             if stream is not None and not stream.done:
                 first = stream.timings.tokens == 0
                 self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
-                           stream.prompt_logprobs() if first else None)
+                           stream.prompt_logprobs() if first else None, ended)
                 stream.seq.all_logits = False  # a recompute after a preemption needs no prompt logits
         # the grammars' next masks, computed while the next step runs
         prepare_masks(s.sampler.grammar for c in sampling
@@ -441,18 +447,18 @@ class EngineLoop:
         return on_layer
 
     def _emit(self, stream: RequestStream, seq: Sequence, token: int, logprob: TokenLogprob | None = None,
-              prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> None:
+              prompt_logprobs: tuple[TokenLogprob, ...] | None = None, at: float | None = None) -> None:
         t = stream.timings
-        t.last_token_at = time.perf_counter()
+        t.last_token_at = at = at or time.perf_counter()
         t.first_token_at = t.first_token_at or t.last_token_at
         t.tokens += 1
         if seq.status.finished:
             stream.done = True
             self._release(stream)
             self._streams.pop(stream.seq_id, None)
-            stream._emit(token, finish_reason(seq.status), logprob, prompt_logprobs)
+            stream._emit(token, finish_reason(seq.status), logprob, prompt_logprobs, at)
         else:
-            stream._emit(token, None, logprob, prompt_logprobs)
+            stream._emit(token, None, logprob, prompt_logprobs, at)
 
     def _release(self, stream: RequestStream) -> None:
         """The stream has ended (finished, failed, cancelled): it no longer counts against the limit."""

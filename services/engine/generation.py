@@ -33,6 +33,10 @@ class TokenEvent:
     logprob: TokenLogprob | None = None  # when the request asked for logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first token, when asked for
     index: int = 0  # the choice (a request with n > 1)
+    at: float = 0.0  # time.perf_counter() when the engine loop's step that made it ended (token_trace.py)
+    # another event was already waiting behind this one when it was read: the servicer may put both in
+    # one message instead of sending this one alone (a hint: the next read does not block)
+    more: bool = False
 
 
 @dataclass

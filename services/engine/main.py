@@ -27,12 +27,14 @@ def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
     from services.lifetime import exit_with_parent
     from services.model.checkpoint import CheckpointError
     from services.model.loading import load_model
+    from services import token_trace
 
     log = logging.getLogger(f"services.{process}")
     # until serve() takes SIGTERM over: leave through the `with` below, releasing what is built so far
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_before_serving)
     exit_with_parent(settings.parent_pid, process)
+    token_trace.configure(settings.token_trace, process)
     log.info("loading the model")
     with contextlib.ExitStack() as resources:
         try:

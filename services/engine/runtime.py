@@ -146,7 +146,7 @@ class EngineRuntime:
                         stream = self.loop.submit(list(request.prompt_ids), follower_params, bounded_elsewhere=True,
                                                   choice=index)
                         start(index, stream_tokens(stream, RequestTimings(), inner))
-                yield payload
+                yield dataclasses.replace(payload, more=not merged.empty())  # whichever choice it is of
         finally:
             inner.cancel()
 

@@ -20,13 +20,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from services import token_trace
 from services.engine.generation import TokenEvent
 from services.engine.handoff_wire import logprob_to_proto
 from services.engine.requests import Cancellation, EngineRequest, InvalidRequest, RequestTimings
@@ -83,16 +84,60 @@ def timings_to_proto(t: RequestTimings) -> pb.Timings:
     return pb.Timings(**t.__dict__)
 
 
-def response_of(ev: TokenEvent) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(token_ids=[ev.token], index=ev.index)
-    if ev.logprob is not None:
-        msg.logprobs.append(logprob_to_proto(ev.logprob))
-    if ev.prompt_logprobs is not None:
-        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in ev.prompt_logprobs)
-    if ev.finish_reason is not None:
-        msg.finish_reason = ev.finish_reason
-        msg.timings.CopyFrom(timings_to_proto(ev.timings))
+MAX_TOKENS_PER_MESSAGE = 64  # a bound on one message's tokens when the reader is far behind
+
+
+def response_of(events: list[TokenEvent]) -> pb.GenerateResponse:
+    """One message for consecutive events of one choice: their tokens (and logprobs), the first's
+    prompt logprobs, the last's finish_reason and timings."""
+    msg = pb.GenerateResponse(token_ids=[ev.token for ev in events], index=events[0].index)
+    for ev in events:
+        if ev.logprob is not None:
+            msg.logprobs.append(logprob_to_proto(ev.logprob))
+        if ev.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in ev.prompt_logprobs)
+    last = events[-1]
+    if last.finish_reason is not None:
+        msg.finish_reason = last.finish_reason
+        if last.timings is not None:
+            msg.timings.CopyFrom(timings_to_proto(last.timings))
     return msg
+
+
+def messages_of(events: Iterator[TokenEvent], request_id: str = "") -> Iterator[pb.GenerateResponse]:
+    """The Generate call's messages: one per token while the call keeps up, and all the tokens that
+    were ready together in one message when it is behind (the engine's step made them faster than
+    gRPC took the messages: `TokenEvent.more`), so a slow reader catches up instead of falling back
+    a message's cost per token."""
+    pending: list[TokenEvent] = []
+    n = 0  # the request's tokens so far (token_trace's count)
+    events = iter(events)
+    while True:
+        try:
+            ev = next(events)
+        except StopIteration:
+            break
+        except Exception:
+            if pending:  # the tokens made before the failure still reach the reader, as one by one they would
+                yield response_of(pending)
+            raise
+        if pending and ev.index != pending[0].index:
+            yield response_of(pending)
+            pending = []
+        pending.append(ev)
+        n += 1
+        if token_trace.ON:
+            token_trace.mark(request_id, "step_end", n, ev.at)
+            token_trace.mark(request_id, "got", n)
+        if ev.more and ev.finish_reason is None and len(pending) < MAX_TOKENS_PER_MESSAGE:
+            continue
+        msg = response_of(pending)
+        pending = []
+        if token_trace.ON:
+            token_trace.mark(request_id, "sent", n)
+        yield msg
+    if pending:  # only when the events ended on a hint (a choice cut short): send what came
+        yield response_of(pending)
 
 
 def cancellation_of(context: grpc.ServicerContext) -> Cancellation:
@@ -120,10 +165,12 @@ class EngineServicer(pb_grpc.EngineServicer):
         cancel, request_id = cancellation_of(context), request_id_of(request)
         try:
             plain = request_from_proto(request, self.runtime.default_mode)
-            for ev in self.runtime.generate(plain, cancel):
-                yield response_of(ev)
+            yield from messages_of(self.runtime.generate(plain, cancel), request_id)
         except Exception as exc:
             abort(context, exc, self.process, request_id)
+        finally:
+            if token_trace.ON:
+                token_trace.flush(request_id)
 
     def Info(self, request, context):
         reply = pb.InfoResponse(**self.runtime.info_fields())

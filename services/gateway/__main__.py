@@ -10,11 +10,13 @@ def main() -> int:
     from services.gateway.server import server
     from services.gateway.settings import GatewaySettings
     from services.lifetime import exit_with_parent
+    from services import token_trace
 
     settings = GatewaySettings()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
     exit_with_parent(settings.parent_pid, "gateway")
+    token_trace.configure(settings.token_trace, "gateway")
     server(settings).run()
     return 0
 

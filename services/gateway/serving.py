@@ -21,6 +21,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from services import token_trace
 from services.gateway import metrics as m
 from services.gateway.choice import Choice
 from services.gateway.dispatch import EngineStream
@@ -150,10 +151,18 @@ async def serve(run: Run, stream: EngineStream) -> AsyncIterator[tuple[int, str]
     Raises APIError when the engine fails. Closing the generator early means the client went away.
     """
     status = "499"  # until the last message is in, an end means the client went away
+    n, rid = 0, stream.request_id  # tokens so far, for token_trace
     try:
         msg = stream.first
         while True:
-            yield run.take(msg)
+            if token_trace.ON:
+                n += len(msg.token_ids)
+                token_trace.mark(rid, "recv", n)
+                taken = run.take(msg)
+                token_trace.mark(rid, "detok", n)
+                yield taken
+            else:
+                yield run.take(msg)
             if run.done:
                 break
             msg = await stream.read()
@@ -168,6 +177,8 @@ async def serve(run: Run, stream: EngineStream) -> AsyncIterator[tuple[int, str]
     finally:
         stream.cancel()
         run.finish(status)
+        if token_trace.ON:
+            token_trace.flush(rid)
 
 
 async def unary_response(run: Run, stream: EngineStream, request: Request, model: str, chat: bool,
@@ -215,7 +226,10 @@ async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, includ
                     text = ""
                 logprobs = run.choices[index].take_logprobs(none_if_empty=True)
                 if text or logprobs is not None:
-                    yield sse(chunks.text(text, logprobs, index))
+                    event = sse(chunks.text(text, logprobs, index))
+                    if token_trace.ON:
+                        token_trace.mark(stream.request_id, "sse", run.n_out)
+                    yield event
         for i, choice in enumerate(run.choices):  # the request's extension on the last choice's finish
             finish = choice.finish_reason
             if run.tool_names:

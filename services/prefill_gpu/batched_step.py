@@ -11,7 +11,14 @@ Batch invariance (a row's result does not depend on the other rows), measured on
 (MKL sgemm, AVX512): a row of x @ W is bit-identical for every row count M >= 4, whatever the
 other rows hold, while M = 1..3 take another kernel and differ in the last bits. So every
 matmul here gets at least MIN_GEMM_ROWS rows (zero rows pad the batch), and tests check the
-property itself (tests/prefill_gpu/test_batched_step.py). Decode attention pads every context to
+property itself (tests/prefill_gpu/test_batched_step.py). The padding is a measured choice
+(bench/gpu_padding.py, gpu_padding.json): no other way of computing one row that torch offers here
+gives the bits that row gets among 4+ rows (x @ W at M = 1, torch.mv, (W^T @ x^T)^T, MKL's packed
+linear: all differ), and the one invariant alternative, a gemv per row at every batch size, reads
+every weight once per row, which a batch of 16 decodes cannot afford. A lone decode therefore pays
+for three zero rows (measured at one torch thread: 76 ms padded against 46 ms unpadded, 1.65x,
+gpu_padding_1thread.json); at 4+ rows (any batch of 4 sequences, any prefill chunk) nothing is padded.
+Decode attention pads every context to
 a multiple of ATTN_LEN_MULTIPLE: masked positions past that add exact zeros, so a row attends
 bit-identically whatever the batch's longest context; its batched matmuls read contiguous K/V
 (with strided operands a row's bits changed with the number of rows). Measured on the CPU only:
