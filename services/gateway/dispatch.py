@@ -240,9 +240,7 @@ class Dispatcher:
             raise APIError(503, "no engine is up to serve this request", code="engine_unavailable")
         fitting = [name for name in up if self._fits(name, n_in + max_tokens)]
         if not fitting:
-            window = max(self._window(name) for name in up)
-            raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window "
-                                f"of {window} tokens", "max_tokens", "context_length_exceeded")
+            self._too_long(up, n_in, max_tokens)
         if prefer in fitting:
             d = self.router.choose(n_in, max_tokens, forced=prefer, available=fitting)
         else:
@@ -317,6 +315,20 @@ class Dispatcher:
         # forced mode may go to another pair (the same mode), never to another mode
         return (exc.code() in RETRY_ON and (req.forced is None or len(self.pairs) > 1)
                 and attempt + 1 < MAX_ATTEMPTS + len(self.pairs) - 1)
+
+    def check_window(self, n_in: int, max_tokens: int, forced: str | None) -> None:
+        """The 400 `route` would answer when no mode up (or the forced one) holds the prompt + max_tokens;
+        nothing when no engine is up (the route's 503 says so). For a request of several prompts, checked
+        for each before any call."""
+        up = [name for name in MODES if self.pairs.serving(name)]
+        names = [forced] if forced in up else [] if forced is not None else up
+        if names and not any(self._fits(name, n_in + max_tokens) for name in names):
+            self._too_long(names, n_in, max_tokens)
+
+    def _too_long(self, modes: list[str], n_in: int, max_tokens: int):
+        window = max(self._window(name) for name in modes)
+        raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window "
+                            f"of {window} tokens", "max_tokens", "context_length_exceeded")
 
     def _window(self, mode: str) -> int:
         return min(self.pairs.context_of(e) for e in MODES[mode].engines)
