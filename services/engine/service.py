@@ -53,7 +53,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
                               frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                               repetition_penalty=s.repetition_penalty or 1.0,
                               logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
-                              n=s.n or 1, prior_output_tokens=s.prior_output_tokens)
+                              n=s.n or 1, prior_output_tokens=s.prior_output_tokens, first_choice=s.first_choice)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -65,7 +65,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
                              stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
                              frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
-                             min_tokens=p.min_tokens, n=p.n, prior_output_tokens=p.prior_output_tokens, **optional)
+                             min_tokens=p.min_tokens, n=p.n, prior_output_tokens=p.prior_output_tokens,
+                             first_choice=p.first_choice, **optional)
 
 
 def request_id_of(request) -> str:

@@ -2,7 +2,8 @@
 
 * An engine SIGKILLed in the middle of a greedy completion: the gateway migrates the request to
   the engine left, the client's text is the uninterrupted run's (no token twice, none missing),
-  the migration is counted, logged and said in the response.
+  the migration is counted, logged and said in the response. A seeded request of two choices: each
+  choice continues where it was, with its own random stream.
 * Both engines gone: a stream ends with an error event then `[DONE]`; a plain request gets 503
   with Retry-After.
 * SIGTERM to the gateway with a stream in flight: /health says 503, a new request gets 503, the
@@ -173,6 +174,33 @@ def test_decode_fpga_killed_mid_stream_the_stream_goes_on_on_prefill_gpu_with_th
     assert KILL_AFTER <= moved["after_tokens"] < N_TOKENS
     assert migrations(stack, "hybrid", "gpu") == before + 1
     assert "migrated from hybrid to gpu mode" in stack["gateway"].log_path.read_text()
+
+
+def test_a_request_of_several_choices_migrates_each_choice_where_it_was(stack):
+    # n = 2, seeded sampling: each choice has its own random stream, which its continuation draws on;
+    # fewer tokens than the greedy tests (two choices' worth of decode on prefill_gpu after the kill)
+    n_tokens = 40
+    payload = {**body(stack, "hybrid", True, max_tokens=n_tokens), "n": 2, "temperature": 1.0, "seed": 3}
+    texts = lambda events: ["".join(ch["text"] for e in events if isinstance(e, dict)  # noqa: E731
+                                    for ch in e.get("choices", ()) if ch["index"] == i) for i in (0, 1)]
+    engines_as(stack, True, True)
+    reference = texts(stream_events(stack, payload))
+    assert reference[0] != reference[1]
+    before = migrations(stack, "hybrid", "gpu")
+
+    def kill(n):
+        if n == KILL_AFTER:
+            stack["decode"].stop(sig=signal.SIGKILL)
+
+    events = stream_events(stack, payload, on_chunk=kill)
+    assert stack["decode"].proc.poll() is not None
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+    assert texts(events) == reference and events[-2]["usage"]["completion_tokens"] == 2 * n_tokens
+    ext = next(e["hybridserve"] for e in events if isinstance(e, dict) and e.get("hybridserve"))
+    moves = ext["migrations"]
+    assert [(mg["from_mode"], mg["to_mode"]) for mg in moves] == [("hybrid", "gpu")] * 2  # one call per choice
+    assert all(mg["after_tokens"] < n_tokens for mg in moves) and sum(mg["after_tokens"] for mg in moves) >= KILL_AFTER
+    assert migrations(stack, "hybrid", "gpu") == before + 2
 
 
 def test_prefill_gpu_killed_mid_request_the_answer_comes_from_decode_fpga_and_says_so(stack):
