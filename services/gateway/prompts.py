@@ -20,7 +20,8 @@ from dataclasses import replace
 from typing import AsyncIterator
 
 from services.gateway.choice import Choice
-from services.gateway.dispatch import Dispatcher, EngineRequest, EngineStream
+from services.gateway.dispatch import Dispatcher, EngineRequest
+from services.gateway.engine_stream import EngineStream
 from services.gateway.errors import APIError
 from services.gateway.openai_format import Hybridserve, Usage
 from services.gateway.router import Router

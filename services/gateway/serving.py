@@ -23,7 +23,7 @@ from fastapi.responses import Response
 
 from services.gateway import metrics as m
 from services.gateway.choice import Choice
-from services.gateway.dispatch import EngineStream
+from services.gateway.engine_stream import EngineStream
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion, ChunkWriter,
                                             Completion, CompletionChoice, Hybridserve, MigrationRecord, Timings,
