@@ -69,7 +69,7 @@ async def _read(call):
 class EngineStream:
     """The Generate call(s) of one client request, once the first message has arrived.
 
-    `read()` gives the next message, migrating to another mode when the engine is lost (module
+    `read()` gives the next message, migrating to another mode when the engine is lost (dispatch.py's
     docstring); a failure it cannot get past, or an end before the last message, raises APIError.
     A request with n > 1 choices is one call; when that call's engine is lost, each unfinished choice
     continues in a call of its own (its prompt + its tokens so far, its own random stream), and

@@ -153,6 +153,8 @@ class CompletionRequest(_Common):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
+            if not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
             kinds = {"text" if isinstance(e, str) else "ids" if isinstance(e, list) else "id" for e in v}
             if len(kinds) > 1:
                 raise ValueError("prompt must be text, token ids, or a list of texts or of token-id lists, "
