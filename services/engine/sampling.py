@@ -46,6 +46,7 @@ class SamplingParams:
     n: int = 1  # choices: the engine runtime fans the request out (services/engine/runtime.py)
     prior_output_tokens: int = 0  # the prompt's last tokens that are the request's output (a migration's)
     grammar: str = ""  # structured output: an llguidance grammar the tokens must follow (grammar.py); '' = none
+    first_choice: int = 0  # the choice index of this request's choice 0 (a migrated choice's): its random stream
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -73,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not 0 <= self.first_choice < MAX_CHOICES:
+            raise ValueError(f"first_choice must be in [0, {MAX_CHOICES}), got {self.first_choice}")
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +100,8 @@ class Sampler:
     (a fresh one when it has none), the choice (`stream`, for n > 1) and the token's position."""
 
     def __init__(self, params: SamplingParams, stream: int = 0, grammar: GrammarMatcher | None = None):
-        self.params, self.stream, self.grammar = params, stream, grammar
+        # `stream`: the choice within this request; a migrated choice's request says which it was
+        self.params, self.stream, self.grammar = params, params.first_choice + stream, grammar
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
         self._next_position = 0  # for callers that do not say the position (the slot path's Generation)
 

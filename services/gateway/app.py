@@ -41,6 +41,7 @@ from services.gateway.logprobs_format import LogprobsWriter, TokenTexts
 from services.gateway.pair_discovery import DnsPairs
 from services.gateway.pairs import Pairs
 from services.gateway.planner import Planner
+from services.gateway.prompts import PromptsRun
 from services.gateway.planner import publish as publish_planner
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
@@ -170,18 +171,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
               responses={**openapi.stream_or_json(Completion), **openapi.errors(*openapi.GENERATION)})
     async def completions(body: CompletionRequest, request: Request, st: State = Depends(state)):
         _check_model(st, body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = await st.tokenize(_encode, body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
-            vocab = len(st.tokenizer)
-            if max(prompt_ids) >= vocab:
-                raise APIError(400, f"token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
-        echo = None
-        if body.echo:  # the prompt as text: the client's own, or its token ids decoded
-            echo = body.prompt if isinstance(body.prompt, str) else await st.tokenize(_decode, prompt_ids)
+        prompts, echoes, vocab = [], [], len(st.tokenizer)
+        for prompt in body.prompts:
+            if isinstance(prompt, str):
+                prompt_ids = await st.tokenize(_encode, prompt)
+            else:
+                prompt_ids = list(prompt)
+                if max(prompt_ids) >= vocab:
+                    raise APIError(400, f"token ids must be below the vocabulary size {vocab}", "prompt",
+                                   "invalid_value")
+            prompts.append(prompt_ids)
+            if body.echo:  # the prompt as text: the client's own, or its token ids decoded
+                echoes.append(prompt if isinstance(prompt, str) else await st.tokenize(_decode, prompt_ids))
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        return await _respond(st, request, body, prompt_ids, max_tokens, chat=False, echo=echo)
+        return await _respond(st, request, body, prompts, max_tokens, chat=False, echoes=echoes or None)
 
     @app.post("/v1/chat/completions", dependencies=[api_key],
               responses={**openapi.stream_or_json(ChatCompletion), **openapi.errors(*openapi.GENERATION)})
@@ -193,7 +196,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         except NoChatTemplate as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
-        return await _respond(st, request, body, prompt_ids, max_tokens, chat=True,
+        return await _respond(st, request, body, [prompt_ids], max_tokens, chat=True,
                               tool_names={t["function"]["name"] for t in tools} if tools else None)
 
     return app
@@ -234,14 +237,14 @@ def _check_model(st: State, model: str) -> None:
 
 
 async def _respond(st: State, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                 prompt_ids: list[int], max_tokens: int, chat: bool, echo: str | None = None,
-                 tool_names: set[str] | None = None) -> Response:
-    """Open the engine call (routing, retry, fallback), then answer in one piece or as a stream.
+                   prompts: list[list[int]], max_tokens: int, chat: bool, echoes: list[str] | None = None,
+                   tool_names: set[str] | None = None) -> Response:
+    """Open the engine calls (routing, retry, fallback), then answer in one piece or as a stream.
 
-    `tool_names`: the tools offered; the output's calls of them become `tool_calls` (tools.py).
-
-    `echo`: the prompt's text, returned before the completion. max_tokens 0 (echo only) still asks the
-    engines for one token, which is not shown: an engine call ends with a token."""
+    `prompts`: token ids, one list per prompt (several: completions only, prompts.py); `echoes`: each
+    prompt's text, returned before its completion. max_tokens 0 (echo only) still asks the engines for
+    one token, which is not shown: an engine call ends with a token. `tool_names`: the tools offered
+    (chat); the output's calls of them become `tool_calls` (tools.py)."""
     started = time.perf_counter()
     vocab = len(st.tokenizer)
     beyond = sorted(t for t in body.bias_pairs() if t >= vocab)
@@ -249,16 +252,25 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
         raise APIError(400, f"logit_bias names token ids past the vocabulary ({vocab}): {beyond[:5]}", "logit_bias",
                        "invalid_value")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    stream = await st.dispatcher.open(EngineRequest.of(body, rid, prompt_ids, max(1, max_tokens),
-                                                       st.settings.request_timeout_s))
     asked = body.top_logprobs_asked is not None
-    choices = [Choice(i, IncrementalDetokenizer(st.tokenizer), StopMatcher(body.stops),
-                      LogprobsWriter(st.token_texts, chat) if asked else None,
-                      Echo(echo, prompt_ids) if echo is not None else None, show_output=max_tokens > 0)
-               for i in range(body.choices_generated)]
-    run = Run(st.router, stream.decision, len(prompt_ids), started, choices)
-    run.tool_names = tool_names
-    headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
+    per_prompt = body.choices_generated
+    choices = [[Choice(p * per_prompt + i, IncrementalDetokenizer(st.tokenizer), StopMatcher(body.stops),
+                       LogprobsWriter(st.token_texts, chat) if asked else None,
+                       Echo(echoes[p], ids) if echoes else None, show_output=max_tokens > 0)
+                for i in range(per_prompt)] for p, ids in enumerate(prompts)]
+    engine_request = EngineRequest.of(body, rid, prompts[0], max(1, max_tokens), st.settings.request_timeout_s)
+    if len(prompts) == 1:
+        stream = await st.dispatcher.open(engine_request)
+        run = Run(st.router, stream.decision, len(prompts[0]), started, choices[0])
+        run.tool_names = tool_names
+        headers = {"x-hybridserve-mode": stream.decision.mode, "x-hybridserve-pair": str(stream.decision.pair)}
+    else:
+        for ids in prompts:  # a prompt too long for every mode is the request's 400, before any call
+            st.dispatcher.check_window(len(ids), max(1, max_tokens), engine_request.forced)
+        run = stream = PromptsRun(st.dispatcher, st.router, engine_request, prompts, choices,
+                                  st.settings.prompts_in_flight, started)
+        await run.open()
+        headers = {"x-hybridserve-mode": run.modes, "x-hybridserve-pair": run.pairs}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(rid, st.model_name, int(time.time()), chat)

@@ -1,7 +1,6 @@
-"""From a routed request to an open engine call; retry and fallback are decided here and nowhere else.
-
-(Just past 300 lines on purpose: route, pair placement, the call and its retry and migration rules
-share one failed-set and one load count; split apart, each half would re-derive the other's state.)
+"""From a routed request to an open engine call; retry and fallback are decided here and nowhere else,
+and the migration rules are written here (engine_stream.py carries them out: an open call's
+messages, and its continuation when its engine is lost, through `Dispatcher.call`).
 
 * Route (`Dispatcher.route`): the candidates are the modes whose engines are all up and whose
   context windows hold prompt + max_tokens. A forced mode must be a candidate, or the request is
@@ -28,6 +27,9 @@ share one failed-set and one load count; split apart, each half would re-derive 
   rest are the tokens an uninterrupted run would have given too; the call says how many of its
   prompt's tokens are output already (`prior_output_tokens`), which the penalties and min_tokens
   count as output.
+  A request with n > 1 choices migrates the same way, choice by choice: each unfinished choice
+  continues in a call of its own (prompt + that choice's tokens, n = 1, drawing that choice's random
+  numbers: `first_choice`), and the stream merges those calls' messages under the choices' indices.
   With no mode left, the error is the route's 503.
 * Pairs: the gateway may front several (prefill_gpu, decode_fpga) pairs (pairs.py). A mode is a
   candidate when some pair has its engines up; once the router has picked the mode, the call goes
@@ -43,11 +45,13 @@ Engine calls are server-streaming `Generate` RPCs on the engine that serves the 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, replace
+
 import grpc
 
 from services.gateway import metrics as m
+# NEVER_MIGRATE and Migration: engine_stream.py's, named here too (the rules are written here)
+from services.gateway.engine_stream import NEVER_MIGRATE, EngineStream, Migration  # noqa: F401
 from services.gateway.errors import APIError, engine_error
 from services.gateway.pairs import Engines, Pairs
 from services.gateway.planner import Planner
@@ -60,11 +64,6 @@ log = logging.getLogger(__name__)
 
 RETRY_ON = frozenset({grpc.StatusCode.UNAVAILABLE})  # the engine may be gone: the health check tells
 MAX_ATTEMPTS = 2
-MIGRATE_ON = frozenset({grpc.StatusCode.UNAVAILABLE})  # mid-stream: the engine is gone or going, whatever health says
-# mid-stream failures about the request itself (or the client's deadline): another engine would fail it too
-NEVER_MIGRATE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                           grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           grpc.StatusCode.FAILED_PRECONDITION})
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,15 @@ class EngineRequest:
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,
                    min(body.timeout or max_timeout_s, max_timeout_s))
 
+    def choice(self, index: int) -> "EngineRequest":
+        """Choice `index` of this request (n > 1) as a request of its own: one choice, drawing that choice's
+        random numbers (`first_choice`); what a migration continues that choice from."""
+        sampling = pb.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        sampling.n, sampling.first_choice = 1, index
+        sampling.ClearField("prompt_logprobs")  # the client has the prompt's already
+        return replace(self, request_id=f"{self.request_id}-c{index}", sampling=sampling)
+
     def continuation(self, generated: list[int], timeout_s: float, n: int) -> "EngineRequest":
         """The rest of this request once `generated` are out: they join the prompt and leave max_tokens.
 
@@ -118,100 +126,6 @@ class EngineRequest:
         sampling.ClearField("prompt_logprobs")  # the client has the prompt's already
         return replace(self, request_id=f"{self.request_id}-m{n}", prompt_ids=self.prompt_ids + generated,
                        max_tokens=rest, sampling=sampling, forced=None, timeout_s=timeout_s)
-
-
-@dataclass(frozen=True)
-class Migration:
-    """A request moved from one mode to another after `after_tokens` tokens."""
-
-    from_mode: str
-    to_mode: str
-    after_tokens: int
-    from_pair: int = 0
-    to_pair: int = 0
-
-
-class EngineStream:
-    """A Generate call whose first message has arrived, for one client request.
-
-    `read()` gives the next message, migrating to another mode when the engine is lost (module
-    docstring); a failure it cannot get past, or an end before the last message, raises APIError.
-    `decision` is the mode serving now; `migrations` says where the request has been.
-    `cancel()` ends the call, and the engine frees the request's KV and arena slot.
-    """
-
-    def __init__(self, dispatcher: "Dispatcher", request: "EngineRequest", call, decision: Decision,
-                 first: pb.GenerateResponse, failed: frozenset[str] = frozenset()):
-        self._dispatcher, self._request, self._call = dispatcher, request, call
-        self.decision, self.first, self.request_id = decision, first, request.request_id
-        self._failed = failed  # (pair, mode)s this request failed in
-        self._ended = False  # the call counts on its pair's load (Dispatcher.call) until cancel()
-        self._opened = time.monotonic()
-        self.generated: list[int] = list(first.token_ids)  # every token id the client has been given
-        self.migrations: list[Migration] = []
-
-    async def read(self) -> pb.GenerateResponse:
-        try:
-            msg = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            if not await self._engine_lost(exc.code()):
-                raise engine_error(exc, self.decision.mode, self.request_id) from exc
-            log.warning("request %s (%s mode): the engine was lost after %d tokens (%s: %s)", self.request_id,
-                        self.decision.mode, len(self.generated), exc.code().name, exc.details())
-            return await self._migrate()
-        if msg is grpc.aio.EOF:
-            if await self._engine_lost(None):
-                log.warning("request %s (%s mode): the engine was lost after %d tokens (the stream ended)",
-                            self.request_id, self.decision.mode, len(self.generated))
-                return await self._migrate()
-            log.warning("request %s (%s mode): the engine ended the stream early", self.request_id,
-                        self.decision.mode)
-            raise APIError(502, "the engine ended the stream before the last token", code="engine_error")
-        self.generated.extend(msg.token_ids)
-        return msg
-
-    def cancel(self) -> None:
-        self._call.cancel()
-        if not self._ended:
-            self._ended = True
-            self._dispatcher.pairs.loads.finished(self.decision.pair, self.decision.mode)
-
-    async def _engine_lost(self, code: grpc.StatusCode | None) -> bool:
-        """Whether a mid-stream failure (`code`; None: the stream just ended) means the engine is gone."""
-        if code in NEVER_MIGRATE or self._request.sampling.n > 1:  # several choices: not migrated (yet)
-            return False
-        engines = MODES[self.decision.mode].engines
-        clients = self._dispatcher.pairs.members.get(self.decision.pair)
-        if clients is None:  # discovery found its pod gone
-            return True
-        up = [await clients.check(e) for e in engines]  # the next route needs them anyway
-        return code in MIGRATE_ON or not all(up)
-
-    async def _migrate(self) -> pb.GenerateResponse:
-        """Re-submit the rest of the request to a mode that is up; the new call's first message."""
-        self._call.cancel()
-        old, old_pair = self.decision.mode, self.decision.pair
-        self._failed |= {(old_pair, old)}
-        if len(self.generated) >= self._request.max_tokens:  # only the finish was lost
-            return pb.GenerateResponse(finish_reason="length")
-        left_s = self._request.timeout_s - (time.monotonic() - self._opened)
-        if left_s <= 0:
-            raise APIError(504, "the request did not finish within its timeout", code="timeout")
-        rest = self._request.continuation(self.generated, left_s, len(self.migrations) + 1)
-        try:
-            call, decision, first = await self._dispatcher.call(rest, self._failed, "migration", prefer=old)
-        except APIError as err:
-            log.warning("request %s: no mode to migrate to from %s after %d tokens: %s", self.request_id, old,
-                        len(self.generated), err.message)
-            raise
-        m.MIGRATIONS.labels(**{"from": old, "to": decision.mode}).inc()
-        log.warning("request %s migrated from %s to %s mode after %d tokens (from pair %d to pair %d)",
-                    self.request_id, old, decision.mode, len(self.generated), old_pair, decision.pair)
-        self.migrations.append(Migration(old, decision.mode, len(self.generated), old_pair, decision.pair))
-        self._dispatcher.pairs.loads.finished(old_pair, old)  # the new call counts from its opening
-        self._call, self.decision = call, decision
-        self.generated.extend(first.token_ids)
-        return first
 
 
 class Dispatcher:
@@ -242,9 +156,7 @@ class Dispatcher:
             raise APIError(503, "no engine is up to serve this request", code="engine_unavailable")
         fitting = [name for name in up if self._fits(name, n_in + max_tokens)]
         if not fitting:
-            window = max(self._window(name) for name in up)
-            raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window "
-                                f"of {window} tokens", "max_tokens", "context_length_exceeded")
+            self._too_long(up, n_in, max_tokens)
         if prefer in fitting:
             d = self.router.choose(n_in, max_tokens, forced=prefer, available=fitting)
         else:
@@ -319,6 +231,20 @@ class Dispatcher:
         # forced mode may go to another pair (the same mode), never to another mode
         return (exc.code() in RETRY_ON and (req.forced is None or len(self.pairs) > 1)
                 and attempt + 1 < MAX_ATTEMPTS + len(self.pairs) - 1)
+
+    def check_window(self, n_in: int, max_tokens: int, forced: str | None) -> None:
+        """The 400 `route` would answer when no mode up (or the forced one) holds the prompt + max_tokens;
+        nothing when no engine is up (the route's 503 says so). For a request of several prompts, checked
+        for each before any call."""
+        up = [name for name in MODES if self.pairs.serving(name)]
+        names = [forced] if forced in up else [] if forced is not None else up
+        if names and not any(self._fits(name, n_in + max_tokens) for name in names):
+            self._too_long(names, n_in, max_tokens)
+
+    def _too_long(self, modes: list[str], n_in: int, max_tokens: int):
+        window = max(self._window(name) for name in modes)
+        raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window "
+                            f"of {window} tokens", "max_tokens", "context_length_exceeded")
 
     def _window(self, mode: str) -> int:
         return min(self.pairs.context_of(e) for e in MODES[mode].engines)

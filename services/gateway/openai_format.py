@@ -74,7 +74,7 @@ class MigrationRecord(BaseModel):
 class Hybridserve(_LeavesOutNone):
     """The `hybridserve` object on a response: which mode served it, why, and what it cost."""
 
-    _omit_if_none = ("migrations", "placement")
+    _omit_if_none = ("migrations", "placement", "prompts")
 
     mode: str  # the router's choice; where the request ended up after a migration: `migrations`
     reason: str  # "auto" | "forced" | "fallback"
@@ -84,6 +84,8 @@ class Hybridserve(_LeavesOutNone):
     # with several pairs: the pair, what decided it (prefix | load | balance) and the prompt tokens it
     # held cached by the gateway's index (services/gateway/prefix_routing.py)
     placement: dict | None = None
+    # a completions request with several prompts: each prompt's own (the fields above are the first's)
+    prompts: list["Hybridserve"] | None = None
 
 
 class CompletionLogprobs(BaseModel):

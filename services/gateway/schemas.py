@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
-honour (the deprecated functions and function_call, suffix, a batch of prompts) are refused with a
+honour (the deprecated functions and function_call, suffix) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
 text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can carry).
@@ -160,12 +160,16 @@ class _Common(BaseModel):
         return list(self.stop or [])
 
 
+MAX_PROMPTS = 128  # prompts in one completions request (lm-evaluation-harness sends its batch as one)
+
+
 class CompletionRequest(_Common):
-    # one prompt: text or token ids; a batch of one (["text"], [[ids]]), as lm-evaluation-harness sends, is
-    # that prompt
+    # text or token ids, or a list of either: several prompts (each with its n choices, indexed prompt-major);
+    # a list of one (["text"], [[ids]]) is that prompt
     prompt: (NonEmptyText | Annotated[list[TokenId], Field(min_length=1)]
-             | Annotated[list[NonEmptyText], Field(min_length=1)]
-             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+             | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1,
+                                                                                   max_length=MAX_PROMPTS)])
     echo: bool = Field(False, description=(  # before max_tokens: its validator reads it
         "the prompt comes back before the completion; with `logprobs`, its tokens' logprobs too (the first null)"))
     max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX, description="0 only with `echo`: score the prompt")
@@ -175,17 +179,37 @@ class CompletionRequest(_Common):
         "generate this many choices and return the n of highest cumulative logprob (not with stream)"))
     suffix: Text | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """What the types below cannot say under `prompt` itself: an empty list or element, a mixed list."""
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+            kinds = {"text" if isinstance(e, str) else "ids" if isinstance(e, list) else "id" for e in v}
+            if len(kinds) > 1:
+                raise ValueError("prompt must be text, token ids, or a list of texts or of token-id lists, "
+                                 "not a mix")
+            for i, e in enumerate(v):
+                if not isinstance(e, int) and not e:
+                    raise ValueError(f"prompt {i} is empty")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
-        if not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and not isinstance(v[0], int):
-            if len(v) != 1:
-                raise _unsupported("prompt", "as a batch of several prompts is not supported by this server; "
-                                   "send one request per prompt")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) == 1:
             v = v[0]
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     @field_validator("max_tokens")
     @classmethod

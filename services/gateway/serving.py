@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from services import token_trace
 from services.gateway import metrics as m
 from services.gateway.choice import Choice
-from services.gateway.dispatch import EngineStream
+from services.gateway.engine_stream import EngineStream
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_format import (SSE_DONE, ChatChoice, ChatCompletion, ChunkWriter,
                                             Completion, CompletionChoice, Hybridserve, MigrationRecord, Timings,
@@ -54,6 +54,7 @@ class Run:
         self.serving = decision  # differs from `decision` once the request migrated
         self.migrations: list = []  # dispatch.Migration, as the stream made them
         self._on_mode_since = started
+        self.ended = False  # `finish` has settled the accounting
         router.started(decision.mode)
 
     @property
@@ -92,15 +93,16 @@ class Run:
             raise APIError(502, "the engine answered for a choice the request does not have", code="engine_error")
         if msg.prompt_logprobs:
             self.prompt_logprobs = list(msg.prompt_logprobs)
-        choice = self.choices[msg.index]
+        choice = self.choices[msg.index]  # the engine's index; the client's is choice.index (several prompts)
         text = choice.take(msg, self.prompt_logprobs)
         if msg.finish_reason and (msg.index == 0 or self.engine_timings is None):
             self.engine_timings = msg.timings
-        return msg.index, text
+        return choice.index, text
 
     def finish(self, status: str) -> None:
         """`status`: the HTTP status as a metrics label ("499": the client went away)."""
         mode, e2e = self.decision.mode, time.perf_counter() - self.started
+        self.ended = True
         m.REQUESTS.labels(mode=mode, status=status).inc()
         m.PROMPT_TOKENS.inc(self.n_in)
         m.GENERATION_TOKENS.inc(self.n_out)
@@ -144,6 +146,9 @@ class Run:
             return self.choices
         return sorted(self.choices, key=lambda c: -c.cumulative_logprob)[:n]
 
+    def serve(self, stream: EngineStream) -> AsyncIterator[tuple[int, str]]:
+        return serve(self, stream)  # prompts.py's several-prompt run serves its own way
+
 
 async def serve(run: Run, stream: EngineStream) -> AsyncIterator[tuple[int, str]]:
     """(choice, the text an engine message adds there, maybe ""), until every choice finished.
@@ -185,7 +190,7 @@ async def unary_response(run: Run, stream: EngineStream, request: Request, model
                          headers: dict, n: int = 1) -> Response:
     """`n`: the choices to return (best_of: fewer than the run has, the best by cumulative logprob)."""
     pieces: list[list[str]] = [[] for _ in run.choices]
-    async with aclosing(serve(run, stream)) as texts:
+    async with aclosing(run.serve(stream)) as texts:
         async for index, text in texts:
             pieces[index].append(text)
             if not run.done and await request.is_disconnected():
@@ -214,7 +219,7 @@ async def sse_events(run: Run, stream: EngineStream, chunks: ChunkWriter, includ
     """The stream's events. The response is already a 200: a failure is sent as its last event."""
     held: dict[int, list[str]] = {c.index: [] for c in run.choices}  # with tools: the text, until the calls are known
     try:
-        async with aclosing(serve(run, stream)) as texts:
+        async with aclosing(run.serve(stream)) as texts:
             opening = chunks.chat  # sent from inside the loop, so `serve` has started and will clean up
             async for index, text in texts:
                 if opening:

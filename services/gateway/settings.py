@@ -48,6 +48,8 @@ class GatewaySettings(CommonSettings):
     drain_grace_s: float = Field(60.0, gt=0)
     request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
+    # a completions request with several prompts has at most this many engine calls open at once
+    prompts_in_flight: int = Field(8, ge=1)
     calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile
     health_interval_s: float = 1.0
     # share of auto requests the router may spend re-measuring a mode it has not run lately (0 = never)

@@ -46,3 +46,15 @@ def test_a_penalized_continuation_counts_the_earlier_output_as_output(loop):
     rest = [ev.token for ev in loop.submit(prompt + whole[:2], SamplingParams(
         max_tokens=6, prior_output_tokens=2, **controls))]
     assert rest == whole[2:]
+
+
+def test_a_continued_choice_draws_its_own_choices_random_stream(loop):
+    # choice 2 of an n > 1 request, migrated: an n = 1 call whose first_choice says which choice it continues
+    prompt = [504, 3575, 282, 4649, 314]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=9, ignore_eos=True)
+    whole = [ev.token for ev in loop.submit(prompt, params, choice=2)]
+    rest = [ev.token for ev in loop.submit(prompt + whole[:2], SamplingParams(
+        max_tokens=4, temperature=1.0, seed=9, ignore_eos=True, first_choice=2))]
+    assert rest == whole[2:]
+    assert [ev.token for ev in loop.submit(prompt + whole[:2], SamplingParams(
+        max_tokens=4, temperature=1.0, seed=9, ignore_eos=True))] != whole[2:]  # choice 0's stream

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 
-from services.modes import MODE_NAMES
+from services.modes import MODE_NAMES, MODES
+from services.rpc.hybridserve.v1 import engine_pb2 as pb
+from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from tests.gateway.conftest import API_KEY, MODEL
 
 pytestmark = pytest.mark.slow
@@ -62,3 +65,19 @@ def test_streamed_chat_choices_carry_their_index(stack):
                 if ch["finish_reason"]:
                     finishes.add(ch["index"])
     assert streamed == unary and roles == finishes == {0, 1}
+
+
+def test_a_choice_run_alone_with_its_first_choice_draws_that_choices_random_stream_in_every_mode(stack, tokenizer):
+    # what a migrated choice's continuation asks of an engine (services/gateway/engine_stream.py): n = 1 and
+    # first_choice = j; in hybrid mode the first token is prefill_gpu's, the rest decode_fpga's
+    want = post(stack, "/v1/completions", {"prompt": PROMPT, "n": 2, **SAMPLED, "mode": "gpu"})["choices"][1]["text"]
+    sampling = pb.SamplingParams(max_tokens=SAMPLED["max_tokens"], temperature=1.0, seed=SAMPLED["seed"],
+                                 ignore_eos=True, first_choice=1)
+    for mode in MODE_NAMES:
+        served_by = stack["prefill" if MODES[mode].served_by == "gpu" else "decode"]
+        with grpc.insecure_channel(served_by.address) as ch:
+            replies = pb_grpc.EngineStub(ch).Generate(pb.GenerateRequest(
+                request_id=f"first-choice-{mode}", prompt_token_ids=PROMPT, sampling=sampling,
+                mode=MODES[mode].proto), timeout=300)
+            tokens = [t for r in replies for t in r.token_ids]
+        assert tokenizer.decode(tokens) == want, mode

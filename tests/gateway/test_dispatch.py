@@ -358,3 +358,38 @@ def test_a_loss_after_the_last_token_only_finishes_the_request():
     engines.alive["fpga"] = False
     stream, ids, err = read_all(engines, request(max_tokens=2))
     assert err is None and ids == [1, 2] and len(engines.calls) == 1
+
+
+def chosen(t: int, index: int, finish: str = "") -> pb.GenerateResponse:
+    return pb.GenerateResponse(token_ids=[t], finish_reason=finish, index=index)
+
+
+def test_a_lost_call_of_several_choices_continues_each_unfinished_choice_in_a_call_of_its_own():
+    # choice 1 finished before the loss; choices 0 and 2 continue from their own tokens, in their own streams
+    lost = [chosen(10, 0), chosen(20, 1), chosen(30, 2), chosen(21, 1, "stop"), chosen(11, 0),
+            rpc_error(grpc.StatusCode.UNAVAILABLE)]
+    engines = FakeEngines(scripts={"fpga": [lost], "gpu": [[chosen(12, 0, "length")], [chosen(31, 0),
+                                                                                       chosen(32, 0, "length")]]})
+    engines.alive["fpga"] = False
+
+    async def run():
+        stream = await Dispatcher(engines, Router()).open(request("hybrid", max_tokens=3, n=3, seed=4,
+                                                                  temperature=1.0))
+        got, msg = [(stream.first.index, list(stream.first.token_ids))], stream.first
+        finished = set()
+        while len(finished) < 3:
+            msg = await stream.read()
+            got.append((msg.index, list(msg.token_ids)))
+            if msg.finish_reason:
+                finished.add(msg.index)
+        stream.cancel()
+        return stream, got
+
+    stream, got = asyncio.run(run())
+    per_choice = {i: [t for j, ts in got if j == i for t in ts] for i in range(3)}
+    assert per_choice == {0: [10, 11, 12], 1: [20, 21], 2: [30, 31, 32]}
+    [_, (_, rest0, _, _), (_, rest2, _, _)] = engines.calls
+    assert list(rest0.prompt_token_ids)[5:] == [10, 11] and rest0.sampling.max_tokens == 1
+    assert list(rest2.prompt_token_ids)[5:] == [30] and rest2.sampling.max_tokens == 2
+    assert [(r.sampling.n, r.sampling.first_choice, r.sampling.seed) for r in (rest0, rest2)] == [(1, 0, 4), (1, 2, 4)]
+    assert [(mg.to_mode, mg.after_tokens) for mg in stream.migrations] == [("gpu", 2), ("gpu", 1)]

@@ -2,7 +2,8 @@
 
 * An engine SIGKILLed in the middle of a greedy completion: the gateway migrates the request to
   the engine left, the client's text is the uninterrupted run's (no token twice, none missing),
-  the migration is counted, logged and said in the response.
+  the migration is counted, logged and said in the response. A seeded request of two choices
+  running beside it: each choice continues where it was, with its own random stream.
 * Both engines gone: a stream ends with an error event then `[DONE]`; a plain request gets 503
   with Retry-After.
 * SIGTERM to the gateway with a stream in flight: /health says 503, a new request gets 503, the
@@ -38,7 +39,8 @@ def stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("engine_loss")
     prefill, decode = engine_pair(tmp, {PrefillSettings.env_name("arena_bytes"): str(32 << 20)},
                                   {DecodeSettings.env_name("max_context"): "1024",
-                                   DecodeSettings.env_name("max_sequences"): "2"}, profile_cache)
+                                   # 3: the migration test runs a request of two choices beside one of one
+                                   DecodeSettings.env_name("max_sequences"): "3"}, profile_cache)
     gateway = start_gateway(tmp, prefill, decode)
     try:
         # start-up (model load, kernel build) takes minutes when other work holds the two cores
@@ -154,16 +156,33 @@ def test_sigterm_drains_the_gateway_and_the_stream_in_flight_finishes(stack):
 
 
 # ---- migration --------------------------------------------------------------------------------
-def test_decode_fpga_killed_mid_stream_the_stream_goes_on_on_prefill_gpu_with_the_same_tokens(stack):
+def choice_texts(events: list, n: int) -> list[str]:
+    return ["".join(ch["text"] for e in events if isinstance(e, dict) for ch in e.get("choices", ()) if ch["index"] == i)
+            for i in range(n)]
+
+
+def test_decode_fpga_killed_mid_stream_the_streams_go_on_on_prefill_gpu_with_the_same_tokens(stack):
+    # beside the greedy stream, one of two seeded choices (each its own random stream, which its
+    # continuation draws on), running when the same kill lands: one restart of decode_fpga for both
+    several = {**body(stack, "hybrid", True, max_tokens=48), "n": 2, "temperature": 1.0, "seed": 3}
     engines_as(stack, True, True)
     reference = stream_events(stack, body(stack, "hybrid", True))
+    several_reference = choice_texts(stream_events(stack, several), 2)
+    assert several_reference[0] != several_reference[1]
     before = migrations(stack, "hybrid", "gpu")
+
+    beside, going = {}, threading.Event()
+    worker = threading.Thread(target=lambda: beside.update(events=stream_events(stack, several,
+                                                                                on_chunk=lambda n: going.set())))
+    worker.start()
+    assert going.wait(300), "the request of two choices never streamed"
 
     def kill(n):
         if n == KILL_AFTER:
             stack["decode"].stop(sig=signal.SIGKILL)
 
     events = stream_events(stack, body(stack, "hybrid", True), on_chunk=kill)
+    worker.join(300)
     assert stack["decode"].proc.poll() is not None
     assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
     assert text_of(events) == text_of(reference) and events[-2]["usage"]["completion_tokens"] == N_TOKENS
@@ -171,8 +190,14 @@ def test_decode_fpga_killed_mid_stream_the_stream_goes_on_on_prefill_gpu_with_th
     [moved] = ext["migrations"]
     assert (moved["from_mode"], moved["to_mode"]) == ("hybrid", "gpu")
     assert KILL_AFTER <= moved["after_tokens"] < N_TOKENS
-    assert migrations(stack, "hybrid", "gpu") == before + 1
     assert "migrated from hybrid to gpu mode" in stack["gateway"].log_path.read_text()
+    # the two choices: each continued in a call of its own, where it was
+    events = beside["events"]
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+    assert choice_texts(events, 2) == several_reference and events[-2]["usage"]["completion_tokens"] == 2 * 48
+    moves = next(e["hybridserve"] for e in events if isinstance(e, dict) and e.get("hybridserve"))["migrations"]
+    assert [(mg["from_mode"], mg["to_mode"]) for mg in moves] == [("hybrid", "gpu")] * 2, "the kill came too late"
+    assert migrations(stack, "hybrid", "gpu") == before + 3
 
 
 def test_prefill_gpu_killed_mid_request_the_answer_comes_from_decode_fpga_and_says_so(stack):
