@@ -59,6 +59,19 @@ class RowLaunch:
         cl.enqueue_nd_range_kernel(queue, self.kernel, tuple(size), self.local_size, global_work_offset=offset)
 
 
+@dataclass(frozen=True)
+class ByRowCount:
+    """Two RowLaunches that compute the same bits, `few` for a step of at most `up_to` rows, `many`
+    for more: the faster kernel for each size, bound once, the choice made on the host at enqueue."""
+
+    few: RowLaunch
+    many: RowLaunch
+    up_to: int
+
+    def enqueue(self, queue: cl.CommandQueue, start: int, count: int) -> None:
+        (self.few if count <= self.up_to else self.many).enqueue(queue, start, count)
+
+
 def bind_rows(program: cl.Program, name: str, global_size: tuple[int, ...], *args, rows_dim: int | None = 0,
               rows_scale: int = 1, local_size: tuple[int, ...] | None = None) -> RowLaunch:
     """bind, for a RowLaunch."""

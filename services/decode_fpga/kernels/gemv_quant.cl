@@ -278,6 +278,14 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
         y[k_] = accumulate ? y[k_] + v_ : v_;                                                      \
     }
 #define TILE_STORE(t, NR) if (o0 + t < out_rows) { TILE_EACH_R(NR, TILE_STORE1, t) }
+// output t times row r0 of x alone, with ROW_DOT itself
+#define TILE_ONE(t, _)                                                                             \
+    if (o0 + t < out_rows) {                                                                       \
+        float v_;                                                                                  \
+        ROW_DOT(v_, d_##t, m_##t, q_##t, x + (size_t)r0 * cols, xsum + (size_t)r0 * nb, nb);       \
+        const size_t k_ = (size_t)r0 * Y_STRIDE + o0 + t;                                          \
+        y[k_] = accumulate ? y[k_] + v_ : v_;                                                      \
+    }
 // rows [r0, r0 + NR) of x times the tile's outputs, each pair exactly as ROW_DOT computes it alone
 #define TILE_PASS(NR)                                                                              \
     do {                                                                                           \
@@ -315,9 +323,9 @@ __kernel void gemv_quant_tiles(__global const float *d, __global const half *m, 
 #if TILE_R > 2
     if (r0 + 2 <= n) { TILE_PASS(2); r0 += 2; }
 #endif
-#if TILE_R > 1
-    if (r0 < n) TILE_PASS(1);
-#endif
+    // a last lone row: each output alone, as gemv_quant_rows does (a tile of outputs over one row
+    // measured up to 2x the CPU time of one output at a time on the LM head at batch 1)
+    if (r0 < n) { TILE_EACH_T(TILE_ONE, _) }
 }
 
 // x[r, :] = E[tokens[r], :] dequantized (the embedding lookup from the blocks), one work-item per row
