@@ -215,10 +215,10 @@ class QuantMatrix(EnqueueOnce):
     def bind_gemv_rows(self, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool = False,
                        x_sums: cl.Buffer | None = None) -> RowLaunch | ByRowCount:
         """bind_gemv for any number of rows, each with the one-row arithmetic (batch invariance): on a
-        CPU gemv_quant_rows (one output row a work-item) up to `tile_above` rows and gemv_quant_tiles
-        (`tile` output rows a work-item) past them, or gemv_quant_rows alone when tile is 0, both
-        reading the row count from n_rows[0]; on a GPU gemv_quant_wg, whose work-groups already compute
-        each row alone, over the RowLaunch's rows."""
+        CPU gemv_quant_tiles1 (one output row a work-item) up to `tile_above` rows and gemv_quant_tiles
+        (`tile` output rows a work-item) past them, or gemv_quant_rows (the kernel before them) when
+        tile is 0, all reading the row count from n_rows[0]; on a GPU gemv_quant_wg, whose work-groups
+        already compute each row alone, over the RowLaunch's rows."""
         if self.lanes > 1:
             return bind_rows(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, 1), self._d, self._m,
                              self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),
@@ -229,14 +229,16 @@ class QuantMatrix(EnqueueOnce):
             x_sums = x  # unread
         args = (self._d, self._m, self._q, x, x_sums, y, np.int32(self.cols), np.int32(self.rows), n_rows,
                 np.int32(bool(accumulate)))
-        one = bind_rows(self._program, "gemv_quant_rows", (self.rows,), *args, rows_dim=None)
         if not self.tile:
-            return one
-        # as many work-groups on each core (PoCL runs a group on one core), so none idles at the end
+            return bind_rows(self._program, "gemv_quant_rows", (self.rows,), *args, rows_dim=None)
         d = self._dev.device
-        size, local = balanced_groups(-(-self.rows // self.tile), d.max_compute_units, d.max_work_group_size)
-        tiles = bind_rows(self._program, "gemv_quant_tiles", (size,), *args, rows_dim=None, local_size=(local,))
-        return ByRowCount(one, tiles, self.tile_above)
+
+        def tiled(kernel: str, outputs: int) -> RowLaunch:
+            # as many work-groups on each core (PoCL runs a group on one core), so none idles at the end
+            size, local = balanced_groups(-(-self.rows // outputs), d.max_compute_units, d.max_work_group_size)
+            return bind_rows(self._program, kernel, (size,), *args, rows_dim=None, local_size=(local,))
+
+        return ByRowCount(tiled("gemv_quant_tiles1", 1), tiled("gemv_quant_tiles", self.tile), self.tile_above)
 
     fuses_norm = True  # bind_gemv_norm runs with any lanes per row
 

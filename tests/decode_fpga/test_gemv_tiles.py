@@ -36,24 +36,26 @@ def test_tiled_rows_are_one_row_gemvs_at_any_count(cl_dev, qtype, tile):
     dev = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=1, gemv_tile=tile)
     m = QuantMatrix(dev, matrix_tensor(qtype))
     assert m.tile == tile
-    m.tile_above = 0  # the tiles at every row count (by default they run only past x's L1 size)
     rng = np.random.default_rng(11)
     x = rng.normal(size=(max(COUNTS), m.cols)).astype(np.float32)
     y0 = rng.normal(size=(max(COUNTS), m.rows)).astype(np.float32)
     alone = np.stack([one_row(dev, m, x[r:r + 1], y0[r:r + 1], True)[0] for r in range(max(COUNTS))])
-    for n in COUNTS:
-        got = run_rows(dev, m, x[:n], y0[:n], True)
-        np.testing.assert_array_equal(got, alone[:n], err_msg=f"{n} rows")
+    # each kernel at every count: the tiles (by default only past x's L1 size), then gemv_quant_tiles1
+    for above in (0, 10**6):
+        m.tile_above = above
+        for n in COUNTS:
+            got = run_rows(dev, m, x[:n], y0[:n], True)
+            np.testing.assert_array_equal(got, alone[:n], err_msg=f"{n} rows, tiles past {above}")
 
 
 def test_tiles_run_past_the_rows_whose_x_fills_l1(cl_dev):
-    """bind_gemv_rows: one output a work-item while x's rows fit a core's L1 data cache, the tiles past
-    them; tile 0 keeps gemv_quant_rows at every count."""
+    """bind_gemv_rows: one output a work-item while x's rows fit a core's L1 data cache (gemv_quant_tiles1),
+    the tiles past them; tile 0 keeps gemv_quant_rows at every count."""
     t = synthetic("q8_0", OUT_ROWS, 1536)
     m = QuantMatrix(DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=1, gemv_tile=2), t)
     launch = m.bind_gemv_rows(*(cl.Buffer(cl_dev.context, cl.mem_flags.READ_WRITE, 4),) * 3)
     assert m.tile_above == 8 and launch.up_to == 8  # 8 rows of 1536 floats: 48 KiB
-    assert launch.few.kernel.function_name == "gemv_quant_rows"
+    assert launch.few.kernel.function_name == "gemv_quant_tiles1"
     assert launch.many.kernel.function_name == "gemv_quant_tiles"
     off = QuantMatrix(DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=1, gemv_tile=0), t)
     assert off.bind_gemv_rows(*(cl.Buffer(cl_dev.context, cl.mem_flags.READ_WRITE, 4),) * 3).kernel.function_name \
