@@ -40,8 +40,8 @@ MINIMUM_FORMATS = ("q4_1", "q5_1", "q4_k", "q5_k")  # weights d q + m: one-row G
 MF = cl.mem_flags
 GEMV_TILE_ROWS = 4  # rows of x per pass of gemv_quant_tiles (its TILE_R): 8 and (with 4 outputs) 4 spilled
 # gemv_quant_tiles runs once the rows of x hold more than this (a core's L1 data cache here: 48 KiB),
-# gemv_quant_rows below it: while x stays in L1 a tile of outputs saves nothing, and on the LM head
-# (32 MB) two outputs a work-item at 2-4 rows measured ~1.7x the CPU time of one
+# gemv_quant_tiles1 (one output a work-item) below it: while x stays in L1 a tile of outputs saves
+# nothing, and on the LM head (32 MB) two outputs a work-item at 2-4 rows measured ~1.7x the CPU time
 GEMV_TILE_X_BYTES = 48 << 10
 
 
