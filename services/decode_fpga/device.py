@@ -40,7 +40,7 @@ class DeviceContext:
     queue: cl.CommandQueue
     binary_dir: Path | None = None
     lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row, lanes_per_head)
-    gemv_tile: int = GEMV_TILE  # output rows per work-item of the batched block GEMV (settings.GemvTile)
+    gemv_tile: int = GEMV_TILE  # output rows per work-item of the batched block GEMV (settings.GEMV_TILES)
     _programs: dict = field(default_factory=dict)
 
     @property

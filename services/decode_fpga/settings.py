@@ -12,8 +12,8 @@ from services.settings import CommonSettings
 # output rows per work-item of the paged step's block GEMVs on a CPU or an FPGA (gemv_quant_tiles, each
 # row of x read once for all of them); 0 keeps the kernel before it (gemv_quant_rows: one output row a
 # work-item), for A/B runs (bench/paged_step.py --gemv-tiles)
-GemvTile = Literal[0, 1, 2, 4]
-GEMV_TILE: GemvTile = 2
+GEMV_TILES = (0, 1, 2, 4)
+GEMV_TILE = 2
 
 
 def check_lanes(lanes: int) -> int:
@@ -37,7 +37,7 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     opencl_lanes: int = 0
     # output rows per work-item of the batched block GEMVs (the paged step's) on a CPU or an FPGA: each
     # row of x is read once for them; 0: the kernel before it, one output row a work-item (for A/B runs)
-    opencl_gemv_tile: GemvTile = GEMV_TILE
+    opencl_gemv_tile: int = GEMV_TILE
     # on a CPU device: hold a 0 µs PM QoS wake-up latency (/dev/cpu_dma_latency, needs root) while
     # steps run, so cores poll instead of halting between kernels (cpu_wake.py)
     opencl_keep_cores_awake: bool = True
@@ -80,6 +80,13 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     @classmethod
     def _lanes(cls, v: int) -> int:
         return check_lanes(v)
+
+    @field_validator("opencl_gemv_tile")
+    @classmethod
+    def _gemv_tile(cls, v: int) -> int:
+        if v not in GEMV_TILES:
+            raise ValueError(f"opencl_gemv_tile must be one of {GEMV_TILES} (output rows per work-item), got {v}")
+        return v
 
     @field_validator("kv_listen", "kv_advertise")
     @classmethod
