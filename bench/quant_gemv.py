@@ -10,6 +10,14 @@ The checkpoint's own tensors where it has the format (Q4_1 layers, Q8_0 head),
 gguf-quantized random weights otherwise (speed does not depend on the values).
 
     python bench/quant_gemv.py [--runs N] [--quick]
+
+--rows: the paged step's batched GEMVs instead (bind_gemv_rows: one output row a work-item, or tiles of
+them past the rows whose x fills L1), per row of x at --batches, for each --gemv-tiles value side by
+side (interleaved run by run), on the checkpoint's own matrices (--model: another GGUF file), all
+layers: microseconds per row and matrix (the fastest run's wall time and its CPU time, both cores'
+work: on a shared machine the steadier figure), and their sum over a step's matrices per row.
+
+    python bench/quant_gemv.py --rows [--batches 1,2,4,8,16,32,64] [--gemv-tiles 0,2] [--model F]
 """
 from __future__ import annotations
 
@@ -81,12 +89,105 @@ def time_launches(dev, mats, x, y, batch: int, reps: int) -> float:
     return (time.perf_counter() - t) / (reps * len(mats))
 
 
+def time_rows(dev, launches, n: int, reps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per step of `launches` (every matrix's batched GEMV) over n rows, one wait."""
+    for la in launches:
+        la.enqueue(dev.queue, 0, n)
+    dev.queue.finish()
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(reps):
+        for la in launches:
+            la.enqueue(dev.queue, 0, n)
+    dev.queue.finish()
+    return (time.perf_counter() - t) / reps, (time.process_time() - c) / reps
+
+
+def batched(args) -> int:
+    """--rows: the batched GEMVs per row of x, each GEMV tile side by side."""
+    from services.decode_fpga.device import DeviceContext, select_device
+    from services.decode_fpga.quant_gemv import QuantMatrix
+    from services.model.checkpoint import locate
+    from services.model.config import read_config
+    from services.model.gguf_blocks import read_block_tensors
+
+    ckpt = locate(args.model)
+    cfg = read_config(ckpt)
+    src = read_block_tensors(ckpt, cfg)
+    base = select_device()  # one context and queue: each tile's matrices beside the others'
+    devs = {t: DeviceContext(base.device, base.context, base.queue, gemv_tile=t) for t in args.gemv_tiles}
+    progress(f"batched block GEMVs on {next(iter(devs.values())).name}, {ckpt.path.name}")
+    width, top = max(cfg.intermediate, cfg.hidden), max(args.batches)
+    lines, totals = [], {}
+    for shape, (rows, cols, copies, real) in shapes(src, cfg, args.quick).items():
+        tensors = [real(i) for i in range(copies)]
+        if not hasattr(tensors[0], "qtype"):
+            progress(f"{shape}: not one block format (mixed parts), skipped")
+            continue
+        per = {}
+        for t, dev in devs.items():
+            ctx = dev.context
+            x = cl.Buffer(ctx, MF.READ_WRITE, top * width * 4)
+            sums = cl.Buffer(ctx, MF.READ_WRITE, top * width // 32 * 4)
+            y = cl.Buffer(ctx, MF.READ_WRITE, top * cfg.vocab_size * 4)
+            cl.enqueue_copy(dev.queue, x, np.full(top * width, 0.01, np.float32), is_blocking=True)
+            cl.enqueue_copy(dev.queue, sums, np.full(top * width // 32, 0.3, np.float32), is_blocking=True)
+            n_rows = cl.Buffer(ctx, MF.READ_WRITE, 4)
+            mats = [QuantMatrix(dev, ts) for ts in tensors]
+            # the buffers are kept with the launches: a kernel's arguments do not keep them alive
+            per[t] = (dev, n_rows, [m.bind_gemv_rows(x, y, n_rows, x_sums=sums) for m in mats], mats, (x, sums, y))
+        nbytes = sum(m.nbytes for m in next(iter(per.values()))[3])
+        for n in args.batches:
+            for dev, n_rows, *_ in per.values():
+                cl.enqueue_copy(dev.queue, n_rows, np.array([n], np.int32), is_blocking=True)
+            reps = max(1, int(1e-2 / (nbytes / 20e9 * max(1.0, n / 4))))
+            got = {t: [] for t in per}
+            for _ in range(args.runs):
+                for t, (dev, _, launches, *_) in per.items():
+                    got[t].append(time_rows(dev, launches, n, reps))
+            for t, runs in got.items():
+                wall, cpu = min(w for w, _ in runs), min(c for _, c in runs)
+                totals.setdefault((t, n), [0.0, 0.0])
+                totals[(t, n)][0] += wall / n
+                totals[(t, n)][1] += cpu / n
+                lines.append({"shape": shape, "rows": rows, "cols": cols, "format": tensors[0].qtype,
+                              "matrices": copies, "gemv_tile": t, "batch": n,
+                              "us_per_row_matrix": wall / n / copies * 1e6,
+                              "cpu_us_per_row_matrix": cpu / n / copies * 1e6})
+                progress(f"{shape} {tensors[0].qtype} tile={t} b{n}: {wall / n / copies * 1e6:.1f} us/row "
+                         f"(cpu {cpu / n / copies * 1e6:.1f})")
+        del per
+    tiles = list(devs)
+    cell = {(x["shape"], x["gemv_tile"], x["batch"]): x for x in lines}
+    kinds = dict.fromkeys((x["shape"], x["format"]) for x in lines)
+    print(table(["shape", "format", "batch", *(f"tile={t} us/row" for t in tiles), *(f"tile={t} cpu" for t in tiles)],
+                [[sh, fm, n, *(cell[(sh, t, n)]["us_per_row_matrix"] for t in tiles),
+                  *(cell[(sh, t, n)]["cpu_us_per_row_matrix"] for t in tiles)]
+                 for sh, fm in kinds for n in args.batches]))
+    print("a step's GEMVs per row of x, ms (wall of the fastest runs; CPU):")
+    print(table(["batch", *(f"tile={t} ms/row" for t in tiles), *(f"tile={t} cpu" for t in tiles)],
+                [[n, *(totals[(t, n)][0] * 1e3 for t in tiles), *(totals[(t, n)][1] * 1e3 for t in tiles)]
+                 for n in args.batches]))
+    write_json(args.name, {"device": next(iter(devs.values())).name, "model": str(ckpt.path), "runs": args.runs,
+                           "load_average": os.getloadavg(), "lines": lines,
+                           "step_ms_per_row": [{"gemv_tile": t, "batch": n, "wall": totals[(t, n)][0] * 1e3,
+                                                "cpu": totals[(t, n)][1] * 1e3} for t in tiles for n in args.batches]},
+               out_dir=Path(args.out))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="4 layers, 3 runs, batch 1 and 8")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--rows", action="store_true", help="the batched GEMVs of the paged step (see above)")
+    ap.add_argument("--batches", type=lambda v: tuple(int(b) for b in v.split(",")), default=(1, 2, 4, 8, 16, 32, 64))
+    ap.add_argument("--gemv-tiles", type=lambda v: tuple(int(b) for b in v.split(",")), default=(0, 2))
+    ap.add_argument("--model", default=None, help="--rows: a GGUF file (default: the packaged model)")
+    ap.add_argument("--name", default="quant_gemv_rows", help="--rows: bench/results/NAME.json")
     args = ap.parse_args()
+    if args.rows:
+        return batched(args)
     runs = 3 if args.quick else args.runs
 
     from services.model.checkpoint import locate

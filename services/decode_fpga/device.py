@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyopencl as cl
 
-from services.decode_fpga.settings import check_lanes
+from services.decode_fpga.settings import GEMV_TILE, check_lanes
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class DeviceContext:
     queue: cl.CommandQueue
     binary_dir: Path | None = None
     lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row, lanes_per_head)
+    gemv_tile: int = GEMV_TILE  # output rows per work-item of the batched block GEMV (settings.GEMV_TILES)
     _programs: dict = field(default_factory=dict)
 
     @property
@@ -97,7 +98,7 @@ def _probe(device: cl.Device) -> str | None:
 
 
 def select_device(platform: str | None = None, device: str | None = None,
-                  binary_dir: str | None = None, lanes: int = 0) -> DeviceContext:
+                  binary_dir: str | None = None, lanes: int = 0, gemv_tile: int = GEMV_TILE) -> DeviceContext:
     try:
         platforms = cl.get_platforms()
     except cl.Error as exc:
@@ -121,6 +122,6 @@ def select_device(platform: str | None = None, device: str | None = None,
             ctx = cl.Context([dev])
             log.info("OpenCL device: %s", label)
             return DeviceContext(dev, ctx, cl.CommandQueue(ctx), Path(binary_dir) if binary_dir else None,
-                                 lanes)
+                                 lanes, gemv_tile)
     wanted = f"platform~{platform!r} device~{device!r}"
     raise DeviceSelectionError(f"no usable OpenCL device matches {wanted}; present: {seen or 'none'}")

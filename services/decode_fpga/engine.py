@@ -111,7 +111,7 @@ class OpenCLEngine:
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: DecodeSettings) -> "OpenCLEngine":
         dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir,
-                            settings.opencl_lanes)
+                            settings.opencl_lanes, settings.opencl_gemv_tile)
         config = EngineConfig.from_settings(settings, loaded.checkpoint.kind)
         blocks = (read_block_tensors(loaded.checkpoint, loaded.config, config.allow_dense_fallback)
                   if config.weights_dtype == "gguf" else None)

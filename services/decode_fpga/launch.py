@@ -59,9 +59,33 @@ class RowLaunch:
         cl.enqueue_nd_range_kernel(queue, self.kernel, tuple(size), self.local_size, global_work_offset=offset)
 
 
+@dataclass(frozen=True)
+class ByRowCount:
+    """Two RowLaunches that compute the same bits, `few` for a step of at most `up_to` rows, `many`
+    for more: the faster kernel for each size, bound once, the choice made on the host at enqueue."""
+
+    few: RowLaunch
+    many: RowLaunch
+    up_to: int
+
+    def enqueue(self, queue: cl.CommandQueue, start: int, count: int) -> None:
+        (self.few if count <= self.up_to else self.many).enqueue(queue, start, count)
+
+
 def bind_rows(program: cl.Program, name: str, global_size: tuple[int, ...], *args, rows_dim: int | None = 0,
               rows_scale: int = 1, local_size: tuple[int, ...] | None = None) -> RowLaunch:
     """bind, for a RowLaunch."""
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
     return RowLaunch(kernel, tuple(global_size), rows_dim, rows_scale, local_size)
+
+
+def balanced_groups(items: int, units: int, max_local: int, per_unit: int = 1) -> tuple[int, int]:
+    """(global size, local size) for `items` work-items in a multiple of `units` work-groups (at least
+    per_unit a compute unit, each at most max_local items), the items rounded up (the kernel skips the
+    extra ones). PoCL's own choice can leave a core idle: for 12288 items on 2 cores it makes 3 groups
+    of 4096, one core running two."""
+    step = max(1, units * per_unit)
+    groups = step * -(-items // (step * max_local))
+    local = -(-items // groups)
+    return local * groups, local

@@ -7,8 +7,9 @@ launch is bound once to the scratch buffers, the pool and the step's int inputs
 of any shape cost no argument setting (~40 µs a kernel in pyopencl).
 
 Batch invariance: every launch computes each row as it would alone. The GEMVs are the
-`*_rows` kernels (the one-row arithmetic for any number of rows, never the several-row passes
-of gemv / gemv_quant); RMSNorm, SiLU and the attention kernels are per row already; one-token
+`*_rows` kernels and gemv_quant_tiles(1) (quant_gemv.py: the one-row arithmetic for any number
+of rows, never the several-row passes of gemv / gemv_quant); RMSNorm, SiLU and the attention
+kernels are per row already; one-token
 chunks always take the decode attention kernel and longer chunks always the prefill one
 (paged_step_rows.py). The one-row fused kernels (norm and SiLU prologues) compute the same
 bits as the launches here, but are not used: one set of launches serves every step.

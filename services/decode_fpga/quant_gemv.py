@@ -29,7 +29,7 @@ import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
-from services.decode_fpga.launch import Launch, RowLaunch, bind, bind_rows
+from services.decode_fpga.launch import ByRowCount, Launch, RowLaunch, balanced_groups, bind, bind_rows
 from services.model.gguf_blocks import BlockTensor
 
 # each format's code in the kernels (quant_blocks.h)
@@ -38,6 +38,11 @@ QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80, "q5_0": 50, "q5_1": 51, "q4_k"
 QFMT_BITS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
 MINIMUM_FORMATS = ("q4_1", "q5_1", "q4_k", "q5_k")  # weights d q + m: one-row GEMVs read x's block sums
 MF = cl.mem_flags
+GEMV_TILE_ROWS = 4  # rows of x per pass of gemv_quant_tiles (its TILE_R): 8 and (with 4 outputs) 4 spilled
+# gemv_quant_tiles runs once the rows of x hold more than this (a core's L1 data cache here: 48 KiB),
+# gemv_quant_tiles1 (one output a work-item) below it: while x stays in L1 a tile of outputs saves
+# nothing, and on the LM head (32 MB) two outputs a work-item at 2-4 rows measured ~1.7x the CPU time
+GEMV_TILE_X_BYTES = 48 << 10
 
 
 def _halves(raw: np.ndarray, offset: int) -> np.ndarray:
@@ -165,8 +170,12 @@ class QuantMatrix(EnqueueOnce):
         self._dev = dev
         # the output's place, compiled in (the kernels' Y_OFFSET, Y_STRIDE); none: y is [batch, rows]
         self._ydefs = {} if y_stride is None else {"Y_OFFSET": y_offset, "Y_STRIDE": y_stride}
-        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype], **self._ydefs})
         self.lanes = dev.lanes_per_row  # 1: gemv_quant.cl, more: gemv_quant_wg.cl
+        # output rows per work-item of the batched GEMV (gemv_quant_tiles), 0: gemv_quant_rows
+        self.tile = dev.gemv_tile if self.lanes == 1 else 0
+        tiles = {"TILE_O": self.tile, "TILE_R": GEMV_TILE_ROWS} if self.tile else {}
+        self.tile_above = max(1, GEMV_TILE_X_BYTES // (4 * self.cols))  # rows of x past which the tiles run
+        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype], **self._ydefs, **tiles})
 
     @property
     def device_arrays(self) -> tuple[cl.Buffer, cl.Buffer, cl.Buffer]:
@@ -204,10 +213,12 @@ class QuantMatrix(EnqueueOnce):
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
 
     def bind_gemv_rows(self, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool = False,
-                       x_sums: cl.Buffer | None = None) -> RowLaunch:
+                       x_sums: cl.Buffer | None = None) -> RowLaunch | ByRowCount:
         """bind_gemv for any number of rows, each with the one-row arithmetic (batch invariance): on a
-        CPU gemv_quant_rows, which reads the row count from n_rows[0]; on a GPU gemv_quant_wg, whose
-        work-groups already compute each row alone, over the RowLaunch's rows."""
+        CPU gemv_quant_tiles1 (one output row a work-item) up to `tile_above` rows and gemv_quant_tiles
+        (`tile` output rows a work-item) past them, or gemv_quant_rows (the kernel before them) when
+        tile is 0, all reading the row count from n_rows[0]; on a GPU gemv_quant_wg, whose work-groups
+        already compute each row alone, over the RowLaunch's rows."""
         if self.lanes > 1:
             return bind_rows(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, 1), self._d, self._m,
                              self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),
@@ -216,8 +227,18 @@ class QuantMatrix(EnqueueOnce):
             if self.needs_block_sums:
                 raise ValueError(f"{self.name}: a {self.fmt} GEMV needs the block sums of x (x_sums)")
             x_sums = x  # unread
-        return bind_rows(self._program, "gemv_quant_rows", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
-                         np.int32(self.cols), np.int32(self.rows), n_rows, np.int32(bool(accumulate)), rows_dim=None)
+        args = (self._d, self._m, self._q, x, x_sums, y, np.int32(self.cols), np.int32(self.rows), n_rows,
+                np.int32(bool(accumulate)))
+        if not self.tile:
+            return bind_rows(self._program, "gemv_quant_rows", (self.rows,), *args, rows_dim=None)
+        d = self._dev.device
+
+        def tiled(kernel: str, outputs: int) -> RowLaunch:
+            # as many work-groups on each core (PoCL runs a group on one core), so none idles at the end
+            size, local = balanced_groups(-(-self.rows // outputs), d.max_compute_units, d.max_work_group_size)
+            return bind_rows(self._program, kernel, (size,), *args, rows_dim=None, local_size=(local,))
+
+        return ByRowCount(tiled("gemv_quant_tiles1", 1), tiled("gemv_quant_tiles", self.tile), self.tile_above)
 
     fuses_norm = True  # bind_gemv_norm runs with any lanes per row
 

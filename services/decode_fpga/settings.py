@@ -9,6 +9,12 @@ from services.engine.batching_settings import BatchingSettings
 from services.kv.address import WILDCARD_HOSTS, parse_address
 from services.settings import CommonSettings
 
+# output rows per work-item of the paged step's block GEMVs on a CPU or an FPGA (gemv_quant_tiles, each
+# row of x read once for all of them); 0 keeps the kernel before it (gemv_quant_rows: one output row a
+# work-item), for A/B runs (bench/paged_step.py --gemv-tiles)
+GEMV_TILES = (0, 1, 2, 4)
+GEMV_TILE = 2
+
 
 def check_lanes(lanes: int) -> int:
     """lanes, when it is 0 (by device type) or a power of two up to 256; else ValueError."""
@@ -29,6 +35,9 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # work-items per output row of the block GEMVs and per head of decode attention: 0 picks by
     # device type (on a GPU 32 per GEMV row and 128 per head, 1 on a CPU or an FPGA)
     opencl_lanes: int = 0
+    # output rows per work-item of the batched block GEMVs (the paged step's) on a CPU or an FPGA: each
+    # row of x is read once for them; 0: the kernel before it, one output row a work-item (for A/B runs)
+    opencl_gemv_tile: int = GEMV_TILE
     # on a CPU device: hold a 0 µs PM QoS wake-up latency (/dev/cpu_dma_latency, needs root) while
     # steps run, so cores poll instead of halting between kernels (cpu_wake.py)
     opencl_keep_cores_awake: bool = True
@@ -74,6 +83,13 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     @classmethod
     def _lanes(cls, v: int) -> int:
         return check_lanes(v)
+
+    @field_validator("opencl_gemv_tile")
+    @classmethod
+    def _gemv_tile(cls, v: int) -> int:
+        if v not in GEMV_TILES:
+            raise ValueError(f"opencl_gemv_tile must be one of {GEMV_TILES} (output rows per work-item), got {v}")
+        return v
 
     @field_validator("kv_listen", "kv_advertise")
     @classmethod

@@ -21,3 +21,13 @@ def test_defaults_and_bad_values(monkeypatch):
     monkeypatch.setenv("HYBRIDSERVE_DECODE_WEIGHTS_DTYPE", "int3")
     with pytest.raises(pydantic.ValidationError):
         DecodeSettings()
+
+
+def test_gemv_tile_setting(monkeypatch):
+    monkeypatch.delenv("HYBRIDSERVE_DECODE_OPENCL_GEMV_TILE", raising=False)
+    assert DecodeSettings().opencl_gemv_tile == 2
+    monkeypatch.setenv("HYBRIDSERVE_DECODE_OPENCL_GEMV_TILE", "0")
+    assert DecodeSettings().opencl_gemv_tile == 0
+    monkeypatch.setenv("HYBRIDSERVE_DECODE_OPENCL_GEMV_TILE", "3")  # no kernel for 3 outputs a work-item
+    with pytest.raises(pydantic.ValidationError):
+        DecodeSettings()

@@ -228,6 +228,117 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     }
 }
 
+#ifndef TILE_O
+#define TILE_O 2  // output rows per work-item of gemv_quant_tiles: 1, 2 or 4
+#endif
+#ifndef TILE_R
+#define TILE_R 4  // rows of x per pass of gemv_quant_tiles: 1, 2, 4 or 8 (then passes of 4, 2 and 1)
+#endif
+
+// gemv_quant_tiles is written out by macros, one named variable per (output, row) accumulator:
+// the same loops over private arrays were not kept in registers by PoCL (measured 3x slower).
+#define TILE_CAT_(A, B) A##B
+#define TILE_CAT_T(A, B) TILE_CAT_(A, B)
+#define TILE_CAT_R(A, B) TILE_CAT_(A, B)
+#define TILE_OUTS1(M, ...) M(0, __VA_ARGS__)
+#define TILE_OUTS2(M, ...) TILE_OUTS1(M, __VA_ARGS__) M(1, __VA_ARGS__)
+#define TILE_OUTS4(M, ...) TILE_OUTS2(M, __VA_ARGS__) M(2, __VA_ARGS__) M(3, __VA_ARGS__)
+#define TILE_ROWS1(M, ...) M(0, __VA_ARGS__)
+#define TILE_ROWS2(M, ...) TILE_ROWS1(M, __VA_ARGS__) M(1, __VA_ARGS__)
+#define TILE_ROWS4(M, ...) TILE_ROWS2(M, __VA_ARGS__) M(2, __VA_ARGS__) M(3, __VA_ARGS__)
+#define TILE_ROWS8(M, ...) TILE_ROWS4(M, __VA_ARGS__) M(4, __VA_ARGS__) M(5, __VA_ARGS__) M(6, __VA_ARGS__) M(7, __VA_ARGS__)
+#define TILE_EACH_T(M, ...) TILE_CAT_T(TILE_OUTS, TILE_O)(M, __VA_ARGS__)   // M(t, ...) for each output t
+#define TILE_EACH_R(NR, M, ...) TILE_CAT_R(TILE_ROWS, NR)(M, __VA_ARGS__)  // M(r, ...) for each row r < NR
+
+// output t's row (clamped: past out_rows it re-reads the last one and stores nothing)
+#define TILE_PTRS(t, _)                                                                            \
+    const int o_##t = min(o0 + t, out_rows - 1);                                                   \
+    __global const float *d_##t = DROW_AT(d, o_##t, nbp);                                          \
+    __global const half *m_##t = MROW_AT(m, o_##t, nbp);                                           \
+    __global const uchar *q_##t = q + (size_t)o_##t * nb * QBYTES;
+#define TILE_XROW(r, _) __global const float *x_##r = x + (size_t)(r0 + r) * cols;
+#define TILE_ZERO(r, t) float16 a_##t##_##r##_0 = (float16)(0.0f), a_##t##_##r##_1 = (float16)(0.0f);
+#define TILE_ZEROS(t, NR) TILE_EACH_R(NR, TILE_ZERO, t)
+#define TILE_W(t, B) float16 w0_##t, w1_##t; block_weights(q_##t, (B), &w0_##t, &w1_##t);
+#define TILE_ADD(t, r, B, H) BLOCK_ACC(a_##t##_##r##_##H, w0_##t, w1_##t, x_##r, (B), d_##t, m_##t);
+#define TILE_ROW(r, B, H) TILE_EACH_T(TILE_ADD, r, B, H)
+// block B of every output into accumulator H (0: even blocks, 1: odd, as ROW_DOT takes them) of
+// every (output, row) pair: each output's block converted once for the NR rows, each row's x loaded
+// once for the TILE_O outputs
+#define TILE_BLOCK(NR, B, H)                                                                       \
+    do {                                                                                           \
+        TILE_EACH_T(TILE_W, B)                                                                     \
+        TILE_EACH_R(NR, TILE_ROW, B, H)                                                            \
+    } while (0)
+#define TILE_STORE1(r, t)                                                                          \
+    {                                                                                              \
+        const float v_ = rows_finish(a_##t##_##r##_0, a_##t##_##r##_1, d_##t, m_##t,               \
+                                     xsum + (size_t)(r0 + r) * nb, nb);                           \
+        const size_t k_ = (size_t)(r0 + r) * Y_STRIDE + o0 + t;                                    \
+        y[k_] = accumulate ? y[k_] + v_ : v_;                                                      \
+    }
+#define TILE_STORE(t, NR) if (o0 + t < out_rows) { TILE_EACH_R(NR, TILE_STORE1, t) }
+// output t times row r0 of x alone, with ROW_DOT itself
+#define TILE_ONE(t, _)                                                                             \
+    if (o0 + t < out_rows) {                                                                       \
+        float v_;                                                                                  \
+        ROW_DOT(v_, d_##t, m_##t, q_##t, x + (size_t)r0 * cols, xsum + (size_t)r0 * nb, nb);       \
+        const size_t k_ = (size_t)r0 * Y_STRIDE + o0 + t;                                          \
+        y[k_] = accumulate ? y[k_] + v_ : v_;                                                      \
+    }
+// rows [r0, r0 + NR) of x times the tile's outputs, each pair exactly as ROW_DOT computes it alone
+#define TILE_PASS(NR)                                                                              \
+    do {                                                                                           \
+        TILE_EACH_R(NR, TILE_XROW, _)                                                              \
+        TILE_EACH_T(TILE_ZEROS, NR)                                                                \
+        int b = 0;                                                                                 \
+        for (; b + 2 <= nb; b += 2) {                                                              \
+            TILE_BLOCK(NR, b, 0);                                                                  \
+            TILE_BLOCK(NR, b + 1, 1);                                                              \
+        }                                                                                          \
+        if (b < nb) TILE_BLOCK(NR, b, 0);                                                          \
+        TILE_EACH_T(TILE_STORE, NR)                                                                \
+    } while (0)
+
+// gemv_quant_rows' result, bit for bit, for any number of rows (n_rows[0]): each (output, row) pair
+// is accumulated as ROW_DOT does it alone (BLOCK_ACC's expression, blocks taken in turn by two
+// accumulators, then rows_finish), so neither the tile's shape nor the rows beside a row change a
+// bit. A work-item computes TILE_O output rows, in passes of TILE_R rows of x (then of 4 and 2), a
+// last lone row one output at a time (a tile of outputs over one row measured up to 2x the CPU time
+// of one output at a time on the LM head at batch 1). Global size: out_rows / TILE_O rounded up.
+#define TILE_KERNEL_BODY                                                                           \
+    y += Y_OFFSET;                                                                                 \
+    const int o0 = get_global_id(0) * TILE_O;                                                      \
+    if (o0 >= out_rows) return;                                                                    \
+    const int nb = cols / 32, nbp = (nb + 3) & ~3, n = n_rows[0];                                  \
+    TILE_EACH_T(TILE_PTRS, _)                                                                      \
+    int r0 = 0;                                                                                    \
+    for (; r0 + TILE_R <= n; r0 += TILE_R) TILE_PASS(TILE_R);                                      \
+    if (TILE_R > 4 && r0 + 4 <= n) { TILE_PASS(4); r0 += 4; }                                      \
+    if (TILE_R > 2 && r0 + 2 <= n) { TILE_PASS(2); r0 += 2; }                                      \
+    if (r0 < n) { TILE_EACH_T(TILE_ONE, _) }
+
+__kernel void gemv_quant_tiles(__global const float *d, __global const half *m, __global const uchar *q,
+                               __global const float *x, __global const float *xsum, __global float *y,
+                               const int cols, const int out_rows, __global const int *n_rows,
+                               const int accumulate)
+{
+    TILE_KERNEL_BODY
+}
+
+// The same at one output row a work-item (TILE_O 1): gemv_quant_rows' work-items, with passes of 2
+// rows where gemv_quant_rows takes the rows past its passes of 4 one at a time (each block converted
+// once for both: measured 12-20% less CPU at 2, 3 and 6 rows). For the steps whose x fits in L1.
+#undef TILE_O
+#define TILE_O 1
+__kernel void gemv_quant_tiles1(__global const float *d, __global const half *m, __global const uchar *q,
+                                __global const float *x, __global const float *xsum, __global float *y,
+                                const int cols, const int out_rows, __global const int *n_rows,
+                                const int accumulate)
+{
+    TILE_KERNEL_BODY
+}
+
 // x[r, :] = E[tokens[r], :] dequantized (the embedding lookup from the blocks), one work-item per row
 __kernel void embed_rows(__global const float *d, __global const half *m, __global const uchar *q,
                          __global const int *tokens, __global float *x, const int cols)
