@@ -128,9 +128,9 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
     parts = [_nibbles(v)]
     if t.qtype in ("q5_0", "q5_1", "q5_k"):
         parts.append(_fifth_bits(v))
-    elif t.qtype == "q6_k":  # byte j: the two high bits of weights j, j + 8, j + 16, j + 24
-        h = (v >> 4) & 3
-        parts.append((h[..., 0:8] | h[..., 8:16] << 2 | h[..., 16:24] << 4 | h[..., 24:32] << 6).astype(np.uint8))
+    elif t.qtype == "q6_k":  # byte k: the two high bits of weights 4k..4k+3, 2 bits each from bit 0
+        h = ((v >> 4) & 3).reshape(*v.shape[:-1], 8, 4)
+        parts.append((h[..., 0] | h[..., 1] << 2 | h[..., 2] << 4 | h[..., 3] << 6).astype(np.uint8))
     quants = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(t.rows, -1)
     if t.qtype in ("q5_0", "q5_1"):
         blocks = t.blocks()

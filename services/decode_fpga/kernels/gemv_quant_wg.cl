@@ -23,7 +23,7 @@ inline float kq_weight(__global const uchar *qb, const float d, const float m, c
 #if QFMT == 50 || QFMT == 51 || QFMT == 52
     v |= (int)((*(__global const uint *)(qb + 16) >> e) & 1u) << 4;
 #elif QFMT == 62
-    v |= ((qb[16 + (e & 7)] >> (2 * (e >> 3))) & 3) << 4;
+    v |= ((qb[16 + (e >> 2)] >> (2 * (e & 3))) & 3) << 4;
 #endif
 #if QFMT == 50
     return d * (float)(v - 16);
