@@ -143,14 +143,14 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
         }                                                                                      \
     } while (0)
 
-// A K-quant super-block's 8 blocks' scales, made once for the 8 (one 16-byte load, one
-// conversion, one multiply) where a block at a time cost two scalar loads, a conversion and a
-// multiply per scale: lanes 2k, 2k + 1 are block k's halves' scales (Q6_K), lane 2k its scale
-// (Q4_K, Q5_K; lane 2k + 1 is then a minimum's byte times d, unused). Each product is
-// HALF_SCALE_F's, the same exact fp32 multiply.
-#define KQ_SCALES_F(F, DROW, MROW, S)                                                          \
-    ((F) == 62 ? (DROW)[S] * convert_float16(vload16((S), (__global const char *)(MROW)))     \
-               : (DROW)[2 * (S)] * convert_float16(vload16((S), MBYTES(MROW))))
+// A K-quant super-block's 8 blocks' scales and minimums, made once for the 8 (one 16-byte load,
+// one conversion, a multiply each) where a block at a time cost two scalar loads, a conversion and
+// a multiply per scale: lanes 2k, 2k + 1 of SC are block k's halves' scales (Q6_K), lane 2k its
+// scale (Q4_K, Q5_K, whose lanes 2k + 1 are its minimum's byte: lane k of MN, times -dmin). Each
+// product is HALF_SCALE_F's (LOAD_MIN4_F's), the same exact fp32 multiply.
+#define KQ_BYTES_F(F, MROW, S)                                                                 \
+    ((F) == 62 ? convert_float16(vload16((S), (__global const char *)(MROW)))                 \
+               : convert_float16(vload16((S), MBYTES(MROW))))
 // A += block B times X with its scales SE, SO (first and second half): ROW_BLOCK_F's arithmetic
 #define KQ_BLOCK_F(F, A, QROW, SE, SO, B, X)                                                   \
     do {                                                                                       \
@@ -163,10 +163,18 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
             A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SE), A);                     \
         }                                                                                      \
     } while (0)
-// super-block S's 8 blocks, even ones into A0 and odd into A1 as ROW_DOT_F's pairs take them
-#define KQ_SUPER_F(F, A0, A1, QROW, DROW, MROW, S, X)                                          \
+// super-block S's 8 blocks, even ones into A0 and odd into A1 as ROW_DOT_F's pairs take them, and
+// (Q4_K, Q5_K) its minimums times the block sums XSUM into MS, 4 blocks an fma as ROW_DOT_F's
+// minimum loop takes them
+#define KQ_SUPER_F(F, A0, A1, MS, QROW, DROW, MROW, S, X, XSUM)                                \
     do {                                                                                       \
-        const float16 sc_ = KQ_SCALES_F(F, (DROW), (MROW), (S));                               \
+        const float16 k_ = KQ_BYTES_F(F, (MROW), (S));                                         \
+        const float16 sc_ = (DROW)[(F) == 62 ? (S) : 2 * (S)] * k_;                            \
+        if (HAS_MINS_F(F)) {                                                                   \
+            const float8 mn_ = -(DROW)[2 * (S) + 1] * k_.odd;                                  \
+            MS = fma(mn_.lo, vload4(2 * (S), (XSUM)), MS);                                     \
+            MS = fma(mn_.hi, vload4(2 * (S) + 1, (XSUM)), MS);                                 \
+        }                                                                                      \
         const int b8_ = 8 * (S);                                                               \
         KQ_BLOCK_F(F, A0, (QROW), sc_.s0, sc_.s1, b8_, (X));                                   \
         KQ_BLOCK_F(F, A1, (QROW), sc_.s2, sc_.s3, b8_ + 1, (X));                               \
@@ -187,15 +195,19 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
     do {                                                                                       \
         float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
         int b_ = 0;                                                                            \
-        if (KQ_F(F)) {                                                                         \
-            for (int s_ = 0; s_ < (NB) / 8; ++s_) KQ_SUPER_F(F, a0_, a1_, (QROW), (DROW), (MROW), s_, (X)); \
-        } else {                                                                               \
-            for (; b_ + 2 <= (NB); b_ += 2) {                                                  \
-                ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                          \
-                ROW_BLOCK_F(F, a1_, (QROW), (DROW), (MROW), b_ + 1, (X));                      \
-            }                                                                                  \
-            if (b_ < (NB)) ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));               \
+        if (KQ_F(F)) { /* whole super-blocks, the minimums in the same pass */                 \
+            float4 ms_ = (float4)(0.0f);                                                       \
+            for (int s_ = 0; s_ < (NB) / 8; ++s_)                                              \
+                KQ_SUPER_F(F, a0_, a1_, ms_, (QROW), (DROW), (MROW), s_, (X), (XSUM));         \
+            ACC = hsum16(a0_ + a1_);                                                           \
+            if (HAS_MINS_F(F)) ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                       \
+            break; /* out of this do-while: the row is done */                              \
         }                                                                                      \
+        for (; b_ + 2 <= (NB); b_ += 2) {                                                      \
+            ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                              \
+            ROW_BLOCK_F(F, a1_, (QROW), (DROW), (MROW), b_ + 1, (X));                          \
+        }                                                                                      \
+        if (b_ < (NB)) ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                   \
         ACC = hsum16(a0_ + a1_);                                                               \
         if (HAS_MINS_F(F)) {                                                                   \
             const int ng_ = (NB) / 4;                                                          \
