@@ -13,9 +13,10 @@ the minimums (fp16 for Q4_1/Q5_1) and the quants, so no load straddles a scale
 and its quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
 Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) become the same 32-weight blocks,
 the quants repacked into Q4's nibble order with their fifth (or fifth and sixth)
-bits after them; a K-quant keeps its super-blocks' fp16 scales (widened to fp32)
-and each block's small integer scale and minimum as bytes, multiplied in the
-kernel (exact products: kernels/quant_blocks.h). Device bits a weight against
+bits after them in weight order (each lane of the kernel rotates its own into
+place); a K-quant keeps its super-blocks' fp16 scales (widened to fp32) and each
+block's small integer scale and minimum as bytes, multiplied in the kernel a
+super-block at a time (exact products: kernels/quant_blocks.h). Device bits a weight against
 the file's: Q4_K 4.75 / 4.5, Q5_K 5.75 / 5.5, Q6_K 6.63 / 6.56, Q5_0 6 / 5.5,
 Q5_1 6.5 / 6.
 
