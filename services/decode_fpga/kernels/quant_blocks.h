@@ -24,8 +24,9 @@
 // scale and minimum a block.
 
 // quant bytes per block: 16 of low nibbles (byte j: weight j | weight j + 16 << 4); Q5: then the
-// 32 fifth bits as one little-endian uint; Q6_K: then 8 bytes of 2-bit highs, weight j's at bits
-// 2j, 2j + 1 of a little-endian ulong (byte k: weights 4k..4k+3); Q8_0: 32 int8
+// 32 fifth bits as one little-endian uint; Q6_K: 16 bytes (byte j: weight j's 6 bits | weight
+// j + 16's low 2 bits << 6), then weight 16 + j's high 4 bits at bit 32 (j & 1) + 4 (j >> 1) of a
+// little-endian ulong; Q8_0: 32 int8
 #define QBYTES_F(F) ((F) == 80 ? 32 : ((F) == 50 || (F) == 51 || (F) == 52) ? 20 : (F) == 62 ? 24 : 16)
 #define DPER_F(F) ((F) == 62 ? 2 : 1)  // scales per block: Q6_K has one per 16 weights
 #define KQ_F(F) ((F) == 42 || (F) == 52 || (F) == 62)  // super-block scales and byte scales
@@ -81,17 +82,18 @@ inline void block_weights_f(const int F, __global const uchar *q, const int b, f
             *w1 = convert_float16(qi >> (uint16)(4));
         }
     } else if (F == 62) {
-        // the high bits: two uints (QBYTES * b + 16: 8-byte aligned), bits 2j, 2j + 1 of the first
-        // weight j's, of the second weight 16 + j's; each lane rotates its own two to bits 4, 5
-        // (one vprolvd on AVX-512, where shifting them down and back up took three operations)
+        // byte j: weight j whole (6 bits) and weight 16 + j's low 2 bits; weight 16 + j's high 4
+        // bits in the uints after them (QBYTES * b + 16: 8-byte aligned), the even j's in the first
+        // and the odd in the second at bit 4 (j >> 1), so both uints broadcast in one load and each
+        // lane rotates its own 4 bits to bits 2..5 (vprolvd): 10 integer operations for the 32
+        // weights where the 2-bit highs of each weight took 14
         __global const uchar *qb = q + QBYTES_F(F) * b;
         const uint16 qi = convert_uint16(vload16(0, qb));
-        const uint2 hw = vload2(0, (__global const uint *)(qb + 16));
-        const uint16 rot = (uint16)(4, 2, 0, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6);
-        const uint16 h0 = rotate((uint16)(hw.x), rot) & (uint16)(0x30);
-        const uint16 h1 = rotate((uint16)(hw.y), rot) & (uint16)(0x30);
-        *w0 = convert_float16(convert_int16((qi & (uint16)(0x0F)) | h0) - 32);
-        *w1 = convert_float16(convert_int16((qi >> (uint16)(4)) | h1) - 32);
+        const uint2 h2 = vload2(0, (__global const uint *)(qb + 16));
+        const uint16 h = (uint16)(h2, h2, h2, h2, h2, h2, h2, h2);
+        const uint16 rot = (uint16)(2, 2, 30, 30, 26, 26, 22, 22, 18, 18, 14, 14, 10, 10, 6, 6);
+        *w0 = convert_float16(convert_int16(qi & (uint16)(0x3F)) - 32);
+        *w1 = convert_float16(convert_int16((qi >> (uint16)(6)) | (rotate(h, rot) & (uint16)(0x3C))) - 32);
     } else {  // 50, 51, 52: five bits
         __global const uchar *qb = q + QBYTES_F(F) * b;
         const uint16 qi = convert_uint16(vload16(0, qb));
