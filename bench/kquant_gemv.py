@@ -32,14 +32,18 @@ def cpu_seconds() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def measure(formats: list[str], runs: int) -> list[dict]:
-    """In this process (the code on PYTHONPATH): per format and shape, `runs` timed passes."""
+def measure(tree: Path, formats: list[str], runs: int) -> list[dict]:
+    """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes."""
+    sys.path.insert(0, str(tree))  # ahead of this checkout, which _common put first
     import numpy as np
     import pyopencl as cl
 
     from services.decode_fpga.device import select_device
     from services.decode_fpga.quant_gemv import QuantMatrix
+    from quant_gemv import synthetic  # gguf-py quantizes the legacy formats
     from tests.decode_fpga.kquant_checkpoint import random_blocks
+
+    assert Path(sys.modules["services"].__file__).resolve().is_relative_to(tree.resolve())
 
     dev = select_device()
     x = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 * 4)
@@ -51,7 +55,8 @@ def measure(formats: list[str], runs: int) -> list[dict]:
     for rows, cols in SHAPES:
         copies = max(3, int(40e6 // (rows * cols * 0.6)))  # ~40 MB of blocks: past the caches
         for fmt in formats:
-            mats = [QuantMatrix(dev, random_blocks(fmt, rows, cols, seed=i)) for i in range(copies)]
+            mats = [QuantMatrix(dev, synthetic(fmt, rows, cols, i) if fmt in ("q4_0", "q4_1", "q8_0")
+                                else random_blocks(fmt, rows, cols, seed=i)) for i in range(copies)]
             launches = [m.bind_gemv(x, y, 1, x_sums=sums) for m in mats]
             reps = max(2, int(4e6 // (rows * cols * 0.6)))
             for la in launches:
@@ -76,12 +81,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="timed passes per format and shape in a round")
     ap.add_argument("--formats", default="q4_1,q4_k,q5_k,q6_k")
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout of an earlier commit to compare")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)  # a checkout to measure
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     formats = args.formats.split(",")
     if args.child:
-        print(json.dumps(measure(formats, args.runs)))
+        print(json.dumps(measure(args.child, formats, args.runs)))
         return 0
     trees = {"this": HERE.parent}
     if args.baseline:
@@ -92,8 +97,10 @@ def main() -> int:
         for name, tree in trees.items():
             progress(f"round {r + 1}/{args.rounds}: {name}")
             env = {**os.environ, "PYTHONPATH": str(tree)}
-            done = subprocess.run([sys.executable, __file__, "--child", "--runs", str(args.runs), "--formats",
-                                   args.formats], env=env, capture_output=True, text=True, check=True)
+            done = subprocess.run([sys.executable, __file__, "--child", str(tree), "--runs", str(args.runs),
+                                   "--formats", args.formats], env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")
             for s in json.loads(done.stdout.strip().splitlines()[-1]):
                 samples.setdefault((name, s["format"], s["rows"], s["cols"]), []).append(s)
     lines = []
