@@ -67,7 +67,7 @@ def light_weights(path: Path, cfg):
     return ModelWeights(embed, layers, t["output_norm.weight"], embed)
 
 
-def our_engine(path: Path, context: int):
+def our_engine(path: Path, context: int, batches=BATCHES):
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
@@ -77,7 +77,7 @@ def our_engine(path: Path, context: int):
 
     ckpt = locate(str(path))
     cfg = read_config(ckpt)
-    config = EngineConfig(weights_dtype="gguf", max_context=context, max_sequences=max(BATCHES), kv_cache_mb=64)
+    config = EngineConfig(weights_dtype="gguf", max_context=context, max_sequences=max(batches), kv_cache_mb=64)
     return OpenCLEngine.create(cfg, light_weights(path, cfg), select_device(), config, read_block_tensors(ckpt, cfg))
 
 
@@ -88,13 +88,13 @@ def file_matrix_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2)
 
 
-def llama_steps(binary: Path, path: Path, context: int, steps: int) -> dict[int, float]:
+def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATCHES) -> dict[int, float]:
     """llama-batched-bench: seconds per decode step for each batch (its generation phase)."""
     from llama_server import library_env
 
-    n_ctx = context + max(BATCHES) * (steps + 4)
+    n_ctx = context + max(batches) * (steps + 4)
     cmd = [str(binary), "-m", str(path), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(n_ctx), "-pps",
-           "-npp", str(context), "-ntg", str(steps), "-npl", ",".join(map(str, BATCHES)), "--output-format", "jsonl"]
+           "-npp", str(context), "-ntg", str(steps), "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=library_env(binary), timeout=900)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -143,6 +143,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per engine, batch and round")
     ap.add_argument("--context", type=int, default=16)
+    ap.add_argument("--batches", default="1,8", help="decode batch sizes, comma separated")
+    ap.add_argument("--name", default="scale_1b", help="the results file's name (bench/results/NAME.json)")
     ap.add_argument("--launch-cost", type=Path, default=None, metavar="FILE",
                     help="instead: one launch against launch by launch on FILE (see above)")
     args = ap.parse_args()
@@ -150,23 +152,28 @@ def main() -> int:
         launch_cost(args.launch_cost, args.rounds, args.steps, args.context)
         return 0
     path = args.gguf or ensure(args.llama_bin / "llama-quantize")
+    batches = tuple(int(b) for b in args.batches.split(","))
     batched = args.llama_bin / "llama-batched-bench"
     have_llama = batched.is_file()
     progress(f"loading {path.name} on the OpenCL engine")
-    eng = our_engine(path, args.context + args.steps + 8)
+    eng = our_engine(path, args.context + args.steps + 8, batches)
     cfg = eng.cfg
     progress(f"stored: {eng.weights.storage_summary()}")
     gbs = memory_bandwidth_gbs()
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     cells: dict[tuple[str, int], list[float]] = {}
+    rounds: dict[tuple[str, int], list[float]] = {}  # each round's median step (llama.cpp: its one value)
     for r in range(args.rounds):
         progress(f"round {r + 1}/{args.rounds}")
-        for batch in BATCHES:
-            cells.setdefault(("ours", batch), []).extend(time_paged(eng, cfg, batch, args.context, args.steps))
+        for batch in batches:
+            times = time_paged(eng, cfg, batch, args.context, args.steps)
+            cells.setdefault(("ours", batch), []).extend(times)
+            rounds.setdefault(("ours", batch), []).append(stats(times)["median"])
         if have_llama:
-            for batch, s in llama_steps(batched, path, args.context, args.steps).items():
+            for batch, s in llama_steps(batched, path, args.context, args.steps, batches).items():
                 # llama-batched-bench reports the phase's total: one value a round, weighted as such
                 cells.setdefault(("llama.cpp", batch), []).append(s)
+                rounds.setdefault(("llama.cpp", batch), []).append(s)
     gbs_after = memory_bandwidth_gbs()
     load_after = os.getloadavg()
     nbytes = {"ours": eng.weights_nbytes, "llama.cpp": file_matrix_bytes(path)}
@@ -174,23 +181,28 @@ def main() -> int:
     rows, lines = [], []
     for name in ("ours", "llama.cpp") if have_llama else ("ours",):
         limit_ms = nbytes[name] / (best_gbs * 1e9) * 1e3
-        for batch in BATCHES:
+        for batch in batches:
             ms = stats([x * 1e3 for x in cells[(name, batch)]])
             rows.append([name, batch, nbytes[name] / 1e6, ms["median"], ms["median"] / batch, limit_ms,
                          ms["median"] / limit_ms, nbytes[name] / (ms["median"] / 1e3) / 1e9])
             lines.append({"engine": name, "batch": batch, "context": args.context, "ms_per_step": ms,
                           "ms_per_token": ms["median"] / batch, "mb_per_step": nbytes[name] / 1e6,
-                          "bandwidth_limit_ms_per_step": limit_ms, "x_limit": ms["median"] / limit_ms})
+                          "bandwidth_limit_ms_per_step": limit_ms, "x_limit": ms["median"] / limit_ms,
+                          "round_medians_ms": [x * 1e3 for x in rounds[(name, batch)]]})
     print(table(["engine", "batch", "MB/step", "ms/step", "ms/token", "limit ms/step", "x limit", "GB/s"], rows))
     print(f"memory bandwidth (numpy copy, 1 thread) {gbs:.2f} GB/s before, {gbs_after:.2f} after; load average "
           f"before {load_before}, after {load_after}; {args.rounds} rounds x {args.steps} steps, context "
           f"{args.context}, {THREADS} threads")
+    faster = {}
     if have_llama:
-        for batch in BATCHES:
+        for batch in batches:
             ours, theirs = (stats(cells[(n, batch)])["median"] for n in ("ours", "llama.cpp"))
+            # rounds ran interleaved: a round where ours was faster compares the two under the same load
+            won = sum(o < t for o, t in zip(rounds[("ours", batch)], rounds[("llama.cpp", batch)]))
+            faster[batch] = {"rounds_ours_faster": won, "rounds": args.rounds}
             print(f"batch {batch}: ours {ours * 1e3:.1f} ms/step, llama.cpp {theirs * 1e3:.1f}: ours at "
-                  f"{theirs / ours:.2f}x llama.cpp's speed")
-    write_json("scale_1b", {"gguf": path.name, "shape": {"hidden": cfg.hidden, "layers": cfg.n_layers,
+                  f"{theirs / ours:.2f}x llama.cpp's speed; ours faster in {won} of {args.rounds} rounds")
+    write_json(args.name, {"gguf": path.name, "shape": {"hidden": cfg.hidden, "layers": cfg.n_layers,
                                                         "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                                                         "intermediate": cfg.intermediate, "vocab": cfg.vocab_size},
                             "stored": eng.weights.storage_summary(), "stored_weight_types": eng.stored_weight_types,
@@ -198,7 +210,7 @@ def main() -> int:
                             "threads": THREADS, "rounds": args.rounds, "steps": args.steps,
                             "memory_bandwidth_gbs": [gbs, gbs_after], "loadavg_before": load_before,
                             "loadavg_after": load_after, "llama_cpp": "llama-batched-bench" if have_llama else None,
-                            "lines": lines})
+                            "rounds_ours_faster": faster, "lines": lines})
     return 0
 
 

@@ -12,10 +12,11 @@ At upload the blocks are split into three arrays, values unchanged: the scales
 the minimums (fp16 for Q4_1/Q5_1) and the quants, so no load straddles a scale
 and its quants; scale rows are padded to a multiple of 4 blocks for 4-wide loads.
 Q5_0, Q5_1 and the K-quants (Q4_K, Q5_K, Q6_K) become the same 32-weight blocks,
-the quants repacked into Q4's nibble order with their fifth (or fifth and sixth)
-bits after them; a K-quant keeps its super-blocks' fp16 scales (widened to fp32)
-and each block's small integer scale and minimum as bytes, multiplied in the
-kernel (exact products: kernels/quant_blocks.h). Device bits a weight against
+the quants repacked into Q4's nibble order with their fifth bits after them in
+weight order (each lane of the kernel rotates its own into place; Q6_K: weights
+0..15 whole in a byte each, 16..31 split, see quant_blocks.h); a K-quant keeps its super-blocks' fp16 scales (widened to fp32) and each
+block's small integer scale and minimum as bytes, multiplied in the kernel a
+super-block at a time (exact products: kernels/quant_blocks.h). Device bits a weight against
 the file's: Q4_K 4.75 / 4.5, Q5_K 5.75 / 5.5, Q6_K 6.63 / 6.56, Q5_0 6 / 5.5,
 Q5_1 6.5 / 6.
 
@@ -65,6 +66,15 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
     weights 64c..64c+31 (low nibbles) and 64c+32..64c+63 (high)."""
     qs = qs.reshape(*qs.shape[:2], 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
     return (qs & 15).reshape(*qs.shape[:2], 256)
+
+
+def _q6_parts(v: np.ndarray) -> list[np.ndarray]:
+    """Q6_K's values v [rows, nb, 32] as its 24 bytes a block (kernels/quant_blocks.h): byte j = v[j] |
+    (v[16 + j] & 3) << 6, then v[16 + j] >> 2 as a nibble at bit 32 (j & 1) + 4 (j >> 1) of a ulong."""
+    low = (v[..., :16] | (v[..., 16:] & 3) << 6).astype(np.uint8)
+    h = (v[..., 16:] >> 2).reshape(*v.shape[:-1], 4, 2, 2)  # j = 4 byte + 2 nibble + uint
+    high = (h[..., 0, :] | h[..., 1, :] << 4).astype(np.uint8)  # [..., byte in its uint, uint]
+    return [low, np.swapaxes(high, -1, -2).reshape(*v.shape[:-1], 8)]
 
 
 def _values(t: BlockTensor) -> np.ndarray:
@@ -130,12 +140,12 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
         m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q4_1" else None
         return d, m, np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
     v = _values(t)
-    parts = [_nibbles(v)]
+    if t.qtype == "q6_k":
+        parts = _q6_parts(v)
+    else:
+        parts = [_nibbles(v)]
     if t.qtype in ("q5_0", "q5_1", "q5_k"):
         parts.append(_fifth_bits(v))
-    elif t.qtype == "q6_k":  # byte j: the two high bits of weights j, j + 8, j + 16, j + 24
-        h = (v >> 4) & 3
-        parts.append((h[..., 0:8] | h[..., 8:16] << 2 | h[..., 16:24] << 4 | h[..., 24:32] << 6).astype(np.uint8))
     quants = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(t.rows, -1)
     if t.qtype in ("q5_0", "q5_1"):
         blocks = t.blocks()

@@ -43,9 +43,11 @@ def numpy_weights(t: BlockTensor) -> np.ndarray:
     if qbytes == 20:  # fifth bits: a little-endian uint a block
         bits = np.ascontiguousarray(q[..., 16:20].astype(np.uint8)).view("<u4")
         v |= ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
-    elif qbytes == 24:  # byte j: two high bits of weights j, j + 8, j + 16, j + 24
-        h = q[..., 16:24]
-        v |= np.concatenate([h & 3, (h >> 2) & 3, (h >> 4) & 3, h >> 6], axis=-1) << 4
+    elif qbytes == 24:  # weights 0..15 whole, 16 + j: 2 bits atop byte j, 4 at bit 32 (j & 1) + 4 (j >> 1)
+        high = np.ascontiguousarray(q[..., 16:24].astype(np.uint8)).view("<u8").astype(np.uint64)
+        j = np.arange(16, dtype=np.uint64)
+        nibble = ((high >> (32 * (j & 1) + 4 * (j >> 1))) & 15).astype(np.int32)
+        v = np.concatenate([q[..., :16] & 63, (q[..., :16] >> 6) | nibble << 2], axis=-1)
     offset = {"q5_0": 16, "q6_k": 32}.get(t.qtype, 0)
     vf = (v - offset).astype(np.float32)
     if t.qtype == "q6_k":  # a scale per 16 weights: d_super * the half's int8

@@ -12,7 +12,8 @@
 //                         the block's integer scale and minimum (Q6_K: its halves' scales)
 //   q: Q4: uchar [rows][nb][16]  byte j = weight j (low nibble) | weight j+16 (high nibble)
 //      Q5: uchar [rows][nb][20]  the Q4 bytes, then the fifth bits (bit j: weight j), a uint
-//      Q6_K: uchar [rows][nb][24] the Q4 bytes, then 8 bytes of the two high bits
+//      Q6_K: uchar [rows][nb][24] weights 0..15 whole and 16..31's low 2 bits, then their
+//                         high 4 bits (quant_blocks.h)
 //      Q8: char  [rows][nb][32]
 // Why this layout, measured on PoCL: scales apart from quants so no load straddles
 // both (overlapping loads made the compiler shuffle bytes), and 4 minimums per

@@ -19,11 +19,15 @@
 // minimum M), gguf's value (quant_blocks.h)
 inline float kq_weight(__global const uchar *qb, const float d, const float m, const int e)
 {
+#if QFMT == 62
+    const int j = e & 15;  // weight 16 + j: its low 2 bits in byte j, high 4 in the ulong after
+    const int v = e < 16 ? (qb[j] & 0x3F)
+                         : ((qb[j] >> 6) | (((qb[16 + 4 * (j & 1) + (j >> 2)] >> (4 * ((j >> 1) & 1))) & 15) << 2));
+#else
     int v = e < 16 ? (qb[e] & 0x0F) : (qb[e - 16] >> 4);
 #if QFMT == 50 || QFMT == 51 || QFMT == 52
     v |= (int)((*(__global const uint *)(qb + 16) >> e) & 1u) << 4;
-#elif QFMT == 62
-    v |= ((qb[16 + (e & 7)] >> (2 * (e >> 3))) & 3) << 4;
+#endif
 #endif
 #if QFMT == 50
     return d * (float)(v - 16);

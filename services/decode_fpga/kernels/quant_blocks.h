@@ -24,8 +24,9 @@
 // scale and minimum a block.
 
 // quant bytes per block: 16 of low nibbles (byte j: weight j | weight j + 16 << 4); Q5: then the
-// 32 fifth bits as one little-endian uint; Q6_K: then 8 bytes of 2-bit highs (byte j: weights j,
-// j + 8, j + 16, j + 24); Q8_0: 32 int8
+// 32 fifth bits as one little-endian uint; Q6_K: 16 bytes (byte j: weight j's 6 bits | weight
+// j + 16's low 2 bits << 6), then weight 16 + j's high 4 bits at bit 32 (j & 1) + 4 (j >> 1) of a
+// little-endian ulong; Q8_0: 32 int8
 #define QBYTES_F(F) ((F) == 80 ? 32 : ((F) == 50 || (F) == 51 || (F) == 52) ? 20 : (F) == 62 ? 24 : 16)
 #define DPER_F(F) ((F) == 62 ? 2 : 1)  // scales per block: Q6_K has one per 16 weights
 #define KQ_F(F) ((F) == 42 || (F) == 52 || (F) == 62)  // super-block scales and byte scales
@@ -81,20 +82,28 @@ inline void block_weights_f(const int F, __global const uchar *q, const int b, f
             *w1 = convert_float16(qi >> (uint16)(4));
         }
     } else if (F == 62) {
+        // byte j: weight j whole (6 bits) and weight 16 + j's low 2 bits; weight 16 + j's high 4
+        // bits in the uints after them (QBYTES * b + 16: 8-byte aligned), the even j's in the first
+        // and the odd in the second at bit 4 (j >> 1), so both uints broadcast in one load and each
+        // lane rotates its own 4 bits to bits 2..5 (vprolvd); weights 0..15 need only a mask (one
+        // 8192x2048 GEMV: 800 -> 690 us of CPU against 2-bit highs for every weight)
         __global const uchar *qb = q + QBYTES_F(F) * b;
         const uint16 qi = convert_uint16(vload16(0, qb));
-        const uint8 h8 = convert_uint8(vload8(0, qb + 16));
-        const uint16 h0 = (uint16)(h8 & (uint8)(3), (h8 >> (uint8)(2)) & (uint8)(3));
-        const uint16 h1 = (uint16)((h8 >> (uint8)(4)) & (uint8)(3), h8 >> (uint8)(6));
-        *w0 = convert_float16(convert_int16((qi & (uint16)(0x0F)) | (h0 << (uint16)(4))) - 32);
-        *w1 = convert_float16(convert_int16((qi >> (uint16)(4)) | (h1 << (uint16)(4))) - 32);
+        const uint2 h2 = vload2(0, (__global const uint *)(qb + 16));
+        const uint16 h = (uint16)(h2, h2, h2, h2, h2, h2, h2, h2);
+        const uint16 rot = (uint16)(2, 2, 30, 30, 26, 26, 22, 22, 18, 18, 14, 14, 10, 10, 6, 6);
+        *w0 = convert_float16(convert_int16(qi & (uint16)(0x3F)) - 32);
+        *w1 = convert_float16(convert_int16((qi >> (uint16)(6)) | (rotate(h, rot) & (uint16)(0x3C))) - 32);
     } else {  // 50, 51, 52: five bits
         __global const uchar *qb = q + QBYTES_F(F) * b;
         const uint16 qi = convert_uint16(vload16(0, qb));
         const uint16 h = (uint16)(*(__global const uint *)(qb + 16));  // QBYTES * b + 16: 4-byte aligned
-        const uint16 sh = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const uint16 lo = (qi & (uint16)(0x0F)) | (((h >> sh) & (uint16)(1)) << (uint16)(4));
-        const uint16 hi = (qi >> (uint16)(4)) | (((h >> (sh + (uint16)(16))) & (uint16)(1)) << (uint16)(4));
+        // weight j's fifth bit (bit j of h) rotated to bit 4 of lane j; weight 16 + j's (bit 16 + j)
+        // likewise: a rotate and a mask where a shift down, a mask and a shift up took three
+        const uint16 rot = (uint16)(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21);
+        const uint16 lo = (qi & (uint16)(0x0F)) | (rotate(h, rot) & (uint16)(0x10));
+        const uint16 rot_hi = (uint16)(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
+        const uint16 hi = (qi >> (uint16)(4)) | (rotate(h, rot_hi) & (uint16)(0x10));
         if (F == 50) {
             *w0 = convert_float16(convert_int16(lo) - 16);
             *w1 = convert_float16(convert_int16(hi) - 16);
@@ -136,14 +145,66 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
         }                                                                                      \
     } while (0)
 
+// A K-quant super-block's 8 blocks' byte scales (and minimums), converted once for the 8: one
+// 16-byte load and one conversion where a block at a time cost two scalar loads, a conversion
+// and a multiply per scale. KQ_SUPER_F multiplies them by d: lanes 2k, 2k + 1 are block k's
+// halves' scales (Q6_K), lane 2k its scale and lane 2k + 1 its minimum's byte (Q4_K, Q5_K; times
+// -dmin). Each product is HALF_SCALE_F's (LOAD_MIN4_F's), the same exact fp32 multiply.
+#define KQ_BYTES_F(F, MROW, S)                                                                 \
+    ((F) == 62 ? convert_float16(vload16((S), (__global const char *)(MROW)))                 \
+               : convert_float16(vload16((S), MBYTES(MROW))))
+// A += block B times X with its scales SE, SO (first and second half): ROW_BLOCK_F's arithmetic
+#define KQ_BLOCK_F(F, A, QROW, SE, SO, B, X)                                                   \
+    do {                                                                                       \
+        if (DPER_F(F) == 2) {                                                                  \
+            float16 w0_, w1_;                                                                  \
+            block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
+            A = fma(w1_ * vload16(2 * (B) + 1, (X)), (float16)(SO),                            \
+                    fma(w0_ * vload16(2 * (B), (X)), (float16)(SE), A));                       \
+        } else {                                                                               \
+            A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SE), A);                     \
+        }                                                                                      \
+    } while (0)
+// super-block S's 8 blocks, even ones into A0 and odd into A1 as ROW_DOT_F's pairs take them, and
+// (Q4_K, Q5_K) its minimums times the block sums XSUM into MS, 4 blocks an fma as ROW_DOT_F's
+// minimum loop takes them
+#define KQ_SUPER_F(F, A0, A1, MS, QROW, DROW, MROW, S, X, XSUM)                                \
+    do {                                                                                       \
+        const float16 k_ = KQ_BYTES_F(F, (MROW), (S));                                         \
+        const float16 sc_ = (DROW)[(F) == 62 ? (S) : 2 * (S)] * k_;                            \
+        if (HAS_MINS_F(F)) {                                                                   \
+            const float8 mn_ = -(DROW)[2 * (S) + 1] * k_.odd;                                  \
+            MS = fma(mn_.lo, vload4(2 * (S), (XSUM)), MS);                                     \
+            MS = fma(mn_.hi, vload4(2 * (S) + 1, (XSUM)), MS);                                 \
+        }                                                                                      \
+        const int b8_ = 8 * (S);                                                               \
+        KQ_BLOCK_F(F, A0, (QROW), sc_.s0, sc_.s1, b8_, (X));                                   \
+        KQ_BLOCK_F(F, A1, (QROW), sc_.s2, sc_.s3, b8_ + 1, (X));                               \
+        KQ_BLOCK_F(F, A0, (QROW), sc_.s4, sc_.s5, b8_ + 2, (X));                               \
+        KQ_BLOCK_F(F, A1, (QROW), sc_.s6, sc_.s7, b8_ + 3, (X));                               \
+        KQ_BLOCK_F(F, A0, (QROW), sc_.s8, sc_.s9, b8_ + 4, (X));                               \
+        KQ_BLOCK_F(F, A1, (QROW), sc_.sa, sc_.sb, b8_ + 5, (X));                               \
+        KQ_BLOCK_F(F, A0, (QROW), sc_.sc, sc_.sd, b8_ + 6, (X));                               \
+        KQ_BLOCK_F(F, A1, (QROW), sc_.se, sc_.sf, b8_ + 7, (X));                               \
+    } while (0)
+
 // ACC = sum_c W[o, c] * X[c] of one row o (DROW, MROW, QROW: its scales, minimums and quants),
 // the scales out of the inner loop, two accumulators taking blocks in turn, the minimums
 // through the block sums XSUM. A macro, not a function: the same loop in a function measured
 // 5-10% slower on PoCL (interleaved A/B runs on a 92160x576 Q4_1 matrix), though it was inlined.
+// K-quants (whole super-blocks) go a super-block at a time, the same terms in the same order.
 #define ROW_DOT_F(F, ACC, DROW, MROW, QROW, X, XSUM, NB)                                       \
     do {                                                                                       \
         float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
         int b_ = 0;                                                                            \
+        if (KQ_F(F)) { /* whole super-blocks, the minimums in the same pass */                 \
+            float4 ms_ = (float4)(0.0f);                                                       \
+            for (int s_ = 0; s_ < (NB) / 8; ++s_)                                              \
+                KQ_SUPER_F(F, a0_, a1_, ms_, (QROW), (DROW), (MROW), s_, (X), (XSUM));         \
+            ACC = hsum16(a0_ + a1_);                                                           \
+            if (HAS_MINS_F(F)) ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                       \
+            break; /* out of this do-while: the row is done */                              \
+        }                                                                                      \
         for (; b_ + 2 <= (NB); b_ += 2) {                                                      \
             ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                              \
             ROW_BLOCK_F(F, a1_, (QROW), (DROW), (MROW), b_ + 1, (X));                          \

@@ -1,0 +1,126 @@
+"""One-row block GEMV per format on a 1B model's shapes (8192x2048, 2048x2048): time per launch, and
+the process's CPU time per launch, which a busy machine disturbs far less than the wall clock.
+
+At one row the K-quants are bound by arithmetic on this CPU, not by memory, so the CPU time of a
+launch (both PoCL threads together) is what a kernel change moves. Several distinct matrices are
+launched in turn (one alone would sit in the caches); random blocks of each format (gguf-py cannot
+quantize to K-quants; speed does not depend on the values). With --baseline, a checkout of an
+earlier commit runs in alternate subprocesses, round by round, so both see the same load:
+
+    python bench/kquant_gemv.py [--rounds N] [--baseline DIR] [--formats q4_1,q4_k,q5_k,q6_k]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import RESULTS, progress, table, write_json
+
+SHAPES = ((8192, 2048), (2048, 2048))
+HERE = Path(__file__).resolve().parent
+
+
+def cpu_seconds() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def measure(tree: Path, formats: list[str], runs: int) -> list[dict]:
+    """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes."""
+    sys.path.insert(0, str(tree))  # ahead of this checkout, which _common put first
+    import numpy as np
+    import pyopencl as cl
+
+    from services.decode_fpga.device import select_device
+    from services.decode_fpga.quant_gemv import QuantMatrix
+    from quant_gemv import synthetic  # gguf-py quantizes the legacy formats
+    from tests.decode_fpga.kquant_checkpoint import random_blocks
+
+    assert Path(sys.modules["services"].__file__).resolve().is_relative_to(tree.resolve())
+
+    dev = select_device()
+    x = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 * 4)
+    y = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 * 4)
+    sums = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 // 32 * 4)
+    cl.enqueue_fill_buffer(dev.queue, x, np.float32(0.01), 0, 8192 * 4)
+    cl.enqueue_fill_buffer(dev.queue, sums, np.float32(0.32), 0, 8192 // 32 * 4)
+    out = []
+    for rows, cols in SHAPES:
+        copies = max(3, int(40e6 // (rows * cols * 0.6)))  # ~40 MB of blocks: past the caches
+        for fmt in formats:
+            mats = [QuantMatrix(dev, synthetic(fmt, rows, cols, i) if fmt in ("q4_0", "q4_1", "q8_0")
+                                else random_blocks(fmt, rows, cols, seed=i)) for i in range(copies)]
+            launches = [m.bind_gemv(x, y, 1, x_sums=sums) for m in mats]
+            reps = max(2, int(4e6 // (rows * cols * 0.6)))
+            for la in launches:
+                la.enqueue(dev.queue)
+            dev.queue.finish()
+            for _ in range(runs):
+                t, c = time.perf_counter(), cpu_seconds()
+                for _ in range(reps):
+                    for la in launches:
+                        la.enqueue(dev.queue)
+                dev.queue.finish()
+                n = reps * copies
+                out.append({"format": fmt, "rows": rows, "cols": cols, "bytes": mats[0].nbytes,
+                            "wall_us": (time.perf_counter() - t) / n * 1e6, "cpu_us": (cpu_seconds() - c) / n * 1e6})
+            del launches, mats
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4, help="alternating subprocess rounds")
+    ap.add_argument("--runs", type=int, default=3, help="timed passes per format and shape in a round")
+    ap.add_argument("--formats", default="q4_1,q4_k,q5_k,q6_k")
+    ap.add_argument("--baseline", type=Path, default=None, help="a checkout of an earlier commit to compare")
+    ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)  # a checkout to measure
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    formats = args.formats.split(",")
+    if args.child:
+        print(json.dumps(measure(args.child, formats, args.runs)))
+        return 0
+    trees = {"this": HERE.parent}
+    if args.baseline:
+        trees = {"baseline": args.baseline.resolve(), **trees}
+    load_before = os.getloadavg()
+    samples: dict[tuple, list[dict]] = {}
+    for r in range(args.rounds):
+        for name, tree in trees.items():
+            progress(f"round {r + 1}/{args.rounds}: {name}")
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            done = subprocess.run([sys.executable, __file__, "--child", str(tree), "--runs", str(args.runs),
+                                   "--formats", args.formats], env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")
+            for s in json.loads(done.stdout.strip().splitlines()[-1]):
+                samples.setdefault((name, s["format"], s["rows"], s["cols"]), []).append(s)
+    lines = []
+    for (name, fmt, rows, cols), ss in samples.items():
+        cpu = statistics.median(s["cpu_us"] for s in ss)
+        wall = statistics.median(s["wall_us"] for s in ss)
+        lines.append({"tree": name, "format": fmt, "rows": rows, "cols": cols, "bytes": ss[0]["bytes"],
+                      "cpu_us_median": cpu, "wall_us_median": wall, "wall_us_min": min(s["wall_us"] for s in ss),
+                      "gbs_at_cpu_per_2_threads": ss[0]["bytes"] / (cpu / 2 * 1e-6) / 1e9, "n": len(ss)})
+    print(table(["tree", "shape", "format", "bits/w", "CPU us (median)", "wall us (median)", "wall us (min)",
+                 "GB/s at CPU/2"],
+                [[ln["tree"], f"{ln['rows']}x{ln['cols']}", ln["format"], f"{ln['bytes'] * 8 / ln['rows'] / ln['cols']:.2f}",
+                  f"{ln['cpu_us_median']:.0f}", f"{ln['wall_us_median']:.0f}", f"{ln['wall_us_min']:.0f}",
+                  f"{ln['gbs_at_cpu_per_2_threads']:.1f}"] for ln in lines]))
+    print(f"load average before {load_before}, after {os.getloadavg()}")
+    write_json("kquant_gemv", {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds,
+                               "runs": args.runs, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                               "lines": lines}, out_dir=Path(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
