@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,9 @@ def build_args() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", "--repeats", type=int, dest="rounds", help="interleaved rounds (medians over them)")
     ap.add_argument("--no-long-prompts", action="store_true", help="skip the long-prompts-arrive variant")
     ap.add_argument("--long-streams", type=int, help="streams running while long prompts arrive")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="also measure each of our modes with these extra body fields (e.g. logprobs5='{\"logprobs\": 5}'"
+                         " or a response_format): the API features' cost, side by side with the plain requests")
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--name", help="output name (default: serve, or serve_vs_llama with llama-server)")
     ap.add_argument("--out", default=str(RESULTS))
@@ -122,6 +126,9 @@ def bring_up(args, servers: Servers, out: Path, max_clients: int, ctx_per_slot: 
     if ours_url:
         model = served_model(ours_url)
         targets += [Target(f"hybridserve-{m}", ours_url, {"mode": m}, model) for m in args.modes.split(",")]
+        for name, body in parse_pairs(args.variant, "--variant").items():
+            targets += [Target(f"hybridserve-{m}+{name}", ours_url, {"mode": m, **json.loads(body)}, model)
+                        for m in args.modes.split(",")]
     return targets + [Target(n, u, {}, served_model(u)) for n, u in servers.externals.items()]
 
 
