@@ -420,6 +420,7 @@ class EngineLoop:
                     if stream.sampler.grammar is not None:  # a complete grammar ends the sequence at this token
                         seq.stop_requested = stream.sampler.grammar.stopped
         self.scheduler.update(out, sampled)
+        grammars = []  # of the streams that go on: their next masks are computed while the next step runs
         for chunk in sampling:
             stream = self._streams.get(chunk.seq_id)
             if stream is not None and not stream.done:
@@ -427,9 +428,10 @@ class EngineLoop:
                 self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
                            stream.prompt_logprobs() if first else None, ended)
                 stream.seq.all_logits = False  # a recompute after a preemption needs no prompt logits
-        # the grammars' next masks, computed while the next step runs
-        prepare_masks(s.sampler.grammar for c in sampling
-                      if (s := self._streams.get(c.seq_id)) is not None and s.sampler.grammar is not None)
+                if stream.sampler.grammar is not None and not stream.done:
+                    grammars.append(stream.sampler.grammar)
+        if grammars:
+            prepare_masks(grammars)
         self._update_gauges()
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:
