@@ -25,6 +25,7 @@ from services.engine.generation import TokenEvent
 from services.engine.requests import (Cancellation, Cancelled, EngineRequest, HandoffFailed, InvalidRequest,
                                       RequestTimings)
 from services.engine.profile_cache import Profile, sweep_lock
+from services.engine.profile_sweep import fitting_lengths
 from services.engine.engine_loop import RequestStream
 from services.engine.runtime import EngineRuntime, stream_tokens
 from services.engine.sampling import SamplingParams
@@ -184,10 +185,8 @@ class DecodeRuntime(EngineRuntime):
         # hand over one block (the router then believed the hand-off ~100x cheaper than serving's)
         rng = np.random.default_rng()
         params = SamplingParams(max_tokens=1, temperature=0)
-        # a small model's context may not take 256 tokens (the sweep caps its lengths alike): then the
-        # longest prompt that fits, or the router would never have hybrid data and never be calibrated
-        longest = self.loop.config.max_model_len - 2
-        for n_in in dict.fromkeys(min(n, longest) for n in (16, 64, 256)):
+        # capped as the sweep's (a small model's context): else the router never had hybrid data
+        for n_in in fitting_lengths((16, 64, 256), self.loop.config.max_model_len, decode_tokens=1):
             request = EngineRequest(tuple(rng.integers(3, self.loaded.config.vocab_size, n_in).tolist()), params,
                                     "hybrid")
             timings = RequestTimings()

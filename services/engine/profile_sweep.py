@@ -88,12 +88,16 @@ def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_conte
 
 
 def _fitting(engine, lengths, decode_tokens: int) -> tuple[int, ...]:
-    """`lengths`, each capped to leave room for the first token and decode_tokens more in the context
-    (a LoopTimer's loop's max_model_len, or an engine's max_context; no cap when neither is known)."""
+    """`lengths` capped for the timer's context (a LoopTimer's loop's max_model_len, or an engine's
+    max_context; no cap when neither is known)."""
     loop = getattr(engine, "loop", None)
     context = loop.config.max_model_len if loop is not None else getattr(engine, "max_context", None)
-    if not context:
-        return tuple(lengths)
+    return fitting_lengths(lengths, context, decode_tokens) if context else tuple(lengths)
+
+
+def fitting_lengths(lengths, context: int, decode_tokens: int) -> tuple[int, ...]:
+    """`lengths`, each capped to leave room in `context` for the first token and decode_tokens more (a
+    small model's context cannot take every timed length: the longest prompt that fits instead)."""
     return tuple(dict.fromkeys(min(n, context - decode_tokens - 1) for n in lengths))
 
 
