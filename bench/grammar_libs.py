@@ -117,13 +117,10 @@ class LLGuidance:
 
     def compile(self, kind: str):
         M = self.llg.LLMatcher
-        if kind == "json_schema":
-            grammar = M.grammar_from_json_schema(
-                SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"})
-        elif kind == "json_object":
-            grammar = M.grammar_from_json_schema(
-                {"type": "object"}, defaults={"whitespace_flexible": False, "item_separator": ",",
-                                              "key_separator": ":"})
+        compact = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+        if kind in ("json_schema", "json_object"):
+            grammar = M.grammar_from_json_schema(SCHEMA if kind == "json_schema" else {"type": "object"},
+                                                 defaults=compact)
         else:
             grammar = M.grammar_from_regex(REGEX)
         # llguidance compiles lazily: building the matcher is the compile (the lexer grows as it goes)

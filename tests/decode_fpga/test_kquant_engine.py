@@ -14,7 +14,7 @@ from services.decode_fpga.one_launch_choice import OneLaunchChoice
 from services.decode_fpga.settings import DecodeSettings
 from services.model.checkpoint import CheckpointError
 from services.model.loading import load_model
-from tests.conftest import hf_greedy, random_prompt
+from tests.conftest import random_prompt
 from tests.decode_fpga.kquant_checkpoint import write_tiny_llama
 from tests.decode_fpga.test_decode_layers import steps
 from tests.decode_fpga.test_paged_step import decode_logits, scattered_tables
@@ -66,35 +66,13 @@ def test_every_matrix_is_stored_in_its_own_format(mixed_engine):
 def test_three_modes_give_transformers_tokens(mixed_model, mixed_engine, mixed_hf, tmp_path):
     """gpu (the torch engine, which dequantizes at load), fpga and hybrid (the decode engine on the
     blocks, its engine loop and paged step) give transformers' greedy tokens; Info names the types."""
-    from services.decode_fpga.hybrid import DecodeRuntime
-    from services.kv.arena import Arena
-    from services.prefill_gpu.engine import TorchEngine
-    from services.prefill_gpu.runtime import PrefillRuntime
-    from services.prefill_gpu.settings import PrefillSettings
     from services.rpc.hybridserve.v1 import engine_pb2 as pb
-    from tests.stack.test_engine_runtime import InProcessPeer, tokens_and_last
+    from tests.stack.test_engine_runtime import assert_every_mode_gives, hybrid_in_process
 
-    cfg = mixed_model.config
-    torch_engine = TorchEngine(cfg, mixed_model.weights, device="cpu")
-    arena = Arena(8 << 20)
-    prefill = PrefillRuntime(torch_engine, mixed_model, PrefillSettings(wire_dtype="fp32", profile_at_start=False),
-                             arena)
-    decode = DecodeRuntime(mixed_engine, mixed_model, settings(), InProcessPeer(prefill))
-    try:
-        from services.engine.sampling import SamplingParams
-
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        for n_prompt in (1, 23):
-            prompt = random_prompt(n_prompt, cfg.vocab_size, seed=5)
-            want = hf_greedy(mixed_hf, prompt, 12)
-            for runtime, mode in ((prefill, "gpu"), (decode, "fpga"), (decode, "hybrid")):
-                assert tokens_and_last(runtime, prompt, mode, params)[0] == want, (mode, n_prompt)
+    with hybrid_in_process(mixed_model, mixed_engine, settings()) as (prefill, decode):
+        assert_every_mode_gives(prefill, decode, mixed_hf, 12)
         info = pb.InfoResponse(**decode.info_fields())
         assert dict(info.stored_weight_types) == mixed_engine.stored_weight_types
-    finally:
-        decode.close()
-        prefill.close()
-        arena.close()
 
 
 @pytest.mark.parametrize("qtype", [*KTYPES, "mixed"])

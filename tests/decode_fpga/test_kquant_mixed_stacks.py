@@ -90,15 +90,8 @@ def test_mixed_stacks_run_with_no_f32_and_give_transformers_tokens(mixed_stack_m
     from transformers import AutoModelForCausalLM
 
     from services.decode_fpga.engine import OpenCLEngine
-    from services.decode_fpga.hybrid import DecodeRuntime
-    from services.engine.sampling import SamplingParams
-    from services.kv.arena import Arena
-    from services.prefill_gpu.engine import TorchEngine
-    from services.prefill_gpu.runtime import PrefillRuntime
-    from services.prefill_gpu.settings import PrefillSettings
-    from tests.conftest import hf_greedy, random_prompt
     from tests.decode_fpga.test_kquant_engine import settings
-    from tests.stack.test_engine_runtime import InProcessPeer, tokens_and_last
+    from tests.stack.test_engine_runtime import assert_every_mode_gives, hybrid_in_process
 
     model = mixed_stack_model
     engine = OpenCLEngine.from_settings(model, settings())
@@ -109,19 +102,5 @@ def test_mixed_stacks_run_with_no_f32_and_give_transformers_tokens(mixed_stack_m
     assert w.layers[1].gate_up.fmt == "q6_k+q5_1" and w.packed is None
     path = model.checkpoint.path
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    cfg = model.config
-    arena = Arena(8 << 20)
-    prefill = PrefillRuntime(TorchEngine(cfg, model.weights, device="cpu"), model,
-                             PrefillSettings(wire_dtype="fp32", profile_at_start=False), arena)
-    decode = DecodeRuntime(engine, model, settings(), InProcessPeer(prefill))
-    try:
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-        for n_prompt in (1, 23):
-            prompt = random_prompt(n_prompt, cfg.vocab_size, seed=5)
-            want = hf_greedy(hf, prompt, 10)
-            for runtime, mode in ((prefill, "gpu"), (decode, "fpga"), (decode, "hybrid")):
-                assert tokens_and_last(runtime, prompt, mode, params)[0] == want, (mode, n_prompt)
-    finally:
-        decode.close()
-        prefill.close()
-        arena.close()
+    with hybrid_in_process(model, engine, settings()) as (prefill, decode):
+        assert_every_mode_gives(prefill, decode, hf, 10)

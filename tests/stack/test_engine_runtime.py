@@ -7,6 +7,7 @@ inside reaches decode's client as INTERNAL with a fixed message, never UNAVAILAB
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +79,36 @@ class InProcessPeer:
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def hybrid_in_process(model, ocl_engine, decode_settings: DecodeSettings):
+    """(prefill_gpu's runtime over a CPU torch engine of `model`, decode_fpga's over `ocl_engine`), the
+    hand-off in process: every mode of one checkpoint without a process."""
+    from services.prefill_gpu.engine import TorchEngine
+
+    arena = Arena(8 << 20)
+    prefill = PrefillRuntime(TorchEngine(model.config, model.weights, device="cpu"), model,
+                             PrefillSettings(wire_dtype="fp32", profile_at_start=False), arena)
+    decode = DecodeRuntime(ocl_engine, model, decode_settings, InProcessPeer(prefill))
+    try:
+        yield prefill, decode
+    finally:
+        decode.close()
+        prefill.close()
+        arena.close()
+
+
+def assert_every_mode_gives(prefill, decode, hf_model, n_new: int, prompt_lengths=(1, 23)) -> None:
+    """gpu, fpga and hybrid give transformers' greedy tokens for random prompts of these lengths."""
+    from tests.conftest import hf_greedy
+
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    for n_prompt in prompt_lengths:
+        prompt = random_prompt(n_prompt, prefill.loaded.config.vocab_size, seed=5)
+        want = hf_greedy(hf_model, prompt, n_new)
+        for runtime, mode in ((prefill, "gpu"), (decode, "fpga"), (decode, "hybrid")):
+            assert tokens_and_last(runtime, prompt, mode, params)[0] == want, (mode, n_prompt)
 
 
 @pytest.fixture(scope="module")
