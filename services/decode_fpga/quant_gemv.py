@@ -1,5 +1,8 @@
 """Weight matrices kept on the device as the checkpoint's GGUF blocks (a DeviceMatrix, see gemv.py).
 
+(Just past 300 lines on purpose: each format's upload layout and the launches that read it are one
+contract with kernels/quant_blocks.h; split by format, a layout change would touch several files.)
+
 Q4_1 costs 20 bytes per 32 weights in the file (a fifth of fp32), 22 on the device
 (scales widened to fp32, see below), and the kernel dequantizes in registers to
 exactly the values `gguf.quants.dequantize` gives, accumulating in fp32: one

@@ -1,5 +1,6 @@
 """What the gateway answers, as pydantic models: OpenAI's completion and chat completion objects,
 their stream chunks, usage, the model list, the error body, and our `hybridserve` extension.
+(At 300 lines on purpose: every byte the API answers is described in this one file.)
 
 Every byte of JSON a client gets is one of these models' `model_dump_json()`; no route builds a
 dict by hand. Field order follows OpenAI's documents, so the JSON reads like theirs.

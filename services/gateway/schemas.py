@@ -1,5 +1,8 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
+(Past 300 lines on purpose: every request body with its validation, the OpenAPI document's one
+source; the response_format and tool models are validated together with the bodies that carry them.)
+
 Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
 honour (the deprecated functions and function_call, suffix) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
