@@ -65,7 +65,7 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     prefill_addresses: str = ""
     queue_depth: int = 16  # requests waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
     max_concurrency: int = 4  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
-    handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode
+    handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode for a request without its own
     # how hybrid mode's KV comes from prefill_gpu: "shm", its shared-memory arena (same host, shared
     # /dev/shm); "tcp", a connection prefill_gpu opens to this service's KV port (two pods or hosts)
     kv_transport: Literal["shm", "tcp"] = "shm"

@@ -1,0 +1,62 @@
+"""A hybrid request waits for its hand-off as long as its own deadline allows, not a fixed one.
+
+decode_fpga's Prefill call to prefill_gpu had a fixed deadline (HYBRIDSERVE_DECODE_HANDOFF_TIMEOUT_S,
+120 s): at 64 clients 14 of 256 hybrid requests queued past it and answered 504 while their own
+deadline (the gateway's 600 s) had long to run. Both engines are real (torch on the CPU, OpenCL on
+PoCL), prefill_gpu served over gRPC on loopback; the peer's own timeout is made far too short, so
+only the request's deadline can carry the hand-off through.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.decode_fpga.hybrid import DecodeRuntime
+from services.decode_fpga.server import GrpcPrefillPeer
+from services.decode_fpga.settings import DecodeSettings
+from services.engine.requests import Cancellation, EngineRequest, HandoffTimedOut
+from services.engine.sampling import SamplingParams
+from services.kv.arena import Arena
+from services.prefill_gpu.runtime import PrefillRuntime
+from services.prefill_gpu.server import PrefillServicer
+from services.prefill_gpu.settings import PrefillSettings
+from tests.conftest import random_prompt
+from tests.stack.test_engine_runtime import serve_in_process
+
+TOO_SHORT_S = 0.001  # no Prefill call finishes within it
+
+
+@pytest.fixture(scope="module")
+def hybrid_over_grpc(torch_engine, ocl_engine, loaded_model):
+    arena = Arena(8 << 20)
+    prefill = PrefillRuntime(torch_engine, loaded_model, PrefillSettings(wire_dtype="fp32", profile_at_start=False),
+                             arena)
+    server, address = serve_in_process(PrefillServicer(prefill, "prefill_gpu"))
+    peer = GrpcPrefillPeer(address, loaded_model.config.model_id, timeout_s=TOO_SHORT_S)
+    decode = DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=2, queue_depth=2), peer)
+    try:
+        yield prefill, decode
+    finally:
+        server.stop(0)
+        decode.close()
+        prefill.close()
+        arena.close()
+
+
+def test_the_request_deadline_bounds_the_handoff_not_the_fixed_timeout(hybrid_over_grpc, model_config):
+    prefill, decode = hybrid_over_grpc
+    prompt = random_prompt(24, model_config.vocab_size, seed=77)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [ev.token for ev in prefill.generate(EngineRequest(tuple(prompt), params, "gpu"), Cancellation())]
+    got = [ev.token for ev in decode.generate(EngineRequest(tuple(prompt), params, "hybrid"),
+                                                 Cancellation(time.monotonic() + 120))]
+    assert got == want
+
+
+def test_without_a_request_deadline_the_fixed_timeout_still_holds(hybrid_over_grpc, model_config):
+    _, decode = hybrid_over_grpc
+    prompt = random_prompt(24, model_config.vocab_size, seed=78)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(HandoffTimedOut):
+        list(decode.generate(EngineRequest(tuple(prompt), params, "hybrid"), Cancellation()))
