@@ -30,7 +30,8 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
   Never for a forced mode, never with explore_share=0; the Decision says "explore";
 * batching: a decode that joins a running batch costs more per token: estimate x (1 + beta x s),
   s the requests it shares its decode engine with (all of both engines' when they share one
-  processor), beta per engine learned from the requests' own decode times and the s each was
+  processor, and then every mode's decode slowed by the larger engine's factor: the cores are
+  one), beta per engine learned from the requests' own decode times and the s each was
   sent with (batch_slowdown.py); corrections are learned on times divided by that factor, so a
   busy batch is not mistaken for a slow engine;
 * queueing: the requests on each engine x that engine's measured service time (its own stage
@@ -192,12 +193,25 @@ class Router:
             ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, max(float(s["seconds"]), 1e-9) / base)))
         return math.log(min(ratios))
 
-    def _stage_estimate(self, key: StageKey, n_in: int, n_out: int, company: int = 0) -> float:
-        """Seconds of one stage; a decode's as it runs beside `company` other requests."""
+    def _stage_estimate(self, key: StageKey, n_in: int, n_out: int, company: int = 0,
+                        slowdown: float | None = None) -> float:
+        """Seconds of one stage; a decode's as it runs beside `company` other requests (or slowed by
+        `slowdown`, the processor's, when the engines share one)."""
         seconds = self.model.stage_seconds(key, n_in, n_out) * math.exp(self._log_corr.get(key, 0.0))
         if key[0] == "decode":
-            seconds *= self._slowdown[key[1]].factor(company)
+            seconds *= self._slowdown[key[1]].factor(company) if slowdown is None else slowdown
         return seconds
+
+    def _shared_slowdown(self, company: dict[str, int]) -> float | None:
+        """On one processor, the factor by which company slows any mode's decode: the largest engine's.
+        A request sent to the engine whose batch grows less still takes its turn on the same cores,
+        and its decode costs them more per token; judged by each engine's own factor, a busy batch on
+        decode_fpga sent requests to gpu mode, and auto at 32 clients gave 0.70x forced fpga's tokens/s
+        (prefill_gpu's torch decodes took 3x hybrid's CPU). With one factor for all, the choice follows
+        each mode's own cost, as the shared queueing term already does."""
+        if not self.shared_compute:
+            return None
+        return max(self._slowdown[e].factor(company.get(e, 0)) for e in ENGINES)
 
     def stage_seconds(self, stage: str, device: str, n_in: int, n_out: int, company: int = 0) -> float:
         """One stage's fitted seconds, corrections and batch slowdown included (the planner's costs)."""
@@ -249,8 +263,10 @@ class Router:
 
     def _estimates(self, n_in: int, n_out: int, modes, company: dict[str, int] | None = None) -> dict[str, float]:
         company = company if company is not None else self.company()
-        return {m: sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0)) for k in CostModel.stage_keys(m))
-                + self.queueing(m) for m in modes if self.model.can_estimate(m)}
+        shared = self._shared_slowdown(company)
+        return {m: sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
+                       for k in CostModel.stage_keys(m)) + self.queueing(m)
+                for m in modes if self.model.can_estimate(m)}
 
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
@@ -295,7 +311,8 @@ class Router:
             if not new and not (stale_ok and stale >= self._stale_after):
                 continue
             # an unconfirmed stage's estimate is only the profile's word: it does not count against exploring
-            trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0)) for k in unconfirmed)
+            trusted = est[mode] - sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0),
+                                                           self._shared_slowdown(company)) for k in unconfirmed)
             if trusted <= self._limit * est[best]:
                 candidates.append((-len(new), -stale, est[mode], mode))
         if not candidates:

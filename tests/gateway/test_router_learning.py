@@ -329,3 +329,23 @@ def test_a_prefix_cache_hit_teaches_the_cost_of_the_positions_computed_only():
         router.observe(samples_from_timings("fpga", 256, {"prefill_s": PREFILL["fpga"](16), "decode_tokens": 0,
                                                           "cached_tokens": 240}))
     assert abs(router.estimates(256, 10)["fpga"] / before - 1) < 0.05
+
+
+def test_on_one_processor_a_busy_batch_slows_every_mode_alike():
+    """The same learned slowdowns (fpga's decode x (1 + 0.5 s), gpu's barely growing), the engines on
+    one processor: a busy batch does not send the request to gpu mode, whose decode takes its turn on
+    the same cores and costs them far more per token; each mode is judged by its own cost."""
+    router = Router(synthetic_samples(), explore_share=0, shared_compute=True)
+    beta = {"fpga": 0.5, "gpu": 0.02}
+    for i, company in enumerate((0, 2, 4, 8, 1, 6, 3, 5)):
+        for mode in ("fpga", "gpu"):
+            n_in, n_out = LOAD[i]
+            t = timings_of(mode, n_in, n_out)
+            t["decode_s"] *= 1 + beta[mode] * company
+            router.observe(samples_from_timings(mode, n_in, t, {"gpu": company, "fpga": company}))
+    n_in, n_out = 64, 128
+    idle = router.choose(n_in, n_out).mode
+    router.set_engine_load("fpga", running=16, waiting=0, max_num_seqs=64)
+    busy = router.estimates(n_in, n_out)
+    assert idle in ("fpga", "hybrid") and router.choose(n_in, n_out).mode == idle
+    assert busy["gpu"] > busy[idle], busy
