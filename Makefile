@@ -32,8 +32,9 @@ system-deps:
 run: $(STAMP) system-deps
 	$(VENV)/bin/hybridserve up
 
+# two pytest processes side by side, then the timing-sensitive tests alone (tests/lanes.py)
 test: $(STAMP) system-deps
-	$(PY) -m pytest -q -ra
+	$(PY) tests/lanes.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"

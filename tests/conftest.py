@@ -14,6 +14,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# make test's lanes (tests/lanes.py), by path: tests that start whole stacks of processes run beside the
+# rest; tests whose verdict needs a quiet machine run after both, alone. Run directly, pytest runs all.
+LANES = {
+    "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
+                   "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
+                   "tests/gateway/test_engine_loss.py", "tests/gateway/test_batching_live.py",
+                   "tests/gateway/test_engine_failure.py"),
+    "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
+              "tests/gateway/test_calibration_check.py"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark, prefixes in LANES.items():
+            if item.nodeid.startswith(prefixes):
+                item.add_marker(getattr(pytest.mark, mark))
+
+
 @pytest.fixture(scope="session")
 def profile_cache(pytestconfig, tmp_path_factory):
     """The engines' profile cache for the live stacks that do not test profiling itself: in pytest's

@@ -1,0 +1,66 @@
+"""`make test`'s runner: the suite in two pytest processes side by side, then the tests that time the
+machine, alone.
+
+On 2 cores the suite ran test after test for ~13 minutes while the tests that start whole stacks
+(`hybridserve up` with two to four engines, the serve and suite benchmarks' quick runs) spent much of
+theirs waiting: for processes to start, for an engine to be found dead and come back, for streams
+to finish. They run in one lane (`stack_lane`) while everything else runs in the other; the tests
+whose verdict depends on the machine being quiet (a profile sweep judged quiet and cached, the router
+corrected within ten requests against forced runs) run after both, alone (`quiet`). Which test goes
+where is decided by path in tests/conftest.py (`LANES`), so a new `up` test joins its lane by name.
+Every test still runs once; the exit status is the worst of the three runs.
+
+    python tests/lanes.py [extra pytest arguments]
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIDE_BY_SIDE = (("stacks", "stack_lane and not quiet"), ("in-process", "not stack_lane and not quiet"))
+ALONE = ("quiet", "quiet")
+NO_TESTS = 5  # pytest's status when a selection is empty: not a failure
+
+
+def pytest_cmd(marks: str, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-ra", "-m", marks, *extra]
+
+
+def status(code: int) -> int:
+    return 0 if code == NO_TESTS else code
+
+
+def main(extra: list[str]) -> int:
+    started = time.monotonic()
+    (first, first_marks), (second, second_marks) = SIDE_BY_SIDE
+    with tempfile.NamedTemporaryFile("w+", prefix=f"hybridserve-{first}-", suffix=".log") as log:
+        print(f"== lanes: '{first}' (output below once it ends) beside '{second}' (output now)", flush=True)
+        background = subprocess.Popen(pytest_cmd(first_marks, extra), cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT)
+        try:
+            foreground = subprocess.call(pytest_cmd(second_marks, extra), cwd=ROOT)
+            print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s; "
+                  f"waiting for '{first}'", flush=True)
+            behind = background.wait()
+        finally:
+            if background.poll() is None:  # interrupted: never leave a lane (and its stacks) running
+                background.terminate()
+                background.wait()
+        log.seek(0)
+        print(f"== lane '{first}' ({behind}), ended at {time.monotonic() - started:.0f} s:", flush=True)
+        sys.stdout.write(log.read())
+    name, marks = ALONE
+    print(f"== lane '{name}', alone:", flush=True)
+    alone = subprocess.call(pytest_cmd(marks, extra), cwd=ROOT)
+    codes = {first: status(behind), second: status(foreground), name: status(alone)}
+    print(f"== lanes done in {time.monotonic() - started:.0f} s: " + ", ".join(f"{k} {v}" for k, v in codes.items()),
+          flush=True)
+    return max(codes.values())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
