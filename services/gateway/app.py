@@ -44,6 +44,7 @@ from services.gateway.pairs import Address, Pairs
 from services.gateway.planner import Planner
 from services.gateway.prompts import PromptsRun
 from services.gateway.planner import publish as publish_planner
+from services.gateway.pool_admin import RESPONSES as POOL_ADMIN_RESPONSES
 from services.gateway.pool_admin import pool_routes
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
@@ -132,7 +133,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                        responses=openapi.errors(*openapi.EDGE))
     if settings.pool_admin:  # `hybridserve up --autoscale` adds and removes engines (pool_admin.py)
         app.include_router(pool_routes(lambda: app.state.hs.pairs, lambda: app.state.hs.connect),
-                           dependencies=[api_key], responses=openapi.errors(*openapi.EDGE, 403, 404, 409))
+                           dependencies=[api_key], responses=POOL_ADMIN_RESPONSES)
 
     @app.get("/health", response_model=Health,
              responses={503: {"model": Health, "description": "an engine is down, or the gateway is draining"},

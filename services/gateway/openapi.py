@@ -12,9 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from services.gateway.openai_format import ErrorBody
 
 _MEANING = {400: "invalid parameters, malformed JSON, or prompt + max_tokens over the context window",
-            401: "missing or wrong API key", 403: "pools are changed only from the gateway's own host",
-            404: "unknown model (admin routes: an engine not in the pool)", 408: "the body did not arrive in time",
-            409: "the pool change conflicts with its state (the last engine, calls open, pairs not pools)",
+            401: "missing or wrong API key", 404: "unknown model", 408: "the body did not arrive in time",
             413: "request body too large", 429: "the engines' queues are full",
             500: "an engine or the gateway failed", 502: "an engine ended the request unexpectedly",
             503: "no engine able to serve the request is up", 504: "the request's deadline passed"}

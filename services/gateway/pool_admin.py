@@ -21,13 +21,20 @@ from typing import Callable, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.gateway import openapi
 from services.gateway.auth import is_loopback
 from services.gateway.errors import APIError
+from services.gateway.openai_format import ErrorBody
 from services.gateway.pairs import Address, Engines, Pairs
 from services.modes import ENGINES
 
 POOLS = ("prefill", "decode")  # side 0 and 1 of a pair's address
 Pool = Literal["prefill", "decode"]
+# what the routes answer besides 200, for the OpenAPI document
+RESPONSES = {**openapi.errors(400, *openapi.EDGE), **{
+    status: {"model": ErrorBody, "description": text} for status, text in (
+        (403, "the client is not on the gateway's host"), (404, "the engine is not in the pool"),
+        (409, "the last engine of its pool, calls still open, or a gateway of pairs, not pools"))}}
 
 
 class PoolMember(BaseModel):

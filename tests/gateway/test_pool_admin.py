@@ -83,3 +83,11 @@ def test_the_routes_refuse_a_client_off_loopback_and_are_absent_unless_asked_for
     assert admin.state.hs.pairs.pool(1) == ["d:1"]
     plain = create_app(GatewaySettings(prefill_pool="p:1", decode_pool="d:1"))
     assert TestClient(plain, client=("127.0.0.1", 40000)).get("/admin/pools").status_code == 404
+
+
+def test_the_document_declares_the_routes_errors_in_the_error_shape(admin):
+    doc = TestClient(admin, client=("127.0.0.1", 40000)).get("/openapi.json").json()
+    responses = doc["paths"]["/admin/pools/{pool}/remove"]["post"]["responses"]
+    for status in ("400", "401", "403", "404", "409"):
+        assert responses[status]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ErrorBody"
+    assert "422" not in responses
