@@ -3,7 +3,7 @@ joins as a pair with every engine of the other pool, a draining one takes no new
 ones and serves again when taken back, one with calls open is not removed unless forced, and the routes
 answer OpenAI error JSON (403 off loopback, 404 for an engine not in the pool, 409s).
 
-Fakes stand in for the engines as in test_pairs.py (the live path: tests/stack/test_up_autoscale.py);
+Fakes stand in for the engines as in test_pairs.py (the live path: tests/stack/test_up_pools.py);
 the routes are the gateway app's own, without its lifespan (no tokenizer, no engine watch).
 """
 from __future__ import annotations
