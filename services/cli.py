@@ -126,8 +126,15 @@ def _add_services(sub) -> None:
     up.add_argument("--decode", type=_positive, default=None, dest="decode_engines",
                     help="pools: this many decode_fpga engines (any number; with --prefill); the gateway picks "
                          "each hybrid request's prefill and decode engine separately")
+    up.add_argument("--autoscale", action="store_true", default=None,
+                    help="pools: start and stop engines as the gateway's planner asks, the pools' sizes above "
+                         "being the minimums (HYBRIDSERVE_UP_AUTOSCALE; holds and cooldown: HYBRIDSERVE_UP_SCALE_*)")
+    up.add_argument("--max-prefill", type=_positive, default=None, dest="max_prefill",
+                    help="with --autoscale: at most this many prefill_gpu engines (default: --prefill's)")
+    up.add_argument("--max-decode", type=_positive, default=None, dest="max_decode",
+                    help="with --autoscale: at most this many decode_fpga engines (default: --decode's)")
     up.set_defaults(func=lambda args: __import__("services.stack", fromlist=["up"]).up(
-        args.pairs, args.prefill_engines, args.decode_engines))
+        args.pairs, args.prefill_engines, args.decode_engines, args.autoscale, args.max_prefill, args.max_decode))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """`hybridserve up`: the whole local stack (prefill_gpu, decode_fpga, gateway) from one command.
 
-(Just past 300 lines on purpose: the children's layout (pairs or pools), their settings and the
-start/heal/stop sequence are one command's; the supervision itself is supervisor.py.)
+(Past 300 lines on purpose: the children's layout (pairs or pools, fixed or autoscaled), their settings
+and the start/heal/stop sequence are one command's; the supervision itself is supervisor.py, the
+autoscaling stack_autoscale.py.)
 
 Starts the three processes, relays their start-up progress (model load, kernel
 build, profiling), waits until the gateway's /health says both engines answer,
@@ -21,6 +22,11 @@ each decode engine may pull its hybrid KV from any prefill engine (through that 
 host), its own being prefill_gpu.(j mod N), which it is restarted with. The gateway gets the two pools
 (HYBRIDSERVE_GATEWAY_PREFILL_POOL, _DECODE_POOL), sees every combination as a pair and names a hybrid
 request's prefill engine to the decode engine: prefill and decode engines are chosen separately.
+
+`up --prefill N --decode M --autoscale --max-prefill P --max-decode D` also starts and stops engines of
+the pools, between N and P and between M and D, as the gateway's planner asks (stack_autoscale.py; the
+decision's holds and cooldown: autoscale.py); every decode engine may pull from any of the P prefill
+engines' addresses, and one the scaler starts follows one of the N.
 
 A process that exits before the stack first comes up (the gateway's /health says every
 engine answers) stops it (a setting or a model that is wrong would only fail again); from then
@@ -67,7 +73,8 @@ class UpSettings(CommonSettings):
     # fields newer than the per-process prefixes: no deprecated bare name
     old_field_names: ClassVar[dict[str, str]] = {f: "up_" + f for f in (
         "metrics_port", "restart_backoff_s", "restart_backoff_max_s", "pairs", "port_stride", "prefill_engines",
-        "decode_engines")}
+        "decode_engines", "autoscale", "max_prefill_engines", "max_decode_engines", "autoscale_interval_s",
+        "scale_up_hold_s", "scale_down_hold_s", "scale_cooldown_s", "drain_timeout_s")}
 
     host: str = "127.0.0.1"
     startup_timeout_s: float = 900.0
@@ -79,12 +86,35 @@ class UpSettings(CommonSettings):
     # pools instead of pairs (either set): N prefill and M decode engines, any sizes
     prefill_engines: int | None = Field(None, ge=1, le=64)
     decode_engines: int | None = Field(None, ge=1, le=64)
+    # the pools follow the gateway's planner (stack_autoscale.py): engines started and stopped between the
+    # pools' sizes above (the minimums) and these maxima (unset: that pool's minimum, it does not scale)
+    autoscale: bool = False
+    max_prefill_engines: int | None = Field(None, ge=1, le=64)
+    max_decode_engines: int | None = Field(None, ge=1, le=64)
+    autoscale_interval_s: float = Field(5.0, gt=0)  # how often the planner is read
+    scale_up_hold_s: float = Field(30.0, ge=0)  # the planner above the size this long before a start
+    scale_down_hold_s: float = Field(120.0, ge=0)  # below it this long before a drain
+    scale_cooldown_s: float = Field(60.0, ge=0)  # no step this long after one
+    drain_timeout_s: float = Field(600.0, gt=0)  # a draining engine's calls then migrate, and it stops
 
     @model_validator(mode="after")
     def _pools(self):
         if (self.prefill_engines is not None or self.decode_engines is not None) and self.pairs != 1:
             raise ValueError("give pairs or pools (prefill_engines, decode_engines), not both")
+        if self.autoscale and self.pairs != 1:
+            raise ValueError("autoscale scales pools (prefill_engines, decode_engines), not pairs")
+        if not self.autoscale and (self.max_prefill_engines or self.max_decode_engines):
+            raise ValueError("max_prefill_engines and max_decode_engines bound autoscale, which is off")
+        for pool, (lo, hi) in self.bounds().items():
+            if hi < lo:
+                raise ValueError(f"max_{pool}_engines ({hi}) is below the {pool} pool's size ({lo})")
         return self
+
+    def bounds(self) -> dict[str, tuple[int, int]]:
+        """Each pool's (minimum, maximum) engines; with autoscale off, fixed at its size."""
+        lo = {"prefill": self.prefill_engines or 1, "decode": self.decode_engines or 1}
+        hi = {"prefill": self.max_prefill_engines, "decode": self.max_decode_engines}
+        return {pool: (lo[pool], hi[pool] or lo[pool]) for pool in lo}
 
 
 def _children_environment() -> dict[str, str]:
@@ -184,35 +214,61 @@ def _layout_specs(s: UpSettings, prefill: PrefillSettings, decode: DecodeSetting
     `prefill_engines` and `decode_engines`: every decode engine may pull from every prefill engine (its
     own by default: j mod N, which it restarts with), the gateway sees every combination as a pair and
     names a hybrid request's prefill engine, so it picks prefill and decode engines separately."""
-    if s.prefill_engines is None and s.decode_engines is None:
+    if s.prefill_engines is None and s.decode_engines is None and not s.autoscale:
         specs, addresses = [], []
         for i in range(s.pairs):
             pair, address = _pair_specs(i, s, prefill, decode, base)
             specs += pair
             addresses.append(address)
         return specs, addresses, ({"pairs": ";".join(addresses)} if len(addresses) > 1 else {})
-    n, m = s.prefill_engines or 1, s.decode_engines or 1
+    n, m = s.bounds()["prefill"][0], s.bounds()["decode"][0]
     prefills = [_prefill_spec(i, True, s, prefill, base) for i in range(n)]
-    pool = tuple(address for _, address in prefills)
+    pool = _prefill_addresses(s, prefill, base)
     decodes = [_decode_spec(j, True, prefills[j % n][0], prefills[j % n][1], s, decode, base, pool)
                for j in range(m)]
-    gateway = {"prefill_pool": ",".join(pool), "decode_pool": ",".join(address for _, address in decodes)}
+    gateway = {"prefill_pool": ",".join(a for _, a in prefills), "decode_pool": ",".join(a for _, a in decodes),
+               **({"pool_admin": "true"} if s.autoscale else {})}  # the autoscaler adds engines through it
     return ([spec for spec, _ in prefills + decodes],
-            [f"{p},{d}" for p in pool for _, d in decodes], gateway)
+            [f"{p},{d}" for _, p in prefills for _, d in decodes], gateway)
 
 
-def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engines: int | None = None) -> int:
+def _prefill_addresses(s: UpSettings, prefill: PrefillSettings, base: dict[str, str]) -> tuple[str, ...]:
+    """Every address a prefill engine of the pool may have (with autoscale, up to the most): the addresses
+    a decode engine may be named, and so lists."""
+    return tuple(_prefill_spec(i, True, s, prefill, base)[1] for i in range(s.bounds()["prefill"][1]))
+
+
+def _scaled_spec(s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings, base: dict[str, str]):
+    """(pool, index) → (child, address, readiness) of an engine the autoscaler starts: a prefill engine, or
+    a decode engine following prefill engine (index mod the prefill pool's minimum: one never stopped)."""
+    n, pool = s.bounds()["prefill"][0], _prefill_addresses(s, prefill, base)
+
+    def spec_of(kind: str, index: int):
+        if kind == "prefill":
+            spec, address = _prefill_spec(index, True, s, prefill, base)
+        else:
+            leader, leader_address = _prefill_spec(index % n, True, s, prefill, base)
+            spec, address = _decode_spec(index, True, leader, leader_address, s, decode, base, pool)
+        return spec, address, _grpc_serving(address)
+    return spec_of
+
+
+def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engines: int | None = None,
+       autoscale: bool | None = None, max_prefill: int | None = None, max_decode: int | None = None) -> int:
     """`pairs`: from `up --pairs`; None: the settings' (HYBRIDSERVE_UP_PAIRS, 1 by default). The pools'
-    sizes: from `up --prefill N --decode M` (HYBRIDSERVE_UP_PREFILL_ENGINES, ..._DECODE_ENGINES)."""
+    sizes: from `up --prefill N --decode M` (HYBRIDSERVE_UP_PREFILL_ENGINES, ..._DECODE_ENGINES); their
+    autoscaling: from `--autoscale --max-prefill P --max-decode D` (HYBRIDSERVE_UP_AUTOSCALE, ...)."""
     base = _children_environment()
     # read here as each child will, so a typo stops `up` before anything starts
     s, prefill, decode, gateway = (cls.from_environ(base) for cls in (UpSettings, PrefillSettings, DecodeSettings,
                                                                     GatewaySettings))
     if pairs is not None:
         s = s.model_copy(update={"pairs": pairs})
-    if prefill_engines is not None or decode_engines is not None:
-        s = UpSettings.model_validate({**s.model_dump(), "prefill_engines": prefill_engines or s.prefill_engines,
-                                       "decode_engines": decode_engines or s.decode_engines})
+    given = {k: v for k, v in (("prefill_engines", prefill_engines), ("decode_engines", decode_engines),
+                               ("autoscale", autoscale), ("max_prefill_engines", max_prefill),
+                               ("max_decode_engines", max_decode)) if v is not None}
+    if given:
+        s = UpSettings.model_validate({**s.model_dump(), **given})
     base["PYTHONUNBUFFERED"] = "1"
     base.update(launch_env())  # every child stops once `up` is gone
     quiet = threading.Event()
@@ -229,8 +285,8 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
         threading.Thread(target=_relay, args=(spec.name, proc, quiet), daemon=True).start()
         return proc
 
-    sup = Supervisor(specs, start, say=lambda msg: print(f"hybridserve up: {msg}", file=sys.stderr, flush=True),
-                     backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s)
+    say = lambda msg: print(f"hybridserve up: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    sup = Supervisor(specs, start, say=say, backoff_s=s.restart_backoff_s, backoff_max_s=s.restart_backoff_max_s)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -252,8 +308,11 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
         # from here every exit is healed, also while the router calibrates: `up` says the stack is up
         # once its gateway (the first or one started again) is calibrated and answers
         ready = _Readiness(url, deadline)
+        scaler = _autoscaler(s, prefill, decode, gateway, base, sup, url, say) if s.autoscale else None
         while not stop.is_set():
             sup.poll()
+            if scaler is not None:
+                scaler.round()
             if not quiet.is_set() and ready.due():
                 text = _ready_text(url, gateway, s)
                 if text is not None:
@@ -263,10 +322,21 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
         return 0
     finally:
         # the gateway first, so no new request reaches an engine that is going away
-        names = [spec.name for spec in specs]
+        names = list(sup.children)  # the autoscaler's engines too
         sup.stop_all(["gateway"] + [n for n in names if n.startswith("decode_fpga")]
                      + [n for n in names if n.startswith("prefill_gpu")])
         print("stopped", flush=True)
+
+
+def _autoscaler(s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings, gateway: GatewaySettings,
+                base: dict[str, str], sup: Supervisor, url: str, say: Callable[[str], None]):
+    from services.autoscale import Hysteresis
+    from services.stack_autoscale import EngineAutoscaler, GatewayAdmin
+
+    key = gateway.api_key.get_secret_value() if gateway.api_key else None
+    return EngineAutoscaler(sup, _scaled_spec(s, prefill, decode, base), s.bounds(),
+                            Hysteresis(s.scale_up_hold_s, s.scale_down_hold_s, s.scale_cooldown_s),
+                            GatewayAdmin(url, key), say, s.autoscale_interval_s, s.drain_timeout_s)
 
 
 class _Readiness:

@@ -6,7 +6,8 @@ soon after a start (`backoff_s`, 2x, ... up to `backoff_max_s`) and falls back t
 `backoff_s` once a process has run for `stable_s`. A child may follow another
 (`ChildSpec.follows`): decode_fpga follows prefill_gpu, whose KV arena it maps, so when
 prefill_gpu exits decode_fpga is stopped too and both start again, the follower only once
-its leader answers its readiness probe. Only `stop_all` ends the supervision.
+its leader answers its readiness probe. Only `stop_all` ends the supervision. Children may join
+(`add`) and leave (`remove`) while it runs: the engines `up --autoscale` starts and stops.
 """
 from __future__ import annotations
 
@@ -68,6 +69,20 @@ class Supervisor:
     def start_all(self) -> None:
         for child in self.children.values():
             self._start(child)
+
+    def add(self, spec: ChildSpec) -> None:
+        """A child that joins now, started at once and from then on healed like the others."""
+        if spec.name in self.children:
+            raise ValueError(f"{spec.name} is supervised already")
+        child = self.children[spec.name] = _Child(spec)
+        self._start(child)
+
+    def remove(self, name: str) -> None:
+        """A child that leaves: stopped as in stop_all, never started again; its followers are not touched."""
+        child = self.children.pop(name, None)
+        if child is not None:
+            child.restart_at = None
+            self._stop(child)
 
     def exited(self) -> list[str]:
         """The children that are not running now (for the start-up phase, before supervision)."""

@@ -22,6 +22,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -39,10 +40,12 @@ from services.gateway.engine_client import EngineClients
 from services.gateway.engine_watch import watch_engines
 from services.gateway.logprobs_format import LogprobsWriter, TokenTexts
 from services.gateway.pair_discovery import DnsPairs
-from services.gateway.pairs import Pairs
+from services.gateway.pairs import Address, Pairs
 from services.gateway.planner import Planner
 from services.gateway.prompts import PromptsRun
 from services.gateway.planner import publish as publish_planner
+from services.gateway.pool_admin import RESPONSES as POOL_ADMIN_RESPONSES
+from services.gateway.pool_admin import pool_routes
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
 from services.gateway.router import Router
@@ -68,6 +71,7 @@ class State:
     model_name: str
     tokenize_pool: ThreadPoolExecutor  # one thread: every tokenizer call runs on it, in turn
     token_texts: TokenTexts  # each token's text and bytes, for logprobs
+    connect: Callable[[Address], EngineClients] | None = None  # a pair's clients, for pools changed at run time
 
     async def tokenize(self, fn, *args) -> list[int]:
         """`fn(tokenizer, *args)` on the tokenizer's thread, off the event loop."""
@@ -105,7 +109,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         dispatcher = Dispatcher(pairs, router)
         dispatcher.planner = planner = Planner(settings.planner_targets())
         app.state.hs = State(settings, tokenizer, pairs, router, dispatcher,
-                             settings.served_model_name or ckpt.model_id, pool, TokenTexts(tokenizer))
+                             settings.served_model_name or ckpt.model_id, pool, TokenTexts(tokenizer), connect)
         publish_planner(planner, router, pairs)  # hybridserve_planner_* on /metrics
         watch = asyncio.create_task(watch_engines(pairs, router, file_samples, settings.health_interval_s,
                                                   settings.engines_share_cpu, discover))
@@ -124,8 +128,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.drain = Drain(settings.drain_grace_s)  # begun by server.DrainingServer on SIGTERM
     app.add_middleware(DrainGate, drain=app.state.drain)  # added last: outermost
 
-    app.include_router(debug_routes(lambda: app.state.hs.router, lambda: app.state.hs.pairs), dependencies=[api_key],
+    app.include_router(debug_routes(lambda: app.state.hs.router, lambda: app.state.hs.pairs,
+                                    lambda: app.state.hs.dispatcher.planner), dependencies=[api_key],
                        responses=openapi.errors(*openapi.EDGE))
+    if settings.pool_admin:  # `hybridserve up --autoscale` adds and removes engines (pool_admin.py)
+        app.include_router(pool_routes(lambda: app.state.hs.pairs, lambda: app.state.hs.connect),
+                           dependencies=[api_key], responses=POOL_ADMIN_RESPONSES)
 
     @app.get("/health", response_model=Health,
              responses={503: {"model": Health, "description": "an engine is down, or the gateway is draining"},

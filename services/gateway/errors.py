@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5  # an engine restarting, or a drained gateway replaced, is seconds away
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 409: "invalid_request_error",
           405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable_error",
           504: "timeout_error"}
@@ -119,7 +120,8 @@ def validation_error(errors: list[dict]) -> JSONResponse:
 def _param_path(loc) -> list[str]:
     """("body", "messages", 0, "content", "list[TextPart]", 0, "type") → ["messages", "0", "content", "0", "type"]"""
     path = []
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
+    # a body field, or a path or query parameter (the admin routes' pool): its name without where it was
+    for part in loc[1:] if loc and loc[0] in ("body", "path", "query") else loc:
         if isinstance(part, int):
             path.append(str(part))
         elif _FIELD.fullmatch(part) and part not in _TYPE_NAMES:

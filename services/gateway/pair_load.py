@@ -38,6 +38,7 @@ class PairLoads:
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, str], EngineReport] = {}
         self._ours: dict[tuple[int, str], int] = {}  # calls this gateway has open on (pair, engine)
+        self._calls: dict[int, int] = {}  # calls this gateway has open on a pair, any mode (draining waits on it)
 
     def report(self, pair: int, engine: str, running: int, waiting: int, max_num_seqs: int,
                kv_usage: float) -> None:
@@ -53,13 +54,20 @@ class PairLoads:
 
     def started(self, pair: int, mode: str) -> None:
         with self._lock:
+            self._calls[pair] = self._calls.get(pair, 0) + 1
             for e in MODES[mode].engines:
                 self._ours[(pair, e)] = self._ours.get((pair, e), 0) + 1
 
     def finished(self, pair: int, mode: str) -> None:
         with self._lock:
+            self._calls[pair] = max(0, self._calls.get(pair, 0) - 1)
             for e in MODES[mode].engines:
                 self._ours[(pair, e)] = max(0, self._ours.get((pair, e), 0) - 1)
+
+    def calls(self, pair: int) -> int:
+        """Calls this gateway has open on `pair`, whatever their mode."""
+        with self._lock:
+            return self._calls.get(pair, 0)
 
     def ours(self, pair: int, engine: str) -> int:
         with self._lock:

@@ -74,6 +74,9 @@ class Pairs:
         # pools: the pairs are every (prefill, decode) combination, and a hybrid call names its prefill
         # engine to the decode engine (which otherwise pulls from its own)
         self.pools = pools
+        # engines being removed from a pool, as (side, address) (side 0: prefill, 1: decode): their pairs
+        # take no new call
+        self.draining: set[tuple[int, str]] = set()
         self.loads = PairLoads()
         self.prefix_policy = prefix_policy or PrefixPolicy()
 
@@ -83,7 +86,13 @@ class Pairs:
     def serving(self, mode: str, exclude: frozenset = frozenset()) -> list[int]:
         """Pairs whose engines for `mode` are all up, but those in `exclude` as (pair, mode)."""
         return [p for p, c in self.members.items()
-                if all(c.up.get(e) for e in MODES[mode].engines) and (p, mode) not in exclude]
+                if all(c.up.get(e) for e in MODES[mode].engines) and (p, mode) not in exclude
+                and not self.is_draining(p)]
+
+    def is_draining(self, pair: int) -> bool:
+        address = self.addresses.get(pair)
+        return bool(self.draining) and address is not None and any(
+            (side, a) in self.draining for side, a in enumerate(address))
 
     def choose(self, mode: str, exclude: frozenset = frozenset()) -> int:
         return self.loads.choose(mode, self.serving(mode, exclude))
@@ -119,6 +128,46 @@ class Pairs:
         members = list(self.members.items())
         ups = await asyncio.gather(*(asyncio.gather(*(c.check(e) for e in ENGINES)) for _, c in members))
         return {p: dict(zip(ENGINES, up)) for (p, _), up in zip(members, ups)}
+
+    # ---- pools changing at run time (pool_admin.py: `hybridserve up --autoscale`) ----------------
+    def pool(self, side: int) -> list[str]:
+        """The engines of a pool (side 0: prefill, 1: decode), in the order of their first pair."""
+        return list(dict.fromkeys(a[side] for _, a in sorted(self.addresses.items())))
+
+    def pairs_with(self, side: int, address: str) -> list[int]:
+        return [p for p, a in sorted(self.addresses.items()) if a[side] == address]
+
+    def join_pool(self, side: int, address: str, connect: Callable[[Address], Engines]) -> list[int]:
+        """The engine at `address` joins its pool: a pair with every engine of the other pool; one
+        already there that was draining serves again. Its pairs."""
+        self.draining.discard((side, address))
+        if address in self.pool(side):
+            return self.pairs_with(side, address)
+        for other in self.pool(1 - side):
+            pair = (address, other) if side == 0 else (other, address)
+            p = next(i for i in range(len(self.members) + 1) if i not in self.members)
+            self.members[p], self.addresses[p] = connect(pair), pair
+        return self.pairs_with(side, address)
+
+    def drain_pool_member(self, side: int, address: str) -> list[int]:
+        """No new call goes to the engine at `address`; those open go on. Its pairs."""
+        self.draining.add((side, address))
+        return self.pairs_with(side, address)
+
+    def calls_on(self, side: int, address: str) -> int:
+        """Calls this gateway has open on the pairs of the engine at `address` (any mode: a gpu call on
+        pair (p, d) runs through that pair's channel, closed with it)."""
+        return sum(self.loads.calls(p) for p in self.pairs_with(side, address))
+
+    def leave_pool(self, side: int, address: str) -> list[Engines]:
+        """The engine's pairs leave; the caller closes the clients returned."""
+        removed = []
+        for p in self.pairs_with(side, address):
+            removed.append(self.members.pop(p))
+            del self.addresses[p]
+            self.loads.forget(p)
+        self.draining.discard((side, address))
+        return removed
 
     def sync(self, wanted: list[Address], connect: Callable[[Address], Engines]) -> tuple[list, list]:
         """Make the pairs those at `wanted` (discovery's answer): new ones get the lowest free index,

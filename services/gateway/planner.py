@@ -109,14 +109,27 @@ class Planner:
                 "decode": decode_replicas(d, token_s, max(1, max_num_seqs), self.targets)}
 
 
+def max_num_seqs(pairs) -> int:
+    """decode_fpga's batch, as its Info says (pairs are alike); 1 before any Info."""
+    return max((c.info["fpga"].max_num_seqs for c in pairs.members.values() if "fpga" in c.info), default=1)
+
+
+def snapshot(planner: Planner, router, pairs) -> dict:
+    """`GET /debug/planner`: the demand, the targets and the replicas they need, as the gauges say
+    (what `hybridserve up --autoscale` reads, and logs beside each decision)."""
+    d, t = planner.demand(), planner.targets
+    return {"desired": planner.desired(router, max_num_seqs(pairs)),
+            "demand": {"requests_per_s": d.rate, "mean_prompt_tokens": d.n_in, "mean_output_tokens": d.n_out},
+            "targets": {"ttft_s": t.ttft_s, "itl_s": t.itl_s, "max_replicas": t.max_replicas,
+                        "window_s": t.window_s},
+            "calibrated": bool(router.calibrated)}
+
+
 def publish(planner: Planner, router, pairs) -> None:
     """The planner's figures as gauges computed at each scrape of the gateway's /metrics."""
     from services.gateway import metrics as m
 
-    def max_num_seqs() -> int:  # decode_fpga's batch, as its Info says (pairs are alike)
-        return max((c.info["fpga"].max_num_seqs for c in pairs.members.values() if "fpga" in c.info), default=1)
-
     for pool in ("prefill", "decode"):
         m.PLANNER_DESIRED.labels(pool=pool).set_function(
-            lambda pool=pool: planner.desired(router, max_num_seqs())[pool])
+            lambda pool=pool: planner.desired(router, max_num_seqs(pairs))[pool])
     m.PLANNER_DEMAND.set_function(lambda: planner.demand().rate)

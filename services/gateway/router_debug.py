@@ -1,7 +1,9 @@
 """`GET /debug/router`: what the router believes now (fitted stage coefficients, online
 corrections, engine queues, exploration counts), for people and dashboards; `GET /debug/kv_index`:
 what the gateway believes each engine holds in its prefix cache (kv_index.py: the events' epoch and
-cursor, the number of block hashes), the picture prefix-aware placement reads.
+cursor, the number of block hashes), the picture prefix-aware placement reads; `GET /debug/planner`:
+the planner's demand, targets and desired replicas (planner.py) beside each pool's engines, what
+`hybridserve up --autoscale` decides on.
 
 The gateway mounts them with `app.include_router(debug_routes(lambda: <its Router>, lambda: <its
 Pairs>))`, adding its own auth dependencies when it has them.
@@ -12,12 +14,16 @@ from typing import Callable
 
 from fastapi import APIRouter
 
+from services.gateway.planner import snapshot
+from services.gateway.pool_admin import pools_state
 from services.gateway.router import Router
 from services.modes import ENGINE_NAMES
 
 
-def debug_routes(get_router: Callable[[], Router], get_pairs: Callable[[], object] | None = None) -> APIRouter:
-    """An APIRouter serving `get_router().snapshot()` and, given the pairs, their KV index as JSON."""
+def debug_routes(get_router: Callable[[], Router], get_pairs: Callable[[], object] | None = None,
+                 get_planner: Callable[[], object] | None = None) -> APIRouter:
+    """An APIRouter serving `get_router().snapshot()` and, given the pairs, their KV index as JSON (and
+    given the planner too, its figures)."""
     routes = APIRouter()
 
     @routes.get("/debug/router")
@@ -36,5 +42,12 @@ def debug_routes(get_router: Callable[[], Router], get_pairs: Callable[[], objec
                 out[str(p)] = {ENGINE_NAMES[e]: {"up": bool(clients.up.get(e)), **b.snapshot()}
                                for e, b in blocks.items()}
             return {"pairs": out}
+
+    if get_pairs is not None and get_planner is not None:
+        @routes.get("/debug/planner")
+        async def planner_state() -> dict:
+            """{"desired": {pool: n}, "demand", "targets", "calibrated", "pools": {pool: [engine, ...]}}."""
+            pairs = get_pairs()
+            return {**snapshot(get_planner(), get_router(), pairs), "pools": pools_state(pairs)}
 
     return routes

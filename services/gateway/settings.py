@@ -18,7 +18,8 @@ class GatewaySettings(CommonSettings):
                                                   # newer than the per-process prefixes: no bare name
                                                   **{f: "gateway_" + f for f in ("pairs", "pairs_dns",
                                                                                  "pairs_dns_refresh_s",
-                                                                                 "prefill_pool", "decode_pool")}}
+                                                                                 "prefill_pool", "decode_pool",
+                                                                                 "pool_admin")}}
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -69,6 +70,9 @@ class GatewaySettings(CommonSettings):
     planner_itl_s: float = Field(0.1, gt=0)
     planner_max_replicas: int = Field(16, ge=1)
     planner_window_s: float = Field(60.0, gt=0)
+    # /admin/pools: engines added to and removed from the pools at run time, from loopback only (with the
+    # API key when one is set); `hybridserve up --autoscale` sets it for its gateway (pool_admin.py)
+    pool_admin: bool = False
 
     def planner_targets(self) -> Targets:
         return Targets(self.planner_ttft_s, self.planner_itl_s, self.planner_max_replicas, self.planner_window_s)

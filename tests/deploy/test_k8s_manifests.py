@@ -388,3 +388,57 @@ def _bytes(quantity: str) -> int:
         if quantity.endswith(suffix):
             return int(quantity[: -len(suffix)]) * factor
     return int(quantity)
+
+
+# --- KEDA for the split overlay's pools (an opt-in component) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def keda_rendered(kubectl) -> list[dict]:
+    return k8s.render(kubectl, k8s.K8S / "overlays" / "split-keda")
+
+
+def test_the_keda_component_validates_and_replaces_only_the_pools_hpas(rendered, keda_rendered):
+    scaled = [o for o in keda_rendered if o["kind"] == "ScaledObject"]
+    others = [o for o in keda_rendered if o["kind"] != "ScaledObject"]
+    assert validation_errors(others + [k8s.hpa_of(s) for s in scaled]) == []
+    assert [p for s in scaled for p in k8s.scaled_object_problems(s, keda_rendered)] == []
+    # the split overlay less its two pool HPAs, object for object: KEDA makes its own HPA per ScaledObject
+    pool_hpas = {("HorizontalPodAutoscaler", "hybridserve-prefill"), ("HorizontalPodAutoscaler", "hybridserve-decode")}
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    assert sorted((o for o in rendered["split"] if key(o) not in pool_hpas), key=key) == sorted(others, key=key)
+    assert not [o for o in keda_rendered if o["kind"] == "HorizontalPodAutoscaler"]
+    for obj in scaled:
+        assert obj["metadata"]["namespace"] == "hybridserve"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hybridserve"
+
+
+def test_each_pool_scales_on_the_planners_desired_replicas_for_it_and_its_waiting_requests(keda_rendered):
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from services.engine import metrics
+    from services.gateway import metrics as gateway_metrics
+
+    exported = {family.name for module in (metrics, gateway_metrics) for collector in vars(module).values()
+                if isinstance(collector, MetricWrapperBase) for family in collector.describe()}
+    scaled = {o["spec"]["scaleTargetRef"]["name"]: o for o in keda_rendered if o["kind"] == "ScaledObject"}
+    assert set(scaled) == {"hybridserve-prefill", "hybridserve-decode"}
+    for name, obj in scaled.items():
+        pool = pod_labels(k8s.named(keda_rendered, "StatefulSet", name))["app.kubernetes.io/component"]
+        queries = {t["metadata"]["query"]: t for t in obj["spec"]["triggers"] if t["type"] == "prometheus"}
+        planner = next(q for q in queries if q.startswith("sum(hybridserve_planner_desired_replicas{"))
+        assert f'pool="{pool}"' in planner and 'namespace="hybridserve"' in planner
+        assert queries[planner]["metricType"] == "AverageValue" and queries[planner]["metadata"]["threshold"] == "1"
+        waiting = next(q for q in queries if "hybridserve_engine_num_requests_waiting" in q)
+        assert f'pod=~"{name}-[0-9]+"' in waiting
+        assert {q.split("(", 1)[1].split("{", 1)[0] for q in queries} <= exported
+
+
+def test_the_scaled_object_checks_catch_a_misspelt_field_and_a_number_threshold(keda_rendered):
+    obj = k8s.named(keda_rendered, "ScaledObject", "hybridserve-decode")
+    broken = yaml.safe_load(yaml.safe_dump(obj))
+    broken["spec"]["minReplicas"] = broken["spec"].pop("minReplicaCount")
+    broken["spec"]["triggers"][0]["metadata"]["threshold"] = 1
+    broken["spec"]["scaleTargetRef"]["name"] = "hybridserve-decoder"
+    problems = k8s.scaled_object_problems(broken, keda_rendered)
+    assert any("minReplicas" in p for p in problems) and any("threshold must be a string" in p for p in problems)
+    assert any("names no workload" in p for p in problems)

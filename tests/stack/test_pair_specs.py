@@ -82,3 +82,26 @@ def test_more_prefill_than_decode_engines_is_a_layout_and_pools_with_pairs_are_r
     assert gateway["prefill_pool"] == "127.0.0.1:50061,127.0.0.1:50071"
     with pytest.raises(ValidationError, match="not both"):
         UpSettings(pairs=2, decode_engines=2)
+
+
+def test_autoscaled_pools_start_at_their_minimum_and_every_decode_engine_may_pull_from_the_most():
+    from services.stack import _layout_specs, _scaled_spec
+
+    s = UpSettings(prefill_engines=1, decode_engines=1, autoscale=True, max_prefill_engines=2, max_decode_engines=3)
+    prefill, decode = PrefillSettings(port=50061), DecodeSettings(port=50062)
+    specs, pairs, gateway = _layout_specs(s, prefill, decode, {})
+    assert [c.name for c in specs] == ["prefill_gpu.0", "decode_fpga.0"] and len(pairs) == 1
+    assert gateway == {"prefill_pool": "127.0.0.1:50061", "decode_pool": "127.0.0.1:50062", "pool_admin": "true"}
+    both = "127.0.0.1:50061,127.0.0.1:50071"
+    assert specs[1].env[DecodeSettings.env_name("prefill_addresses")] == both
+    spec_of = _scaled_spec(s, prefill, decode, {})
+    extra, address, _ = spec_of("decode", 2)
+    assert (extra.name, address, extra.follows) == ("decode_fpga.2", "127.0.0.1:50082", "prefill_gpu.0")
+    assert extra.env[DecodeSettings.env_name("prefill_addresses")] == both
+    extra, address, _ = spec_of("prefill", 1)
+    assert (extra.name, address, extra.follows) == ("prefill_gpu.1", "127.0.0.1:50071", None)
+
+
+def test_up_refuses_autoscale_bounds_without_autoscale(capsys):
+    assert main(["up", "--decode", "1", "--max-decode", "2"]) == 2
+    assert "bound autoscale, which is off" in capsys.readouterr().err
