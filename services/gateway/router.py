@@ -149,8 +149,13 @@ class Router:
                     company = s.get("company")
                     predicted = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0, company or 0)
                     ESTIMATE_RATIO.labels(stage=key[0], device=key[1]).observe(max(s["seconds"], 0.0) / predicted)
-                    if key[0] == "decode" and company is not None:  # before the sample joins the correction
-                        alone = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0)
+                    if key[0] == "decode" and company is not None:
+                        # against the uncorrected base: beta (c1 / c0 of the fit) is the same whatever constant
+                        # error the base has, while the correction learns from these same samples. Measured
+                        # against the corrected estimate, a load that held for `recent` requests was already
+                        # in the correction, every ratio came out ~1 and beta 0 (39 decodes at 14-32
+                        # company, live): a busy engine then looked slow alone
+                        alone = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
                         self._slowdown[key[1]].add(company, max(float(s["seconds"]), 1e-9) / alone)
                 self._online.setdefault(key, deque(maxlen=self._window)).append(s)
                 self._last_seen[key] = self._auto
@@ -250,6 +255,17 @@ class Router:
         own = {e: self.queued(e) for e in ENGINES}
         return {e: max(own.values()) for e in ENGINES} if self.shared_compute else own
 
+    def lifetime_company(self, at_dispatch: dict[str, int] | None) -> dict[str, float] | None:
+        """The company a request had over its life, for the sample it teaches: the mean of what it found
+        when sent (`at_dispatch`, its Decision's) and what is left as it ends. Tagged with the company
+        at dispatch alone, the requests of a burst taught nothing: the first one sent found none and ran
+        beside all the rest, the last found them all, and their decodes took the same time."""
+        if at_dispatch is None:
+            return None
+        with self._lock:
+            now = self.company()
+        return {e: (at_dispatch.get(e, 0) + now[e]) / 2 for e in ENGINES}
+
     def queueing(self, mode: str) -> float:
         """Seconds a new request waits behind the work already queued on the mode's engines."""
         engines = ENGINES if self.shared_compute else MODES[mode].engines
@@ -345,8 +361,8 @@ class Router:
                     "quiet_profiled": sorted(f"{st}/{dev}" for st, dev in self._quiet_profiled)}
 
 
-def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, int] | None = None) -> list[dict]:
-    """A finished request's timings as calibration samples; `company`: the Decision's, which the
+def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, float] | None = None) -> list[dict]:
+    """A finished request's timings as calibration samples; `company`: its `lifetime_company`, which the
     decode sample carries so the router learns what a batch adds. Prefill and hand-off are of the
     prompt's positions the prefix cache did not hold (a hit is not what a fresh prompt costs);
     decode's context is the whole prompt."""

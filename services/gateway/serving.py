@@ -119,7 +119,7 @@ class Run:
         if self.engine_timings is not None and self.done and len(self.choices) == 1 \
                 and not self.choices[0].stops.stopped:
             self.router.observe(samples_from_timings(mode, self.n_in, self.timings().model_dump(),
-                                                     self.decision.company))
+                                                     self.router.lifetime_company(self.decision.company)))
 
     def timings(self) -> Timings:
         t = self.engine_timings or pb.Timings()

@@ -349,3 +349,43 @@ def test_on_one_processor_a_busy_batch_slows_every_mode_alike():
     busy = router.estimates(n_in, n_out)
     assert idle in ("fpga", "hybrid") and router.choose(n_in, n_out).mode == idle
     assert busy["gpu"] > busy[idle], busy
+
+
+def test_a_load_seen_before_any_request_alone_is_learned_as_company():
+    """fpga's decode costs (1 + 0.5 s) x its alone-time; the first requests it finishes ran at 12 company
+    (a start under load), then two alone. beta is fitted on measured / the uncorrected base: before, the
+    ratios were taken against the corrected estimate, which had already taken the load in after the
+    first request, so the later busy ones looked like no slowdown and beta came out 3x too large."""
+    router = Router(synthetic_samples(), explore_share=0)
+    n_in, n_out = 64, 128
+    for company in [12] * 4 + [0] * 2:
+        t = timings_of("fpga", n_in, n_out)
+        t["decode_s"] *= 1 + 0.5 * company
+        router.observe(samples_from_timings("fpga", n_in, t, {"gpu": company, "fpga": company}))
+    beta = router.snapshot()["engines"]["fpga"]["batch_slowdown_beta"]
+    assert abs(beta - 0.5) < 0.05, beta
+
+
+def test_a_burst_teaches_what_a_batch_adds():
+    """Two requests alone, then sixteen sent at once, all decoding side by side: each one's decode takes
+    (1 + 0.5 x 15) its alone-time whatever it found when sent (0 for the first, 15 for the last). Tagged
+    with the mean of the company found when sent and what is left when it ends, the burst teaches beta
+    and fpga alone still looks as fast as it is; tagged with the company when sent, it taught beta ~0
+    and a 7x slower fpga, and a busy machine's auto sent work to gpu mode."""
+    router = Router(synthetic_samples(), explore_share=0)
+    n_in, n_out = 64, 128
+    for _ in range(2):  # two requests alone first, as a start's warm-up sends them
+        alone = router.choose(n_in, n_out, forced="fpga").company
+        router.observe(samples_from_timings("fpga", n_in, timings_of("fpga", n_in, n_out),
+                                            router.lifetime_company(alone)))
+    sent = []
+    for _ in range(16):
+        sent.append(router.choose(n_in, n_out, forced="fpga").company)
+        router.started("fpga")
+    for company in sent:
+        router.finished("fpga", 1.0)
+        t = timings_of("fpga", n_in, n_out)
+        t["decode_s"] *= 1 + 0.5 * 15
+        router.observe(samples_from_timings("fpga", n_in, t, router.lifetime_company(company)))
+    assert router.snapshot()["engines"]["fpga"]["batch_slowdown_beta"] > 0.2
+    assert router.estimates(n_in, n_out)["fpga"] < 2 * truth("fpga", n_in, n_out)
