@@ -36,9 +36,12 @@ def token_logprob(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     if k > 0:
         k = min(k, logits.size)
-        ids = np.argpartition(logits, logits.size - k)[logits.size - k:]
-        # a stable order whatever argpartition left: by logit, then by id
-        ids = ids[np.lexsort((ids, -logits[ids]))]
+        # the k-th largest logit; every id above it, then the lowest ids equal to it (argpartition alone
+        # would take any of the tied ones: a row of ties across the k-th place would name ids at random)
+        kth = np.partition(logits, logits.size - k)[logits.size - k]
+        above = np.flatnonzero(logits > kth)
+        ids = np.concatenate([above, np.flatnonzero(logits == kth)[:k - above.size]])
+        ids = ids[np.lexsort((ids, -logits[ids]))]  # by logit, then by id
         top = tuple((int(i), float(logits[i]) - lse) for i in ids)
     return TokenLogprob(float(logits[token]) - lse, top)
 

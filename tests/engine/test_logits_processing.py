@@ -21,6 +21,10 @@ def test_token_logprob_is_torch_log_softmax_and_its_top_k():
     assert [t for t, _ in lp.top] == order.tolist() and lp.top[0][0] == 10
     assert np.allclose([v for _, v in lp.top], ref[order], atol=1e-6)
     assert token_logprob(logits, 7, 0).top == ()
+    # ties across the k-th place: the lowest ids of the tied ones, whichever argpartition would pick
+    flat = np.zeros(1000, np.float32)
+    flat[[500, 900]] = 1.0
+    assert [t for t, _ in token_logprob(flat, 0, 5).top] == [500, 900, 0, 1, 2]
 
 
 def test_each_control_does_what_its_definition_says():
