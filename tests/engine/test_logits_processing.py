@@ -51,6 +51,10 @@ def test_greedy_with_a_control_or_logprobs_leaves_the_device_argmax():
     for kw in ({"logprobs": 0}, {"presence_penalty": 0.1}, {"logit_bias": ((1, 2.0),)}, {"min_tokens": 1},
                {"repetition_penalty": 1.1}):
         assert not SamplingParams(temperature=0, **kw).device_greedy, kw
+        # logprobs alone keep the device's argmax on an engine that computes them there (plain greedy)
+        assert SamplingParams(temperature=0, **kw).plain_greedy == ("logprobs" in kw), kw
+    assert not SamplingParams(temperature=0.5, logprobs=1).plain_greedy
+    assert not SamplingParams(temperature=0, logprobs=1, grammar="start: /a/").plain_greedy
 
 
 def test_pick_applies_the_controls_and_reports_the_raw_logprob():
