@@ -94,11 +94,15 @@ def test_kernel_refuses_bad_targets(cl_dev):
         LogprobsAsked(21, [0])
 
 
-def test_engine_step_gives_the_host_paths_logprobs_from_the_device(ocl_gguf_engine, model_config):
+def test_engine_step_gives_the_host_paths_logprobs_from_the_device(ocl_gguf_engine, model_config, monkeypatch):
     """A step of a decode row and an all_logits prompt chunk: with logprobs asked, the picks and logprobs
-    equal what the host computes from the same step's logits (the one-decode-row step, one launch or not,
-    too)."""
+    equal what the host computes from the same step's logits (the one-decode-row step, as one launch
+    unless a busy machine makes it give up and run launch by launch, too)."""
+    from services.decode_fpga.one_launch_choice import OneLaunchChoice
+
     e = ocl_gguf_engine
+    choice = OneLaunchChoice(fixed=True)  # one launch whenever the step can (no tries of the other way)
+    monkeypatch.setattr(e, "one_launch_choice", choice)
     a, b = random_prompt(20, model_config.vocab_size, seed=1), random_prompt(9, model_config.vocab_size, seed=2)
     first = e.step([ScheduledChunk(1, 0, tuple(a), (0, 1), True, None)], greedy=True)[0]
     chunks = [ScheduledChunk(1, len(a), (first,), (0, 1), True, None),
@@ -109,8 +113,9 @@ def test_engine_step_gives_the_host_paths_logprobs_from_the_device(ocl_gguf_engi
     assert len(got) == len(rows) == 1 + len(b)
     assert_same(got, rows, targets, 5)
     one = [ScheduledChunk(1, len(a), (first,), (0, 1), True, None)]
-    for _ in range(3):  # whichever way one_launch_choice runs it
+    for _ in range(3):
         assert_same(e.step(one, greedy=True, logprobs=LogprobsAsked(2, [-1])), e.step(one, greedy=False), [-1], 2)
+    assert choice.ran[True] + choice.gave_up == 6  # every one-row step went the one-launch way first
     with pytest.raises(ValueError, match="greedy"):
         e.step(one, greedy=False, logprobs=LogprobsAsked(2, [-1]))
 
