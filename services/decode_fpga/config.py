@@ -32,6 +32,7 @@ class EngineConfig:
     max_sequences: int = 4  # sequences resident on the device at once
     keep_cores_awake: bool = True  # on a CPU device: hold a 0 µs wake-up latency while steps run (cpu_wake.py)
     layer_kernels: bool = True  # on a CPU device with block weights: a one-sequence step in one launch
+    device_logprobs: bool = True  # plain greedy rows' logprobs by kernels/logprobs.cl, not from logits read back
     # gguf storage: a matrix without a device kernel (its type, or a stack of mixed types) stored as f32
     # instead of refused at start
     allow_dense_fallback: bool = False
@@ -59,7 +60,8 @@ class EngineConfig:
             fmt = "gguf" if checkpoint_kind == "gguf" else "fp32"
         return cls(weights_dtype=fmt, kv_channels=settings.kv_channels, max_context=settings.max_context,
                    max_sequences=settings.max_sequences, keep_cores_awake=settings.opencl_keep_cores_awake,
-                   layer_kernels=settings.opencl_layer_kernels, allow_dense_fallback=settings.allow_dense_fallback,
+                   layer_kernels=settings.opencl_layer_kernels, device_logprobs=settings.opencl_logprobs,
+                   allow_dense_fallback=settings.allow_dense_fallback,
                    kv_cache_mb=settings.kv_cache_mb,
                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
                    max_num_batched_tokens=settings.max_num_batched_tokens)

@@ -11,6 +11,7 @@ the tests and tools use and the batched paged step serving uses - over the same 
     paged_kv_store.py  PagedKVStore: the paged KV pool (continuous batching), KV imported into its blocks
     paged_step_rows.py a paged step's rows from the scheduler's chunks, checked, and their upload
     paged_plans.py     PagedStepPlans: the bound launches of a paged step, for any rows
+    device_logprobs.py a paged step's logprobs and top k on the device (kernels/logprobs.cl)
 
 Two paths share the weights and the scratch buffers: sequences in slots (new_sequence,
 prefill, decode: the Engine protocol) and steps over the paged pool (step: the BatchEngine
@@ -51,6 +52,7 @@ from services.decode_fpga.paged_step_rows import PagedStepInputs
 from services.decode_fpga.plans import LaunchPlans, StepKind
 from services.decode_fpga.scratch import RowInputs, Scratch
 from services.decode_fpga.settings import DecodeSettings
+from services.engine.logprobs import LogprobsAsked, StepLogprobs
 from services.model.config import ModelConfig
 from services.model.gguf_blocks import read_block_tensors
 from services.model.loading import LoadedModel
@@ -88,6 +90,9 @@ class OpenCLEngine:
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
         self.one_launch_choice = OneLaunchChoice(dev.name)  # both paths' one-sequence decode steps
+        # greedy rows' logprobs by the device's kernel (the engine loop asks, step(logprobs=...)); False:
+        # the loop reads their logits rows and computes them on the host (the A/B of bench/logprobs_cost.py)
+        self.logprobs_on_device = config.device_logprobs
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
         self._wake = CpuWakeLatency() if self.fit.keep_cores_awake else None
 
@@ -154,22 +159,36 @@ class OpenCLEngine:
         return self.config.max_num_seqs
 
     # ---- BatchEngine API -----------------------------------------------------------------
-    def step(self, chunks, greedy: bool, on_layer=None) -> list[int] | np.ndarray:
+    def step(self, chunks, greedy: bool, on_layer=None,
+             logprobs: LogprobsAsked | None = None) -> list[int] | np.ndarray | StepLogprobs:
         """One forward over every row of every chunk (services/engine/api.py's BatchEngine.step): the
-        sampling chunks' argmax tokens (greedy) or their logits [n_sampling, vocab]. One wait, when
-        the results are read back (and one a layer while on_layer is given)."""
+        sampling chunks' argmax tokens (greedy) or their logits [n_sampling, vocab]; with `logprobs`
+        (greedy only), each logit row's argmax, its target's logprob and k best, computed on the device
+        (StepLogprobs). One wait, when the results are read back (and one a layer while on_layer is given)."""
+        if logprobs is not None and not greedy:
+            raise ValueError("logprobs on the device come with the device's argmax (greedy steps)")
         with self._lock:
             rows = self.step_inputs.rows(chunks)
+            targets = None if logprobs is None else self.paged_plans.logprobs.check(logprobs, rows.n_samples)
+            k = None if logprobs is None else logprobs.k
             if on_layer is not None or not self.paged_plans.can_run_as_one_launch(rows):
-                return self._paged_step(rows, greedy, on_layer, one_launch=False)
-            return self.one_launch_choice.run(lambda one_launch: self._paged_step(rows, greedy, None, one_launch))
+                return self._paged_step(rows, greedy, on_layer, one_launch=False, targets=targets, k=k)
+            return self.one_launch_choice.run(
+                lambda one_launch: self._paged_step(rows, greedy, None, one_launch, targets=targets, k=k))
 
-    def _paged_step(self, rows, greedy: bool, on_layer, one_launch: bool):
+    def _paged_step(self, rows, greedy: bool, on_layer, one_launch: bool, targets=None, k: int | None = None):
         """A step over the rows, uploaded first; None when its one launch gave up (nothing to read)."""
         self._keep_awake()
         q, plans, keep = self.dev.queue, self.paged_plans, []
         self.step_inputs.upload(rows, keep)
-        failed = self._enqueue_paged_step(rows, greedy, on_layer, one_launch)
+        if k is not None:
+            plans.logprobs.upload(targets, keep)
+        failed = self._enqueue_paged_step(rows, greedy, on_layer, one_launch, k)
+        if k is not None:
+            out = plans.logprobs.read(q, rows.n_samples, k)  # the one wait
+            if rows.n_samples == 0:
+                q.finish()
+            return None if failed is not None and failed[0] else out
         if rows.n_samples == 0:
             q.finish()
         else:
@@ -182,7 +201,8 @@ class OpenCLEngine:
             return [] if greedy else np.empty((0, self.cfg.vocab_size), np.float32)
         return out.tolist() if greedy else out
 
-    def _enqueue_paged_step(self, rows, greedy: bool, on_layer, one_launch: bool) -> np.ndarray | None:
+    def _enqueue_paged_step(self, rows, greedy: bool, on_layer, one_launch: bool,
+                            logprobs_k: int | None = None) -> np.ndarray | None:
         """Enqueue the embedding, every layer and the head of a paged step; returns the host array a
         one-launch step's failure flag is read into (see _paged_step), else None."""
         q, plans = self.dev.queue, self.paged_plans
@@ -194,7 +214,7 @@ class OpenCLEngine:
                 cl.enqueue_nd_range_kernel(q, plans.embed.kernel, (1,), None, wait_for=[gate])
                 for launch in plans.one_launch:
                     launch.enqueue(q, 0, 1)
-                plans.enqueue_head(q, rows, greedy)
+                plans.enqueue_head(q, rows, greedy, logprobs_k)
             finally:
                 gate.set_status(cl.command_execution_status.COMPLETE)
             failed = np.zeros(1, np.int32)
@@ -206,7 +226,7 @@ class OpenCLEngine:
             if on_layer is not None:
                 q.finish()  # layer li's K and V of every chunk are in the pool
                 on_layer(li)
-        plans.enqueue_head(q, rows, greedy)
+        plans.enqueue_head(q, rows, greedy, logprobs_k)
         return None
 
     def import_kv_blocks(self, block_table, layer: int, kv: np.ndarray) -> None:

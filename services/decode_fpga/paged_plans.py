@@ -26,6 +26,7 @@ import pyopencl as cl
 
 from services.decode_fpga.arch_parts import ArchKernels
 from services.decode_fpga.device import DeviceContext
+from services.decode_fpga.device_logprobs import DeviceLogprobs
 from services.decode_fpga.device_weights import DeviceWeights
 from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
 from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
@@ -56,6 +57,7 @@ class PagedStepPlans:
         self.logits = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * cfg.vocab_size * 4)
         self.picks = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * 4)
         self._argmax_pos = cl.Buffer(ctx, cl.mem_flags.READ_WRITE, max_samples * 4)  # argmax_rows' +1s, unread
+        self.logprobs = DeviceLogprobs(dev, self.logits, cfg.vocab_size, max_samples)
         b = inputs.buffers
         self.embed = spanning(weights.embed.bind_embed(b["tokens"], scratch.x, 1))
         self.layers = [self._bind_layer(li) for li in range(cfg.n_layers)]
@@ -75,11 +77,14 @@ class PagedStepPlans:
         for span, launch in self.layers[li]:
             launch.enqueue(queue, *rows.span(span))
 
-    def enqueue_head(self, queue: cl.CommandQueue, rows: StepRows, greedy: bool) -> None:
-        """Logits of the sampling rows into self.logits[0:n_samples]; greedy: their argmax into self.picks."""
+    def enqueue_head(self, queue: cl.CommandQueue, rows: StepRows, greedy: bool, logprobs_k: int | None = None) -> None:
+        """Logits of the sampling rows into self.logits[0:n_samples]; greedy: their argmax into self.picks;
+        logprobs_k: instead, their argmax, logprobs and k best (self.logprobs, its targets uploaded)."""
         for span, launch in self.head:
             launch.enqueue(queue, *rows.span(span))
-        if greedy:
+        if logprobs_k is not None:
+            self.logprobs.enqueue(queue, rows.n_samples, logprobs_k)
+        elif greedy:
             self.argmax.enqueue(queue, *rows.span("samples"))
 
     # ---- binding --------------------------------------------------------------------------

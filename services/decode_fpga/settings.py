@@ -44,6 +44,10 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # on a CPU device with block-format weights: a one-sequence decode step's layers in one launch,
     # its phases separated by barriers across work-groups (decode_layers.cl); false: five per layer
     opencl_layer_kernels: bool = True
+    # logprobs of plain greedy rows (and echo's prompt logprobs) by a log-softmax + top-k kernel on the
+    # device, 2 + 2k words a row read back (kernels/logprobs.cl); false: the row's logits are read back
+    # and the host computes them (rows with penalties, logit_bias, a grammar or sampling always are)
+    opencl_logprobs: bool = True
     # weights and KV
     # auto: the checkpoint's GGUF blocks when it has them (exactly the reference's weight values,
     # a fifth of the bytes), else fp32; fp16 is the opt-in speed setting that changes the values

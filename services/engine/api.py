@@ -75,6 +75,9 @@ class BatchEngine(Protocol):
         a greedy step) gives every row's, in order, its last row being its sampling row if it samples.
         `on_layer(l)`: layer l's K/V of every chunk is in the pool.
         A row's result does not depend on the other rows of the step (batch invariance).
+        An engine whose `logprobs_on_device` is true also takes `logprobs=LogprobsAsked(k, targets)` in a
+        greedy step (services/engine/logprobs.py) and then answers StepLogprobs: per logit row its argmax,
+        its target's logprob and its k best, computed on the device instead of the logits read back.
         """
 
     def import_kv_blocks(self, block_table: Sequence[int], layer: int, kv: np.ndarray) -> None:

@@ -32,7 +32,7 @@ from services.engine.api import BatchEngine
 from services.engine.generation import TokenEvent
 from services.engine.grammar import GrammarMatcher, GrammarTokenizer, prepare_masks
 from services.engine.host_kv_tier import HostKVTier
-from services.engine.logprobs import TokenLogprob, token_logprob
+from services.engine.logprobs import LogprobsAsked, StepLogprobs, TokenLogprob, token_logprob
 from services.engine.request_state import finish_reason
 from services.engine.requests import (Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull,
                                       ShuttingDown, check_prompt)
@@ -88,13 +88,17 @@ class RequestStream:
     _counted: bool = False  # holds one of the loop's places (EngineLoop._release gives it back)
     _prompt_logprobs: dict = field(default_factory=dict)  # prompt position → TokenLogprob (all_logits)
 
-    def keep_prompt_logprobs(self, start: int, rows) -> None:
-        """The loop thread: rows of logits of positions start.. (each predicts the next position's token)."""
+    def keep_prompt_logprobs(self, start: int, n: int, logprob_of: Callable[[int, int, int], TokenLogprob]) -> int:
+        """The loop thread: n rows of positions start.. (each predicts the next position's token);
+        logprob_of(row, token, k): that row's TokenLogprob of `token` with its k best. How many it kept."""
         seq, k = self.seq, self.seq.sampling_params.prompt_logprobs
-        for i, row in enumerate(rows):
+        kept = 0
+        for i in range(n):
             predicted = start + i + 1
             if predicted < seq.num_prompt_tokens:
-                self._prompt_logprobs[predicted] = token_logprob(row, seq.token_ids[predicted], k)
+                self._prompt_logprobs[predicted] = logprob_of(i, seq.token_ids[predicted], k)
+                kept += 1
+        return kept
 
     def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
         """Positions 1..n-1 of the prompt, when the request asked for them."""
@@ -372,10 +376,18 @@ class EngineLoop:
         # the device's argmax serves only when no row needs its logits (processing, logprobs, sampling)
         greedy = (all(c.sampling_params.device_greedy for c in sampling)
                   and not any(c.all_logits for c in out.chunks))
+        # an engine with logprobs_on_device (the OpenCL engine's step(logprobs=...)) computes the logprobs
+        # of a step whose sampling rows are all plain greedy; any other step reads every logit row back
+        asked = None
+        if (not greedy and getattr(self.engine, "logprobs_on_device", False)
+                and all(c.sampling_params.plain_greedy for c in sampling)):
+            asked = self._logprobs_asked(out.chunks)
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
                      if c.samples and c.seq_id in self._streams and self._streams[c.seq_id].export is not None]
         try:
-            result = self.engine.step(out.chunks, greedy, self._exporter(exporting) if exporting else None)
+            on_layer = self._exporter(exporting) if exporting else None
+            result = (self.engine.step(out.chunks, greedy, on_layer) if asked is None
+                      else self.engine.step(out.chunks, True, on_layer, logprobs=asked))
         except Exception:
             log.exception("engine step failed (%d sequences, %d tokens); failing its requests",
                           len(out.chunks), out.num_batched_tokens)
@@ -400,25 +412,10 @@ class EngineLoop:
         logprobs: dict[int, TokenLogprob | None] = {}
         if greedy:
             sampled = dict(zip((c.seq_id for c in sampling), (int(t) for t in result)))
+        elif asked is not None:
+            sampled = self._take_device_logprobs(out, result, logprobs)
         else:
-            sampled = {}
-            rows = iter(result)  # in chunk order: an all_logits chunk's every row, a sampling chunk's last
-            for c in out.chunks:
-                if not (c.samples or c.all_logits):
-                    continue
-                block = [next(rows) for _ in range(c.num_tokens if c.all_logits else 1)]
-                stream = self._streams.get(c.seq_id)
-                if stream is None:
-                    sampled[c.seq_id] = 0
-                    continue
-                seq = stream.seq
-                if c.all_logits:
-                    stream.keep_prompt_logprobs(c.start, block)
-                if c.samples:
-                    sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
-                        block[-1], seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
-                    if stream.sampler.grammar is not None:  # a complete grammar ends the sequence at this token
-                        seq.stop_requested = stream.sampler.grammar.stopped
+            sampled = self._take_logits(out, result, logprobs)
         self.scheduler.update(out, sampled)
         grammars = []  # of the streams that go on: their next masks are computed while the next step runs
         for chunk in sampling:
@@ -433,6 +430,80 @@ class EngineLoop:
         if grammars:
             prepare_masks(grammars)
         self._update_gauges()
+
+    def _logit_rows(self, out: SchedulerOutput) -> Iterator[tuple]:
+        """(chunk, its first logit row, its number of logit rows) of every chunk that gives logits, in
+        the step's row order: an all_logits chunk's every row, a sampling chunk's last."""
+        row = 0
+        for c in out.chunks:
+            if c.samples or c.all_logits:
+                n = c.num_tokens if c.all_logits else 1
+                yield c, row, n
+                row += n
+
+    def _logprobs_asked(self, chunks) -> LogprobsAsked:
+        """What the device computes for a step of plain greedy rows that wants logprobs: per logit row the
+        token it predicts (the prompt's next token for prompt logprobs, -1: the row's greedy pick) and
+        the largest k any of them asks for."""
+        targets, k = [], 0
+        for c in chunks:
+            p = c.sampling_params
+            if c.samples and p.logprobs is not None:
+                k = max(k, p.logprobs)
+            if c.all_logits:
+                k = max(k, p.prompt_logprobs or 0)
+                stream = self._streams.get(c.seq_id)
+                for i in range(c.num_tokens):
+                    predicted = c.start + i + 1
+                    in_prompt = stream is not None and predicted < stream.seq.num_prompt_tokens
+                    targets.append(stream.seq.token_ids[predicted] if in_prompt else -1)
+            elif c.samples:
+                targets.append(-1)
+        return LogprobsAsked(k, targets)
+
+    def _take_device_logprobs(self, out: SchedulerOutput, result: StepLogprobs,
+                              logprobs: dict[int, TokenLogprob | None]) -> dict[int, int]:
+        """A step whose logprobs the device computed: each sampling row's pick (its argmax: these rows are
+        plain greedy) and logprob, and the prompt logprobs of all_logits chunks."""
+        sampled = {}
+        for c, first, n in self._logit_rows(out):
+            stream = self._streams.get(c.seq_id)
+            if stream is None:
+                sampled[c.seq_id] = 0
+                continue
+            if c.all_logits:
+                kept = stream.keep_prompt_logprobs(c.start, n, lambda i, _token, k: result.at(first + i, k))
+                m.LOGPROB_ROWS.labels("device").inc(kept)
+            if c.samples:
+                last, p = first + n - 1, stream.seq.sampling_params
+                sampled[c.seq_id] = int(result.picks[last])
+                if p.logprobs is not None:
+                    logprobs[c.seq_id] = result.at(last, p.logprobs)
+                    m.LOGPROB_ROWS.labels("device").inc()
+        return sampled
+
+    def _take_logits(self, out: SchedulerOutput, result, logprobs: dict[int, TokenLogprob | None]) -> dict[int, int]:
+        """A step that read its logit rows back: each sampling row picked by its sampler (controls, grammar,
+        sampling) with its logprob, and the prompt logprobs of all_logits chunks, on the host."""
+        sampled = {}
+        for c, first, n in self._logit_rows(out):
+            block = result[first:first + n]
+            stream = self._streams.get(c.seq_id)
+            if stream is None:
+                sampled[c.seq_id] = 0
+                continue
+            seq = stream.seq
+            if c.all_logits:
+                kept = stream.keep_prompt_logprobs(c.start, n, lambda i, token, k: token_logprob(block[i], token, k))
+                m.LOGPROB_ROWS.labels("host").inc(kept)
+            if c.samples:
+                sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
+                    block[-1], seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
+                if logprobs[c.seq_id] is not None:
+                    m.LOGPROB_ROWS.labels("host").inc()
+                if stream.sampler.grammar is not None:  # a complete grammar ends the sequence at this token
+                    seq.stop_requested = stream.sampler.grammar.stopped
+        return sampled
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:
         def on_layer(layer: int) -> None:

@@ -46,4 +46,7 @@ STEP_SEQUENCES = Histogram("hybridserve_engine_step_batch_size", "Sequences comp
                            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 STEP_TOKENS = Histogram("hybridserve_engine_step_tokens", "Tokens computed per engine step",
                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+LOGPROB_ROWS = Counter("hybridserve_engine_logprob_rows", "Positions given logprobs, by where they were computed: "
+                       "device (a log-softmax and top-k kernel, 2 + 2k words read back) or host (the fp32 logits "
+                       "row read back)", ["where"])
 STEP_SECONDS = Histogram("hybridserve_engine_step_seconds", "Seconds per engine step", buckets=STAGE_BUCKETS)

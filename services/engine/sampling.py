@@ -82,9 +82,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy and nothing changes the logits (no controls, no grammar): the device's argmax is the pick,
+        and an engine that computes logprobs on its device may give them too (engine_loop.py)."""
+        return self.greedy and not processes(self) and not self.grammar
+
+    @property
     def device_greedy(self) -> bool:
-        """The device's argmax is the whole answer: greedy, nothing changes the logits, no logprobs."""
-        return self.greedy and self.logprobs is None and not processes(self) and not self.grammar
+        """The device's argmax is the whole answer: plain greedy, no logprobs."""
+        return self.plain_greedy and self.logprobs is None
 
 
 def uniform(seed: int, stream: int, position: int) -> float:

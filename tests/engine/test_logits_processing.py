@@ -21,6 +21,10 @@ def test_token_logprob_is_torch_log_softmax_and_its_top_k():
     assert [t for t, _ in lp.top] == order.tolist() and lp.top[0][0] == 10
     assert np.allclose([v for _, v in lp.top], ref[order], atol=1e-6)
     assert token_logprob(logits, 7, 0).top == ()
+    # ties across the k-th place: the lowest ids of the tied ones, whichever argpartition would pick
+    flat = np.zeros(1000, np.float32)
+    flat[[500, 900]] = 1.0
+    assert [t for t, _ in token_logprob(flat, 0, 5).top] == [500, 900, 0, 1, 2]
 
 
 def test_each_control_does_what_its_definition_says():
@@ -47,6 +51,10 @@ def test_greedy_with_a_control_or_logprobs_leaves_the_device_argmax():
     for kw in ({"logprobs": 0}, {"presence_penalty": 0.1}, {"logit_bias": ((1, 2.0),)}, {"min_tokens": 1},
                {"repetition_penalty": 1.1}):
         assert not SamplingParams(temperature=0, **kw).device_greedy, kw
+        # logprobs alone keep the device's argmax on an engine that computes them there (plain greedy)
+        assert SamplingParams(temperature=0, **kw).plain_greedy == ("logprobs" in kw), kw
+    assert not SamplingParams(temperature=0.5, logprobs=1).plain_greedy
+    assert not SamplingParams(temperature=0, logprobs=1, grammar="start: /a/").plain_greedy
 
 
 def test_pick_applies_the_controls_and_reports_the_raw_logprob():
