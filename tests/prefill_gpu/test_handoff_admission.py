@@ -18,11 +18,11 @@ from services.kv.header import SlotHeader
 from services.kv.shm import ShmSender
 from services.prefill_gpu.handoff_admission import HandoffAdmission
 
-TOKEN_BYTES = 2 * 2 * 16 * 4  # a token's KV in these headers: 2 layers x (K, V) x 2 heads x 16 dims x fp32
+# a token's KV in these headers: 1 layer x (K, V) x 2 heads x 16 dims x fp32 = 256 bytes
 
 
 def sender(arena: Arena, n_tokens: int) -> ShmSender:
-    return ShmSender(arena, SlotHeader("fp32", 2, 2, 16, n_tokens, "test-model"))
+    return ShmSender(arena, SlotHeader("fp32", 1, 2, 16, n_tokens, "test-model"))
 
 
 @pytest.fixture
