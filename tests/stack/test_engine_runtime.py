@@ -247,6 +247,34 @@ def test_more_than_eight_hand_offs_are_in_flight_at_once_while_their_memory_fits
     assert prefill.handoff_admission.running == 0 and peer.link.slots_in_use == 0 and all_free(decode)
 
 
+def test_a_long_prompt_beside_streams_that_came_by_hand_off_is_paced_from_its_first_step(decode, model_config):
+    """decode_fpga's streams may all have come by hand-off (hybrid, auto): its loop then never measured
+    a prompt token, and a long fpga-mode prompt arriving beside them took its first step unpaced (the
+    whole budget, 64 prompt tokens beside the decodes). Every step that decodes carries at most the
+    pacer's cap, and the first at most a block."""
+    sched, steps = decode.loop.scheduler, []
+    schedule = sched.schedule
+
+    def recording_schedule():  # on the loop's thread: the cap as this step is chosen, then the step
+        cap = sched.pacer.cap()
+        out = schedule()
+        if out.decodes and out.prefills:
+            steps.append((cap, sum(c.num_tokens for c in out.prefills)))
+        return out
+
+    sched.schedule = recording_schedule
+    stream_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    streaming = decode.generate(EngineRequest(tuple(random_prompt(20, model_config.vocab_size, seed=70)),
+                                              stream_params, "hybrid"), Cancellation())
+    next(streaming)  # decoding now, its prompt's KV imported: nothing prefilled on this engine
+    long_prompt = random_prompt(100, model_config.vocab_size, seed=71)
+    tokens_and_last(decode, long_prompt, "fpga", SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    list(streaming)
+    assert steps, "the long prompt never shared a step with the stream"
+    assert all(cap is not None and n <= cap for cap, n in steps), steps
+    assert steps[0][1] <= decode.loop.config.block_size, steps
+
+
 def test_a_refused_prefill_never_touches_decodes_kv(decode, peer, model_config):
     peer.refuse = QueueFull("prefill queue full")
     prompt = random_prompt(20, model_config.vocab_size, seed=38)
