@@ -236,6 +236,7 @@ def main() -> int:
     work = {c: workload(corpus, n_requests(c), args.seed + c, prompt_range, output_range) for c in levels}
     salt = Salter(args.seed)
     ctx_per_slot = max(prompt_range[1] + output_range[1], p.long_prompt + p.long_output) + 16
+    load_before = os.getloadavg()  # latency on a shared 2-core machine says little without it
     try:
         targets = bring_up(args, servers, out, max(max(levels), p.long_streams + 1), ctx_per_slot)
         for t in targets:
@@ -268,6 +269,8 @@ def main() -> int:
                     print(f"error: {target} long prompts {cond}: {msg}")
     if not args.llama_server and not servers.externals:
         print("note: no llama-server in this run (give --llama-server PATH|auto)")
+    print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
+        *load_before, *os.getloadavg()))
     pngs = [] if not results else [
         plot_against_concurrency(out / f"{name}_throughput.png", results, levels, THROUGHPUT_PANELS,
                                  "Throughput against concurrency"),
@@ -277,6 +280,7 @@ def main() -> int:
         print(f"wrote {png}")
     write_json(name, {
         "command": command_line(), "preset": preset_name, "rounds": rounds,
+        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
         "concurrency": list(levels), "prompt_tokens": list(prompt_range), "output_tokens": list(output_range),
         "requests_per_run": {str(c): len(work[c]) for c in levels},
         "output_tokens_per_run": {str(c): sum(n for _, n in work[c]) for c in levels}, "seed": args.seed,
