@@ -154,3 +154,11 @@ def test_a_waiter_leaves_the_queue_when_cancelled_or_past_its_deadline(arena):
             with admitted(admission, sender(arena, 2000), Cancellation(time.monotonic() + 0.2)):
                 pass
         assert admission.waiting == 0 and arena.slots_in_use == 1
+
+
+def test_the_count_is_auto_by_default_and_an_integer_still_caps_it():
+    from services.prefill_gpu.settings import PrefillSettings
+
+    default = PrefillSettings()
+    assert default.prefill_max_concurrency == "auto" and default.handoff_max_running == default.max_num_seqs
+    assert PrefillSettings(prefill_max_concurrency=8).handoff_max_running == 8
