@@ -16,8 +16,9 @@ TTFT, ITL (gaps between streamed text chunks) and end-to-end p50/p99, errors and
 messages. At the highest concurrency it also samples each process's RSS and the engines' KV and
 queue gauges from their Prometheus endpoints (whatever exists; absence is tolerated). Then the
 long-prompt variant (serving/long_prompts.py): running streams' ITL p99 while 512-token prompts
-arrive. It prints tables, writes `<name>.json` (`serve`, or `serve_vs_llama` with llama-server;
-with the exact command line) and `<name>_throughput.png`, `<name>_latency.png`.
+arrive (`--long-prompt-tokens` sets their length, `--only-long-prompts` runs only this variant). It
+prints tables, writes `<name>.json` (`serve`, or `serve_vs_llama` with llama-server, or
+`serve_long_prompts[_N]`; with the exact command line) and `<name>_throughput.png`, `<name>_latency.png`.
 
 Why a small asyncio + httpx client and not an established load generator: guidellm and locust
 are not installed here, and neither does what this measurement needs without as much code again.
@@ -28,6 +29,7 @@ interleaved at each concurrency level inside one run, and the servers' RSS and K
 while the load is on. Both would add a large dependency tree for a loop of ~60 lines.
 
     python bench/serve.py --start-stack [--llama-server PATH|auto] [--quick] [--repeats 3]
+    python bench/serve.py --start-stack --only-long-prompts --long-prompt-tokens 2000 --rounds 2
     python bench/serve.py --url http://127.0.0.1:8000 --target llama-server=http://127.0.0.1:8080
 """
 from __future__ import annotations
@@ -96,6 +98,10 @@ def build_args() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", "--repeats", type=int, dest="rounds", help="interleaved rounds (medians over them)")
     ap.add_argument("--no-long-prompts", action="store_true", help="skip the long-prompts-arrive variant")
     ap.add_argument("--long-streams", type=int, help="streams running while long prompts arrive")
+    ap.add_argument("--long-prompt-tokens", type=int, help="the arriving prompts' tokens (default: the preset's 512)")
+    ap.add_argument("--only-long-prompts", action="store_true",
+                    help="run only the long-prompts-arrive variant (no concurrency levels): cheap; writes "
+                         "serve_long_prompts.json (serve_long_prompts_N.json for N-token prompts other than 512)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="also measure each of our modes with these extra body fields (e.g. logprobs5='{\"logprobs\": 5}'"
                          " or a response_format): the API features' cost, side by side with the plain requests")
@@ -187,6 +193,12 @@ def long_prompts_table(results: dict) -> str:
                   "errors"], rows)
 
 
+def default_name(args, p: Preset) -> str:
+    if args.only_long_prompts:
+        return "serve_long_prompts" + ("" if p.long_prompt == PRESETS["default"].long_prompt else f"_{p.long_prompt}")
+    return "serve_vs_llama" if args.llama_server else "serve"
+
+
 def shown_path(path: str) -> str:
     """`path` with the home folder written as ~ (the llama-server binary lives under ~/.cache)."""
     home = str(Path.home())
@@ -204,6 +216,10 @@ def main() -> int:
     n_requests = (lambda c: args.requests) if args.requests else (lambda c: max(p.min_requests, 2 * c))
     if args.long_streams:
         p = Preset(**{**p.__dict__, "long_streams": args.long_streams})
+    if args.long_prompt_tokens:
+        p = Preset(**{**p.__dict__, "long_prompt": args.long_prompt_tokens})
+    if args.only_long_prompts and args.no_long_prompts:
+        raise SystemExit("--only-long-prompts and --no-long-prompts leave nothing to run")
     rounds = args.rounds or p.rounds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -213,19 +229,20 @@ def main() -> int:
                       metrics={n: loopback_url(u) for n, u in parse_pairs(args.metrics, "--metrics").items()})
     if not (args.start_stack or args.url or servers.externals or args.llama_server):
         raise SystemExit("nothing to benchmark: give --start-stack, --url, --target or --llama-server")
-    name = args.name or ("serve_vs_llama" if args.llama_server else "serve")
+    name = args.name or default_name(args, p)
 
     progress("tokenizing the corpus")
     corpus, corpus_sha = corpus_ids()
     work = {c: workload(corpus, n_requests(c), args.seed + c, prompt_range, output_range) for c in levels}
     salt = Salter(args.seed)
     ctx_per_slot = max(prompt_range[1] + output_range[1], p.long_prompt + p.long_output) + 16
+    load_before = os.getloadavg()  # latency on a shared 2-core machine says little without it
     try:
         targets = bring_up(args, servers, out, max(max(levels), p.long_streams + 1), ctx_per_slot)
         for t in targets:
             progress(f"warming up {t.name} ({t.url}, model {t.model})")
             warm_up(t, salt(corpus[:32]), progress=progress)
-        runs, memory = run_levels(targets, servers, work, rounds, salt)
+        runs, memory = ({}, {}) if args.only_long_prompts else run_levels(targets, servers, work, rounds, salt)
         long_results = {} if args.no_long_prompts else run_long_prompts(targets, p, corpus, args.seed, rounds, salt)
     finally:
         servers.stop()
@@ -234,27 +251,36 @@ def main() -> int:
     baseline = baseline if baseline in runs else None
     results = {n: {c: over_rounds(rs) for c, rs in per_c.items()} for n, per_c in runs.items()}
     ratios = ratios_to(runs, baseline) if baseline else {}
-    print(serve_table(results, ratios, baseline))
-    for target, per_c in results.items():
-        for c, v in per_c.items():
-            for msg in v["error_messages"]:
-                print(f"error: {target} c={c}: {msg}")
-    print(f"medians over {rounds} interleaved rounds; prompts {prompt_range[0]}-{prompt_range[1]} tokens, "
-          f"outputs {output_range[0]}-{output_range[1]} tokens (ignore_eos)")
+    if results:
+        print(serve_table(results, ratios, baseline))
+        for target, per_c in results.items():
+            for c, v in per_c.items():
+                for msg in v["error_messages"]:
+                    print(f"error: {target} c={c}: {msg}")
+        print(f"medians over {rounds} interleaved rounds; prompts {prompt_range[0]}-{prompt_range[1]} tokens, "
+              f"outputs {output_range[0]}-{output_range[1]} tokens (ignore_eos)")
     if long_results:
         print(f"\n{p.long_streams} streams of {p.long_stream_output} tokens while {p.long_prompt}-token prompts "
-              f"arrive back to back ({p.long_output} output tokens each):")
+              f"arrive back to back ({p.long_output} output tokens each), medians over {rounds} rounds:")
         print(long_prompts_table(long_results))
+        for target, per in long_results.items():
+            for cond, v in per.items():
+                for msg in v["error_messages"]:
+                    print(f"error: {target} long prompts {cond}: {msg}")
     if not args.llama_server and not servers.externals:
         print("note: no llama-server in this run (give --llama-server PATH|auto)")
-    pngs = [plot_against_concurrency(out / f"{name}_throughput.png", results, levels, THROUGHPUT_PANELS,
-                                     "Throughput against concurrency"),
-            plot_against_concurrency(out / f"{name}_latency.png", results, levels, LATENCY_PANELS,
-                                     "Latency against concurrency")]
+    print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
+        *load_before, *os.getloadavg()))
+    pngs = [] if not results else [
+        plot_against_concurrency(out / f"{name}_throughput.png", results, levels, THROUGHPUT_PANELS,
+                                 "Throughput against concurrency"),
+        plot_against_concurrency(out / f"{name}_latency.png", results, levels, LATENCY_PANELS,
+                                 "Latency against concurrency")]
     for png in pngs:
         print(f"wrote {png}")
     write_json(name, {
         "command": command_line(), "preset": preset_name, "rounds": rounds,
+        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
         "concurrency": list(levels), "prompt_tokens": list(prompt_range), "output_tokens": list(output_range),
         "requests_per_run": {str(c): len(work[c]) for c in levels},
         "output_tokens_per_run": {str(c): sum(n for _, n in work[c]) for c in levels}, "seed": args.seed,

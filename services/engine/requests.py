@@ -93,6 +93,11 @@ class PromptTooLong(InvalidRequest):
     """The prompt does not leave room for one generated token in the context window."""
 
 
+class HandoffTooLarge(PromptTooLong):
+    """The prompt's KV is larger than all the memory a hybrid hand-off may hold: it could never be
+    handed over (a retry would not help; the single-device modes may still serve it)."""
+
+
 class Overloaded(EngineError):
     """No room now (queue full, no slot, no sequence): back-pressure; a retry later may fit."""
 

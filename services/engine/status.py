@@ -62,6 +62,7 @@ def abort(context: grpc.ServicerContext, exc: Exception, who: str, request_id: s
 _FROM_PEER: dict[grpc.StatusCode, type[EngineError]] = {
     Code.RESOURCE_EXHAUSTED: Overloaded,
     Code.INVALID_ARGUMENT: InvalidRequest,
+    Code.OUT_OF_RANGE: PromptTooLong,  # e.g. its KV can never fit the peer's hand-off memory
     Code.DEADLINE_EXCEEDED: HandoffTimedOut,
     Code.INTERNAL: HandoffFailed,  # the peer failed: a failure here too, never "unavailable"
     Code.UNKNOWN: HandoffFailed,

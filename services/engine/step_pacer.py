@@ -9,10 +9,26 @@ attention over long contexts, which makes later chunks dearer, shows in it). Whi
 step's prompt tokens are capped so that base + cap x per_token stays within `target_s`; at least
 `floor` tokens (a block) so a prompt always advances, at most the scheduler's own budget. With no
 decode running nothing waits on the step, and the cap is off. target_s = 0 turns it off.
+
+Two ways the estimate went wrong, measured in process on this machine (torch, 4 streams while
+512-token prompts arrived, a busy machine): one decode-only step took 1273 ms, which lifted the
+base EWMA to 367 ms; the mixed steps after it, faster than that stale base, each gave a sample of
+0 s a token and the per-token EWMA fell to 0.000 ms. Had the base come back below the target
+before a positive sample, the cap would have been the whole budget (512 tokens, ~2.5 s on torch
+when busy: the size of the worst gaps of gpu mode's long-prompt bench, in both rounds). So (1) a
+mixed step no slower than the decode-only base is no sample of a token's cost (it leaves the
+estimate alone), and (2) a step carries at most GROWTH times the prompt tokens of the largest one
+known to keep within the target (`fits`; halved by a step beside decodes that did not): the cap
+grows by measured steps, never by extrapolation alone. Before anything is measured that is
+`floor` tokens: the first step beside decodes that came by hand-off (an engine that never
+prefilled, in hybrid or auto mode) took the whole budget.
 """
 from __future__ import annotations
 
 ALPHA = 0.3  # EWMA weight of the newest step: follows a machine that gets busier within a few steps
+# the most a step's prompt tokens may exceed those of a step known to keep within the target: with costs
+# linear in the tokens a step then lasts at most 1.5 x target (150 ms for the default 0.1 s)
+GROWTH = 1.5
 
 
 class StepPacer:
@@ -20,19 +36,27 @@ class StepPacer:
         self.target_s, self.floor, self.ceiling = target_s, floor, ceiling
         self.base_s: float | None = None  # a decode-only step
         self.per_token_s: float | None = None  # one more prompt token in a step
+        self.fits = 0  # the most prompt tokens a step beside decodes is known to keep within target_s
 
     def observe(self, n_decodes: int, n_prefill_tokens: int, seconds: float) -> None:
         if n_prefill_tokens == 0:
             if n_decodes:
                 self.base_s = seconds if self.base_s is None else (1 - ALPHA) * self.base_s + ALPHA * seconds
             return
+        if n_decodes:  # the streams waited on this step
+            self.fits = max(self.fits, n_prefill_tokens) if seconds <= self.target_s else n_prefill_tokens // 2
         # a step of prompt tokens alone still pays the weights' pass: that part is the base
-        sample = max(0.0, seconds - (self.base_s or 0.0)) / n_prefill_tokens
+        extra = seconds - (self.base_s or 0.0)
+        if extra <= 0:
+            return  # as fast as decodes alone: says nothing of what a token costs (see the docstring)
+        sample = extra / n_prefill_tokens
         self.per_token_s = sample if self.per_token_s is None else (1 - ALPHA) * self.per_token_s + ALPHA * sample
 
     def cap(self) -> int | None:
-        """Prompt tokens a step with decodes may take; None: no cap (off, or nothing measured yet)."""
-        if self.target_s <= 0 or not self.per_token_s:
+        """Prompt tokens a step with decodes may take; None: no cap (off)."""
+        if self.target_s <= 0:
             return None
-        room = self.target_s - (self.base_s or 0.0)
-        return max(self.floor, min(self.ceiling, int(room / self.per_token_s)))
+        cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
+        if self.per_token_s:
+            cap = min(cap, int((self.target_s - (self.base_s or 0.0)) / self.per_token_s))
+        return max(self.floor, min(self.ceiling, cap))

@@ -182,25 +182,40 @@ class Arena:
         return self._map.array[slot.data_offset: slot.data_offset + nbytes]
 
     # ---- slots --------------------------------------------------------------
+    @staticmethod
+    def slot_size(nbytes: int) -> int:
+        """The bytes a slot for `nbytes` of KV takes of the arena: its header, rounded up to ALIGN."""
+        return -(-(nbytes + HEADER_SIZE) // ALIGN) * ALIGN
+
     def allocate(self, nbytes: int, timeout: float) -> Slot:
         """A slot for `nbytes` of KV, waiting up to `timeout` s for space; else ArenaFull."""
-        need = -(-(nbytes + HEADER_SIZE) // ALIGN) * ALIGN
+        need = self.slot_size(nbytes)
         if need > self.size:
             raise ArenaFull(f"a slot of {need} bytes can never fit the {self.size}-byte arena")
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                for i, (off, size) in enumerate(self._free):
-                    if size >= need:
-                        self._free[i:i + 1] = [(off + need, size - need)] if size > need else []
-                        slot = Slot(off, need, next(self._generations) & 0xFFFFFFFF or 1)
-                        self._used[off] = slot
-                        return slot
+                slot = self.try_allocate(nbytes)
+                if slot is not None:
+                    return slot
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise ArenaFull(f"no {need}-byte slot free within {timeout:.1f}s "
                                     f"({self.used_bytes} of {self.size} bytes in {len(self._used)} slots in use)")
                 self._cond.wait(left)
+
+    def try_allocate(self, nbytes: int) -> Slot | None:
+        """A slot for `nbytes` of KV if one is free now (first fit), else None: never waits. What an
+        admission that queues its own waiters (services/prefill_gpu/handoff_admission.py) asks."""
+        need = self.slot_size(nbytes)
+        with self._cond:
+            for i, (off, size) in enumerate(self._free):
+                if size >= need:
+                    self._free[i:i + 1] = [(off + need, size - need)] if size > need else []
+                    slot = Slot(off, need, next(self._generations) & 0xFFFFFFFF or 1)
+                    self._used[off] = slot
+                    return slot
+        return None
 
     def free(self, slot: Slot) -> None:
         with self._cond:

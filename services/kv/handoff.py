@@ -117,9 +117,22 @@ class KVSender(ABC):
         self.layout = layout_of(header)
         self.state = HandoffState.WAITING
 
+    @property
+    def memory_bytes(self) -> int:
+        """The bytes this hand-off holds from `open` to `close`: what an admission sized from
+        memory counts (a transport with overhead, e.g. a slot's header and alignment, says more)."""
+        return self.layout.nbytes
+
+    def reserve_now(self) -> bool:
+        """Reserve the request's memory now if the transport has it, without waiting; False when it
+        does not fit yet. `open` then uses what was reserved. A transport whose memory is its own
+        (a buffer per request) has nothing shared to reserve: True, and its admission's byte budget
+        bounds it."""
+        return True
+
     def open(self) -> SlotGrant:
-        """Reserve the request's memory and write its header (may wait, or raise the transport's
-        back-pressure error)."""
+        """Reserve the request's memory (unless `reserve_now` did) and write its header (may wait, or
+        raise the transport's back-pressure error)."""
         if self.state is not HandoffState.WAITING:
             raise RuntimeError(f"open() on a {self.state.value} sender")
         grant = self._open()

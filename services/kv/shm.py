@@ -21,16 +21,27 @@ from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
 
 
 class ShmSender(KVSender):
-    """prefill_gpu's side: allocates the slot (waiting up to `wait_s`, else ArenaFull) and frees it."""
+    """prefill_gpu's side: allocates the slot (`reserve_now`, or in `open` waiting up to `wait_s`, else
+    ArenaFull) and frees it."""
 
-    def __init__(self, arena: Arena, header: SlotHeader, wait_s: float):
+    def __init__(self, arena: Arena, header: SlotHeader, wait_s: float = 0.0):
         super().__init__(header)
         self.arena, self.wait_s = arena, wait_s
         self.slot: Slot | None = None
         self._bytes: np.ndarray | None = None
 
+    @property
+    def memory_bytes(self) -> int:
+        return self.arena.slot_size(self.layout.nbytes)
+
+    def reserve_now(self) -> bool:
+        if self.slot is None:
+            self.slot = self.arena.try_allocate(self.layout.nbytes)
+        return self.slot is not None
+
     def _open(self) -> SlotGrant:
-        self.slot = self.arena.allocate(self.layout.nbytes, timeout=self.wait_s)
+        if self.slot is None:  # not reserved ahead by an admission: wait for one here, bounded
+            self.slot = self.arena.allocate(self.layout.nbytes, timeout=self.wait_s)
         self.header = self.arena.write_header(self.slot, self.header)  # now with the slot's generation
         self._bytes = self.arena.data_view(self.slot, self.layout.nbytes)
         return SlotGrant(self.slot.offset, self.slot.size, self.header.n_tokens, self.header.dtype)

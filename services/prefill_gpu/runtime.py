@@ -21,8 +21,8 @@ import time
 from typing import Callable, Iterator
 
 from services.engine import metrics as m
-from services.engine.admission import Admission
-from services.engine.requests import Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull
+from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, PromptTooLong,
+                                      QueueFull)
 from services.engine.runtime import EngineRuntime
 from services.engine.sampling import SamplingParams
 from services.kv.arena import Arena, ArenaFull
@@ -31,6 +31,7 @@ from services.kv.header import SlotHeader
 from services.kv.layout import WIRE_DTYPES
 from services.kv.shm import ShmSender
 from services.kv.tcp import DEFAULT_TIMEOUT_S, TcpSender
+from services.prefill_gpu.handoff_admission import HandoffAdmission
 from services.prefill_gpu.kv_export import LayerExporter
 
 
@@ -43,9 +44,10 @@ class PrefillRuntime(EngineRuntime):
         super().__init__(engine, loaded, settings, loaded.config.max_context)
         self.arena = arena
         self.modes = {"gpu": self.local_generation}
-        # prefills get their own admission: they are short, and a hybrid decode must
-        # never wait behind gpu-mode generations for its prefill
-        self.prefill_admission = Admission(settings.prefill_max_concurrency, settings.prefill_queue_depth)
+        # hand-offs get their own admission, sized from the memory they hold (handoff_admission.py): a
+        # hybrid decode must never wait behind gpu-mode generations for its prefill
+        self.handoff_admission = HandoffAdmission(arena.size, settings.handoff_max_running,
+                                                  settings.prefill_queue_depth)
 
     def info_fields(self) -> dict:
         return {**super().info_fields(), "kv_dtype": self.settings.wire_dtype, "arena_name": self.arena.name,
@@ -70,8 +72,9 @@ class PrefillRuntime(EngineRuntime):
                 new_sender: Callable[[SlotHeader], KVSender] | None = None,
                 skip_tokens: int = 0) -> Iterator[HandoffEvent]:
         """Hand `request`'s prompt KV over through `new_sender(header)` (default: the arena), from
-        position `skip_tokens` on (the reader holds the ones before). Raises InvalidRequest,
-        QueueFull, ArenaFull, Cancelled (while queued)."""
+        position `skip_tokens` on (the reader holds the ones before), once the admission reserved its
+        memory. Raises InvalidRequest, PromptTooLong (HandoffTooLarge: larger than all the hand-off
+        memory), QueueFull, Cancelled or HandoffTimedOut (while queued)."""
         cfg = self.loaded.config
         prompt = list(request.prompt_ids)
         if not prompt or len(prompt) >= self.max_context or max(prompt) >= cfg.vocab_size:
@@ -83,27 +86,29 @@ class PrefillRuntime(EngineRuntime):
             raise InvalidRequest(f"skip_tokens must be below the prompt's {len(prompt)} tokens, got {skip_tokens}")
         header = SlotHeader(wire, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, len(prompt) - skip_tokens,
                             cfg.model_id)
+        pool = self.loop.scheduler
+        if pool.block_manager.blocks_needed(len(prompt)) > pool.config.num_blocks:  # before it holds anything
+            raise PromptTooLong(f"a prompt of {len(prompt)} tokens needs more KV blocks than prefill_gpu's "
+                                f"{pool.config.num_blocks}-block cache holds")
+        sender = (new_sender or self.shm_sender)(header)
         try:
-            with self.prefill_admission.admit(cancel) as queue_s:
-                sender = (new_sender or self.shm_sender)(header)
+            with self.handoff_admission.admit(sender.memory_bytes, sender.reserve_now, cancel) as queue_s:
                 try:
-                    grant = sender.open()
-                except ArenaFull:
-                    m.REQUESTS.labels(status="rejected").inc()
-                    raise
-                try:
+                    grant = sender.open()  # the memory is reserved already: no wait here
                     self._update_arena_gauges()
                     yield from self._prefill_into(sender, grant, prompt, request.params, queue_s, cancel,
                                                   skip_tokens)
                 finally:
-                    sender.close()
+                    sender.close()  # before the admission lets the next one in: its memory is free now
                     self._update_arena_gauges()
-        except QueueFull:
+        except (QueueFull, ArenaFull):
             m.REQUESTS.labels(status="rejected").inc()
             raise
         except Cancelled:
             m.REQUESTS.labels(status="cancelled").inc()
             raise
+        finally:
+            sender.close()  # idempotent: also what reserve_now took if the admission failed after it
 
     def _prefill_into(self, sender: KVSender, grant: SlotGrant, prompt: list[int], params: SamplingParams,
                       queue_s: float, cancel: Cancellation, skip_tokens: int = 0) -> Iterator[HandoffEvent]:
@@ -119,7 +124,7 @@ class PrefillRuntime(EngineRuntime):
             events.put(("layer", layer))
 
         stream = self.loop.submit(prompt, dataclasses.replace(params, max_tokens=1), export,
-                                  bounded_elsewhere=True)  # by prefill_admission
+                                  bounded_elsewhere=True)  # by handoff_admission
 
         def follow() -> None:  # the stream's one token (or its error) into the same queue
             try:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(EngineServicer):
     def admitted_calls(self, settings) -> int:
-        return super().admitted_calls(settings) + settings.prefill_max_concurrency + settings.prefill_queue_depth
+        return super().admitted_calls(settings) + settings.handoff_max_running + settings.prefill_queue_depth
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext):
         cancel, request_id = cancellation_of(context), request_id_of(request)

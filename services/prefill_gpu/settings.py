@@ -23,12 +23,22 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # auto = fp32, for parity across modes
     cuda_graphs: bool = True  # on CUDA: decode steps and lone prefill chunks replay captured graphs
     arena_bytes: int = 256 * 1024 * 1024
-    arena_wait_s: float = 2.0  # bounded wait for a slot; then RESOURCE_EXHAUSTED
+    # a hand-off outside the admission (none in the service any more: it waits for memory in the
+    # admission's queue, bounded by the call's deadline) waits this long for a slot; kept for old envs
+    arena_wait_s: float = 2.0
     slot_hold_s: float = 30.0  # longest a finished Prefill without a deadline keeps its slot for a silent reader
     wire_dtype: Literal["fp32", "fp16"] = "fp32"  # fp32 = the KV cache's own dtype on the CPU: identical tokens
     max_concurrency: int = 2  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     queue_depth: int = 16  # generations waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
-    prefill_max_concurrency: int = 8  # hybrid prefills holding an arena slot at once (they batch in the loop)
-    prefill_queue_depth: int = 64
+    # hybrid hand-offs in flight at once: "auto" = as many as their KV fits the arena (each admitted when its
+    # slot can be reserved, services/prefill_gpu/handoff_admission.py), at most max_num_seqs; an integer
+    # caps the count as well
+    prefill_max_concurrency: int | Literal["auto"] = "auto"
+    prefill_queue_depth: int = 64  # hand-offs waiting for memory; more → RESOURCE_EXHAUSTED
+
+    @property
+    def handoff_max_running(self) -> int:
+        """The most hand-offs in flight at once (each also needs its memory)."""
+        return self.max_num_seqs if self.prefill_max_concurrency == "auto" else self.prefill_max_concurrency
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -120,8 +121,9 @@ def arena():
 
 @pytest.fixture(scope="module")
 def prefill(torch_engine, loaded_model, arena):
-    settings = PrefillSettings(max_concurrency=1, queue_depth=1, prefill_max_concurrency=2, prefill_queue_depth=4,
-                               slot_hold_s=5.0, arena_wait_s=0.5, wire_dtype="fp32")
+    # the hand-off admission as served by default: sized from memory (handoff_admission.py)
+    settings = PrefillSettings(max_concurrency=1, queue_depth=1, prefill_queue_depth=4, slot_hold_s=5.0,
+                               wire_dtype="fp32")
     runtime = PrefillRuntime(torch_engine, loaded_model, settings, arena)
     yield runtime
     runtime.close()
@@ -224,6 +226,53 @@ def test_hybrid_reserves_decode_kv_only_after_prefill_admitted_it(decode, peer, 
     assert peer.reserved_when_called == 0  # nothing held here while prefill_gpu may still refuse or queue it
     assert peer.reserved_after_grant == 1  # its blocks, reserved once the SlotGrant said it was admitted
     assert events[-1].finish_reason == "length" and len(events) == 8 and all_free(decode)
+
+
+def test_more_than_eight_hand_offs_are_in_flight_at_once_while_their_memory_fits(prefill, decode, peer,
+                                                                                  model_config):
+    """prefill_gpu admitted 8 hand-offs at once, whatever the memory (at 32 clients hybrid's prefills
+    queued behind that: TTFT p50 15 s). Now each is admitted when its KV fits: 12 short prompts all hold
+    their memory at once (each waits, once admitted, until all 12 are: with a count of 8 they never
+    would), then all complete with gpu mode's tokens."""
+    assert prefill.settings.prefill_max_concurrency == "auto"
+    n = 12
+    prompts = [random_prompt(12, model_config.vocab_size, seed=60 + i) for i in range(n)]
+    all_admitted = threading.Barrier(n, timeout=60)  # a bound for a hang: on a count of 8 it breaks
+    peer.before_grant = all_admitted.wait  # on each request's thread, once prefill_gpu admitted it
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(n) as pool:
+        hybrid = list(pool.map(lambda p: tokens_and_last(decode, p, "hybrid", params)[0], prompts))
+        gpu = list(pool.map(lambda p: tokens_and_last(prefill, p, "gpu", params)[0], prompts))
+    assert hybrid == gpu and all(len(t) == 4 for t in hybrid)
+    assert prefill.handoff_admission.running == 0 and peer.link.slots_in_use == 0 and all_free(decode)
+
+
+def test_a_long_prompt_beside_streams_that_came_by_hand_off_is_paced_from_its_first_step(decode, model_config):
+    """decode_fpga's streams may all have come by hand-off (hybrid, auto): its loop then never measured
+    a prompt token, and a long fpga-mode prompt arriving beside them took its first step unpaced (the
+    whole budget, 64 prompt tokens beside the decodes). Every step that decodes carries at most the
+    pacer's cap, and the first at most a block."""
+    sched, steps = decode.loop.scheduler, []
+    schedule = sched.schedule
+
+    def recording_schedule():  # on the loop's thread: the cap as this step is chosen, then the step
+        cap = sched.pacer.cap()
+        out = schedule()
+        if out.decodes and out.prefills:
+            steps.append((cap, sum(c.num_tokens for c in out.prefills)))
+        return out
+
+    sched.schedule = recording_schedule
+    stream_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    streaming = decode.generate(EngineRequest(tuple(random_prompt(20, model_config.vocab_size, seed=70)),
+                                              stream_params, "hybrid"), Cancellation())
+    next(streaming)  # decoding now, its prompt's KV imported: nothing prefilled on this engine
+    long_prompt = random_prompt(100, model_config.vocab_size, seed=71)
+    tokens_and_last(decode, long_prompt, "fpga", SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    list(streaming)
+    assert steps, "the long prompt never shared a step with the stream"
+    assert all(cap is not None and n <= cap for cap, n in steps), steps
+    assert steps[0][1] <= decode.loop.config.block_size, steps
 
 
 def test_a_refused_prefill_never_touches_decodes_kv(decode, peer, model_config):
