@@ -21,8 +21,12 @@ LANES = {
                    "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
                    "tests/gateway/test_engine_loss.py", "tests/gateway/test_batching_live.py",
                    "tests/gateway/test_engine_failure.py"),
+    # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
+    # "ran as one launch at least once" then fails)
     "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
-              "tests/gateway/test_calibration_check.py"),
+              "tests/gateway/test_calibration_check.py",
+              "tests/decode_fpga/test_paged_step.py::test_one_decode_row_runs_as_one_launch_bit_for_bit",
+              "tests/decode_fpga/test_decode_layers.py::test_bit_for_bit_the_launch_by_launch_step"),
 }
 
 
