@@ -20,7 +20,8 @@ LANES = {
     "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
                    "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
                    "tests/gateway/test_engine_loss.py", "tests/gateway/test_batching_live.py",
-                   "tests/gateway/test_engine_failure.py"),
+                   "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
+                   "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py"),
     # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
     # "ran as one launch at least once" then fails)
     "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
