@@ -261,11 +261,9 @@ def test_engines_share_the_cpu_when_both_run_on_it():
 
 
 # ---- what a request adds to a running batch -------------------------------------------------------
-def test_what_a_request_adds_to_a_running_batch_is_learned_from_decode_times():
-    """fpga's decode costs (1 + 0.5 s) x its alone-time beside s others, gpu's barely grows. Learned
-    from the requests' own times: a busy fpga batch sends a request to gpu, an idle one does not,
-    and the busy samples do not make fpga look slow alone."""
-    router = Router(synthetic_samples(), explore_share=0)
+def taught_batch_slowdowns(router: Router) -> Router:
+    """`router` after fpga and gpu requests at several company sizes, fpga's decode costing (1 + 0.5 s)
+    its alone-time beside s others and gpu's (1 + 0.02 s)."""
     beta = {"fpga": 0.5, "gpu": 0.02}
     for i, company in enumerate((0, 2, 4, 8, 1, 6, 3, 5)):
         for mode in ("fpga", "gpu"):
@@ -273,6 +271,14 @@ def test_what_a_request_adds_to_a_running_batch_is_learned_from_decode_times():
             t = timings_of(mode, n_in, n_out)
             t["decode_s"] *= 1 + beta[mode] * company
             router.observe(samples_from_timings(mode, n_in, t, {"gpu": company, "fpga": company}))
+    return router
+
+
+def test_what_a_request_adds_to_a_running_batch_is_learned_from_decode_times():
+    """fpga's decode costs (1 + 0.5 s) x its alone-time beside s others, gpu's barely grows. Learned
+    from the requests' own times: a busy fpga batch sends a request to gpu, an idle one does not,
+    and the busy samples do not make fpga look slow alone."""
+    router = taught_batch_slowdowns(Router(synthetic_samples(), explore_share=0))
     snap = router.snapshot()["engines"]
     assert abs(snap["fpga"]["batch_slowdown_beta"] - 0.5) < 0.02 and snap["gpu"]["batch_slowdown_beta"] < 0.05
     n_in, n_out = 64, 128
@@ -335,14 +341,7 @@ def test_on_one_processor_a_busy_batch_slows_every_mode_alike():
     """The same learned slowdowns (fpga's decode x (1 + 0.5 s), gpu's barely growing), the engines on
     one processor: a busy batch does not send the request to gpu mode, whose decode takes its turn on
     the same cores and costs them far more per token; each mode is judged by its own cost."""
-    router = Router(synthetic_samples(), explore_share=0, shared_compute=True)
-    beta = {"fpga": 0.5, "gpu": 0.02}
-    for i, company in enumerate((0, 2, 4, 8, 1, 6, 3, 5)):
-        for mode in ("fpga", "gpu"):
-            n_in, n_out = LOAD[i]
-            t = timings_of(mode, n_in, n_out)
-            t["decode_s"] *= 1 + beta[mode] * company
-            router.observe(samples_from_timings(mode, n_in, t, {"gpu": company, "fpga": company}))
+    router = taught_batch_slowdowns(Router(synthetic_samples(), explore_share=0, shared_compute=True))
     n_in, n_out = 64, 128
     idle = router.choose(n_in, n_out).mode
     router.set_engine_load("fpga", running=16, waiting=0, max_num_seqs=64)
