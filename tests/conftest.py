@@ -19,13 +19,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 LANES = {
     "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
                    "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
-                   "tests/gateway/test_engine_loss.py", "tests/gateway/test_batching_live.py",
+                   "tests/gateway/test_batching_live.py",
                    "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
                    "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py"),
     # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
-    # "ran as one launch at least once" then fails)
+    # "ran as one launch at least once" then fails; test_engine_loss: its kill must land while two
+    # streams run, and beside the in-process lane one of them twice ended first)
     "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
-              "tests/gateway/test_calibration_check.py",
+              "tests/gateway/test_calibration_check.py", "tests/gateway/test_engine_loss.py",
               "tests/decode_fpga/test_paged_step.py::test_one_decode_row_runs_as_one_launch_bit_for_bit",
               "tests/decode_fpga/test_decode_layers.py::test_bit_for_bit_the_launch_by_launch_step"),
 }
