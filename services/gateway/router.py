@@ -211,9 +211,9 @@ class Router:
         """On one processor, the factor by which company slows any mode's decode: the largest engine's.
         A request sent to the engine whose batch grows less still takes its turn on the same cores,
         and its decode costs them more per token; judged by each engine's own factor, a busy batch on
-        decode_fpga sent requests to gpu mode, and auto at 32 clients gave 0.70x forced fpga's tokens/s
-        (prefill_gpu's torch decodes took 3x hybrid's CPU). With one factor for all, the choice follows
-        each mode's own cost, as the shared queueing term already does."""
+        decode_fpga makes gpu mode look the cheaper (auto at 32 clients, sending work to gpu mode, gave
+        0.70x forced fpga's tokens/s). With one factor for all, the choice follows each mode's own
+        cost, as the shared queueing term already does."""
         if not self.shared_compute:
             return None
         return max(self._slowdown[e].factor(company.get(e, 0)) for e in ENGINES)
