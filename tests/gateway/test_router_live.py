@@ -101,11 +101,12 @@ def test_a_50x_wrong_cached_profile_is_corrected_within_ten_requests(tmp_path):
             pytest.skip(f"gpu mode, the wrong profile's choice, is (near) the fastest here: nothing to correct "
                         f"({forced})")
         ran = [a["mode"] for a in auto]
-        # the forced-fastest mode, or one the forced runs put within 25% of it: what is tested is that a
+        # the forced-fastest mode, or one the forced runs put within 50% of it: what is tested is that a
         # 50x error (gpu mode chosen, ~6x slower here) is corrected; fpga and hybrid are close at this cell
-        # (0-20% apart: batched prefill GEMVs made fpga's prefill faster), and which is ahead, and by how
-        # much, changes from run to run with what else the machine runs
-        assert all(forced[m] <= 1.25 * forced[fastest] for m in ran[-3:]), \
+        # (0-27% apart: batched prefill GEMVs made fpga's prefill faster), and which is ahead, and by how
+        # much, changes from run to run with what else the machine runs (25% failed once, alone: hybrid
+        # chosen at 0.70 s against fpga's 0.55 s, gpu 3.5 s)
+        assert all(forced[m] <= 1.5 * forced[fastest] for m in ran[-3:]), \
             (ran, [a["reason"] for a in auto], forced, auto[-1].get("estimates"))
     finally:
         for svc in (gateway, decode, prefill):

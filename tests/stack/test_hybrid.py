@@ -154,6 +154,12 @@ def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_ref
     prefill_gpu and through decode_fpga's hybrid Generate (it was a retry-later 429)."""
     prefill, _ = services
     pre, dec = stubs
+    # an earlier test's hand-off may still let go of its slot (a finished one keeps it up to slot_hold_s
+    # for a silent reader): this one needs the whole arena to start from
+    deadline = time.monotonic() + 60
+    while prefill.metric("hybridserve_kv_arena_slots_in_use") > 0:
+        assert time.monotonic() < deadline, "an earlier hand-off never let go of its arena slot"
+        time.sleep(0.1)
     holder = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=26),
                                            sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
     waiter = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(400, VOCAB, seed=27),
