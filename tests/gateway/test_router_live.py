@@ -1,7 +1,7 @@
 """The whole stack started with a wrong cached profile (OpenCL decode 50x too slow, as a busy
 machine once recorded it, or slower where that would not put it far behind gpu mode): within ten
 auto requests the router picks the mode that forced runs show fastest. Real engines and gateway on
-loopback; runs under the heavy lock (slow)."""
+loopback; runs alone in make test's quiet lane (slow)."""
 from __future__ import annotations
 
 import itertools
