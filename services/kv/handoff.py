@@ -1,4 +1,6 @@
 """The KV hand-off seam: one request's KV, from the engine that prefilled it to the one that decodes it.
+(Just past 300 lines on purpose: the two halves, their shared state machine and the header checks that
+make the KV one request's are one contract, and every transport subclasses both halves from here.)
 
 Two small halves and a state, whatever carries the bytes. The control messages
 (`SlotGrant`, `LayerReady`, `PrefillDone`) travel in the Prefill RPC; the KV
