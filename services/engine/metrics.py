@@ -13,6 +13,9 @@ REQUESTS = Counter("hybridserve_engine_requests", "Requests finished by the engi
 # prefill_gpu
 ARENA_USED_BYTES = Gauge("hybridserve_kv_arena_used_bytes", "Bytes of the KV arena held by slots")
 ARENA_SLOTS_IN_USE = Gauge("hybridserve_kv_arena_slots_in_use", "KV arena slots held by requests")
+HANDOFFS_ADMITTED = Gauge("hybridserve_handoffs_admitted",
+                          "Hybrid hand-offs admitted and not yet let go (handoff_admission.py)")
+HANDOFF_BYTES_HELD = Gauge("hybridserve_handoff_bytes_held", "Hand-off memory those admitted hand-offs hold")
 
 # decode_fpga
 HANDOFF_SECONDS = Histogram("hybridserve_kv_handoff_seconds",

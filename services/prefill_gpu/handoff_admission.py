@@ -67,6 +67,7 @@ class HandoffAdmission:
             with self._cond:
                 self.running -= 1
                 self.bytes_held -= nbytes
+                self._publish()
                 self._cond.notify_all()
 
     def _try_admit(self, nbytes: int, reserve: Callable[[], bool]) -> bool:
@@ -74,7 +75,12 @@ class HandoffAdmission:
             return False
         self.running += 1
         self.bytes_held += nbytes
+        self._publish()
         return True
+
+    def _publish(self) -> None:
+        m.HANDOFFS_ADMITTED.set(self.running)
+        m.HANDOFF_BYTES_HELD.set(self.bytes_held)
 
     def _wait(self, nbytes: int, reserve: Callable[[], bool], cancel: Cancellation) -> None:
         """Queue (holding the lock between waits) until admitted at the head; raises if not."""

@@ -31,10 +31,17 @@ def slots_in_use(prefill: Service) -> float:
 
 
 def wait_for_zero_slots(prefill: Service, within: float) -> float:
+    """What is still held after `within` seconds, 0 once all is let go: arena slots, and the hand-off
+    admission's places and bytes (a slot freed while its admission is kept would block the next one)."""
     deadline = time.monotonic() + within
-    while (n := slots_in_use(prefill)) and time.monotonic() < deadline:
+    while (n := held(prefill)) and time.monotonic() < deadline:
         time.sleep(0.1)
     return n
+
+
+def held(prefill: Service) -> float:
+    admitted = prefill.metric("hybridserve_handoffs_admitted") + prefill.metric("hybridserve_handoff_bytes_held")
+    return slots_in_use(prefill) + admitted
 
 
 @pytest.mark.slow
@@ -100,8 +107,7 @@ def test_prefill_cancelled_mid_stream_frees_its_slot(services, stubs):
             break
     assert kinds[0] == "slot" and slots_in_use(prefill) == 1
     call.cancel()
-    time.sleep(2.0)
-    assert slots_in_use(prefill) == 0
+    assert wait_for_zero_slots(prefill, 2.0) == 0
 
 
 def cancel_hybrid_during_prefill(dec, seed: int) -> None:
@@ -143,8 +149,7 @@ def test_decode_process_killed_mid_handoff_frees_the_slot(services, tmp_path):
         victim.stop(sig=9)
         with pytest.raises(grpc.RpcError):
             list(call)
-    time.sleep(2.0)
-    assert slots_in_use(prefill) == 0
+    assert wait_for_zero_slots(prefill, 2.0) == 0
 
 
 def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_refused_at_once(services, stubs):
@@ -156,10 +161,10 @@ def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_ref
     pre, dec = stubs
     # an earlier test's hand-off may still let go of its slot (a finished one keeps it up to slot_hold_s
     # for a silent reader): this one needs the whole arena to start from
-    deadline = time.monotonic() + 60
-    while prefill.metric("hybridserve_kv_arena_slots_in_use") > 0:
-        assert time.monotonic() < deadline, "an earlier hand-off never let go of its arena slot"
-        time.sleep(0.1)
+    assert wait_for_zero_slots(prefill, 60.0) == 0, (
+        "an earlier hand-off never let go: slots %s, admitted %s, bytes %s" % (
+            slots_in_use(prefill), prefill.metric("hybridserve_handoffs_admitted"),
+            prefill.metric("hybridserve_handoff_bytes_held")))
     holder = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=26),
                                            sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
     waiter = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(400, VOCAB, seed=27),
