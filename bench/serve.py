@@ -105,6 +105,10 @@ def build_args() -> argparse.ArgumentParser:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="also measure each of our modes with these extra body fields (e.g. logprobs5='{\"logprobs\": 5}'"
                          " or a response_format): the API features' cost, side by side with the plain requests")
+    ap.add_argument("--stack-variant", action="append", default=[], metavar="NAME=JSON",
+                    help="with --start-stack: also start a second stack with these environment variables (e.g. "
+                         "nostretch='{\"HYBRIDSERVE_DECODE_TTFT_TARGET_S\": \"0\"}') and measure each mode on it too: "
+                         "a setting's effect, side by side in one run")
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--name", help="output name (default: serve, or serve_vs_llama with llama-server)")
     ap.add_argument("--out", default=str(RESULTS))
@@ -135,6 +139,12 @@ def bring_up(args, servers: Servers, out: Path, max_clients: int, ctx_per_slot: 
         for name, body in parse_pairs(args.variant, "--variant").items():
             targets += [Target(f"hybridserve-{m}+{name}", ours_url, {"mode": m, **json.loads(body)}, model)
                         for m in args.modes.split(",")]
+    for name, env in parse_pairs(args.stack_variant, "--stack-variant").items():
+        if not args.start_stack:
+            raise SystemExit("--stack-variant needs --start-stack")
+        url = servers.start_stack(out / f"serve_stack_{name}.log", extra_env=json.loads(env), name=name)
+        targets += [Target(f"hybridserve-{m}@{name}", url, {"mode": m}, served_model(url))
+                    for m in args.modes.split(",")]
     return targets + [Target(n, u, {}, served_model(u)) for n, u in servers.externals.items()]
 
 

@@ -20,6 +20,11 @@ class BatchingSettings(BaseModel):
     # while decodes run, a step's prompt tokens are cut so the step stays within this (measured costs,
     # services/engine/step_pacer.py): a long prompt arriving never stalls the streams for long. 0 = off
     step_target_s: float = Field(0.1, ge=0.0)
+    # ...unless prompts queue: once the oldest prompt queued for admission has waited this long, the
+    # step target stretches with its wait, up to step_max_s (a closed loop of many clients trades ITL
+    # for TTFT; step_pacer.py says why). 0 = never
+    ttft_target_s: float = Field(2.0, ge=0.0)
+    step_max_s: float = Field(0.4, ge=0.0)
     # prefix-cache blocks the KV pool evicts, kept in host memory and loaded back on a hit instead of
     # recomputed (services/engine/host_kv_tier.py); 0 = no host tier
     host_kv_cache_mb: int = Field(0, ge=0)

@@ -37,7 +37,8 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
                            max_num_seqs=settings.max_num_seqs,
                            max_num_batched_tokens=engine.max_num_batched_tokens,
                            max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching,
-                           step_target_s=settings.step_target_s, host_kv_cache_mb=settings.host_kv_cache_mb,
+                           step_target_s=settings.step_target_s, ttft_target_s=settings.ttft_target_s,
+                           step_max_s=settings.step_max_s, host_kv_cache_mb=settings.host_kv_cache_mb,
                            # what the engine's head holds beyond one row per sequence (prompt logprobs)
                            prompt_logit_rows=getattr(engine, "prompt_logit_rows", SchedulerConfig.prompt_logit_rows))
 

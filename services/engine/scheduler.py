@@ -34,9 +34,10 @@ sequences whose blocks were taken away (drop any other per-sequence state).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_events import KVEventLog
@@ -57,6 +58,9 @@ class SchedulerConfig:
     max_model_len: int = 2048  # context window: prompt + generated tokens
     enable_prefix_caching: bool = True
     step_target_s: float = 0.0  # with decodes running, prompt tokens per step cut to fit it (step_pacer.py)
+    # a prompt waiting longer than this for its first token stretches that target, up to step_max_s
+    ttft_target_s: float = 0.0  # 0: it never stretches
+    step_max_s: float = 0.0
     host_kv_cache_mb: int = 0  # evicted prefix blocks kept in host memory (host_kv_tier.py); 0 = none
     # logit rows one step may give a prompt's every position (prompt logprobs, `Sequence.all_logits`)
     # beyond the one row each sampling chunk takes: the engine's head holds max_num_seqs + this many
@@ -96,6 +100,7 @@ class Sequence:
     all_logits: bool = False
     # the token about to be appended ends the sequence (its grammar is complete: engine_loop.py sets it)
     stop_requested: bool = False
+    arrived_s: float = 0.0  # the scheduler's clock when it was added: how long its first token is waited for
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -163,8 +168,8 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over one BlockManager; the step protocol is in the module docstring."""
 
-    def __init__(self, config: SchedulerConfig):
-        self.config = config
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
+        self.config, self._clock = config, clock
         # what the prefix cache holds, for a router to follow (through Info)
         self.kv_events = KVEventLog() if config.enable_prefix_caching else None
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -174,7 +179,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
-        self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens)
+        self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens,
+                               config.ttft_target_s, config.step_max_s)
         self._logit_rows = config.prompt_logit_rows  # what the step being scheduled has left of them
 
     # ---- metrics ---------------------------------------------------------------------------
@@ -205,8 +211,16 @@ class Scheduler:
     # ---- requests join and leave (between steps) -------------------------------------------
     def add(self, seq: Sequence) -> None:
         self._check_new(seq)
+        seq.arrived_s = self._clock()
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+
+    def oldest_queued_wait(self) -> float:
+        """Seconds the oldest sequence waiting to be admitted, without a first token, has been here: what
+        stretches the pacer's step target (step_pacer.py). One being prefilled is not counted: a long
+        prompt takes long by itself, and stretching for it would stall the streams it runs beside."""
+        queued = [seq.arrived_s for seq in self.waiting if not seq.num_generated]
+        return self._clock() - min(queued) if queued else 0.0
 
     def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:
@@ -274,7 +288,7 @@ class Scheduler:
         preempted: list[int] = []
         decodes = self._schedule_decodes(preempted)
         budget = self.config.max_num_batched_tokens - len(decodes)
-        cap = self.pacer.cap() if decodes else None
+        cap = self.pacer.cap(self.oldest_queued_wait()) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
         self._logit_rows = self.config.prompt_logit_rows

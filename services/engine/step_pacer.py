@@ -22,6 +22,17 @@ known to keep within the target (`fits`; halved by a step beside decodes that di
 grows by measured steps, never by extrapolation alone. Before anything is measured that is
 `floor` tokens: the first step beside decodes that came by hand-off (an engine that never
 prefilled, in hybrid or auto mode) took the whole budget.
+
+Holding every step to the ITL target starves prompts once the decodes alone nearly fill it: at 32
+clients on this machine 30 rows took ~97 ms of the 100, the cap was one block, decode_fpga ran 14
+requests while 18 waited (it batches 64), and TTFT p50 was 10.8 s against llama-server's 3.2 s, whose
+ITL was 155 ms to our 97. With the tokens/s fixed by the processor, a closed loop of clients trades
+TTFT for ITL (Little's law): more requests decoding at once is a longer step and a shorter queue. So
+the target stretches with the wait of the oldest prompt queued for admission (from the scheduler):
+past `ttft_target_s` the step target grows with that wait, from target_s to `max_s` at twice the
+TTFT target. A prompt being prefilled does not count: a lone long prompt (2,000 tokens) beside a
+few streams is admitted at once and takes its chunks within the ITL target, however long that
+takes; it is a queue of prompts, many clients, that gets the longer steps.
 """
 from __future__ import annotations
 
@@ -32,11 +43,22 @@ GROWTH = 1.5
 
 
 class StepPacer:
-    def __init__(self, target_s: float, floor: int, ceiling: int):
+    def __init__(self, target_s: float, floor: int, ceiling: int, ttft_target_s: float = 0.0,
+                 max_s: float | None = None):
         self.target_s, self.floor, self.ceiling = target_s, floor, ceiling
+        self.ttft_target_s = ttft_target_s  # 0: the target never stretches
+        self.max_s = target_s if max_s is None else max(target_s, max_s)
         self.base_s: float | None = None  # a decode-only step
         self.per_token_s: float | None = None  # one more prompt token in a step
-        self.fits = 0  # the most prompt tokens a step beside decodes is known to keep within target_s
+        self.fits = 0  # the most prompt tokens a step beside decodes is known to keep within its target
+        self.step_target_s = target_s  # the target of the step last capped (stretched or not)
+
+    def target_for(self, oldest_wait_s: float) -> float:
+        """The step target while the oldest prompt queued for admission has waited `oldest_wait_s`."""
+        if self.ttft_target_s <= 0 or oldest_wait_s <= self.ttft_target_s:
+            return self.target_s
+        late = min(1.0, oldest_wait_s / self.ttft_target_s - 1.0)  # 1 at twice the TTFT target
+        return self.target_s + late * (self.max_s - self.target_s)
 
     def observe(self, n_decodes: int, n_prefill_tokens: int, seconds: float) -> None:
         if n_prefill_tokens == 0:
@@ -44,7 +66,7 @@ class StepPacer:
                 self.base_s = seconds if self.base_s is None else (1 - ALPHA) * self.base_s + ALPHA * seconds
             return
         if n_decodes:  # the streams waited on this step
-            self.fits = max(self.fits, n_prefill_tokens) if seconds <= self.target_s else n_prefill_tokens // 2
+            self.fits = max(self.fits, n_prefill_tokens) if seconds <= self.step_target_s else n_prefill_tokens // 2
         # a step of prompt tokens alone still pays the weights' pass: that part is the base
         extra = seconds - (self.base_s or 0.0)
         if extra <= 0:
@@ -52,11 +74,13 @@ class StepPacer:
         sample = extra / n_prefill_tokens
         self.per_token_s = sample if self.per_token_s is None else (1 - ALPHA) * self.per_token_s + ALPHA * sample
 
-    def cap(self) -> int | None:
-        """Prompt tokens a step with decodes may take; None: no cap (off)."""
+    def cap(self, oldest_wait_s: float = 0.0) -> int | None:
+        """Prompt tokens a step with decodes may take; None: no cap (off). `oldest_wait_s`: how long the
+        oldest prompt queued for admission has waited (it stretches the target, see the docstring)."""
         if self.target_s <= 0:
             return None
+        self.step_target_s = target = self.target_for(oldest_wait_s)
         cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
         if self.per_token_s:
-            cap = min(cap, int((self.target_s - (self.base_s or 0.0)) / self.per_token_s))
+            cap = min(cap, int((target - (self.base_s or 0.0)) / self.per_token_s))
         return max(self.floor, min(self.ceiling, cap))

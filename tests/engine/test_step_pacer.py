@@ -1,6 +1,8 @@
 """The step pacer (services/engine/step_pacer.py) and the scheduler cutting prompt chunks to it."""
 from __future__ import annotations
 
+import itertools
+
 from services.engine.engine_loop import EngineLoop
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -114,3 +116,60 @@ def test_the_engine_loop_paces_prompt_chunks_by_its_measured_step_times():
     # the first mixed step, before anything was measured, takes a block; then the cap (timing noise on
     # a busy machine only makes the measured costs, so the cap, larger per token: fewer tokens)
     assert paced and paced[0] <= 4 and max(paced) <= 20, paced
+
+
+def test_the_target_stretches_with_the_oldest_prompts_wait_past_the_ttft_target():
+    p = StepPacer(0.1, 16, 512, ttft_target_s=2.0, max_s=0.4)
+    assert [p.target_for(w) for w in (0.0, 1.9, 2.0)] == [0.1, 0.1, 0.1]  # a lone long prompt: the ITL target
+    assert abs(p.target_for(3.0) - 0.25) < 1e-9  # half-way to twice the TTFT target: half-way to max_s
+    assert p.target_for(4.0) == p.target_for(60.0) == 0.4
+    assert StepPacer(0.1, 16, 512).target_for(60.0) == 0.1  # no TTFT target: never stretched
+
+
+def first_tokens(ttft_target_s: float, prompts: list[int]) -> tuple[list[float], list[float]]:
+    """30 streams decoding fill the 100 ms target (97 ms a step, as at 32 clients on this machine;
+    3 ms a prompt token), then prompts of these lengths arrive at once: the simulated clock's seconds
+    to each one's first token, and every step's time until the last."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_blocks=1000, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                                      max_model_len=4096, step_target_s=0.1, ttft_target_s=ttft_target_s,
+                                      step_max_s=0.4), clock=lambda: clock[0])
+    for i in range(30):
+        sched.add(Sequence(i, [i + 1], 10_000))
+    out = sched.schedule()  # the 30 one-token prompts: first tokens, then they decode
+    sched.update(out, {c.seq_id: 9 for c in out.chunks})
+    for i, n in enumerate(prompts):
+        sched.add(Sequence(100 + i, [1000 * (i + 1) + j for j in range(n)], 5))  # no shared prefix
+    firsts, steps = {}, []
+    while len(firsts) < len(prompts):
+        out = sched.schedule()
+        seconds = 0.097 + 0.003 * sum(c.num_tokens for c in out.prefills)
+        steps.append(seconds)
+        clock[0] += seconds
+        sched.observe_step(out, seconds)
+        sched.update(out, {c.seq_id: 9 for c in out.chunks if c.samples})
+        firsts.update({c.seq_id: clock[0] for c in out.prefills if c.samples and c.seq_id >= 100})
+    return [firsts[100 + i] for i in range(len(prompts))], steps
+
+
+def test_queued_prompts_past_the_ttft_target_get_longer_steps_and_their_first_tokens_sooner():
+    """The pacer alone gave prompts a block a step beside 30 decodes (at 32 clients decode_fpga ran 14
+    and queued 18; TTFT p50 10.8 s). With the stretch, once the queue's head has waited 2 s the steps
+    grow, the queue drains sooner, and no step exceeds 1.5x step_max_s."""
+    queue = [272] * 8  # serve.py's mean prompt
+    held, held_steps = first_tokens(0.0, queue)
+    stretched, steps = first_tokens(2.0, queue)
+    assert max(held_steps) < 0.15 and held[-1] > 18, held  # one block a step: 136 steps of 145 ms
+    # (here 19.7 s to the last first token, 11.1 s on average; stretched 12.0 and 7.1)
+    assert stretched[-1] < 0.7 * held[-1] and sum(stretched) < 0.7 * sum(held), (stretched, held)
+    assert all(s <= h for s, h in zip(stretched, held)), (stretched, held)
+    assert max(steps) <= 1.5 * 0.4 + 1e-9, max(steps)
+    early = [s for s, t in zip(steps, itertools.accumulate(steps)) if t <= 2.0]
+    assert early == held_steps[:len(early)]  # before the TTFT target nothing changes
+
+
+def test_a_lone_long_prompt_never_stretches_the_streams_steps():
+    """A 2,000-token prompt takes ~11 s a block at a time beside 30 decodes, far past the TTFT target,
+    but it was admitted at once: it is not a queue, and the streams keep the ITL target (1.5x)."""
+    firsts, steps = first_tokens(2.0, [2000])
+    assert firsts[0] > 10 and max(steps) < 0.15, (firsts, max(steps))
