@@ -79,7 +79,10 @@ class StepPacer:
         oldest prompt queued for admission has waited (it stretches the target, see the docstring)."""
         if self.target_s <= 0:
             return None
-        self.step_target_s = target = self.target_for(oldest_wait_s)
+        target = self.target_for(oldest_wait_s)
+        if target < self.step_target_s:  # the queue is served: what fit a stretched step fits less now
+            self.fits = int(self.fits * target / self.step_target_s)
+        self.step_target_s = target
         cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
         if self.per_token_s:
             cap = min(cap, int((target - (self.base_s or 0.0)) / self.per_token_s))

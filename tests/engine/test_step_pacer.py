@@ -173,3 +173,17 @@ def test_a_lone_long_prompt_never_stretches_the_streams_steps():
     but it was admitted at once: it is not a queue, and the streams keep the ITL target (1.5x)."""
     firsts, steps = first_tokens(2.0, [2000])
     assert firsts[0] > 10 and max(steps) < 0.15, (firsts, max(steps))
+
+
+def test_once_the_queue_is_served_a_step_takes_no_more_than_its_own_target_allowed():
+    """Steps that met a stretched 0.4 s target carried ~100 prompt tokens; back at 0.1 s the next step
+    must not take 1.5x those because they once fit."""
+    p = StepPacer(0.1, 16, 512, ttft_target_s=2.0, max_s=0.4)
+    for _ in range(10):
+        n = p.cap(oldest_wait_s=5.0)
+        p.observe(30, n, 0.097 + 0.003 * n)  # met the stretched target: fits grows
+    grown = p.fits
+    assert grown >= 60, grown
+    p.per_token_s = None  # nothing measured of a token's cost: only the steps that fit bound it
+    # a quarter of what fit the stretched steps (0.1 of 0.4 s), 1.5x: was 1.5x all of it
+    assert p.cap(oldest_wait_s=0.0) <= 1.5 * grown / 4, (p.cap(0.0), grown)
