@@ -21,7 +21,11 @@ LANES = {
                    "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
                    "tests/gateway/test_batching_live.py",
                    "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
-                   "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py"),
+                   "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py",
+                   # the users of tests/stack's shared engine pair: it then starts in this lane only (the
+                   # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
+                   "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",
+                   "tests/stack/test_service_basics.py"),
     # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
     # "ran as one launch at least once" then fails; test_engine_loss: its kill must land while two
     # streams run, and beside the in-process lane one of them twice ended first)
