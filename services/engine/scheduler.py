@@ -288,7 +288,7 @@ class Scheduler:
         preempted: list[int] = []
         decodes = self._schedule_decodes(preempted)
         budget = self.config.max_num_batched_tokens - len(decodes)
-        cap = self.pacer.cap(self.oldest_queued_wait()) if decodes else None
+        cap = self.pacer.cap(self.oldest_queued_wait(), len(decodes)) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
         self._logit_rows = self.config.prompt_logit_rows

@@ -49,6 +49,7 @@ class StepPacer:
         self.ttft_target_s = ttft_target_s  # 0: the target never stretches
         self.max_s = target_s if max_s is None else max(target_s, max_s)
         self.base_s: float | None = None  # a decode-only step
+        self.base_rows = 0.0  # ...of this many decodes (an EWMA too)
         self.per_token_s: float | None = None  # one more prompt token in a step
         self.fits = 0  # the most prompt tokens a step beside decodes is known to keep within its target
         self.step_target_s = target_s  # the target of the step last capped (stretched or not)
@@ -63,20 +64,33 @@ class StepPacer:
     def observe(self, n_decodes: int, n_prefill_tokens: int, seconds: float) -> None:
         if n_prefill_tokens == 0:
             if n_decodes:
-                self.base_s = seconds if self.base_s is None else (1 - ALPHA) * self.base_s + ALPHA * seconds
+                first = self.base_s is None
+                self.base_s = seconds if first else (1 - ALPHA) * self.base_s + ALPHA * seconds
+                self.base_rows = n_decodes if first else (1 - ALPHA) * self.base_rows + ALPHA * n_decodes
             return
         if n_decodes:  # the streams waited on this step
             self.fits = max(self.fits, n_prefill_tokens) if seconds <= self.step_target_s else n_prefill_tokens // 2
         # a step of prompt tokens alone still pays the weights' pass: that part is the base
-        extra = seconds - (self.base_s or 0.0)
+        extra = seconds - self.base_for(n_decodes)
         if extra <= 0:
             return  # as fast as decodes alone: says nothing of what a token costs (see the docstring)
         sample = extra / n_prefill_tokens
         self.per_token_s = sample if self.per_token_s is None else (1 - ALPHA) * self.per_token_s + ALPHA * sample
 
-    def cap(self, oldest_wait_s: float = 0.0) -> int | None:
+    def base_for(self, n_decodes: int) -> float:
+        """A decode-only step of `n_decodes` rows. Under a steady queue no step is decode-only, and the
+        base measured with fewer rows is stale: scaled by the rows it is an upper bound (the weights'
+        pass does not grow with them), so a prompt token's cost is under-, never over-estimated,
+        and `fits` bounds what that lets through (at 64 clients the stale base held steps at ~130 ms
+        while they were allowed 400)."""
+        if self.base_s is None:
+            return 0.0
+        return self.base_s * max(1.0, n_decodes / self.base_rows) if self.base_rows else self.base_s
+
+    def cap(self, oldest_wait_s: float = 0.0, n_decodes: int = 0) -> int | None:
         """Prompt tokens a step with decodes may take; None: no cap (off). `oldest_wait_s`: how long the
-        oldest prompt queued for admission has waited (it stretches the target, see the docstring)."""
+        oldest prompt queued for admission has waited (it stretches the target, see the docstring);
+        `n_decodes`: the step's decode rows."""
         if self.target_s <= 0:
             return None
         target = self.target_for(oldest_wait_s)
@@ -85,5 +99,5 @@ class StepPacer:
         self.step_target_s = target
         cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
         if self.per_token_s:
-            cap = min(cap, int((target - (self.base_s or 0.0)) / self.per_token_s))
+            cap = min(cap, int((target - self.base_for(n_decodes)) / self.per_token_s))
         return max(self.floor, min(self.ceiling, cap))

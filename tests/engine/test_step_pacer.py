@@ -187,3 +187,19 @@ def test_once_the_queue_is_served_a_step_takes_no_more_than_its_own_target_allow
     p.per_token_s = None  # nothing measured of a token's cost: only the steps that fit bound it
     # a quarter of what fit the stretched steps (0.1 of 0.4 s), 1.5x: was 1.5x all of it
     assert p.cap(oldest_wait_s=0.0) <= 1.5 * grown / 4, (p.cap(0.0), grown)
+
+
+def test_a_base_measured_with_fewer_rows_does_not_hold_a_full_batch_below_its_stretched_target():
+    """Decode-only steps are measured at 8 rows (44 ms); then 60 rows run with a queue that never
+    empties, so no step is decode-only again. Against the 8-row base a 60-row step's extra time looked
+    like prompt tokens (13 ms each, 4x the truth) and the steps stayed at ~0.28 s of the 0.4 allowed."""
+    cost = lambda rows, n: 0.02 + 0.003 * rows + 0.003 * n  # noqa: E731
+    p = StepPacer(0.1, 16, 512, ttft_target_s=2.0, max_s=0.4)
+    for _ in range(10):
+        p.observe(8, 0, cost(8, 0))
+    times = []
+    for _ in range(40):
+        n = p.cap(oldest_wait_s=10.0, n_decodes=60)
+        times.append(cost(60, n))
+        p.observe(60, n, times[-1])
+    assert min(times[-10:]) >= 0.35 and max(times) <= 1.5 * 0.4, times
