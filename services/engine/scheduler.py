@@ -34,6 +34,7 @@ sequences whose blocks were taken away (drop any other per-sequence state).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -216,11 +217,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def oldest_queued_wait(self) -> float:
-        """Seconds the oldest sequence waiting to be admitted, without a first token, has been here: what
-        stretches the pacer's step target (step_pacer.py). One being prefilled is not counted: a long
-        prompt takes long by itself, and stretching for it would stall the streams it runs beside."""
-        queued = [seq.arrived_s for seq in self.waiting if not seq.num_generated]
-        return self._clock() - min(queued) if queued else 0.0
+        """Seconds the oldest prompt queued behind another has been here (the second oldest without a
+        first token, waiting or part-prefilled): what stretches the pacer's step target (step_pacer.py).
+        The oldest is left out: a lone long prompt takes long by itself, and stretching for it would
+        stall the streams it runs beside. Part-prefilled prompts count: with max_num_seqs at least the
+        clients (64) every prompt is admitted at once and the queue is inside `running`."""
+        pending = [seq.arrived_s for seq in self.waiting if not seq.num_generated]
+        pending += [seq.arrived_s for seq in self.running
+                    if seq.status is RequestState.PREFILLING and not seq.num_generated]
+        if len(pending) < 2:
+            return 0.0
+        return self._clock() - heapq.nsmallest(2, pending)[1]
 
     def _check_new(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:

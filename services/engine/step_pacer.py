@@ -70,24 +70,27 @@ class StepPacer:
             return
         if n_decodes:  # the streams waited on this step
             self.fits = max(self.fits, n_prefill_tokens) if seconds <= self.step_target_s else n_prefill_tokens // 2
-        # a step of prompt tokens alone still pays the weights' pass: that part is the base
-        extra = seconds - self.base_for(n_decodes)
-        if extra <= 0:
+        # a step of prompt tokens alone still pays the weights' pass: that part is the base; rows beyond
+        # the base's, decode rows or prompt tokens alike, cost the same each (one row through the weights)
+        extra = seconds - (self.base_s or 0.0)
+        rows = n_prefill_tokens + (n_decodes - self.base_rows if self.base_s is not None else 0)
+        if extra <= 0 or rows <= 0:
             return  # as fast as decodes alone: says nothing of what a token costs (see the docstring)
-        sample = extra / n_prefill_tokens
+        sample = extra / rows
         self.per_token_s = sample if self.per_token_s is None else (1 - ALPHA) * self.per_token_s + ALPHA * sample
 
-    def base_for(self, n_decodes: int) -> float:
-        """A decode-only step of `n_decodes` rows. Under a steady queue no step is decode-only, and the
-        base measured with fewer rows is stale: scaled by the rows it is an upper bound (the weights'
-        pass does not grow with them), so a prompt token's cost is under-, never over-estimated,
-        and `fits` bounds what that lets through (at 64 clients the stale base held steps at ~130 ms
-        while they were allowed 400)."""
+    def base_for(self, n_decodes: int | None) -> float:
+        """A decode-only step of `n_decodes` rows: the measured base, plus or minus a row's cost per row.
+        Under a steady queue no step is decode-only, and the base measured with fewer rows is stale:
+        taken as is, a full batch's extra time looked like dear prompt tokens (at 64 clients fpga's
+        steps stayed at ~130 ms where 400 were allowed)."""
         if self.base_s is None:
             return 0.0
-        return self.base_s * max(1.0, n_decodes / self.base_rows) if self.base_rows else self.base_s
+        if n_decodes is None:  # rows not said: as many as the base's
+            return self.base_s
+        return max(0.0, self.base_s + (n_decodes - self.base_rows) * (self.per_token_s or 0.0))
 
-    def cap(self, oldest_wait_s: float = 0.0, n_decodes: int = 0) -> int | None:
+    def cap(self, oldest_wait_s: float = 0.0, n_decodes: int | None = None) -> int | None:
         """Prompt tokens a step with decodes may take; None: no cap (off). `oldest_wait_s`: how long the
         oldest prompt queued for admission has waited (it stretches the target, see the docstring);
         `n_decodes`: the step's decode rows."""
