@@ -20,7 +20,7 @@ class BatchingSettings(BaseModel):
     # while decodes run, a step's prompt tokens are cut so the step stays within this (measured costs,
     # services/engine/step_pacer.py): a long prompt arriving never stalls the streams for long. 0 = off
     step_target_s: float = Field(0.1, ge=0.0)
-    # ...unless prompts queue: once the oldest prompt queued for admission has waited this long, the
+    # ...unless prompts queue: once the oldest prompt queued behind another has waited this long, the
     # step target stretches with its wait, up to step_max_s (a closed loop of many clients trades ITL
     # for TTFT; step_pacer.py says why). 0 = never
     ttft_target_s: float = Field(2.0, ge=0.0)

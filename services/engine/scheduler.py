@@ -59,7 +59,7 @@ class SchedulerConfig:
     max_model_len: int = 2048  # context window: prompt + generated tokens
     enable_prefix_caching: bool = True
     step_target_s: float = 0.0  # with decodes running, prompt tokens per step cut to fit it (step_pacer.py)
-    # a prompt queued for admission longer than this stretches that target, up to step_max_s
+    # a prompt queued behind another longer than this stretches that target, up to step_max_s
     ttft_target_s: float = 0.0  # 0: it never stretches
     step_max_s: float = 0.0
     host_kv_cache_mb: int = 0  # evicted prefix blocks kept in host memory (host_kv_tier.py); 0 = none

@@ -4,9 +4,11 @@ Chunked prefill alone keeps a long prompt from taking a whole step, but a chunk 
 max_num_batched_tokens can still be slow: on PoCL a 512-token chunk took over a second, and every
 stream decoding beside it waited that long for its next token (a 1262 ms gap where the median was
 16 ms). The pacer learns two costs from the engine's own steps: a decode-only step (`base`, an
-EWMA) and the marginal seconds per prefilled token (an EWMA of (step - base) / prompt tokens, so
-attention over long contexts, which makes later chunks dearer, shows in it). While decodes run, a
-step's prompt tokens are capped so that base + cap x per_token stays within `target_s`; at least
+EWMA, with the rows it had) and the marginal seconds per row beyond it (an EWMA of (step - base) /
+(prompt tokens + decode rows beyond the base's): a decode row and a prompt token are each one row
+through the weights; attention over long contexts, which makes later chunks dearer, shows in it).
+While decodes run, a step's prompt tokens are capped so that the base for its decode rows + cap x
+per_token stays within `target_s`; at least
 `floor` tokens (a block) so a prompt always advances, at most the scheduler's own budget. With no
 decode running nothing waits on the step, and the cap is off. target_s = 0 turns it off.
 
@@ -28,9 +30,10 @@ clients on this machine 30 rows took ~97 ms of the 100, the cap was one block, d
 requests while 18 waited (it batches 64), and TTFT p50 was 10.8 s against llama-server's 3.2 s, whose
 ITL was 155 ms to our 97. With the tokens/s fixed by the processor, a closed loop of clients trades
 TTFT for ITL (Little's law): more requests decoding at once is a longer step and a shorter queue. So
-the target stretches with the wait of the oldest prompt queued for admission (from the scheduler):
+the target stretches with the wait of the oldest prompt queued behind another (the second oldest
+without a first token, admitted or not: from the scheduler):
 past `ttft_target_s` the step target grows with that wait, from target_s to `max_s` at twice the
-TTFT target. A prompt being prefilled does not count: a lone long prompt (2,000 tokens) beside a
+TTFT target. The oldest does not count: a lone long prompt (2,000 tokens) beside a
 few streams is admitted at once and takes its chunks within the ITL target, however long that
 takes; it is a queue of prompts, many clients, that gets the longer steps.
 """
@@ -55,7 +58,7 @@ class StepPacer:
         self.step_target_s = target_s  # the target of the step last capped (stretched or not)
 
     def target_for(self, oldest_wait_s: float) -> float:
-        """The step target while the oldest prompt queued for admission has waited `oldest_wait_s`."""
+        """The step target while the oldest prompt queued behind another has waited `oldest_wait_s`."""
         if self.ttft_target_s <= 0 or oldest_wait_s <= self.ttft_target_s:
             return self.target_s
         late = min(1.0, oldest_wait_s / self.ttft_target_s - 1.0)  # 1 at twice the TTFT target
@@ -92,7 +95,7 @@ class StepPacer:
 
     def cap(self, oldest_wait_s: float = 0.0, n_decodes: int | None = None) -> int | None:
         """Prompt tokens a step with decodes may take; None: no cap (off). `oldest_wait_s`: how long the
-        oldest prompt queued for admission has waited (it stretches the target, see the docstring);
+        oldest prompt queued behind another has waited (it stretches the target, see the docstring);
         `n_decodes`: the step's decode rows."""
         if self.target_s <= 0:
             return None
