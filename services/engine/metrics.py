@@ -32,6 +32,10 @@ ONE_LAUNCH_GAVE_UP = Counter("hybridserve_decode_one_launch_gave_up",
 NUM_REQUESTS_RUNNING = Gauge("hybridserve_engine_num_requests_running", "Requests in the running batch")
 NUM_REQUESTS_WAITING = Gauge("hybridserve_engine_num_requests_waiting",
                              "Requests waiting for KV blocks or a place in the batch")
+STEP_TARGET = Gauge("hybridserve_engine_step_target_seconds",
+                    "The step pacer's target for a step beside decodes (stretched while prompts queue)")
+STEP_PROMPT_CAP = Gauge("hybridserve_engine_step_prompt_token_cap",
+                        "Prompt tokens the step pacer let the last step beside decodes take")
 KV_CACHE_USAGE = Gauge("hybridserve_engine_kv_cache_usage_ratio",
                        "Fraction of KV blocks held by requests (cached, unreferenced blocks count as free)")
 NUM_PREEMPTIONS = Counter("hybridserve_engine_num_preemptions", "Requests preempted (blocks freed, recomputed later)")

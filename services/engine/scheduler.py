@@ -183,6 +183,7 @@ class Scheduler:
         self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens,
                                config.ttft_target_s, config.step_max_s)
         self._logit_rows = config.prompt_logit_rows  # what the step being scheduled has left of them
+        self.last_prompt_cap = 0  # the pacer's cap of the last step beside decodes (a gauge)
 
     # ---- metrics ---------------------------------------------------------------------------
     @property
@@ -298,6 +299,7 @@ class Scheduler:
         cap = self.pacer.cap(self.oldest_queued_wait(), len(decodes)) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
+            self.last_prompt_cap = cap
         self._logit_rows = self.config.prompt_logit_rows
         prefills, budget = self._schedule_running_prefills(budget)
         if not preempted:  # blocks ran short this step: admitting more would only thrash
