@@ -545,7 +545,7 @@ class EngineLoop:
         m.NUM_REQUESTS_RUNNING.set(s.num_running)
         m.NUM_REQUESTS_WAITING.set(self.num_waiting)
         m.STEP_TARGET.set(s.pacer.step_target_s)
-        m.STEP_PROMPT_CAP.set(s.last_prompt_cap)
+        m.STEP_PROMPT_CAP.set(s.pacer.last_cap)
         m.KV_CACHE_USAGE.set(s.kv_cache_usage)
         m.PREFIX_CACHE_QUERIES.inc(bm.num_queried_tokens - self._counted[0])
         m.PREFIX_CACHE_HITS.inc(bm.num_hit_tokens - self._counted[1])

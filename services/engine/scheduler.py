@@ -1,8 +1,9 @@
 """Continuous batching: which sequences an engine step computes, how many tokens each, in which blocks.
 
-(Just over 300 lines on purpose: about a third is this docstring and the interface contract the
+(Past 300 lines on purpose: about a third is this docstring and the interface contract the
 engines will implement against; the scheduling code itself is one admission, one chunking and one
-preemption rule, kept together because they share the waiting/running queues.)
+preemption rule and the queue's wait the step pacer reads, kept together because they share the
+waiting/running queues.)
 
 Pure Python (no torch, no OpenCL). One engine loop owns the device and runs
 
@@ -183,7 +184,6 @@ class Scheduler:
         self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens,
                                config.ttft_target_s, config.step_max_s)
         self._logit_rows = config.prompt_logit_rows  # what the step being scheduled has left of them
-        self.last_prompt_cap = 0  # the pacer's cap of the last step beside decodes (a gauge)
 
     # ---- metrics ---------------------------------------------------------------------------
     @property
@@ -223,6 +223,8 @@ class Scheduler:
         The oldest is left out: a lone long prompt takes long by itself, and stretching for it would
         stall the streams it runs beside. Part-prefilled prompts count: with max_num_seqs at least the
         clients (64) every prompt is admitted at once and the queue is inside `running`."""
+        if self.pacer.ttft_target_s <= 0:
+            return 0.0  # the target never stretches: no pass over the queues each step
         pending = [seq.arrived_s for seq in self.waiting if not seq.num_generated]
         pending += [seq.arrived_s for seq in self.running
                     if seq.status is RequestState.PREFILLING and not seq.num_generated]
@@ -299,7 +301,6 @@ class Scheduler:
         cap = self.pacer.cap(self.oldest_queued_wait(), len(decodes)) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
-            self.last_prompt_cap = cap
         self._logit_rows = self.config.prompt_logit_rows
         prefills, budget = self._schedule_running_prefills(budget)
         if not preempted:  # blocks ran short this step: admitting more would only thrash

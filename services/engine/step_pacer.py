@@ -55,6 +55,7 @@ class StepPacer:
         self.per_token_s: float | None = None  # one more prompt token in a step
         self.fits = 0  # the most prompt tokens a step beside decodes is known to keep within its target
         self.step_target_s = target_s  # the target of the step last capped (stretched or not)
+        self.last_cap = 0  # the prompt tokens that step was allowed (a gauge)
 
     def target_for(self, oldest_wait_s: float) -> float:
         """The step target while the oldest prompt queued behind another has waited `oldest_wait_s`."""
@@ -105,4 +106,5 @@ class StepPacer:
         cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
         if self.per_token_s:
             cap = min(cap, int((target - self.base_for(n_decodes)) / self.per_token_s))
-        return max(self.floor, min(self.ceiling, cap))
+        self.last_cap = max(self.floor, min(self.ceiling, cap))
+        return self.last_cap
