@@ -8,7 +8,10 @@ with the least loaded pair among those that can serve the mode.
                        (running + waiting as last reported + calls this gateway opened since) / max_num_seqs
 
 The calls opened since the report matter because a report is up to one health interval old:
-a burst of requests would otherwise all go to the pair that looked idle. Ties (as between
+a burst of requests would otherwise all go to the pair that looked idle. Nor does an engine ever count
+fewer requests than this gateway has open on it: a report is taken when its Info reply lands, so a
+call opened while that Info was on the wire counts as seen by an engine that had not seen it yet
+(CI once placed a request beside a long stream for that). Ties (as between
 idle pairs) go to the lower KV-cache usage, then to the pair this gateway has fewer calls on,
 then to the lower index, so that the choice is deterministic.
 """
@@ -86,7 +89,7 @@ class PairLoads:
             if r is None:  # no report yet: what this gateway sent, against a batch of one
                 share = max(share, float(ours))
                 continue
-            queued = r.running + r.waiting + max(0, ours - r.ours_then)
+            queued = _queued(r, ours)
             share, kv = max(share, queued / r.max_num_seqs), max(kv, r.kv_usage)
         return share, kv
 
@@ -97,7 +100,7 @@ class PairLoads:
             for e in MODES[mode].engines:
                 ours = self._ours.get((pair, e), 0)
                 r = self._reports.get((pair, e))
-                most = max(most, ours if r is None else r.running + r.waiting + max(0, ours - r.ours_then))
+                most = max(most, ours if r is None else _queued(r, ours))
             return most
 
     def choose(self, mode: str, candidates: list[int]) -> int:
@@ -110,3 +113,9 @@ class PairLoads:
                 ours = sum(self._ours.get((p, e), 0) for e in MODES[mode].engines)
                 return share, kv, ours, p
             return min(candidates, key=key)
+
+
+def _queued(r: EngineReport, ours: int) -> int:
+    """Requests on an engine: its report, plus this gateway's calls opened since; never fewer than
+    the calls this gateway has open on it now."""
+    return max(r.running + r.waiting + max(0, ours - r.ours_then), ours)

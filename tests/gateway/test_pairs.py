@@ -60,6 +60,17 @@ def test_calls_sent_since_the_last_report_count_so_a_burst_spreads():
     assert loads.load(0, "gpu") == (0.75, 0.0)  # the engine says 3 until its next report
 
 
+def test_a_call_opened_while_the_info_was_on_the_wire_still_counts():
+    # the race CI hit: pair 1's Info left before a long stream was admitted there, its reply was
+    # recorded after the gateway had opened the call, so the report looked as if it counted it
+    loads = PairLoads()
+    loads.report(0, "fpga", running=0, waiting=0, max_num_seqs=2, kv_usage=0.3)
+    loads.started(1, "fpga")
+    loads.report(1, "fpga", running=0, waiting=0, max_num_seqs=2, kv_usage=0.0)
+    assert loads.load(1, "fpga") == (0.5, 0.0) and loads.queued(1, "fpga") == 1
+    assert loads.choose("fpga", [0, 1]) == 0
+
+
 def test_kv_usage_breaks_a_tie():
     loads = PairLoads()
     loads.report(0, "fpga", running=1, waiting=0, max_num_seqs=4, kv_usage=0.7)
