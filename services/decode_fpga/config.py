@@ -64,7 +64,7 @@ class EngineConfig:
                    allow_dense_fallback=settings.allow_dense_fallback,
                    kv_cache_mb=settings.kv_cache_mb,
                    block_size=settings.block_size, max_num_seqs=settings.max_num_seqs,
-                   max_num_batched_tokens=settings.max_num_batched_tokens)
+                   max_num_batched_tokens=settings.step_rows())
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,8 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # a real one, not 0.0.0.0); in Kubernetes the pod's IP from the downward API
     kv_advertise: str | None = None
     # tokens one step computes: on a CPU device a 512-token prefill chunk is a ~1.4 s step that stalls every
-    # running stream (serve.py's long-prompts variant: ITL p99 1415 ms); 64 keeps a step near 0.2 s
+    # running stream (serve.py's long-prompts variant: ITL p99 1415 ms); 64 keeps a step near 0.2 s. A
+    # queue of prompts stretches it toward stretched_batched_tokens (services/engine/step_pacer.py)
     max_num_batched_tokens: int = Field(64, ge=16)
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True

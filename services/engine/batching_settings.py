@@ -21,10 +21,18 @@ class BatchingSettings(BaseModel):
     # services/engine/step_pacer.py): a long prompt arriving never stalls the streams for long. 0 = off
     step_target_s: float = Field(0.1, ge=0.0)
     # ...unless prompts queue: once the oldest prompt queued behind another has waited this long, the
-    # step target stretches with its wait, up to step_max_s (a closed loop of many clients trades ITL
-    # for TTFT; step_pacer.py says why). 0 = never
-    ttft_target_s: float = Field(2.0, ge=0.0)
-    step_max_s: float = Field(0.4, ge=0.0)
+    # step target stretches with its wait, up to step_max_s, and the tokens a step may compute grow from
+    # max_num_batched_tokens to stretched_batched_tokens (a closed loop of many clients trades ITL for
+    # TTFT; step_pacer.py says why). 0 = never
+    ttft_target_s: float = Field(0.5, ge=0.0)
+    step_max_s: float = Field(2.0, ge=0.0)
+    stretched_batched_tokens: int = Field(512, ge=16)
     # prefix-cache blocks the KV pool evicts, kept in host memory and loaded back on a hit instead of
     # recomputed (services/engine/host_kv_tier.py); 0 = no host tier
     host_kv_cache_mb: int = Field(0, ge=0)
+
+    def step_rows(self) -> int:
+        """The tokens one step computes at most, stretched or not: the rows an engine is built for."""
+        if self.ttft_target_s > 0 and self.step_target_s > 0:
+            return max(self.max_num_batched_tokens, self.stretched_batched_tokens)
+        return self.max_num_batched_tokens

@@ -35,7 +35,9 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
     """The scheduler over `engine`'s pool, with the service's batching settings."""
     return SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                            max_num_seqs=settings.max_num_seqs,
-                           max_num_batched_tokens=engine.max_num_batched_tokens,
+                           # the engine is built for the stretched steps' rows; calm steps take the setting's
+                           max_num_batched_tokens=min(settings.max_num_batched_tokens, engine.max_num_batched_tokens),
+                           stretched_batched_tokens=engine.max_num_batched_tokens,
                            max_model_len=max_context, enable_prefix_caching=settings.enable_prefix_caching,
                            step_target_s=settings.step_target_s, ttft_target_s=settings.ttft_target_s,
                            step_max_s=settings.step_max_s, host_kv_cache_mb=settings.host_kv_cache_mb,

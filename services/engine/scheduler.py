@@ -13,8 +13,10 @@ Pure Python (no torch, no OpenCL). One engine loop owns the device and runs
 
 calling add() and abort() only between steps, and update() after every
 schedule(), even one whose output is_empty. Each step takes every running
-decode (one token each) and then prefill chunks up to max_num_batched_tokens,
-so a long prompt is split across steps and never stalls the running streams.
+decode (one token each) and then prefill chunks up to max_num_batched_tokens
+(more, up to stretched_batched_tokens, while a queue of prompts stretches the
+step: step_pacer.py), so a long prompt is split across steps and never stalls
+the running streams.
 A waiting sequence is admitted (oldest first) only when the blocks for all its
 tokens fit. When a decode needs a block and none is left, the newest running
 sequence is preempted: its blocks are freed and it goes back to the head of
@@ -63,10 +65,18 @@ class SchedulerConfig:
     # a prompt queued behind another longer than this stretches that target, up to step_max_s
     ttft_target_s: float = 0.0  # 0: it never stretches
     step_max_s: float = 0.0
+    # ...and the tokens a step may compute grow with it, from max_num_batched_tokens to this (0: they
+    # do not grow): decode_fpga's 64 kept a queue of 32 clients' prompts to ~34 tokens a step
+    stretched_batched_tokens: int = 0
     host_kv_cache_mb: int = 0  # evicted prefix blocks kept in host memory (host_kv_tier.py); 0 = none
     # logit rows one step may give a prompt's every position (prompt logprobs, `Sequence.all_logits`)
     # beyond the one row each sampling chunk takes: the engine's head holds max_num_seqs + this many
     prompt_logit_rows: int = 64
+
+    @property
+    def most_batched_tokens(self) -> int:
+        """The tokens one step computes at most, stretched or not: what the engine's rows must hold."""
+        return max(self.max_num_batched_tokens, self.stretched_batched_tokens)
 
     def __post_init__(self) -> None:
         checks = {
@@ -181,7 +191,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._seqs: dict[int, Sequence] = {}  # every waiting or running sequence
         self._in_flight: SchedulerOutput | None = None  # scheduled, not yet updated
-        self.pacer = StepPacer(config.step_target_s, config.block_size, config.max_num_batched_tokens,
+        self.pacer = StepPacer(config.step_target_s, config.block_size, config.most_batched_tokens,
                                config.ttft_target_s, config.step_max_s)
         self._logit_rows = config.prompt_logit_rows  # what the step being scheduled has left of them
 
@@ -297,8 +307,9 @@ class Scheduler:
             raise RuntimeError("schedule() called again before update() of the previous step")
         preempted: list[int] = []
         decodes = self._schedule_decodes(preempted)
-        budget = self.config.max_num_batched_tokens - len(decodes)
-        cap = self.pacer.cap(self.oldest_queued_wait(), len(decodes)) if decodes else None
+        waited = self.oldest_queued_wait()
+        budget = self._step_tokens(waited) - len(decodes)
+        cap = self.pacer.cap(waited, len(decodes)) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
         self._logit_rows = self.config.prompt_logit_rows
@@ -307,6 +318,12 @@ class Scheduler:
             prefills += self._admit_waiting(budget)
         self._in_flight = SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
         return self._in_flight
+
+    def _step_tokens(self, waited: float) -> int:
+        """The tokens this step may compute: max_num_batched_tokens, grown toward
+        stretched_batched_tokens as far as the queue stretches the step (step_pacer.py)."""
+        calm, most = self.config.max_num_batched_tokens, self.config.most_batched_tokens
+        return calm + int(self.pacer.stretch(waited) * (most - calm)) if most > calm else calm
 
     def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
         """Record the step's computed tokens and sampled ones; return the sequences it finished."""

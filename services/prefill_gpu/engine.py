@@ -66,7 +66,7 @@ class TorchEngine:
         self.kv_pool = PagedKVPool(cfg, batching.kv_cache_mb, batching.block_size, dev, self.model.dtype)
         self.block_size = self.kv_pool.block_size
         self.num_blocks = self.kv_pool.num_blocks
-        self.max_num_batched_tokens = batching.max_num_batched_tokens
+        self.max_num_batched_tokens = batching.step_rows()  # a queue of prompts may stretch a step to it
         self.max_num_seqs = batching.max_num_seqs
         # on CUDA, decode-only steps and lone prefill chunks replay captured graphs (cuda_graphs.py)
         self.graphs = (StepGraphs(self.model, self.kv_pool, self.max_num_batched_tokens, self.max_num_seqs,

@@ -37,7 +37,11 @@ def test_config_is_frozen_and_auto_storage_follows_the_checkpoint():
     batching = EngineConfig.from_settings(DecodeSettings(kv_cache_mb=64, block_size=32, max_num_seqs=8,
                                                          max_num_batched_tokens=256), "gguf")
     assert (batching.kv_cache_mb, batching.block_size, batching.max_num_seqs, batching.max_num_batched_tokens) == \
-        (64, 32, 8, 256)
+        (64, 32, 8, 512)  # built for the rows of a stretched step (stretched_batched_tokens, 512)
+    rows = lambda **kw: EngineConfig.from_settings(DecodeSettings(max_num_batched_tokens=256, **kw),  # noqa: E731
+                                                   "gguf").max_num_batched_tokens
+    assert rows(stretched_batched_tokens=128) == 256 and rows(stretched_batched_tokens=1024) == 1024
+    assert rows(ttft_target_s=0) == rows(step_target_s=0) == 256  # steps never stretch
     assert EngineConfig.from_settings(DecodeSettings(), "hf").weights_dtype == "fp32"
     assert EngineConfig.from_settings(DecodeSettings(weights_dtype="fp16"), "gguf").weights_dtype == "fp16"
     with pytest.raises(dataclasses.FrozenInstanceError):

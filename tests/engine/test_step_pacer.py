@@ -126,12 +126,14 @@ def test_the_target_stretches_with_the_oldest_prompts_wait_past_the_ttft_target(
     assert StepPacer(0.1, 16, 512).target_for(60.0) == 0.1  # no TTFT target: never stretched
 
 
-def first_tokens(ttft_target_s: float, prompts: list[int]) -> tuple[list[float], list[float]]:
+def first_tokens(ttft_target_s: float, prompts: list[int], step_tokens: int = 512,
+                 stretched_tokens: int = 0) -> tuple[list[float], list[float], list[int]]:
     """30 streams decoding fill the 100 ms target (97 ms a step, as at 32 clients on this machine;
     3 ms a prompt token), then prompts of these lengths arrive at once: the simulated clock's seconds
-    to each one's first token, and every step's time until the last."""
+    to each one's first token, and every step's time and prompt tokens until the last."""
     clock = [0.0]
-    sched = Scheduler(SchedulerConfig(num_blocks=1000, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+    sched = Scheduler(SchedulerConfig(num_blocks=1000, block_size=16, max_num_seqs=64,
+                                      max_num_batched_tokens=step_tokens, stretched_batched_tokens=stretched_tokens,
                                       max_model_len=4096, step_target_s=0.1, ttft_target_s=ttft_target_s,
                                       step_max_s=0.4), clock=lambda: clock[0])
     for i in range(30):
@@ -140,16 +142,17 @@ def first_tokens(ttft_target_s: float, prompts: list[int]) -> tuple[list[float],
     sched.update(out, {c.seq_id: 9 for c in out.chunks})
     for i, n in enumerate(prompts):
         sched.add(Sequence(100 + i, [1000 * (i + 1) + j for j in range(n)], 5))  # no shared prefix
-    firsts, steps = {}, []
+    firsts, steps, tokens = {}, [], []
     while len(firsts) < len(prompts):
         out = sched.schedule()
-        seconds = 0.097 + 0.003 * sum(c.num_tokens for c in out.prefills)
+        tokens.append(sum(c.num_tokens for c in out.prefills))
+        seconds = 0.097 + 0.003 * tokens[-1]
         steps.append(seconds)
         clock[0] += seconds
         sched.observe_step(out, seconds)
         sched.update(out, {c.seq_id: 9 for c in out.chunks if c.samples})
         firsts.update({c.seq_id: clock[0] for c in out.prefills if c.samples and c.seq_id >= 100})
-    return [firsts[100 + i] for i in range(len(prompts))], steps
+    return [firsts[100 + i] for i in range(len(prompts))], steps, tokens
 
 
 def test_queued_prompts_past_the_ttft_target_get_longer_steps_and_their_first_tokens_sooner():
@@ -157,8 +160,8 @@ def test_queued_prompts_past_the_ttft_target_get_longer_steps_and_their_first_to
     and queued 18; TTFT p50 10.8 s). With the stretch, once the queue's head has waited 2 s the steps
     grow, the queue drains sooner, and no step exceeds 1.5x step_max_s."""
     queue = [272] * 8  # serve.py's mean prompt
-    held, held_steps = first_tokens(0.0, queue)
-    stretched, steps = first_tokens(2.0, queue)
+    held, held_steps, _ = first_tokens(0.0, queue)
+    stretched, steps, _ = first_tokens(2.0, queue)
     assert max(held_steps) < 0.15 and held[-1] > 18, held  # one block a step: 136 steps of 145 ms
     # (here 19.7 s to the last first token, 11.1 s on average; stretched 12.0 and 7.1)
     assert stretched[-1] < 0.7 * held[-1] and sum(stretched) < 0.7 * sum(held), (stretched, held)
@@ -171,8 +174,25 @@ def test_queued_prompts_past_the_ttft_target_get_longer_steps_and_their_first_to
 def test_a_lone_long_prompt_never_stretches_the_streams_steps():
     """A 2,000-token prompt takes ~11 s a block at a time beside 30 decodes, far past the TTFT target,
     but it was admitted at once: it is not a queue, and the streams keep the ITL target (1.5x)."""
-    firsts, steps = first_tokens(2.0, [2000])
+    firsts, steps, _ = first_tokens(2.0, [2000])
     assert firsts[0] > 10 and max(steps) < 0.15, (firsts, max(steps))
+    _, steps, tokens = first_tokens(2.0, [2000], step_tokens=64, stretched_tokens=512)
+    assert max(steps) < 0.15 and max(tokens) <= 64 - 30, (max(steps), max(tokens))  # nor its token budget
+
+
+def test_a_stretched_step_may_compute_more_tokens_than_the_calm_budget():
+    """decode_fpga's calm budget is 64 tokens a step, decodes included: beside 30 decodes a stretched
+    0.4 s step still took 34 prompt tokens where ~100 fit (at 32 clients the queue stayed, TTFT p50
+    8.3 s). Now the budget grows with the stretch, to 512 at twice the TTFT target."""
+    queue = [272] * 8
+    capped, capped_steps, capped_tokens = first_tokens(2.0, queue, step_tokens=64)
+    grown, steps, tokens = first_tokens(2.0, queue, step_tokens=64, stretched_tokens=512)
+    assert max(capped_tokens) == 64 - 30 and max(tokens) > 64, (max(capped_tokens), max(tokens))
+    # (here the last first token 14.7 -> 12.0 s, the sum 66.8 -> 56.7 s; 34 -> 99 prompt tokens a step)
+    assert grown[-1] < 0.85 * capped[-1] and sum(grown) < 0.9 * sum(capped), (grown, capped)
+    assert max(steps) <= 1.5 * 0.4 + 1e-9, max(steps)
+    early = [t for t, at in zip(tokens, itertools.accumulate(steps)) if at <= 2.0]
+    assert early == capped_tokens[:len(early)] and max(early) <= 64 - 30  # before the TTFT target: the calm budget
 
 
 def test_once_the_queue_is_served_a_step_takes_no_more_than_its_own_target_allowed():
