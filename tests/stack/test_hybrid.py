@@ -167,9 +167,8 @@ def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_ref
             prefill.metric("hybridserve_handoff_bytes_held")))
     holder = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(512, VOCAB, seed=26),
                                            sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
-    waiter = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(400, VOCAB, seed=27),
-                                           sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
     got: list[str] = []
+    waiter = None
 
     def read_waiter():
         for msg in waiter:
@@ -180,6 +179,11 @@ def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_ref
     reader = threading.Thread(target=read_waiter, daemon=True)
     try:
         assert next(holder).WhichOneof("event") == "slot"  # holds ~24 of the 32 MiB
+        # sent only now: sent beside the holder, it reached the server first in some runs, took the
+        # memory, and waited unread for its own reader while the holder waited for it (60 s, then
+        # DEADLINE_EXCEEDED: what looked like a hand-off admission never let go)
+        waiter = pre.Prefill(pb.PrefillRequest(prompt_token_ids=random_prompt(400, VOCAB, seed=27),
+                                               sampling=pb.SamplingParams(max_tokens=1)), timeout=60)
         reader.start()
         deadline = time.monotonic() + 30  # a bound for a hang
         while prefill.metric("hybridserve_engine_queue_depth") < 1 and reader.is_alive():
@@ -201,7 +205,7 @@ def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_ref
         holder.cancel()
     reader.join(60)
     waiter.cancel()
-    assert got[0] == "slot" and got[-1] == "done"  # it ran once the first one let go
+    assert got and got[0] == "slot" and got[-1] == "done"  # it ran once the first one let go
     assert wait_for_zero_slots(prefill, 2.0) == 0
 
 
