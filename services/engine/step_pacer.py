@@ -38,7 +38,8 @@ however long that takes; it is a queue of prompts, many clients, that gets the l
 The scheduler's token budget stretches with it (`stretch`): decode_fpga's calm budget of 64 tokens,
 decodes included, left 34 prompt tokens beside 30 decodes where a stretched step had room for ~100,
 and its TTFT p50 at 32 clients stayed at 8.3 s; grown to 512 (with the stretch from 0.5 s of waiting
-to 2 s steps) it was 3.4 s at the same tokens/s (bench/results/serve_32_prefill_first.json).
+to 2 s steps) it was 3.4-3.55 s at 0.93-1.01x the tokens/s (bench/results/serve_32_prefill_first.json,
+serve_stretched_budget_vs_before.json).
 """
 from __future__ import annotations
 
