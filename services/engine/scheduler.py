@@ -322,8 +322,8 @@ class Scheduler:
     def _step_tokens(self, waited: float) -> int:
         """The tokens this step may compute: max_num_batched_tokens, grown toward
         stretched_batched_tokens as far as the queue stretches the step (step_pacer.py)."""
-        calm, most = self.config.max_num_batched_tokens, self.config.most_batched_tokens
-        return calm + int(self.pacer.stretch(waited) * (most - calm)) if most > calm else calm
+        calm = self.config.max_num_batched_tokens
+        return calm + int(self.pacer.stretch(waited) * (self.config.most_batched_tokens - calm))
 
     def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
         """Record the step's computed tokens and sampled ones; return the sequences it finished."""
