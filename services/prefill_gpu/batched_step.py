@@ -40,6 +40,13 @@ if TYPE_CHECKING:
     from services.engine.scheduler import ScheduledChunk
 
 MIN_GEMM_ROWS = 4  # below this MKL switches kernels and a row's bits depend on the row count
+
+
+def min_gemm_rows(device: torch.device) -> int:
+    """Rows every matmul gets at least: MIN_GEMM_ROWS on the CPU (MKL's invariance above); 1 on CUDA,
+    where cuBLAS picks its kernel by shape at every row count, so padding buys no invariance, and a
+    one-row product is up to 3x faster than four rows (H100: bench/results/engine_gpu.json, gemm_us)."""
+    return 1 if device.type == "cuda" else MIN_GEMM_ROWS
 ATTN_LEN_MULTIPLE = 16  # one AVX512 register of fp32: padded lengths keep each lane's sum order
 
 
@@ -67,6 +74,9 @@ class StepPlan:
     decode_bias: torch.Tensor | None  # [kv_heads * B, 1, L]: 0 at a real position, -inf at padding
     prefills: list[PrefillRows]
     sample_rows: torch.Tensor  # [S]: each sampling chunk's last row (an all_logits chunk's every row), in order
+    # every row, padding included, is a decode row and decode_rows is 0 .. n_padded - 1 (a captured
+    # decode step): attention reads q and gives its output in row order, with no gather or scatter
+    decode_only: bool = False
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -107,7 +117,7 @@ def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: i
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size})")
-    n_padded = max(n_rows, MIN_GEMM_ROWS)
+    n_padded = max(n_rows, min_gemm_rows(pool.device))
     ids = np.pad(ids, (0, n_padded - n_rows))
     pos = np.pad(np.concatenate(positions) if positions else np.zeros(0, np.int64), (0, n_padded - n_rows))
     plan = StepPlan(n_rows, pool.index(ids), pool.index(pos),
@@ -137,7 +147,8 @@ def _decode_attention(model: LlamaTorch, pool: PagedKVPool, layer: int, plan: St
     # [2, kvh, B * L, dim], contiguous: with strided operands torch's batched matmul changes a row's bits with B
     k, v = pool.gather(layer, plan.decode_slots).view(2, c.n_kv_heads * b, length, c.head_dim)
     # query head h reads kv head h // group (as SDPA's enable_gqa): [kvh * B, group, dim]
-    qg = q.index_select(0, plan.decode_rows).view(b, c.n_kv_heads, group, c.head_dim).transpose(0, 1)
+    rows = q if plan.decode_only else q.index_select(0, plan.decode_rows)
+    qg = rows.view(b, c.n_kv_heads, group, c.head_dim).transpose(0, 1)
     qg = qg.reshape(c.n_kv_heads * b, group, c.head_dim)
     # scale, mask and q @ k^T in one call: [kvh * B, group, L]
     scores = torch.baddbmm(plan.decode_bias, qg, k.transpose(1, 2), alpha=c.head_dim ** -0.5)
@@ -165,11 +176,14 @@ def forward_logits(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan,
     c, n = model.cfg, plan.n_rows
     rope = model._rope_tables(plan.positions)
     x = model._embed(plan.token_ids, plan.positions)  # [n_padded, hidden]
-    attn = torch.zeros((x.shape[0], c.q_dim), device=x.device, dtype=x.dtype)  # padding rows stay 0
+    if not plan.decode_only:
+        attn = torch.zeros((x.shape[0], c.q_dim), device=x.device, dtype=x.dtype)  # padding rows stay 0
     for li, layer in enumerate(model.layers):
         q, k, v = model._qkv(layer, x, rope)  # q [n_padded, heads, dim]; k, v [n_padded, kv_heads, dim]
         pool.write(li, plan.write_slots, k[:n], v[:n])
-        if plan.decode_rows is not None:
+        if plan.decode_only:
+            attn = _decode_attention(model, pool, li, plan, q)
+        elif plan.decode_rows is not None:
             attn.index_copy_(0, plan.decode_rows, _decode_attention(model, pool, li, plan, q))
         for chunk in plan.prefills:
             attn[chunk.row0:chunk.row1] = _prefill_attention(pool, li, chunk, q)
@@ -180,8 +194,9 @@ def forward_logits(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan,
     if n_sample == 0:
         return x.new_zeros((0, c.vocab_size), dtype=torch.float32)
     rows = x.index_select(0, plan.sample_rows)
-    if n_sample < MIN_GEMM_ROWS:  # the LM head's matmul too keeps its row bits whatever S is
-        rows = torch.cat([rows, rows.new_zeros((MIN_GEMM_ROWS - n_sample, rows.shape[1]))])
+    floor = min_gemm_rows(pool.device)
+    if n_sample < floor:  # the LM head's matmul too keeps its row bits whatever S is
+        rows = torch.cat([rows, rows.new_zeros((floor - n_sample, rows.shape[1]))])
     return model._logits(rows)[:n_sample]  # [S, vocab] float32
 
 

@@ -6,7 +6,7 @@ millisecond of GPU work. A graph replays a whole step's kernels with one call.
 
 Two kinds of step have a fixed shape once padded to a bucket:
 * a decode-only step: R rows (the batch size rounded up to a power of two, at least
-  MIN_GEMM_ROWS), each attending over its own context gathered through its block table and
+  min_gemm_rows: 1 on CUDA), each attending over its own context gathered through its block table and
   padded to L positions (the longest context rounded up to a power of two);
 * one prefill chunk alone: R rows (its length rounded up) over a context of L positions.
 What varies from step to step sits in one small static input tensor the host fills with one
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
-from services.prefill_gpu.batched_step import (ATTN_LEN_MULTIPLE, MIN_GEMM_ROWS, PrefillRows, StepPlan,
-                                               forward_logits, sampled)
+from services.prefill_gpu.batched_step import (ATTN_LEN_MULTIPLE, PrefillRows, StepPlan, forward_logits,
+                                               min_gemm_rows, sampled)
 from services.prefill_gpu.kv_pool import PagedKVPool
 from services.prefill_gpu.model import LlamaTorch
 
@@ -142,7 +142,7 @@ class StaticStep:
             bias = torch.zeros(visible.shape, dtype=pool.dtype, device=inp.device).masked_fill_(~visible,
                                                                                                    float("-inf"))
             return StepPlan(r, tokens, positions, write, self._row_ids, ctx,
-                            bias.repeat(cfg.n_kv_heads, 1)[:, None, :], [], self._row_ids)
+                            bias.repeat(cfg.n_kv_heads, 1)[:, None, :], [], self._row_ids, decode_only=True)
         last = (real.sum() - 1).clamp(min=0).reshape(1)  # the chunk's last real row (0 in a padding-only step)
         return StepPlan(r, tokens, positions, write, None, None, None,
                         [PrefillRows(0, r, 0, ctx[0], visible)], last)
@@ -180,7 +180,8 @@ class StepGraphs:
         self.model, self.pool = model, pool
         self.capture = pool.device.type == "cuda" if capture is None else capture
         self.max_rows = max_rows
-        self.max_decode_rows = _pow2_at_least(max_seqs, MIN_GEMM_ROWS)
+        self.min_decode_rows = min_gemm_rows(pool.device)
+        self.max_decode_rows = _pow2_at_least(max_seqs, self.min_decode_rows)
         self.max_chunk_rows = _pow2_at_least(max_rows, MIN_CHUNK_ROWS)
         self.max_context = _context_bucket(max_context, pool.block_size)
         self.steps: dict[Bucket, StaticStep] = {}
@@ -193,7 +194,7 @@ class StepGraphs:
         if not chunks:
             return None
         if all(len(c.token_ids) == 1 for c in chunks):
-            rows = _pow2_at_least(len(chunks), MIN_GEMM_ROWS)
+            rows = _pow2_at_least(len(chunks), self.min_decode_rows)
             context = _context_bucket(max(c.start + 1 for c in chunks), self.pool.block_size)
             if rows > self.max_decode_rows or context > self.max_context:
                 return None

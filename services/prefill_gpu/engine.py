@@ -47,6 +47,25 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def pick_fused(name: str, device: torch.device) -> bool:
+    """Whether the model runs its fused kernels (LlamaTorch's `fused`): "auto" = on CUDA only.
+
+    On CUDA a step of a small model is bound by its kernel count, and its rows agree with
+    transformers to rounding already (cuBLAS picks kernels by shape); on the CPU the unfused
+    forward is bit for bit transformers', which the tests hold it to."""
+    if name not in ("auto", "on", "off"):
+        raise ValueError(f"fused_ops must be 'auto', 'on' or 'off', got {name!r}")
+    return device.type == "cuda" if name == "auto" else name == "on"
+
+
+def pick_layout(name: str, device: torch.device) -> str:
+    """How the matrices are stored: "in_out" (MKL's faster GEMV layout on the CPU) or "out_in"
+    (the checkpoint's, applied by F.linear as nn.Linear is: cuBLAS's); "auto" picks by device."""
+    if name not in ("auto", "in_out", "out_in"):
+        raise ValueError(f"weight_layout must be 'auto', 'in_out' or 'out_in', got {name!r}")
+    return ("out_in" if device.type == "cuda" else "in_out") if name == "auto" else name
+
+
 class TorchEngine:
     """Engine and BatchEngine (services/engine/api.py) over LlamaTorch.
 
@@ -56,10 +75,12 @@ class TorchEngine:
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: str = "auto", dtype: str = "auto",
-                 batching: BatchingSettings | None = None, cuda_graphs: bool = True):
+                 batching: BatchingSettings | None = None, cuda_graphs: bool = True, fused_ops: str = "auto",
+                 weight_layout: str = "auto"):
         self.cfg = cfg
         dev = pick_device(device)
-        self.model = LlamaTorch(cfg, weights, dev, pick_dtype(dtype, dev))
+        self.model = LlamaTorch(cfg, weights, dev, pick_dtype(dtype, dev), fused=pick_fused(fused_ops, dev),
+                                out_in=pick_layout(weight_layout, dev) == "out_in")
         self.device = dev
         self.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         batching = batching or BatchingSettings()
@@ -80,7 +101,8 @@ class TorchEngine:
         """From a loaded model and PrefillSettings (device, dtype and the batching knobs)."""
         batching = BatchingSettings(**{name: getattr(settings, name) for name in BatchingSettings.model_fields})
         return cls(loaded.config, loaded.weights, device=settings.device, dtype=settings.dtype, batching=batching,
-                   cuda_graphs=settings.cuda_graphs)
+                   cuda_graphs=settings.cuda_graphs, fused_ops=settings.fused_ops,
+                   weight_layout=settings.weight_layout)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -22,6 +22,11 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     device: str = "auto"  # "auto" (CUDA when present) | "cpu" | "cuda" | "cuda:N"
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # auto = fp32, for parity across modes
     cuda_graphs: bool = True  # on CUDA: decode steps and lone prefill chunks replay captured graphs
+    # fused RMSNorm and residual adds in the GEMMs: fewer kernels a step; "auto" = on CUDA only (the CPU
+    # keeps transformers' bits). Greedy tokens and logit differences measured by bench/gpu_engine.py
+    fused_ops: Literal["auto", "on", "off"] = "auto"
+    # matrices [in, out] (MKL's fast layout) or [out, in] (F.linear, cuBLAS's); "auto": out_in on CUDA only
+    weight_layout: Literal["auto", "in_out", "out_in"] = "auto"
     arena_bytes: int = 256 * 1024 * 1024
     # a hand-off outside the admission (none in the service any more: it waits for memory in the
     # admission's queue, bounded by the call's deadline) waits this long for a slot; kept for old envs

@@ -167,3 +167,32 @@ def test_captured_graphs_give_the_eager_tokens_on_cuda(loaded_model, model_confi
     assert all(s.graph is not None for s in graphs.steps.values())
     eng.graphs = None
     assert captured == serve(eng, prompts, 12, budget=64, arrivals_per_step=1)
+
+
+def test_a_lone_decode_in_a_one_row_bucket_with_the_cuda_defaults_gives_the_eager_tokens(loaded_model, model_config,
+                                                                                         engine):
+    """CUDA's configuration run on the CPU: fused kernels, [out, in] matrices and a one-row decode bucket
+    (no padding rows: min_gemm_rows is 1 on CUDA) against the default engine's planned eager step."""
+    from services.prefill_gpu.cuda_graphs import Bucket, StaticStep
+    from services.prefill_gpu.engine import TorchEngine
+
+    cuda_like = TorchEngine(loaded_model.config, loaded_model.weights, device="cpu", batching=BATCHING,
+                            fused_ops="on", weight_layout="out_in")
+    assert cuda_like.model.fused and cuda_like.model.out_in
+    table, n = (6, 2, 9), 45
+    prompt = random_prompt(n, model_config.vocab_size, seed=8)
+    for eng in (engine, cuda_like):
+        eng.step([chunk(0, prompt, table)], greedy=True)
+    decode = [chunk(n, [321], table)]
+    eager = forward_logits(engine.model, engine.kv_pool, plan_step(decode, engine.kv_pool,
+                                                                   engine.max_num_batched_tokens, model_config.vocab_size))
+    static = StaticStep(cuda_like.model, cuda_like.kv_pool, Bucket(DECODE, 1, 64))
+    static.fill(decode)
+    with torch.inference_mode():
+        fixed = static.forward()
+    assert fixed.shape == eager.shape == (1, model_config.vocab_size)
+    torch.testing.assert_close(fixed, eager, rtol=0, atol=2e-4)  # fused sums: the same logits to rounding
+    assert torch.equal(fixed.argmax(-1), eager.argmax(-1))
+    slot = table[n // engine.block_size] * engine.block_size + n % engine.block_size
+    torch.testing.assert_close(cuda_like.kv_pool.data[:, :, :, slot], engine.kv_pool.data[:, :, :, slot],
+                               rtol=0, atol=1e-4)
