@@ -3,8 +3,11 @@
 Measures, on the GPU it finds (the device is named in the JSON):
 * parity: prompts of several lengths served together through the real scheduler and
   engine.step (CUDA graphs on), greedy tokens against transformers' generate on the same GPU,
-  one prompt at a time, fp32;
-* decode step ms at batch 1, 8, 64 (128-token contexts), eager and captured, and tokens/s;
+  one prompt at a time, fp32; for the default engine (fused kernels on CUDA) and the unfused one,
+  and the largest logit difference between the two on a 512-token prefill;
+* decode step ms at batch 1, 8, 64 (128-token contexts), eager and captured (fused and unfused),
+  and tokens/s; a batch-1 graph replay alone (what the step costs past the host's work), and the
+  kernels of one eager batch-1 step from torch.profiler (how many, their summed GPU time);
 * prefill of 128, 512 and 2048 tokens as one chunk, eager and captured;
 * a scheduler-driven run of 64 prompts x 128 new tokens (tokens/s including the Python loop);
 * transformers on the same GPU: prefill 512 and decode ms/token at batch 1 and 64 (its own cache).
@@ -57,6 +60,49 @@ def cuda_ms(fn, reps: int, warmup: int = 3) -> float:
         sync()
         out.append((time.perf_counter() - t) * 1e3)
     return statistics.median(out)
+
+
+def kernel_profile(fn) -> dict:
+    """The GPU kernels one call of fn launches (eager, so each is its own launch): count, summed ms."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        fn()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        rows = [r for r in prof.key_averages() if str(r.device_type).endswith("CUDA")]
+        top = sorted(rows, key=lambda r: -r.device_time_total)[:12]
+        return {"kernels": sum(r.count for r in rows), "gpu_ms": sum(r.device_time_total for r in rows) / 1e3,
+                "top": [{"kernel": r.key[:90], "count": r.count, "us": round(r.device_time_total, 1)} for r in top]}
+    except Exception as exc:  # a profiler that cannot trace here must not cost the run its other figures
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def gemm_table(shapes: dict[str, tuple[int, int]], rows=(1, 4, 64), calls: int = 20) -> dict:
+    """us per product of x [rows, in] with each layer matrix, stored [in, out] (x @ W) or [out, in]
+    (F.linear), fp32, from a CUDA graph of `calls` products (so launch cost is a graph's, as in a step)."""
+    out = {}
+    for name, (k, n) in shapes.items():
+        w_out_in = torch.randn(n, k, device="cuda")
+        w_in_out = w_out_in.T.contiguous()
+        for m in rows:
+            x = torch.randn(m, k, device="cuda")
+            for layout, fn in (("in_out", lambda: x @ w_in_out),
+                               ("out_in", lambda: torch.nn.functional.linear(x, w_out_in))):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for _ in range(calls):
+                        fn()
+                us = cuda_ms(g.replay, 20) * 1e3 / calls
+                out[f"{name} {k}x{n} m{m} {layout}"] = {"us": round(us, 2), "GB_s": round(k * n * 4 / us / 1e3, 1)}
+    return out
 
 
 def serve(engine, prompts, n_new, budget) -> tuple[list[list[int]], float]:
@@ -112,25 +158,43 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__, "model": model_name,
               "dtype": "fp32", "timings_ms": {}, "parity": {}}
     rng = np.random.default_rng(0)
-    engine = TorchEngine(cfg, loaded.weights, device=dev, batching=BATCHING)
+    engine = TorchEngine(cfg, loaded.weights, device=dev, batching=BATCHING)  # the defaults ("auto")
+    # the same step with the matrices [in, out] (fused), and as before fusing ([in, out], unfused)
+    in_out = TorchEngine(cfg, loaded.weights, device=dev, batching=BATCHING, weight_layout="in_out")
+    unfused = TorchEngine(cfg, loaded.weights, device=dev, batching=BATCHING, fused_ops="off",
+                          weight_layout="in_out")
+    report["defaults"] = {"fused_ops": engine.model.fused, "weight_layout": "out_in" if engine.model.out_in else "in_out"}
     graphs = engine.graphs
 
     # ---- parity: scheduler + graphs against transformers, prompt by prompt --------------------
     ref = AutoModelForCausalLM.from_pretrained(ref_args.pop("pretrained"), dtype=torch.float32, **ref_args).to(dev).eval()
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in sizes["prompts"]]
     n_new = sizes["new"]
-    ours, _ = serve(engine, prompts, n_new, budget=256)
-    same = 0
-    for p, o in zip(prompts, ours):
+    theirs_all = []
+    for p in prompts:
         with torch.no_grad():
             g = ref.generate(torch.tensor([p], device=dev), max_new_tokens=n_new, do_sample=False,
                              min_new_tokens=n_new, pad_token_id=0)
-        theirs = g[0, len(p):].tolist()
-        first = next((i for i, (a, b) in enumerate(zip(o, theirs)) if a != b), None)
-        report["parity"][f"prompt {len(p)}"] = {"identical": o == theirs, "first_difference": first}
-        same += o == theirs
-    print(f"parity: {same}/{len(prompts)} prompts' {n_new} greedy tokens identical to transformers "
-          f"(graph replays {graphs.replays if graphs else None})")
+        theirs_all.append(g[0, len(p):].tolist())
+    for label, eng in (("parity", engine), ("parity_in_out", in_out), ("parity_unfused", unfused)):
+        ours, _ = serve(eng, prompts, n_new, budget=256)
+        report[label] = {}
+        same = 0
+        for p, o, theirs in zip(prompts, ours, theirs_all):
+            first = next((i for i, (a, b) in enumerate(zip(o, theirs)) if a != b), None)
+            report[label][f"prompt {len(p)}"] = {"identical": o == theirs, "first_difference": first}
+            same += o == theirs
+        print(f"{label} (fused={eng.model.fused}, out_in={eng.model.out_in}): {same}/{len(prompts)} prompts' {n_new} greedy tokens identical "
+              f"to transformers (graph replays {eng.graphs.replays if eng.graphs else None})")
+    long_prompt = prompts[-1]
+    with torch.inference_mode():
+        ref_logits = ref(torch.tensor([long_prompt], device=dev)).logits[0, -1].float()
+        report["max_logit_diff"] = {"prompt_tokens": len(long_prompt)}
+        for label, e in (("default", engine), ("in_out", in_out), ("unfused", unfused)):
+            logits = e.model.prefill(e.model.new_sequence(len(long_prompt)), long_prompt)
+            report["max_logit_diff"][f"{label}_vs_transformers"] = (logits - ref_logits).abs().max().item()
+    print("largest logit differences, last position of a", len(long_prompt), "token prefill:",
+          report["max_logit_diff"])
 
     # ---- decode steps, eager and captured ---------------------------------------------------------
     bs = engine.block_size
@@ -143,23 +207,41 @@ def main() -> int:
             out.append(ScheduledChunk(i, ctx, (5,), table, True, None))
         return out
 
+    ways = {"eager": (engine, None), "graphs": (engine, graphs), "graphs_in_out": (in_out, in_out.graphs),
+            "graphs_unfused": (unfused, unfused.graphs)}
     for batch in sizes["batches"]:
         chunks = decode_chunks(batch)
-        for way in ("eager", "graphs"):
-            engine.graphs = graphs if way == "graphs" else None
-            ms = cuda_ms(lambda: engine.step(chunks, greedy=True), sizes["reps"])
+        for way, (eng, g) in ways.items():
+            eng.graphs = g
+            ms = cuda_ms(lambda: eng.step(chunks, greedy=True), sizes["reps"])
             report["timings_ms"][f"decode/b{batch}/{way}"] = ms
-            print(f"decode batch {batch:2d} {way:6s}: {ms:7.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s")
+            print(f"decode batch {batch:2d} {way:14s}: {ms:7.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s")
+    engine.graphs = graphs
+    if graphs is not None:  # the graph alone: what a step costs past the host's planning and argmax
+        static = graphs.steps[graphs.bucket_for(decode_chunks(1))]
+        report["timings_ms"]["decode/b1/replay_only"] = cuda_ms(static.graph.replay, sizes["reps"])
+        print(f"decode batch  1 replay alone  : {report['timings_ms']['decode/b1/replay_only']:7.3f} ms")
+    report["kernels_eager_b1"] = {label: kernel_profile(lambda: eng.step(decode_chunks(1), greedy=True))
+                                  for label, eng in (("default", engine), ("unfused", unfused))}
+    print("kernels of one eager batch-1 step:", json.dumps(report["kernels_eager_b1"], indent=1))
+    if dev == "cuda":
+        c = cfg
+        report["gemm_us"] = gemm_table({
+            "qkv": (c.hidden, c.q_dim + 2 * c.kv_dim), "o": (c.q_dim, c.hidden),
+            "gate_up": (c.hidden, 2 * c.intermediate), "down": (c.intermediate, c.hidden),
+            "lm_head": (c.hidden, c.vocab_size)})
+        print("GEMM us per product (CUDA graph):", json.dumps(report["gemm_us"], indent=1))
     # ---- prefill chunks -------------------------------------------------------------------------
     for n in sizes["prefills"]:
         ids = tuple(rng.integers(3, cfg.vocab_size, n).tolist())
         chunks = [ScheduledChunk(0, 0, ids, tuple(range(-(-n // bs))), True, None)]
-        for way in ("eager", "graphs"):
-            engine.graphs = graphs if way == "graphs" else None
-            ms = cuda_ms(lambda: engine.step(chunks, greedy=True), max(2, sizes["reps"] // 5))
+        for way, (eng, g) in ways.items():
+            eng.graphs = g
+            ms = cuda_ms(lambda: eng.step(chunks, greedy=True), max(2, sizes["reps"] // 5))
             report["timings_ms"][f"prefill/{n}/{way}"] = ms
-            print(f"prefill {n:5d} {way:6s}: {ms:7.3f} ms  ({n / ms * 1e3:9.0f} tok/s)")
+            print(f"prefill {n:5d} {way:14s}: {ms:7.3f} ms  ({n / ms * 1e3:9.0f} tok/s)")
     engine.graphs = graphs
+    del in_out, unfused
     # ---- the whole loop: 64 prompts x 128 new tokens ---------------------------------------------
     k, new = sizes["many"], sizes["many_new"]
     many = [rng.integers(3, cfg.vocab_size, 128).tolist() for _ in range(k)]
