@@ -34,6 +34,16 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
   one), beta per engine learned from the requests' own decode times and the s each was
   sent with (batch_slowdown.py); corrections are learned on times divided by that factor, so a
   busy batch is not mistaken for a slow engine;
+* what the stages miss before the first token, per mode: a finished request's time to its first
+  token less what its mode's prefill, hand-off and queueing were estimated at dispatch (before this
+  term), the smallest over the mode's last `recent` requests, never below 0, forgotten once
+  `stale_after` auto decisions passed without one. The stages time the engines' compute; the waits
+  around them are each mode's own (hybrid's hand-off admission and its turn to join the decode
+  batch, gpu mode's prefill taking turns on a shared processor): at 32 clients on two cores hybrid's
+  first token came after 7.7 s and gpu's after 5.4 s where fpga's came after 3.2 s, while the estimates
+  ranked hybrid and gpu first for half the requests. Not the whole request's: a decode's slowdown in
+  a busy batch is the batch term's and the decode correction's, and counted here too it pushed the
+  busiest mode's estimate up 20 s after one burst;
 * queueing: the requests on each engine x that engine's measured service time (its own stage
   seconds, not the end-to-end time) / the sequences its batch holds. The requests: those the
   engine itself reports running and waiting (Info, polled every health interval; other gateways'
@@ -82,6 +92,10 @@ class Decision:
     pair: int = 0  # the engine pair that serves it (the dispatcher's choice, after the mode)
     company: dict[str, int] | None = None  # per engine, the requests this one shares it with when sent
     placement: "Placement | None" = None  # prefix_routing.py: why that pair (set by the dispatcher)
+    # per mode, seconds to the first token as estimated (prefill, hand-off, queueing and `missed`), and
+    # what of that was the missed-waits term
+    first_token: dict[str, float] | None = None
+    missed: dict[str, float] | None = None
 
 
 class Router:
@@ -89,12 +103,12 @@ class Router:
 
     def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
                  recent: int = 3, explore_share: float = 0.05, explore_limit: float = 3.0,
-                 stale_after: int = 100, shared_compute: bool = False):
+                 stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True):
         self._lock = threading.Lock()
         self._base = list(samples or [])
         self._online: dict[StageKey, deque] = {}  # recent online samples per stage
         self._window, self._refit_every, self._since_fit, self._recent = window, refit_every, 0, recent
-        self.shared_compute = shared_compute
+        self.shared_compute, self.first_token_waits = shared_compute, first_token_waits
         self._log_corr: dict[StageKey, float] = {}
         self.model = CostModel()
         self._refit()
@@ -108,6 +122,9 @@ class Router:
         self._auto, self._explored = 0, 0
         self._last_seen: dict[StageKey, int] = {}  # auto-decision count when a stage was last measured
         self._slowdown = {e: BatchSlowdown(window) for e in ENGINES}  # decode per token with company
+        # per mode, (auto decisions then, seconds its first token came later than estimated) of its last
+        # `recent` requests
+        self._missed: dict[str, deque] = {m: deque(maxlen=recent) for m in MODE_NAMES}
         self.checking = False  # a calibration check is confirming an unquiet profile
 
     # ---- calibration --------------------------------------------------------------
@@ -171,6 +188,20 @@ class Router:
             if any(k not in self.model.stages for k in unprofiled) or \
                     (unprofiled and self._since_fit >= self._refit_every):
                 self._refit()
+
+    def observe_first_token(self, mode: str, estimated: float, missed_then: float, seconds: float) -> None:
+        """A finished request's measured seconds to its first token against its mode's estimate at
+        dispatch (`estimated`: Decision.first_token, which held `missed_then` of this term: Decision.missed)."""
+        with self._lock:
+            self._missed[mode].append((self._auto, seconds - (estimated - missed_then)))
+
+    def _missed_seconds(self, mode: str) -> float:
+        """What the mode's stages and queueing miss before the first token: the smallest of its last
+        requests' shortfalls, >= 0."""
+        recent = self._missed[mode]
+        if not self.first_token_waits or not recent or self._auto - recent[-1][0] > self._stale_after:
+            return 0.0
+        return max(0.0, min(seconds for _, seconds in recent))
 
     def _refit(self) -> None:
         """Base = the profiles, plus online samples for the stages no profile measured."""
@@ -281,8 +312,13 @@ class Router:
         company = company if company is not None else self.company()
         shared = self._shared_slowdown(company)
         return {m: sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
-                       for k in CostModel.stage_keys(m)) + self.queueing(m)
+                       for k in CostModel.stage_keys(m)) + self.queueing(m) + self._missed_seconds(m)
                 for m in modes if self.model.can_estimate(m)}
+
+    def _first_token_estimate(self, mode: str, n_in: int, company: dict[str, int]) -> float:
+        """Seconds to the mode's first token: its stages before decode, queueing, what those miss."""
+        return sum(self._stage_estimate(k, n_in, 0, company.get(k[1], 0)) for k in CostModel.stage_keys(mode)
+                   if k[0] != "decode") + self.queueing(mode) + self._missed_seconds(mode)
 
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
@@ -290,26 +326,29 @@ class Router:
         with self._lock:
             company = self.company()
             est = self._estimates(n_in, n_out, available, company)
+            missed = {m: self._missed_seconds(m) for m in est}
+            first = {m: self._first_token_estimate(m, n_in, company) for m in est}
+            kw = dict(company=company, first_token=first, missed=missed)
             if forced is not None:
-                return Decision(forced, "forced", est, company=company)
+                return Decision(forced, "forced", est, **kw)
             if not available:
                 raise LookupError("no engine is able to serve this request")
             reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
             if not est:  # not calibrated yet: the one device that does both stages fastest by design
-                return Decision("hybrid" if "hybrid" in available else available[0], reason, est, company=company)
+                return Decision("hybrid" if "hybrid" in available else available[0], reason, est, **kw)
             best = min(est, key=est.get)
             self._auto += 1
             if self._share <= 0:
-                return Decision(best, reason, est, company=company)
+                return Decision(best, reason, est, **kw)
             self._credit = min(1.0, self._credit + self._share)
             explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
             if explore is None:
-                return Decision(best, reason, est, company=company)
+                return Decision(best, reason, est, **kw)
             mode, confirms_new = explore
             if not confirms_new:
                 self._credit -= 1.0
             self._explored += 1
-            return Decision(mode, "explore", est, company=company)
+            return Decision(mode, "explore", est, **kw)
 
     def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
                      stale_ok: bool, company: dict[str, int]) -> tuple[str, bool] | None:
@@ -350,6 +389,7 @@ class Router:
                                            if (st, dev) in self._last_seen else None}
                            for (st, dev), c in sorted(self._log_corr.items())}
             return {"base": self.model.as_json(), "corrections": corrections,
+                    "missed_s": {m: self._missed_seconds(m) for m in MODE_NAMES},
                     "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
                                     "batch_slowdown_beta": self._slowdown[e].beta,
                                     "batch_slowdown_samples": self._slowdown[e].samples,

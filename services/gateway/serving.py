@@ -79,6 +79,14 @@ class Run:
         self.router.started(stream.decision.mode)
         self.serving, self.migrations, self._on_mode_since = stream.decision, list(stream.migrations), now
 
+    def _teach_first_token(self, seconds: float) -> None:
+        """The router learns what its mode's stages miss before a first token (router.py) as soon as
+        the token is here: a burst's later requests are routed on it, not only after whole requests."""
+        d = self.serving
+        if self.migrations or not d.first_token or d.mode not in d.first_token:
+            return  # a request moved before its first token: the time is not one mode's
+        self.router.observe_first_token(d.mode, d.first_token[d.mode], (d.missed or {}).get(d.mode, 0.0), seconds)
+
     def take(self, msg: pb.GenerateResponse) -> tuple[int, str]:
         """Account for one engine message; its choice and the text it adds there (after stop strings)."""
         now = time.perf_counter()
@@ -86,6 +94,7 @@ class Run:
         for _ in msg.token_ids:
             if self.last_token_at is None:
                 m.TTFT.labels(mode=mode).observe(now - self.started)
+                self._teach_first_token(now - self.started)
             else:
                 m.ITL.labels(mode=mode).observe(now - self.last_token_at)
             self.last_token_at = now

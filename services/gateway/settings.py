@@ -55,6 +55,8 @@ class GatewaySettings(CommonSettings):
     health_interval_s: float = 1.0
     # share of auto requests the router may spend re-measuring a mode it has not run lately (0 = never)
     router_explore_share: float = Field(0.05, ge=0.0, le=0.5)
+    # add to each mode's estimate what its first tokens lately came later than its stages said (router.py)
+    router_first_token_waits: bool = True
     # whether both engines compute on the same processor (then queued work delays every mode alike);
     # unset: detected from the engines' devices (torch on the CPU and an OpenCL CPU device)
     engines_share_cpu: bool | None = None

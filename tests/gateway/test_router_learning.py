@@ -388,3 +388,97 @@ def test_a_burst_teaches_what_a_batch_adds():
         router.observe(samples_from_timings("fpga", n_in, t, router.lifetime_company(company)))
     assert router.snapshot()["engines"]["fpga"]["batch_slowdown_beta"] > 0.2
     assert router.estimates(n_in, n_out)["fpga"] < 2 * truth("fpga", n_in, n_out)
+
+
+# ---- what a mode's stages miss before its first token -----------------------------------------------
+def finish_late(router: Router, d, seconds_over: float) -> None:
+    """A request of decision `d` whose first token came `seconds_over` later than its mode's prefill,
+    hand-off and queueing said."""
+    router.observe_first_token(d.mode, d.first_token[d.mode], d.missed[d.mode],
+                               d.first_token[d.mode] - d.missed[d.mode] + seconds_over)
+
+
+def test_what_a_modes_stages_miss_before_the_first_token_is_learned_from_its_requests():
+    """Hybrid's first tokens come 5 s later than its stages say (waits outside them: the hand-off's
+    admission, joining the decode batch), three in a row: auto stops ranking hybrid first. One request
+    on time brings it back (the smallest of the last three, as stage corrections)."""
+    router = Router(synthetic_samples(), explore_share=0)
+    n_in, n_out = next((n, o) for n, o in LOAD if best(n, o) == "hybrid")
+    before = router.estimates(n_in, n_out)
+    d = router.choose(n_in, n_out)
+    assert d.mode == "hybrid"
+    assert 0 < d.first_token["hybrid"] < d.estimates["hybrid"] and d.missed == {m: 0.0 for m in MODE_NAMES}
+    for over in (5.0, 6.0, 5.5):
+        finish_late(router, router.choose(n_in, n_out, forced="hybrid"), over)
+    after = router.estimates(n_in, n_out)
+    assert abs(after["hybrid"] - before["hybrid"] - 5.0) < 1e-6, (before, after)
+    assert after["gpu"] == before["gpu"] and after["fpga"] == before["fpga"]
+    d = router.choose(n_in, n_out)
+    assert d.mode != "hybrid" and d.missed["hybrid"] == 5.0
+    assert router.snapshot()["missed_s"]["hybrid"] == 5.0
+    finish_late(router, router.choose(n_in, n_out, forced="hybrid"), 0.0)  # measured against the term's removal
+    assert router.choose(n_in, n_out).mode == "hybrid"
+
+
+def test_with_the_term_off_late_first_tokens_change_nothing():
+    router = Router(synthetic_samples(), explore_share=0, first_token_waits=False)
+    n_in, n_out = LOAD[0]
+    before = router.estimates(n_in, n_out)
+    for _ in range(3):
+        finish_late(router, router.choose(n_in, n_out, forced="fpga"), 9.0)
+    assert router.estimates(n_in, n_out) == before and router.snapshot()["missed_s"]["fpga"] == 0.0
+
+
+def test_a_first_token_sooner_than_estimated_never_lowers_the_estimate():
+    router = Router(synthetic_samples(), explore_share=0)
+    n_in, n_out = LOAD[0]
+    before = router.estimates(n_in, n_out)
+    for _ in range(3):
+        finish_late(router, router.choose(n_in, n_out, forced="fpga"), -2.0)
+    assert router.estimates(n_in, n_out) == before
+
+
+def test_what_a_mode_missed_is_forgotten_when_it_has_not_run_for_a_while():
+    """A load that made gpu mode's first tokens 30 s late and then ended: once `stale_after` auto
+    decisions passed without a gpu request, its estimate is its stages' again."""
+    router = Router(synthetic_samples(), explore_share=0, stale_after=20)
+    n_in, n_out = LOAD[0]
+    for _ in range(3):
+        finish_late(router, router.choose(n_in, n_out, forced="gpu"), 30.0)
+    late = router.estimates(n_in, n_out)["gpu"]
+    for _ in range(20):
+        router.choose(n_in, n_out)
+    assert router.estimates(n_in, n_out)["gpu"] == late
+    router.choose(n_in, n_out)
+    assert abs(router.estimates(n_in, n_out)["gpu"] - (late - 30.0)) < 1e-6
+
+
+def test_a_runs_first_token_teaches_its_mode_as_it_comes(tokenizer):
+    """The gateway's side: Run hands the router the first token's time when it arrives (not when the
+    request ends), against the Decision it was sent with; a request moved before it teaches nothing."""
+    import time
+
+    from services.gateway.choice import Choice
+    from services.gateway.detokenizer import IncrementalDetokenizer
+    from services.gateway.serving import Run
+    from services.gateway.stops import StopMatcher
+    from services.rpc.hybridserve.v1 import engine_pb2 as pb
+
+    router = Router(synthetic_samples(), explore_share=0)
+    n_in, n_out = LOAD[0]
+
+    def run_late(seconds: float, moved: bool = False) -> None:
+        d = router.choose(n_in, n_out, forced="gpu")
+        run = Run(router, d, n_in, time.perf_counter() - seconds,
+                  [Choice(0, IncrementalDetokenizer(tokenizer), StopMatcher([]))])
+        if moved:
+            run.migrations = ["a migration before the first token"]
+        run.take(pb.GenerateResponse(token_ids=[42]))
+
+    run_late(7.0, moved=True)
+    assert router.snapshot()["missed_s"]["gpu"] == 0.0
+    first = router.choose(n_in, n_out, forced="gpu").first_token["gpu"]
+    for _ in range(3):
+        run_late(7.0)
+    missed = router.snapshot()["missed_s"]["gpu"]
+    assert 7.0 - first <= missed < 7.5 - first, (missed, first)
