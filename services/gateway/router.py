@@ -34,10 +34,10 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
   one), beta per engine learned from the requests' own decode times and the s each was
   sent with (batch_slowdown.py); corrections are learned on times divided by that factor, so a
   busy batch is not mistaken for a slow engine;
-* what the stages miss before the first token, per mode: a finished request's time to its first
-  token less what its mode's prefill, hand-off and queueing were estimated at dispatch (before this
-  term), the smallest over the mode's last `recent` requests, never below 0, forgotten once
-  `stale_after` auto decisions passed without one. The stages time the engines' compute; the waits
+* what the stages miss before the first token, per mode: a request's time to its first token (taught
+  as the token arrives) less what its mode's prefill, hand-off and queueing were estimated at
+  dispatch (before this term), the smallest over the mode's last `recent` requests, never below 0,
+  forgotten once `stale_after` auto decisions passed without one. The stages time the engines' compute; the waits
   around them are each mode's own (hybrid's hand-off admission and its turn to join the decode
   batch, gpu mode's prefill taking turns on a shared processor): at 32 clients on two cores hybrid's
   first token came after 7.7 s and gpu's after 5.4 s where fpga's came after 3.2 s, while the estimates
@@ -190,8 +190,8 @@ class Router:
                 self._refit()
 
     def observe_first_token(self, mode: str, estimated: float, missed_then: float, seconds: float) -> None:
-        """A finished request's measured seconds to its first token against its mode's estimate at
-        dispatch (`estimated`: Decision.first_token, which held `missed_then` of this term: Decision.missed)."""
+        """A request's measured seconds to its first token against its mode's estimate at dispatch
+        (`estimated`: Decision.first_token, which held `missed_then` of this term: Decision.missed)."""
         with self._lock:
             self._missed[mode].append((self._auto, seconds - (estimated - missed_then)))
 
