@@ -1,14 +1,17 @@
 """The torch engine on a CUDA GPU: greedy parity with transformers, and step timings with and without graphs.
 
-Measures, on the GPU it finds (the device is named in the JSON):
+Measures, on the GPU it finds (the device is named in the JSON), for three builds of the engine
+in one process: the defaults (on CUDA: fused ops, [out, in] matrices), fused with [in, out]
+matrices, and unfused with [in, out] matrices (the step before the fusing):
 * parity: prompts of several lengths served together through the real scheduler and
   engine.step (CUDA graphs on), greedy tokens against transformers' generate on the same GPU,
-  one prompt at a time, fp32; for the default engine (fused kernels on CUDA) and the unfused one,
-  and the largest logit difference between the two on a 512-token prefill;
-* decode step ms at batch 1, 8, 64 (128-token contexts), eager and captured (fused and unfused),
-  and tokens/s; a batch-1 graph replay alone (what the step costs past the host's work), and the
-  kernels of one eager batch-1 step from torch.profiler (how many, their summed GPU time);
-* prefill of 128, 512 and 2048 tokens as one chunk, eager and captured;
+  one prompt at a time, fp32, for each build; each build's largest logit difference from
+  transformers at the last position of a 512-token prefill;
+* decode step ms at batch 1, 8, 64 (128-token contexts), eager (defaults) and captured (each
+  build), and tokens/s; a batch-1 graph replay alone (what the step costs past the host's work);
+  the kernels of one eager batch-1 step from torch.profiler (how many, their summed GPU time, the
+  costliest); each layer matrix's product in both layouts at 1, 4 and 64 rows;
+* prefill of 128, 512 and 2048 tokens as one chunk, eager and captured (each build);
 * a scheduler-driven run of 64 prompts x 128 new tokens (tokens/s including the Python loop);
 * transformers on the same GPU: prefill 512 and decode ms/token at batch 1 and 64 (its own cache).
 
