@@ -18,6 +18,7 @@ linear: all differ), and the one invariant alternative, a gemv per row at every 
 every weight once per row, which a batch of 16 decodes cannot afford. A lone decode therefore pays
 for three zero rows (measured at one torch thread: 76 ms padded against 46 ms unpadded, 1.65x,
 gpu_padding_1thread.json); at 4+ rows (any batch of 4 sequences, any prefill chunk) nothing is padded.
+On CUDA nothing is padded (min_gemm_rows): cuBLAS picks kernels by shape at any row count.
 Decode attention pads every context to
 a multiple of ATTN_LEN_MULTIPLE: masked positions past that add exact zeros, so a row attends
 bit-identically whatever the batch's longest context; its batched matmuls read contiguous K/V
