@@ -309,26 +309,38 @@ class Router:
             return self._estimates(n_in, n_out, modes)
 
     def _estimates(self, n_in: int, n_out: int, modes, company: dict[str, int] | None = None) -> dict[str, float]:
+        return {m: first + decode for m, (first, decode) in self._estimate_parts(n_in, n_out, modes, company).items()}
+
+    def _estimate_parts(self, n_in: int, n_out: int, modes,
+                        company: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
+        """Per mode: (seconds to its first token: the stages before decode, queueing and what those miss;
+        seconds of its decode)."""
         company = company if company is not None else self.company()
         shared = self._shared_slowdown(company)
-        return {m: sum(self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
-                       for k in CostModel.stage_keys(m)) + self.queueing(m) + self._missed_seconds(m)
-                for m in modes if self.model.can_estimate(m)}
-
-    def _first_token_estimate(self, mode: str, n_in: int, company: dict[str, int]) -> float:
-        """Seconds to the mode's first token: its stages before decode, queueing, what those miss."""
-        return sum(self._stage_estimate(k, n_in, 0, company.get(k[1], 0)) for k in CostModel.stage_keys(mode)
-                   if k[0] != "decode") + self.queueing(mode) + self._missed_seconds(mode)
+        parts = {}
+        for m in modes:
+            if not self.model.can_estimate(m):
+                continue
+            first = self.queueing(m) + self._missed_seconds(m)
+            decode = 0.0
+            for k in CostModel.stage_keys(m):
+                seconds = self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
+                if k[0] == "decode":
+                    decode += seconds
+                else:
+                    first += seconds
+            parts[m] = (first, decode)
+        return parts
 
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
         available = [m for m in MODE_NAMES if m in available]
         with self._lock:
             company = self.company()
-            est = self._estimates(n_in, n_out, available, company)
-            missed = {m: self._missed_seconds(m) for m in est}
-            first = {m: self._first_token_estimate(m, n_in, company) for m in est}
-            kw = dict(company=company, first_token=first, missed=missed)
+            parts = self._estimate_parts(n_in, n_out, available, company)
+            est = {m: first + decode for m, (first, decode) in parts.items()}
+            kw = dict(company=company, first_token={m: first for m, (first, _) in parts.items()},
+                      missed={m: self._missed_seconds(m) for m in parts})
             if forced is not None:
                 return Decision(forced, "forced", est, **kw)
             if not available:

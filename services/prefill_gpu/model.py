@@ -175,7 +175,7 @@ class LlamaTorch:
     def _residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
                          b: torch.Tensor | None) -> torch.Tensor:
         """x + a's product with w (+ b): fused, the add in the GEMM's epilogue (one kernel, not two)."""
-        if self.fused and b is None and x.dim() == 2:
+        if self.fused and b is None:
             return torch.addmm(x, a, w.T if self.out_in else w)
         return x + self._linear(a, w, b)
 
