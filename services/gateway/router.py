@@ -44,6 +44,10 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
   ranked hybrid and gpu first for half the requests. Not the whole request's: a decode's slowdown in
   a busy batch is the batch term's and the decode correction's, and counted here too it pushed the
   busiest mode's estimate up 20 s after one burst;
+* crowding (the choice, not the estimate): when the engines share one processor, each mode's
+  decode is charged what it would cost the requests already decoding (`_crowding_seconds`), and the
+  least estimate + crowding wins: a second busy engine halves the first one's share of the cores,
+  one more row in its batch costs it only beta;
 * queueing: the requests on each engine x that engine's measured service time (its own stage
   seconds, not the end-to-end time) / the sequences its batch holds. The requests: those the
   engine itself reports running and waiting (Info, polled every health interval; other gateways'
@@ -82,6 +86,7 @@ ESTIMATE_RATIO = Histogram("hybridserve_router_estimate_ratio", "Measured / esti
                            buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10))
 RATIO_CLAMP = 100.0  # one sample moves a correction by at most this factor either way
 CONFIRMING = 2  # requests that must have measured a stage before its estimate is trusted
+BESIDE_SHARE = 0.5  # the share of a processor a batch loses to one more busy process beside it
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,9 @@ class Decision:
     # what of that was the missed-waits term
     first_token: dict[str, float] | None = None
     missed: dict[str, float] | None = None
+    # per mode, the seconds its decode would cost the requests already decoding (shared processor only);
+    # the choice is the least estimate + crowding
+    crowding: dict[str, float] | None = None
 
 
 class Router:
@@ -103,12 +111,13 @@ class Router:
 
     def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
                  recent: int = 3, explore_share: float = 0.05, explore_limit: float = 3.0,
-                 stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True):
+                 stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True,
+                 crowding: bool = True):
         self._lock = threading.Lock()
         self._base = list(samples or [])
         self._online: dict[StageKey, deque] = {}  # recent online samples per stage
         self._window, self._refit_every, self._since_fit, self._recent = window, refit_every, 0, recent
-        self.shared_compute, self.first_token_waits = shared_compute, first_token_waits
+        self.shared_compute, self.first_token_waits, self.crowding = shared_compute, first_token_waits, crowding
         self._log_corr: dict[StageKey, float] = {}
         self.model = CostModel()
         self._refit()
@@ -332,6 +341,24 @@ class Router:
             parts[m] = (first, decode)
         return parts
 
+    def _crowding_seconds(self, mode: str, n_in: int, n_out: int, decode: float) -> float:
+        """Seconds the mode's decode (`decode`: its estimate) would add to the requests already decoding,
+        summed over them; 0 unless the engines share one processor. Inside their batch it adds
+        beta x its alone-time to each (what one more row costs a step); on the other engine it takes
+        its turn on the same cores for its whole length, and the OS shares them per process, not per
+        request: each of theirs runs at about half speed meanwhile. Judged on its own time alone, a
+        lone gpu-mode decode beside 30 on decode_fpga looked cheap, and auto at 32 clients gave
+        1.03x llama-server's tokens/s where forced fpga gave 1.37x. A prefill is not counted: in
+        fpga mode its chunks lengthen the batch's steps, in gpu and hybrid mode it takes the cores
+        from them: about alike."""
+        if not (self.crowding and self.shared_compute):
+            return 0.0
+        engine = MODES[mode].decode_engine
+        alone = self._stage_estimate(("decode", engine), n_in, n_out, 0, 1.0)
+        inside = self.queued(engine) * alone * self._slowdown[engine].beta
+        beside = sum(self.queued(e) for e in ENGINES if e != engine) * decode * BESIDE_SHARE
+        return inside + beside
+
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
         available = [m for m in MODE_NAMES if m in available]
@@ -339,8 +366,9 @@ class Router:
             company = self.company()
             parts = self._estimate_parts(n_in, n_out, available, company)
             est = {m: first + decode for m, (first, decode) in parts.items()}
+            crowd = {m: self._crowding_seconds(m, n_in, n_out, decode) for m, (_, decode) in parts.items()}
             kw = dict(company=company, first_token={m: first for m, (first, _) in parts.items()},
-                      missed={m: self._missed_seconds(m) for m in parts})
+                      missed={m: self._missed_seconds(m) for m in parts}, crowding=crowd)
             if forced is not None:
                 return Decision(forced, "forced", est, **kw)
             if not available:
@@ -348,7 +376,7 @@ class Router:
             reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
             if not est:  # not calibrated yet: the one device that does both stages fastest by design
                 return Decision("hybrid" if "hybrid" in available else available[0], reason, est, **kw)
-            best = min(est, key=est.get)
+            best = min(est, key=lambda m: est[m] + crowd[m])
             self._auto += 1
             if self._share <= 0:
                 return Decision(best, reason, est, **kw)
@@ -402,6 +430,7 @@ class Router:
                            for (st, dev), c in sorted(self._log_corr.items())}
             return {"base": self.model.as_json(), "corrections": corrections,
                     "missed_s": {m: self._missed_seconds(m) for m in MODE_NAMES},
+                    "crowding": self.crowding and self.shared_compute,
                     "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
                                     "batch_slowdown_beta": self._slowdown[e].beta,
                                     "batch_slowdown_samples": self._slowdown[e].samples,

@@ -350,6 +350,28 @@ def test_on_one_processor_a_busy_batch_slows_every_mode_alike():
     assert busy["gpu"] > busy[idle], busy
 
 
+def test_on_one_processor_a_busy_batch_keeps_a_second_decode_off_the_other_engine():
+    """A long prompt with a two-token answer: gpu mode is its cheapest (gpu prefills 8x faster and no
+    hand-off), alone and, on its own time, beside 4 decodes on decode_fpga. But on one processor gpu
+    mode's decode would take half the cores from those 4 for its whole length, where hybrid's decode
+    joins their batch (one more row): auto sends it to hybrid; with the term off, still gpu. On
+    separate devices nothing changes."""
+    n_in, n_out = 2048, 2
+    assert best(n_in, n_out) == "gpu"
+    routers = {name: taught_batch_slowdowns(Router(synthetic_samples(), explore_share=0, **kw)) for name, kw in (
+        ("crowding", dict(shared_compute=True)), ("off", dict(shared_compute=True, crowding=False)),
+        ("separate", dict(shared_compute=False)))}
+    for router in routers.values():
+        assert router.choose(n_in, n_out).mode == "gpu"  # idle: nobody to crowd
+        router.set_engine_load("fpga", running=4, waiting=0, max_num_seqs=64)
+    d = routers["crowding"].choose(n_in, n_out)
+    assert d.mode == "hybrid" and d.crowding["gpu"] > d.crowding["hybrid"] > 0, d
+    assert d.estimates["gpu"] < d.estimates["hybrid"]  # the estimates themselves are unchanged
+    assert routers["off"].choose(n_in, n_out).mode == "gpu"
+    assert routers["separate"].choose(n_in, n_out).mode == "gpu"
+    assert routers["separate"].choose(n_in, n_out).crowding == {m: 0.0 for m in MODE_NAMES}
+
+
 def test_a_load_seen_before_any_request_alone_is_learned_as_company():
     """fpga's decode costs (1 + 0.5 s) x its alone-time; the first requests it finishes ran at 12 company
     (a start under load), then two alone. beta is fitted on measured / the uncorrected base: before, the
