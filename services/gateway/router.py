@@ -86,6 +86,7 @@ ESTIMATE_RATIO = Histogram("hybridserve_router_estimate_ratio", "Measured / esti
                            buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10))
 RATIO_CLAMP = 100.0  # one sample moves a correction by at most this factor either way
 CONFIRMING = 2  # requests that must have measured a stage before its estimate is trusted
+RECENT_DECISIONS = 64  # auto decisions /debug/router shows, newest last
 BESIDE_SHARE = 0.5  # the share of a processor a batch loses to one more busy process beside it
 
 
@@ -135,6 +136,7 @@ class Router:
         # `recent` requests
         self._missed: dict[str, deque] = {m: deque(maxlen=recent) for m in MODE_NAMES}
         self.checking = False  # a calibration check is confirming an unquiet profile
+        self._recent_decisions: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # auto choices, for /debug/router
 
     # ---- calibration --------------------------------------------------------------
     @property
@@ -269,11 +271,14 @@ class Router:
             for e in MODES[mode].engines:
                 self._busy[e] += 1
 
-    def finished(self, mode: str, seconds: float) -> None:
+    def finished(self, mode: str, seconds: float | None = None) -> None:
+        """A request `started` in `mode` left it; `seconds`: how long it was there (None: it is
+        counted on, elsewhere, or never ran: no end-to-end time to learn)."""
         with self._lock:
             for e in MODES[mode].engines:
                 self._busy[e] = max(0, self._busy[e] - 1)
-                self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
+                if seconds is not None:
+                    self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
 
     def set_engine_load(self, engine: str, running: int, waiting: int, max_num_seqs: int) -> None:
         """What the engine reports of its batch: running and waiting requests, and how many it batches."""
@@ -378,17 +383,26 @@ class Router:
                 return Decision("hybrid" if "hybrid" in available else available[0], reason, est, **kw)
             best = min(est, key=lambda m: est[m] + crowd[m])
             self._auto += 1
-            if self._share <= 0:
-                return Decision(best, reason, est, **kw)
-            self._credit = min(1.0, self._credit + self._share)
-            explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
+            explore = None
+            if self._share > 0:
+                self._credit = min(1.0, self._credit + self._share)
+                explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
             if explore is None:
-                return Decision(best, reason, est, **kw)
+                return self._decided(Decision(best, reason, est, **kw), n_in, n_out)
             mode, confirms_new = explore
             if not confirms_new:
                 self._credit -= 1.0
             self._explored += 1
-            return Decision(mode, "explore", est, **kw)
+            return self._decided(Decision(mode, "explore", est, **kw), n_in, n_out)
+
+    def _decided(self, d: Decision, n_in: int, n_out: int) -> Decision:
+        """Keep the choice for /debug/router's `recent_decisions` (what was weighed, not only what won)."""
+        r = lambda v: {m: round(x, 4) for m, x in (v or {}).items()}  # noqa: E731
+        self._recent_decisions.append({"decision": self._auto, "n_in": n_in, "n_out": n_out, "mode": d.mode,
+                                       "reason": d.reason, "estimates": r(d.estimates),
+                                       "first_token": r(d.first_token), "crowding": r(d.crowding),
+                                       "company": dict(d.company or {})})
+        return d
 
     def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
                      stale_ok: bool, company: dict[str, int]) -> tuple[str, bool] | None:
@@ -439,7 +453,8 @@ class Router:
                     "exploration": {"auto_decisions": self._auto, "explored": self._explored,
                                     "credit": self._credit, "share": self._share, "limit": self._limit},
                     "profile_samples": len(self._base),
-                    "quiet_profiled": sorted(f"{st}/{dev}" for st, dev in self._quiet_profiled)}
+                    "quiet_profiled": sorted(f"{st}/{dev}" for st, dev in self._quiet_profiled),
+                    "recent_decisions": list(self._recent_decisions)}
 
 
 def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, float] | None = None) -> list[dict]:

@@ -370,6 +370,9 @@ def test_on_one_processor_a_busy_batch_keeps_a_second_decode_off_the_other_engin
     assert routers["off"].choose(n_in, n_out).mode == "gpu"
     assert routers["separate"].choose(n_in, n_out).mode == "gpu"
     assert routers["separate"].choose(n_in, n_out).crowding == {m: 0.0 for m in MODE_NAMES}
+    last = routers["crowding"].snapshot()["recent_decisions"][-1]  # what /debug/router shows of it
+    assert (last["mode"], last["n_in"], last["company"]["fpga"]) == ("hybrid", n_in, 4)
+    assert last["crowding"]["gpu"] == round(d.crowding["gpu"], 4)
 
 
 def test_a_load_seen_before_any_request_alone_is_learned_as_company():
