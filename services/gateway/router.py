@@ -86,6 +86,7 @@ ESTIMATE_RATIO = Histogram("hybridserve_router_estimate_ratio", "Measured / esti
                            buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10))
 RATIO_CLAMP = 100.0  # one sample moves a correction by at most this factor either way
 CONFIRMING = 2  # requests that must have measured a stage before its estimate is trusted
+ALONE_COMPANY = 2  # on one processor, decodes beside at most this many others teach the decode correction
 RECENT_DECISIONS = 64  # auto decisions /debug/router shows, newest last
 BESIDE_SHARE = 0.5  # the share of a processor a batch loses to one more busy process beside it
 
@@ -231,9 +232,19 @@ class Router:
 
     def _recent_correction(self, key: StageKey) -> float:
         """log of the smallest measured / base ratio over the stage's last `recent` samples (a
-        decode's time first divided by what its batch's company added)."""
+        decode's time first divided by what its batch's company added). On one processor a decode's
+        correction is learned from the decodes that ran nearly alone (company <= ALONE_COMPANY; none
+        yet: no correction): what a load adds is the processor's, not the engine's, and the batch term
+        carries it for every mode alike. Learned from a 64-client burst, decode_fpga's correction
+        came out 24x while gpu mode's decode kept its quiet profile, so gpu mode looked 24x cheaper
+        than it was and took the cores."""
+        samples = list(self._online[key])
+        if key[0] == "decode" and self.shared_compute:
+            samples = [s for s in samples if (s.get("company") or 0) <= ALONE_COMPANY]
+            if not samples:
+                return 0.0
         ratios = []
-        for s in list(self._online[key])[-self._recent:]:
+        for s in samples[-self._recent:]:
             base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
             if key[0] == "decode":
                 base *= self._slowdown[key[1]].factor(s.get("company") or 0)
@@ -352,8 +363,9 @@ class Router:
         beta x its alone-time to each (what one more row costs a step); on the other engine it takes
         its turn on the same cores for its whole length, and the OS shares them per process, not per
         request: each of theirs runs at about half speed meanwhile. Judged on its own time alone, a
-        lone gpu-mode decode beside 30 on decode_fpga looked cheap, and auto at 32 clients gave
-        1.03x llama-server's tokens/s where forced fpga gave 1.37x. A prefill is not counted: in
+        lone gpu-mode decode beside 30 on decode_fpga looked cheap: at 32 clients auto gave 1.16x
+        llama-server's tokens/s without this term and 1.50x with it, side by side
+        (bench/results/serve_8_32_crowding.json). A prefill is not counted: in
         fpga mode its chunks lengthen the batch's steps, in gpu and hybrid mode it takes the cores
         from them: about alike."""
         if not (self.crowding and self.shared_compute):

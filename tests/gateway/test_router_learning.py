@@ -375,6 +375,31 @@ def test_on_one_processor_a_busy_batch_keeps_a_second_decode_off_the_other_engin
     assert last["crowding"]["gpu"] == round(d.crowding["gpu"], 4)
 
 
+def test_on_one_processor_a_loaded_decode_does_not_make_the_other_engine_look_cheap():
+    """A 64-client burst on one processor: fpga's decodes ran beside ~60 others at 30x their alone-time,
+    far past what the batch term had learned. Taken into fpga's own decode correction, that made gpu
+    mode's decode (its quiet profile untouched) look 30x cheaper in comparison, and auto sent it
+    work that took the cores. On one processor the correction learns from decodes that ran nearly
+    alone; on separate devices the loaded engine's correction still counts (the other device is idle)."""
+    n_in, n_out = 300, 150
+    shared, separate = (Router([dict(s, quiet=True) for s in synthetic_samples()], explore_share=0,
+                               shared_compute=flag) for flag in (True, False))
+    for router in (shared, separate):
+        for _ in range(3):
+            t = timings_of("fpga", n_in, n_out)
+            t["decode_s"] *= 30
+            router.observe(samples_from_timings("fpga", n_in, t, {"gpu": 60, "fpga": 60}))
+        router.set_engine_load("fpga", running=60, waiting=0, max_num_seqs=64)
+    assert shared.choose(n_in, n_out).mode != "gpu"
+    assert shared.snapshot()["corrections"]["decode/fpga"]["factor"] == 1.0
+    assert separate.snapshot()["corrections"]["decode/fpga"]["factor"] > 10
+    # alone again: a decode beside nobody teaches the correction as before
+    t = timings_of("fpga", n_in, n_out)
+    t["decode_s"] *= 1.5
+    shared.observe(samples_from_timings("fpga", n_in, t, {"gpu": 0, "fpga": 0}))
+    assert abs(shared.snapshot()["corrections"]["decode/fpga"]["factor"] - 1.5) < 0.05
+
+
 def test_a_load_seen_before_any_request_alone_is_learned_as_company():
     """fpga's decode costs (1 + 0.5 s) x its alone-time; the first requests it finishes ran at 12 company
     (a start under load), then two alone. beta is fitted on measured / the uncorrected base: before, the
