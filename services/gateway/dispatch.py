@@ -192,6 +192,11 @@ class Dispatcher:
             call = clients.generate(mode.served_by, pb.GenerateRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_ids, sampling=req.sampling, mode=mode.proto,
                 prefill_address=self.pairs.prefill_address(d.pair, d.mode)), timeout=req.timeout_s)
+            # on the router's queue too until the first message, from when the Run serving the stream
+            # counts it: a burst's requests are routed while the first ones wait for their first
+            # tokens, and each must see the others (counted only from the Run, a burst of 8 found
+            # idle engines 8 times, and sent its long prompts to hybrid beside fpga's prefills)
+            self.router.started(d.mode)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
@@ -212,6 +217,8 @@ class Dispatcher:
                 self.pairs.loads.finished(d.pair, d.mode)
                 call.cancel()
                 raise
+            finally:
+                self.router.finished(d.mode)  # the Run takes it over (no await in between)
             if first is grpc.aio.EOF:
                 self.pairs.loads.finished(d.pair, d.mode)
                 log.warning("request %s (%s mode): the engine ended the call without a token", req.request_id, d.mode)

@@ -44,6 +44,10 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
   ranked hybrid and gpu first for half the requests. Not the whole request's: a decode's slowdown in
   a busy batch is the batch term's and the decode correction's, and counted here too it pushed the
   busiest mode's estimate up 20 s after one burst;
+* crowding (the choice, not the estimate): when the engines share one processor, each mode's
+  decode is charged what it would cost the requests already decoding (`_crowding_seconds`), and the
+  least estimate + crowding wins: a second busy engine halves the first one's share of the cores,
+  one more row in its batch costs it only beta;
 * queueing: the requests on each engine x that engine's measured service time (its own stage
   seconds, not the end-to-end time) / the sequences its batch holds. The requests: those the
   engine itself reports running and waiting (Info, polled every health interval; other gateways'
@@ -82,6 +86,9 @@ ESTIMATE_RATIO = Histogram("hybridserve_router_estimate_ratio", "Measured / esti
                            buckets=(0.1, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4, 10))
 RATIO_CLAMP = 100.0  # one sample moves a correction by at most this factor either way
 CONFIRMING = 2  # requests that must have measured a stage before its estimate is trusted
+ALONE_COMPANY = 2  # on one processor, decodes beside at most this many others teach the decode correction
+RECENT_DECISIONS = 64  # auto decisions /debug/router shows, newest last
+BESIDE_SHARE = 0.5  # the share of a processor a batch loses to one more busy process beside it
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,9 @@ class Decision:
     # what of that was the missed-waits term
     first_token: dict[str, float] | None = None
     missed: dict[str, float] | None = None
+    # per mode, the seconds its decode would cost the requests already decoding (shared processor only);
+    # the choice is the least estimate + crowding
+    crowding: dict[str, float] | None = None
 
 
 class Router:
@@ -103,12 +113,13 @@ class Router:
 
     def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
                  recent: int = 3, explore_share: float = 0.05, explore_limit: float = 3.0,
-                 stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True):
+                 stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True,
+                 crowding: bool = True):
         self._lock = threading.Lock()
         self._base = list(samples or [])
         self._online: dict[StageKey, deque] = {}  # recent online samples per stage
         self._window, self._refit_every, self._since_fit, self._recent = window, refit_every, 0, recent
-        self.shared_compute, self.first_token_waits = shared_compute, first_token_waits
+        self.shared_compute, self.first_token_waits, self.crowding = shared_compute, first_token_waits, crowding
         self._log_corr: dict[StageKey, float] = {}
         self.model = CostModel()
         self._refit()
@@ -126,6 +137,7 @@ class Router:
         # `recent` requests
         self._missed: dict[str, deque] = {m: deque(maxlen=recent) for m in MODE_NAMES}
         self.checking = False  # a calibration check is confirming an unquiet profile
+        self._recent_decisions: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # auto choices, for /debug/router
 
     # ---- calibration --------------------------------------------------------------
     @property
@@ -220,9 +232,19 @@ class Router:
 
     def _recent_correction(self, key: StageKey) -> float:
         """log of the smallest measured / base ratio over the stage's last `recent` samples (a
-        decode's time first divided by what its batch's company added)."""
+        decode's time first divided by what its batch's company added). On one processor a decode's
+        correction is learned from the decodes that ran nearly alone (company <= ALONE_COMPANY; none
+        yet: no correction): what a load adds is the processor's, not the engine's, and the batch term
+        carries it for every mode alike. Learned from a 64-client burst, decode_fpga's correction
+        came out 24x while gpu mode's decode kept its quiet profile, so gpu mode looked 24x cheaper
+        than it was and took the cores."""
+        samples = list(self._online[key])
+        if key[0] == "decode" and self.shared_compute:
+            samples = [s for s in samples if (s.get("company") or 0) <= ALONE_COMPANY]
+            if not samples:
+                return 0.0
         ratios = []
-        for s in list(self._online[key])[-self._recent:]:
+        for s in samples[-self._recent:]:
             base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
             if key[0] == "decode":
                 base *= self._slowdown[key[1]].factor(s.get("company") or 0)
@@ -260,11 +282,14 @@ class Router:
             for e in MODES[mode].engines:
                 self._busy[e] += 1
 
-    def finished(self, mode: str, seconds: float) -> None:
+    def finished(self, mode: str, seconds: float | None = None) -> None:
+        """A request `started` in `mode` left it; `seconds`: how long it was there (None: it is
+        counted on, elsewhere, or never ran: no end-to-end time to learn)."""
         with self._lock:
             for e in MODES[mode].engines:
                 self._busy[e] = max(0, self._busy[e] - 1)
-                self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
+                if seconds is not None:
+                    self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
 
     def set_engine_load(self, engine: str, running: int, waiting: int, max_num_seqs: int) -> None:
         """What the engine reports of its batch: running and waiting requests, and how many it batches."""
@@ -332,6 +357,25 @@ class Router:
             parts[m] = (first, decode)
         return parts
 
+    def _crowding_seconds(self, mode: str, n_in: int, n_out: int, decode: float) -> float:
+        """Seconds the mode's decode (`decode`: its estimate) would add to the requests already decoding,
+        summed over them; 0 unless the engines share one processor. Inside their batch it adds
+        beta x its alone-time to each (what one more row costs a step); on the other engine it takes
+        its turn on the same cores for its whole length, and the OS shares them per process, not per
+        request: each of theirs runs at about half speed meanwhile. Judged on its own time alone, a
+        lone gpu-mode decode beside 30 on decode_fpga looked cheap: at 32 clients auto gave 1.16x
+        llama-server's tokens/s without this term and 1.50x with it, side by side
+        (bench/results/serve_8_32_crowding.json). A prefill is not counted: in
+        fpga mode its chunks lengthen the batch's steps, in gpu and hybrid mode it takes the cores
+        from them: about alike."""
+        if not (self.crowding and self.shared_compute):
+            return 0.0
+        engine = MODES[mode].decode_engine
+        alone = self._stage_estimate(("decode", engine), n_in, n_out, 0, 1.0)
+        inside = self.queued(engine) * alone * self._slowdown[engine].beta
+        beside = sum(self.queued(e) for e in ENGINES if e != engine) * decode * BESIDE_SHARE
+        return inside + beside
+
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""
         available = [m for m in MODE_NAMES if m in available]
@@ -339,8 +383,9 @@ class Router:
             company = self.company()
             parts = self._estimate_parts(n_in, n_out, available, company)
             est = {m: first + decode for m, (first, decode) in parts.items()}
+            crowd = {m: self._crowding_seconds(m, n_in, n_out, decode) for m, (_, decode) in parts.items()}
             kw = dict(company=company, first_token={m: first for m, (first, _) in parts.items()},
-                      missed={m: self._missed_seconds(m) for m in parts})
+                      missed={m: self._missed_seconds(m) for m in parts}, crowding=crowd)
             if forced is not None:
                 return Decision(forced, "forced", est, **kw)
             if not available:
@@ -348,19 +393,28 @@ class Router:
             reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
             if not est:  # not calibrated yet: the one device that does both stages fastest by design
                 return Decision("hybrid" if "hybrid" in available else available[0], reason, est, **kw)
-            best = min(est, key=est.get)
+            best = min(est, key=lambda m: est[m] + crowd[m])
             self._auto += 1
-            if self._share <= 0:
-                return Decision(best, reason, est, **kw)
-            self._credit = min(1.0, self._credit + self._share)
-            explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
+            explore = None
+            if self._share > 0:
+                self._credit = min(1.0, self._credit + self._share)
+                explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
             if explore is None:
-                return Decision(best, reason, est, **kw)
+                return self._decided(Decision(best, reason, est, **kw), n_in, n_out)
             mode, confirms_new = explore
             if not confirms_new:
                 self._credit -= 1.0
             self._explored += 1
-            return Decision(mode, "explore", est, **kw)
+            return self._decided(Decision(mode, "explore", est, **kw), n_in, n_out)
+
+    def _decided(self, d: Decision, n_in: int, n_out: int) -> Decision:
+        """Keep the choice for /debug/router's `recent_decisions` (what was weighed, not only what won)."""
+        r = lambda v: {m: round(x, 4) for m, x in (v or {}).items()}  # noqa: E731
+        self._recent_decisions.append({"decision": self._auto, "n_in": n_in, "n_out": n_out, "mode": d.mode,
+                                       "reason": d.reason, "estimates": r(d.estimates),
+                                       "first_token": r(d.first_token), "crowding": r(d.crowding),
+                                       "company": dict(d.company or {})})
+        return d
 
     def _exploration(self, est: dict[str, float], best: str, n_in: int, n_out: int,
                      stale_ok: bool, company: dict[str, int]) -> tuple[str, bool] | None:
@@ -402,6 +456,7 @@ class Router:
                            for (st, dev), c in sorted(self._log_corr.items())}
             return {"base": self.model.as_json(), "corrections": corrections,
                     "missed_s": {m: self._missed_seconds(m) for m in MODE_NAMES},
+                    "crowding": self.crowding and self.shared_compute,
                     "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
                                     "batch_slowdown_beta": self._slowdown[e].beta,
                                     "batch_slowdown_samples": self._slowdown[e].samples,
@@ -410,7 +465,8 @@ class Router:
                     "exploration": {"auto_decisions": self._auto, "explored": self._explored,
                                     "credit": self._credit, "share": self._share, "limit": self._limit},
                     "profile_samples": len(self._base),
-                    "quiet_profiled": sorted(f"{st}/{dev}" for st, dev in self._quiet_profiled)}
+                    "quiet_profiled": sorted(f"{st}/{dev}" for st, dev in self._quiet_profiled),
+                    "recent_decisions": list(self._recent_decisions)}
 
 
 def samples_from_timings(mode: str, n_in: int, t: dict, company: dict[str, float] | None = None) -> list[dict]:

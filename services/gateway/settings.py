@@ -57,6 +57,8 @@ class GatewaySettings(CommonSettings):
     router_explore_share: float = Field(0.05, ge=0.0, le=0.5)
     # add to each mode's estimate what its first tokens lately came later than its stages said (router.py)
     router_first_token_waits: bool = True
+    # on a shared processor, choose by estimate + what the mode's decode costs the requests decoding (router.py)
+    router_crowding: bool = True
     # whether both engines compute on the same processor (then queued work delays every mode alike);
     # unset: detected from the engines' devices (torch on the CPU and an OpenCL CPU device)
     engines_share_cpu: bool | None = None

@@ -120,7 +120,8 @@ def test_sixteen_streams_some_walk_away_all_blocks_come_back(batching_stack):
             assert wait_idle(svc) == (0.0, 0.0), svc.module
         counts.append([threads_of(svc.proc.pid) for svc in engines])
     for engine, (first, second, third) in zip(("prefill_gpu", "decode_fpga"), zip(*counts)):
-        assert second <= first + N_CLIENTS // 2 and third <= second + 2, (engine, first, second, third)
+        # a thread left per request would add N_CLIENTS a burst
+        assert second <= first + N_CLIENTS // 2 and third <= second + N_CLIENTS // 2, (engine, first, second, third)
 
 
 def burst(url: str, prompts: list[str], modes: list[str]) -> dict[int, object]:

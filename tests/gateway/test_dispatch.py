@@ -149,6 +149,50 @@ def test_the_request_timeout_only_shortens():
     assert [t for _, _, t, _ in engines.calls] == [2.5, 600.0]
 
 
+class HeldCall(FakeCall):
+    """A call whose first message waits for `release` (a prefill still running)."""
+
+    def __init__(self, script, release: asyncio.Event):
+        super().__init__(script)
+        self.release = release
+
+    async def read(self):
+        await self.release.wait()
+        return await super().read()
+
+
+def test_requests_of_a_burst_see_each_other_before_their_first_tokens():
+    """Three requests arrive together and wait for their first tokens: each is routed seeing the ones
+    before it on the engines (company 0, 1, 2); counted only from their first tokens, all three found
+    idle engines. Whatever way a call ends before its first message (a token, a failure, the client
+    gone), the router's queue is back to what it was."""
+    engines = FakeEngines(scripts={"gpu": [[token(1, "length")], [rpc_error(grpc.StatusCode.INTERNAL)], []]})
+
+    async def run():
+        release = asyncio.Event()
+        generate = engines.generate
+        engines.generate = lambda e, r, timeout: HeldCall(generate(e, r, timeout).script, release)
+        router, company = Router(), []
+        choose = router.choose
+        router.choose = lambda *a, **kw: (d := choose(*a, **kw), company.append(d.company["gpu"]))[0]
+        dispatcher = Dispatcher(engines, router)
+        opened = [asyncio.ensure_future(dispatcher.open(request("gpu"))) for _ in range(3)]
+        gone = asyncio.ensure_future(dispatcher.open(request("gpu")))
+        await asyncio.sleep(0.05)
+        busy = router.queued("gpu")
+        gone.cancel()
+        release.set()
+        results = await asyncio.gather(*opened, gone, return_exceptions=True)
+        return company, busy, results, router.queued("gpu")
+
+    company, busy, results, after = asyncio.run(run())
+    assert company == [0, 1, 2, 3] and busy == 4 and len(engines.calls) == 4
+    stream, failed, ended, cancelled = results
+    assert isinstance(failed, APIError) and isinstance(ended, APIError)
+    assert isinstance(cancelled, asyncio.CancelledError)
+    assert after == 0  # the stream's Run would count it from here; nothing else is left on the queue
+
+
 # ---- retry and fallback -------------------------------------------------------------------
 def test_unavailable_before_the_first_token_checks_health_and_routes_again():
     engines = FakeEngines(scripts={"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]})

@@ -350,6 +350,56 @@ def test_on_one_processor_a_busy_batch_slows_every_mode_alike():
     assert busy["gpu"] > busy[idle], busy
 
 
+def test_on_one_processor_a_busy_batch_keeps_a_second_decode_off_the_other_engine():
+    """A long prompt with a two-token answer: gpu mode is its cheapest (gpu prefills 8x faster and no
+    hand-off), alone and, on its own time, beside 4 decodes on decode_fpga. But on one processor gpu
+    mode's decode would take half the cores from those 4 for its whole length, where hybrid's decode
+    joins their batch (one more row): auto sends it to hybrid; with the term off, still gpu. On
+    separate devices nothing changes."""
+    n_in, n_out = 2048, 2
+    assert best(n_in, n_out) == "gpu"
+    routers = {name: taught_batch_slowdowns(Router(synthetic_samples(), explore_share=0, **kw)) for name, kw in (
+        ("crowding", dict(shared_compute=True)), ("off", dict(shared_compute=True, crowding=False)),
+        ("separate", dict(shared_compute=False)))}
+    for router in routers.values():
+        assert router.choose(n_in, n_out).mode == "gpu"  # idle: nobody to crowd
+        router.set_engine_load("fpga", running=4, waiting=0, max_num_seqs=64)
+    d = routers["crowding"].choose(n_in, n_out)
+    assert d.mode == "hybrid" and d.crowding["gpu"] > d.crowding["hybrid"] > 0, d
+    assert d.estimates["gpu"] < d.estimates["hybrid"]  # the estimates themselves are unchanged
+    assert routers["off"].choose(n_in, n_out).mode == "gpu"
+    assert routers["separate"].choose(n_in, n_out).mode == "gpu"
+    assert routers["separate"].choose(n_in, n_out).crowding == {m: 0.0 for m in MODE_NAMES}
+    last = routers["crowding"].snapshot()["recent_decisions"][-1]  # what /debug/router shows of it
+    assert (last["mode"], last["n_in"], last["company"]["fpga"]) == ("hybrid", n_in, 4)
+    assert last["crowding"]["gpu"] == round(d.crowding["gpu"], 4)
+
+
+def test_on_one_processor_a_loaded_decode_does_not_make_the_other_engine_look_cheap():
+    """A 64-client burst on one processor: fpga's decodes ran beside ~60 others at 30x their alone-time,
+    far past what the batch term had learned. Taken into fpga's own decode correction, that made gpu
+    mode's decode (its quiet profile untouched) look 30x cheaper in comparison, and auto sent it
+    work that took the cores. On one processor the correction learns from decodes that ran nearly
+    alone; on separate devices the loaded engine's correction still counts (the other device is idle)."""
+    n_in, n_out = 300, 150
+    shared, separate = (Router([dict(s, quiet=True) for s in synthetic_samples()], explore_share=0,
+                               shared_compute=flag) for flag in (True, False))
+    for router in (shared, separate):
+        for _ in range(3):
+            t = timings_of("fpga", n_in, n_out)
+            t["decode_s"] *= 30
+            router.observe(samples_from_timings("fpga", n_in, t, {"gpu": 60, "fpga": 60}))
+        router.set_engine_load("fpga", running=60, waiting=0, max_num_seqs=64)
+    assert shared.choose(n_in, n_out).mode != "gpu"
+    assert shared.snapshot()["corrections"]["decode/fpga"]["factor"] == 1.0
+    assert separate.snapshot()["corrections"]["decode/fpga"]["factor"] > 10
+    # alone again: a decode beside nobody teaches the correction as before
+    t = timings_of("fpga", n_in, n_out)
+    t["decode_s"] *= 1.5
+    shared.observe(samples_from_timings("fpga", n_in, t, {"gpu": 0, "fpga": 0}))
+    assert abs(shared.snapshot()["corrections"]["decode/fpga"]["factor"] - 1.5) < 0.05
+
+
 def test_a_load_seen_before_any_request_alone_is_learned_as_company():
     """fpga's decode costs (1 + 0.5 s) x its alone-time; the first requests it finishes ran at 12 company
     (a start under load), then two alone. beta is fitted on measured / the uncorrected base: before, the

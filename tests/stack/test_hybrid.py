@@ -30,6 +30,11 @@ def slots_in_use(prefill: Service) -> float:
     return prefill.metric("hybridserve_kv_arena_slots_in_use")
 
 
+# a leak never frees; a loaded machine (the stacks lane beside the in-process one in a fresh clone's CI)
+# once took longer than 2 s to let a cancelled hand-off's slot go
+FREED_WITHIN_S = 10.0
+
+
 def wait_for_zero_slots(prefill: Service, within: float) -> float:
     """What is still held after `within` seconds, 0 once all is let go: arena slots, and the hand-off
     admission's places and bytes (a slot freed while its admission is kept would block the next one)."""
@@ -86,12 +91,12 @@ def test_sequential_requests_worth_twice_the_arena_and_30_concurrent_leave_no_sl
         toks, last = generate(dec, random_prompt(n_in, VOCAB, seed=5000 + i), pb.MODE_HYBRID, 1)
         assert len(toks) == 1 and last.timings.handoff_bytes == slot_bytes
     # the last call's slot is freed when prefill_gpu sees decode end the call: a moment after the reply
-    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert wait_for_zero_slots(prefill, FREED_WITHIN_S) == 0
     with ThreadPoolExecutor(30) as pool:
         results = list(pool.map(lambda i: generate(dec, random_prompt(8 + i, VOCAB), pb.MODE_HYBRID, 2)[0],
                                 range(30)))
     assert all(len(r) == 2 for r in results)
-    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert wait_for_zero_slots(prefill, FREED_WITHIN_S) == 0
     assert prefill.metric("hybridserve_kv_arena_used_bytes") == 0
 
 
@@ -107,7 +112,7 @@ def test_prefill_cancelled_mid_stream_frees_its_slot(services, stubs):
             break
     assert kinds[0] == "slot" and slots_in_use(prefill) == 1
     call.cancel()
-    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert wait_for_zero_slots(prefill, FREED_WITHIN_S) == 0
 
 
 def cancel_hybrid_during_prefill(dec, seed: int) -> None:
@@ -124,7 +129,7 @@ def test_hybrid_generate_cancelled_during_prefill_frees_everything(services, stu
     prefill, _ = services
     _, dec = stubs
     cancel_hybrid_during_prefill(dec, seed=24)
-    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert wait_for_zero_slots(prefill, FREED_WITHIN_S) == 0
     # the decode side gave its sequence slot back too: 4 requests fit again at once
     with ThreadPoolExecutor(4) as pool:
         assert all(len(t) == 1 for t in pool.map(
@@ -149,7 +154,7 @@ def test_decode_process_killed_mid_handoff_frees_the_slot(services, tmp_path):
         victim.stop(sig=9)
         with pytest.raises(grpc.RpcError):
             list(call)
-    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert wait_for_zero_slots(prefill, FREED_WITHIN_S) == 0
 
 
 def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_refused_at_once(services, stubs):
@@ -206,7 +211,7 @@ def test_a_full_arena_makes_a_hand_off_wait_and_one_larger_than_the_arena_is_ref
     reader.join(60)
     waiter.cancel()
     assert got and got[0] == "slot" and got[-1] == "done"  # it ran once the first one let go
-    assert wait_for_zero_slots(prefill, 2.0) == 0
+    assert wait_for_zero_slots(prefill, FREED_WITHIN_S) == 0
 
 
 def test_queue_over_depth_is_resource_exhausted(stubs):

@@ -134,8 +134,12 @@ def test_two_pairs_share_the_load_and_a_lost_decode_engine_loses_no_request(tmp_
             assert time.monotonic() < deadline and any(c.is_alive() for c in clients), "pair 1 never streamed"
             time.sleep(0.02)
         on_pair_1 = [c for c in clients if c.pair == 1 and c.finish is None]
-        # the gateway's KV index holds the blocks decode_fpga.1 cached (the prefix check's turns and hogs)
-        known = _kv_index(stack.url, 1)
+        # the gateway's KV index holds the blocks decode_fpga.1 cached (the prefix check's turns and hogs,
+        # this load's prompts): at its next Info at the latest, which a loaded machine can delay (a fresh
+        # clone's CI once read 0 blocks, cursor 0, at the moment pair 1 streamed)
+        deadline = time.monotonic() + 10
+        while (known := _kv_index(stack.url, 1))["blocks"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert known["up"] and known["blocks"] > 0 and known["epoch"], known
         os.kill(decode_1, signal.SIGKILL)
         # ... and forgets them once it finds the engine down, while the load still runs
@@ -238,6 +242,10 @@ def _a_second_turn_goes_where_its_prefix_is(url: str, model: str) -> None:
         assert status == 200, body
         return body["hybridserve"]["placement"]
 
+    # both pairs' loads as the engines report them now: a report taken while the gateway's own
+    # calibration calls ran can count them for up to a health interval after (a fresh clone's CI
+    # then placed the turn beside the hog)
+    time.sleep(2.5)
     hog = Hog(url, model, "The capital of France is")
     hog.start()
     assert hog.streaming.wait(300) and hog.pair in (0, 1)
