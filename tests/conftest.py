@@ -43,6 +43,31 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, mark))
 
 
+# the lines of a failed live test's service logs that say what went wrong, in its report: a fresh
+# clone's CI keeps only the report (pytest's temporary folders are gone by the time anyone looks)
+LOG_TRACE = ("Traceback", "ERROR", "Exception", "failed", "exited")
+LOG_TRACE_LINES = 200
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if report.when != "call" or not report.failed or tmp is None:
+        return
+    for log in sorted(tmp.rglob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        picked, until = [], -1
+        for i, line in enumerate(lines):
+            if any(word in line for word in LOG_TRACE):
+                until = i + 12  # a traceback's frames follow its first line
+            if i <= until:
+                picked.append(line)
+        if picked:
+            report.sections.append((f"{log.name}: what went wrong", "\n".join(picked[-LOG_TRACE_LINES:])))
+
+
 @pytest.fixture(scope="session")
 def profile_cache(pytestconfig, tmp_path_factory):
     """The engines' profile cache for the live stacks that do not test profiling itself: in pytest's
