@@ -196,7 +196,7 @@ class Dispatcher:
             # counts it: a burst's requests are routed while the first ones wait for their first
             # tokens, and each must see the others (counted only from the Run, a burst of 8 found
             # idle engines 8 times, and sent its long prompts to hybrid beside fpga's prefills)
-            self.router.started(d.mode)
+            self.router.started(d.mode, d.prefill_s)  # its prompt is ahead of the next ones' until then
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
@@ -218,7 +218,7 @@ class Dispatcher:
                 call.cancel()
                 raise
             finally:
-                self.router.finished(d.mode)  # the Run takes it over (no await in between)
+                self.router.finished(d.mode, prefill_s=d.prefill_s)  # the Run takes it over (no await in between)
             if first is grpc.aio.EOF:
                 self.pairs.loads.finished(d.pair, d.mode)
                 log.warning("request %s (%s mode): the engine ended the call without a token", req.request_id, d.mode)

@@ -48,6 +48,13 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
   decode is charged what it would cost the requests already decoding (`_crowding_seconds`), and the
   least estimate + crowding wins: a second busy engine halves the first one's share of the cores,
   one more row in its batch costs it only beta;
+* prefill ahead: the prefill (and hand-off) seconds, as estimated at their dispatch, of the requests sent and still
+  waiting for their first token, on the mode's prefill engine, or on both when they share one
+  processor (then the cores do one prompt at a time whichever engine holds it: every mode alike).
+  A burst's last request waits for the prompts of all before it; without this term that wait was
+  learned after the fact as the mode's missed seconds, by the mode the burst went to only: at 32
+  clients fpga's came out 7.6 s while hybrid's was 0, and the next 32 requests all went to hybrid,
+  whose prompts then queued on prefill_gpu (TTFT p50 4.4 s against forced fpga's 3.3 s);
 * queueing: the requests on each engine x that engine's measured service time (its own stage
   seconds, not the end-to-end time) / the sequences its batch holds. The requests: those the
   engine itself reports running and waiting (Info, polled every health interval; other gateways'
@@ -106,6 +113,7 @@ class Decision:
     # per mode, the seconds its decode would cost the requests already decoding (shared processor only);
     # the choice is the least estimate + crowding
     crowding: dict[str, float] | None = None
+    prefill_s: float = 0.0  # the chosen mode's prefill and hand-off estimate: the prefill ahead of others until its first token
 
 
 class Router:
@@ -114,12 +122,14 @@ class Router:
     def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
                  recent: int = 3, explore_share: float = 0.05, explore_limit: float = 3.0,
                  stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True,
-                 crowding: bool = True):
+                 crowding: bool = True, prefill_ahead: bool = True):
         self._lock = threading.Lock()
         self._base = list(samples or [])
         self._online: dict[StageKey, deque] = {}  # recent online samples per stage
         self._window, self._refit_every, self._since_fit, self._recent = window, refit_every, 0, recent
         self.shared_compute, self.first_token_waits, self.crowding = shared_compute, first_token_waits, crowding
+        self.prefill_ahead = prefill_ahead
+        self._ahead = {e: 0.0 for e in ENGINES}  # prefill seconds of the requests sent, awaiting their first token
         self._log_corr: dict[StageKey, float] = {}
         self.model = CostModel()
         self._refit()
@@ -277,19 +287,34 @@ class Router:
             return self._stage_estimate((stage, device), n_in, n_out, company)
 
     # ---- queueing -------------------------------------------------------------------
-    def started(self, mode: str) -> None:
+    def started(self, mode: str, prefill_s: float = 0.0) -> None:
+        """A request sent in `mode`; `prefill_s`: its prefill estimate while it waits for its first
+        token (Decision.prefill_s), 0 once it streams."""
         with self._lock:
             for e in MODES[mode].engines:
                 self._busy[e] += 1
+            self._ahead[MODES[mode].prefill_engine] += prefill_s
 
-    def finished(self, mode: str, seconds: float | None = None) -> None:
+    def finished(self, mode: str, seconds: float | None = None, prefill_s: float = 0.0) -> None:
         """A request `started` in `mode` left it; `seconds`: how long it was there (None: it is
-        counted on, elsewhere, or never ran: no end-to-end time to learn)."""
+        counted on, elsewhere, or never ran: no end-to-end time to learn); `prefill_s`: what it was
+        started with."""
         with self._lock:
             for e in MODES[mode].engines:
                 self._busy[e] = max(0, self._busy[e] - 1)
                 if seconds is not None:
                     self._e2e[e] = seconds if not self._e2e[e] else 0.8 * self._e2e[e] + 0.2 * seconds
+            engine = MODES[mode].prefill_engine
+            self._ahead[engine] = max(0.0, self._ahead[engine] - prefill_s)
+            if not any(self._busy.values()):
+                self._ahead = {e: 0.0 for e in ENGINES}  # float sums back to exactly nothing when idle
+
+    def prefill_ahead_seconds(self, mode: str) -> float:
+        """Prefill seconds a new request of `mode` waits behind: of the requests sent and awaiting their
+        first token on its prefill engine, or on either when the engines share one processor."""
+        if not self.prefill_ahead:
+            return 0.0
+        return sum(self._ahead.values()) if self.shared_compute else self._ahead[MODES[mode].prefill_engine]
 
     def set_engine_load(self, engine: str, running: int, waiting: int, max_num_seqs: int) -> None:
         """What the engine reports of its batch: running and waiting requests, and how many it batches."""
@@ -346,7 +371,7 @@ class Router:
         for m in modes:
             if not self.model.can_estimate(m):
                 continue
-            first = self.queueing(m) + self._missed_seconds(m)
+            first = self.queueing(m) + self.prefill_ahead_seconds(m) + self._missed_seconds(m)
             decode = 0.0
             for k in CostModel.stage_keys(m):
                 seconds = self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
@@ -387,7 +412,7 @@ class Router:
             kw = dict(company=company, first_token={m: first for m, (first, _) in parts.items()},
                       missed={m: self._missed_seconds(m) for m in parts}, crowding=crowd)
             if forced is not None:
-                return Decision(forced, "forced", est, **kw)
+                return Decision(forced, "forced", est, prefill_s=self._prefill_estimate(forced, n_in), **kw)
             if not available:
                 raise LookupError("no engine is able to serve this request")
             reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
@@ -400,12 +425,19 @@ class Router:
                 self._credit = min(1.0, self._credit + self._share)
                 explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
             if explore is None:
-                return self._decided(Decision(best, reason, est, **kw), n_in, n_out)
+                return self._decided(Decision(best, reason, est, prefill_s=self._prefill_estimate(best, n_in), **kw),
+                                     n_in, n_out)
             mode, confirms_new = explore
             if not confirms_new:
                 self._credit -= 1.0
             self._explored += 1
-            return self._decided(Decision(mode, "explore", est, **kw), n_in, n_out)
+            return self._decided(Decision(mode, "explore", est, prefill_s=self._prefill_estimate(mode, n_in), **kw),
+                                 n_in, n_out)
+
+    def _prefill_estimate(self, mode: str, n_in: int) -> float:
+        """The mode's stages before its first token (prefill, hand-off), estimated: Decision.prefill_s."""
+        return sum(self._stage_estimate(k, n_in, 0) for k in CostModel.stage_keys(mode)
+                   if k[0] != "decode" and k in self.model.stages)
 
     def _decided(self, d: Decision, n_in: int, n_out: int) -> Decision:
         """Keep the choice for /debug/router's `recent_decisions` (what was weighed, not only what won)."""
@@ -456,6 +488,7 @@ class Router:
                            for (st, dev), c in sorted(self._log_corr.items())}
             return {"base": self.model.as_json(), "corrections": corrections,
                     "missed_s": {m: self._missed_seconds(m) for m in MODE_NAMES},
+                    "prefill_ahead_s": {e: round(self._ahead[e], 4) for e in ENGINES},
                     "crowding": self.crowding and self.shared_compute,
                     "engines": {e: {"busy": self._busy[e], "concurrency": self.concurrency[e],
                                     "batch_slowdown_beta": self._slowdown[e].beta,

@@ -15,6 +15,7 @@ import pytest
 from services.gateway.dispatch import MAX_ATTEMPTS, NEVER_MIGRATE, Dispatcher, EngineRequest
 from services.gateway.errors import APIError
 from services.gateway.router import Router
+from tests.gateway.test_router import synthetic_samples
 from services.gateway.schemas import CompletionRequest
 from services.modes import MODES
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
@@ -165,28 +166,31 @@ def test_requests_of_a_burst_see_each_other_before_their_first_tokens():
     """Three requests arrive together and wait for their first tokens: each is routed seeing the ones
     before it on the engines (company 0, 1, 2); counted only from their first tokens, all three found
     idle engines. Whatever way a call ends before its first message (a token, a failure, the client
-    gone), the router's queue is back to what it was."""
+    gone), the router's queue is back to what it was, and so is the prefill it counts ahead of the next."""
     engines = FakeEngines(scripts={"gpu": [[token(1, "length")], [rpc_error(grpc.StatusCode.INTERNAL)], []]})
 
     async def run():
         release = asyncio.Event()
         generate = engines.generate
         engines.generate = lambda e, r, timeout: HeldCall(generate(e, r, timeout).script, release)
-        router, company = Router(), []
+        router, company, prefill = Router(synthetic_samples(), explore_share=0), [], []
         choose = router.choose
-        router.choose = lambda *a, **kw: (d := choose(*a, **kw), company.append(d.company["gpu"]))[0]
+        router.choose = lambda *a, **kw: (d := choose(*a, **kw), company.append(d.company["gpu"]),
+                                          prefill.append(d.prefill_s))[0]
         dispatcher = Dispatcher(engines, router)
         opened = [asyncio.ensure_future(dispatcher.open(request("gpu"))) for _ in range(3)]
         gone = asyncio.ensure_future(dispatcher.open(request("gpu")))
         await asyncio.sleep(0.05)
-        busy = router.queued("gpu")
+        busy, ahead = router.queued("gpu"), router.prefill_ahead_seconds("gpu")
         gone.cancel()
         release.set()
         results = await asyncio.gather(*opened, gone, return_exceptions=True)
-        return company, busy, results, router.queued("gpu")
+        return company, busy, results, router.queued("gpu"), (prefill, ahead, router.prefill_ahead_seconds("gpu"))
 
-    company, busy, results, after = asyncio.run(run())
+    company, busy, results, after, (prefill, ahead, ahead_after) = asyncio.run(run())
     assert company == [0, 1, 2, 3] and busy == 4 and len(engines.calls) == 4
+    # their prompts are ahead of the next request's first token until theirs come (router.py)
+    assert prefill[0] > 0 and abs(ahead - sum(prefill)) < 1e-9 and ahead_after == 0
     stream, failed, ended, cancelled = results
     assert isinstance(failed, APIError) and isinstance(ended, APIError)
     assert isinstance(cancelled, asyncio.CancelledError)
