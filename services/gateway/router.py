@@ -37,7 +37,9 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
 * what the stages miss before the first token, per mode: a request's time to its first token (taught
   as the token arrives) less what its mode's prefill, hand-off and queueing were estimated at
   dispatch (before this term), the smallest over the mode's last `recent` requests, never below 0,
-  forgotten once `stale_after` auto decisions passed without one. The stages time the engines' compute; the waits
+  forgotten once `stale_after` auto decisions passed without one; when the engines share one
+  processor, only what it misses beyond the least of the modes' (a load's waits are every mode's
+  there, and so is the estimate's error under load). The stages time the engines' compute; the waits
   around them are each mode's own (hybrid's hand-off admission and its turn to join the decode
   batch, gpu mode's prefill taking turns on a shared processor): at 32 clients on two cores hybrid's
   first token came after 7.7 s and gpu's after 5.4 s where fpga's came after 3.2 s, while the estimates
@@ -217,13 +219,31 @@ class Router:
         with self._lock:
             self._missed[mode].append((self._auto, seconds - (estimated - missed_then)))
 
-    def _missed_seconds(self, mode: str) -> float:
-        """What the mode's stages and queueing miss before the first token: the smallest of its last
-        requests' shortfalls, >= 0."""
+    def _shortfall(self, mode: str) -> float | None:
+        """The smallest of the mode's last requests' shortfalls (signed), None without fresh ones."""
         recent = self._missed[mode]
         if not self.first_token_waits or not recent or self._auto - recent[-1][0] > self._stale_after:
+            return None
+        return min(seconds for _, seconds in recent)
+
+    def _missed_seconds(self, mode: str) -> float:
+        """What the mode's stages, queueing and prefill ahead miss before the first token: its shortfall,
+        >= 0. On one processor, beyond the least any mode's first tokens lately missed: a load's waits
+        are every mode's there (the estimate's own error under load, over or under, is common to all),
+        and what is left is the mode's own (hybrid's hand-off, its prefill beside a busy batch).
+        Taken whole, a burst's wait taught only the mode it went to and herded the next burst to
+        another; clamped at 0 each, an estimate that ran high under load hid what hybrid's first
+        tokens waited beyond fpga's, and at 64 clients auto sent work to hybrid: TTFT p50 14.6 s,
+        6.5 s with this (bench/results/serve_8_64_relative_missed.json). The least is of the modes'
+        last samples, which may be of another load: a mode not run for a while is judged against
+        the others' newer ones until its own go stale."""
+        own = self._shortfall(mode)
+        if own is None:
             return 0.0
-        return max(0.0, min(seconds for _, seconds in recent))
+        if not self.shared_compute:
+            return max(0.0, own)
+        least = min(x for x in (self._shortfall(m) for m in MODE_NAMES) if x is not None)
+        return max(0.0, own - least)
 
     def _refit(self) -> None:
         """Base = the profiles, plus online samples for the stages no profile measured."""
