@@ -76,7 +76,7 @@ import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import Histogram
 
@@ -100,6 +100,12 @@ RECENT_DECISIONS = 64  # auto decisions /debug/router shows, newest last
 BESIDE_SHARE = 0.5  # the share of a processor a batch loses to one more busy process beside it
 
 
+class EstimateParts(NamedTuple):
+    first: float  # seconds to its first token: the stages before decode, queueing, prefill ahead, missed waits
+    decode: float  # seconds of its decode
+    before_decode: float  # of `first`, the stages alone (prefill, hand-off): Decision.prefill_s
+
+
 @dataclass(frozen=True)
 class Decision:
     mode: str
@@ -115,7 +121,8 @@ class Decision:
     # per mode, the seconds its decode would cost the requests already decoding (shared processor only);
     # the choice is the least estimate + crowding
     crowding: dict[str, float] | None = None
-    prefill_s: float = 0.0  # the chosen mode's prefill and hand-off estimate: the prefill ahead of others until its first token
+    # the chosen mode's prefill and hand-off estimate: ahead of the next requests until its first token
+    prefill_s: float = 0.0
 
 
 class Router:
@@ -379,27 +386,26 @@ class Router:
             return self._estimates(n_in, n_out, modes)
 
     def _estimates(self, n_in: int, n_out: int, modes, company: dict[str, int] | None = None) -> dict[str, float]:
-        return {m: first + decode for m, (first, decode) in self._estimate_parts(n_in, n_out, modes, company).items()}
+        return {m: p.first + p.decode for m, p in self._estimate_parts(n_in, n_out, modes, company).items()}
 
     def _estimate_parts(self, n_in: int, n_out: int, modes,
-                        company: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
-        """Per mode: (seconds to its first token: the stages before decode, queueing and what those miss;
-        seconds of its decode)."""
+                        company: dict[str, int] | None = None) -> dict[str, EstimateParts]:
+        """Per mode, its estimate in parts (EstimateParts)."""
         company = company if company is not None else self.company()
         shared = self._shared_slowdown(company)
         parts = {}
         for m in modes:
             if not self.model.can_estimate(m):
                 continue
-            first = self.queueing(m) + self.prefill_ahead_seconds(m) + self._missed_seconds(m)
-            decode = 0.0
+            waits = self.queueing(m) + self.prefill_ahead_seconds(m) + self._missed_seconds(m)
+            stages = decode = 0.0
             for k in CostModel.stage_keys(m):
                 seconds = self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
                 if k[0] == "decode":
                     decode += seconds
                 else:
-                    first += seconds
-            parts[m] = (first, decode)
+                    stages += seconds
+            parts[m] = EstimateParts(stages + waits, decode, stages)
         return parts
 
     def _crowding_seconds(self, mode: str, n_in: int, n_out: int, decode: float) -> float:
@@ -427,12 +433,13 @@ class Router:
         with self._lock:
             company = self.company()
             parts = self._estimate_parts(n_in, n_out, available, company)
-            est = {m: first + decode for m, (first, decode) in parts.items()}
-            crowd = {m: self._crowding_seconds(m, n_in, n_out, decode) for m, (_, decode) in parts.items()}
-            kw = dict(company=company, first_token={m: first for m, (first, _) in parts.items()},
+            est = {m: p.first + p.decode for m, p in parts.items()}
+            crowd = {m: self._crowding_seconds(m, n_in, n_out, p.decode) for m, p in parts.items()}
+            kw = dict(company=company, first_token={m: p.first for m, p in parts.items()},
                       missed={m: self._missed_seconds(m) for m in parts}, crowding=crowd)
+            prefill = lambda mode: parts[mode].before_decode if mode in parts else 0.0  # noqa: E731
             if forced is not None:
-                return Decision(forced, "forced", est, prefill_s=self._prefill_estimate(forced, n_in), **kw)
+                return Decision(forced, "forced", est, prefill_s=prefill(forced), **kw)
             if not available:
                 raise LookupError("no engine is able to serve this request")
             reason = "auto" if len(available) == len(MODE_NAMES) else "fallback"
@@ -445,19 +452,12 @@ class Router:
                 self._credit = min(1.0, self._credit + self._share)
                 explore = self._exploration(est, best, n_in, n_out, self._credit >= 1.0, company)
             if explore is None:
-                return self._decided(Decision(best, reason, est, prefill_s=self._prefill_estimate(best, n_in), **kw),
-                                     n_in, n_out)
+                return self._decided(Decision(best, reason, est, prefill_s=prefill(best), **kw), n_in, n_out)
             mode, confirms_new = explore
             if not confirms_new:
                 self._credit -= 1.0
             self._explored += 1
-            return self._decided(Decision(mode, "explore", est, prefill_s=self._prefill_estimate(mode, n_in), **kw),
-                                 n_in, n_out)
-
-    def _prefill_estimate(self, mode: str, n_in: int) -> float:
-        """The mode's stages before its first token (prefill, hand-off), estimated: Decision.prefill_s."""
-        return sum(self._stage_estimate(k, n_in, 0) for k in CostModel.stage_keys(mode)
-                   if k[0] != "decode" and k in self.model.stages)
+            return self._decided(Decision(mode, "explore", est, prefill_s=prefill(mode), **kw), n_in, n_out)
 
     def _decided(self, d: Decision, n_in: int, n_out: int) -> Decision:
         """Keep the choice for /debug/router's `recent_decisions` (what was weighed, not only what won)."""
