@@ -31,3 +31,25 @@ def test_guidellm_report_figures():
     s = guidellm_compare.summary(report)
     assert s["output_tokens_per_s"] == 120.0 and s["ttft_ms"] == {"p50": 50.0, "p99": 90.0}
     assert s["itl_ms"]["p50"] == 8.0 and s["requests"]["successful"] == 16
+
+
+def test_guidellm_cached_share_is_what_the_server_said_it_cached():
+    # llama-server's second profile once found 127 of 128 prompt tokens cached: the figure says so
+    reqs = [{"prompt_tokens": 128, "cached_tokens": 127}, {"prompt_tokens": 128, "cached_tokens": 0}]
+    assert guidellm_compare._cached_share({"requests": {"successful": reqs}}) == pytest.approx(127 / 256)
+    silent = [{"prompt_tokens": 128, "cached_tokens": None}]
+    assert guidellm_compare._cached_share({"requests": {"successful": silent}}) is None
+
+
+def test_guidellm_rounds_are_summarised_by_their_medians():
+    rounds = [{"tps": 100.0, "ttft": {"p50": 50.0}, "cached": None},
+              {"tps": 140.0, "ttft": {"p50": 30.0}, "cached": None},
+              {"tps": 120.0, "ttft": {"p50": 90.0}, "cached": 0.5}]
+    assert guidellm_compare.median_over_rounds(rounds) == {"tps": 120.0, "ttft": {"p50": 50.0}, "cached": 0.5}
+
+
+def test_guidellm_scenarios_carry_their_prompt_seed(tmp_path):
+    args = type("A", (), {"requests": 4, "prompt_tokens": 16, "output_tokens": 8})()
+    specs = [guidellm_compare.scenario("http://127.0.0.1:1", "m", {"kind": "synchronous"}, args, tmp_path,
+                                       tmp_path / "r.json", {}, seed)["spec"] for seed in (7, 8)]
+    assert [s["seed"] for s in specs] == [{"kind": "static", "value": 7}, {"kind": "static", "value": 8}]
