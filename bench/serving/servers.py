@@ -1,6 +1,7 @@
 """The servers a benchmark starts itself: our stack (harness/stack.py) and llama.cpp's llama-server."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shlex
 import signal
@@ -30,6 +31,21 @@ def resolve_llama_server(arg: str | None) -> str | None:
     return str(found)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def ends_with_starter() -> None:
+    """`preexec_fn` for a process this benchmark starts and cannot tell to watch us (llama-server): the
+    kernel sends it SIGTERM when the thread that started it ends, however the benchmark ends. A
+    benchmark stopped by SIGTERM left its llama-server running with 2 threads spinning on both cores
+    (our engines watch their starter themselves: services/lifetime.py). Start such processes from
+    the main thread: the signal follows the starting *thread*."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the starter ended before the prctl: nobody would signal us
+        os._exit(1)
+
+
 def start_llama_server(binary: str, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path):
     """llama.cpp's server on a free loopback port, one slot per client, continuous batching; (process, url)."""
     port = free_port()
@@ -37,7 +53,7 @@ def start_llama_server(binary: str, gguf: Path, slots: int, ctx_per_slot: int, t
     progress(f"starting {shlex.join(cmd)} (log: {log})")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=llama_server.library_env(binary))
+                                env=llama_server.library_env(binary), preexec_fn=ends_with_starter)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -1,10 +1,11 @@
 """bench/llama_server.py without building: the serving command line, the install from a build tree,
-and the skip when the pinned binary is already installed."""
+and the skip when the pinned binary is already installed; a server a benchmark starts ends with it."""
 from __future__ import annotations
 
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,41 @@ def test_a_binary_that_does_not_run_is_neither_installed_nor_found(tmp_path, mon
     with pytest.raises(SystemExit):
         llama_server.ensure(fake_build(tmp_path, 1))
     assert llama_server.find() is None and not (tmp_path / "cache" / llama_server.VERSION).exists()
+
+
+
+def test_a_process_started_for_a_benchmark_ends_when_the_benchmark_is_killed(tmp_path):
+    """A benchmark SIGTERMed mid-run left its llama-server running: a server it starts with
+    `ends_with_starter` gets SIGTERM from the kernel when the benchmark dies, by SIGKILL too."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from services.lifetime import alive
+
+    bench_dir = str(Path(llama_server.__file__).parent)
+    pid_file = tmp_path / "child.pid"
+    starter = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+sys.path[:0] = [{bench_dir!r}, {str(Path(bench_dir).parent)!r}]
+from serving.servers import ends_with_starter
+child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=ends_with_starter)
+open({str(pid_file)!r}, "w").write(str(child.pid))
+time.sleep(300)
+"""])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert alive(child)
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child), "the benchmark's child still runs after the benchmark was killed"
+    finally:
+        if starter.poll() is None:
+            starter.kill()
