@@ -83,7 +83,7 @@ def engines(gguf: Path, max_batch: int, max_context: int) -> dict:
 
 
 def main() -> int:
-    from paged_step import time_paged
+    from paged_step import time_paged_wall
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -101,7 +101,7 @@ def main() -> int:
         progress(f"round {r + 1}/{args.rounds}")
         for batch in BATCHES:
             for name, eng in engs.items():
-                cells.setdefault((name, batch), []).extend(time_paged(eng, eng.cfg, batch, args.context, args.steps))
+                cells.setdefault((name, batch), []).extend(time_paged_wall(eng, eng.cfg, batch, args.context, args.steps))
     rows, lines = [], []
     for name, eng in engs.items():
         row = [name, f"{eng.weights_nbytes / 1e6:.1f}", eng.weights.storage_summary()]

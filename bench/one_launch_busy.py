@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from _common import RESULTS, CpuHog, progress, table, write_json
-from paged_step import engines, time_paged
+from paged_step import engines, time_paged_wall
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,7 +49,7 @@ def main() -> None:
             for r in range(args.rounds):
                 progress(f"{name}: round {r + 1}/{args.rounds}")
                 for way, engine in zip(WAYS, (one, launches, chosen)):
-                    cells.setdefault((name, way), []).extend(time_paged(engine, cfg, 1, 128, args.steps))
+                    cells.setdefault((name, way), []).extend(time_paged_wall(engine, cfg, 1, 128, args.steps))
         gave_up[name] = pin.gave_up
     rows, lines = [], []
     for name, *_ in LOADS:

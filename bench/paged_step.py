@@ -82,6 +82,11 @@ def time_slot(engine, cfg, batch: int, ctx: int, steps: int) -> list[tuple[float
             engine.release(s)
 
 
+def time_paged_wall(engine, cfg, batch: int, ctx: int, steps: int) -> list[float]:
+    """Wall seconds of each timed step (`time_paged` without its CPU times)."""
+    return [wall for wall, _ in time_paged(engine, cfg, batch, ctx, steps)]
+
+
 def time_paged(engine, cfg, batch: int, ctx: int, steps: int) -> list[tuple[float, float]]:
     """(wall, CPU) seconds of each timed step."""
     from services.engine.scheduler import ScheduledChunk

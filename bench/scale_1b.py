@@ -108,7 +108,7 @@ def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATC
 
 def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
     """Batch-1 paged steps of one engine on `path` as one launch and launch by launch, interleaved."""
-    from paged_step import time_paged
+    from paged_step import time_paged_wall
 
     from services.decode_fpga.one_launch_choice import OneLaunchChoice
 
@@ -120,7 +120,7 @@ def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
         progress(f"launch cost round {r + 1}/{rounds}")
         for one in (True, False):
             eng.one_launch_choice = choice = OneLaunchChoice(fixed=one)
-            cells[one].extend(time_paged(eng, eng.cfg, 1, context, steps))
+            cells[one].extend(time_paged_wall(eng, eng.cfg, 1, context, steps))
             if one and choice.gave_up:
                 progress(f"the one launch gave up {choice.gave_up} times (a busy core): redone launch by launch")
     rows = [["one launch" if one else "launch by launch", stats([x * 1e3 for x in xs])["median"]]
@@ -134,7 +134,7 @@ def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
 
 
 def main() -> int:
-    from paged_step import time_paged
+    from paged_step import time_paged_wall
     from scale_1b_checkpoint import ensure
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -166,7 +166,7 @@ def main() -> int:
     for r in range(args.rounds):
         progress(f"round {r + 1}/{args.rounds}")
         for batch in batches:
-            times = time_paged(eng, cfg, batch, args.context, args.steps)
+            times = time_paged_wall(eng, cfg, batch, args.context, args.steps)
             cells.setdefault(("ours", batch), []).extend(times)
             rounds.setdefault(("ours", batch), []).append(stats(times)["median"])
         if have_llama:
