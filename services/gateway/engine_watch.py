@@ -110,10 +110,11 @@ def report_load(pairs: Pairs, router: Router) -> None:
             seqs = info.max_num_seqs or info.max_concurrency
             pairs.loads.report(p, e, info.num_requests_running, info.num_requests_waiting, seqs,
                                info.kv_cache_usage_ratio)
-            t = totals.setdefault(e, [0, 0, 0])
+            t = totals.setdefault(e, [0, 0, 0, 0])
             t[0], t[1], t[2] = t[0] + info.num_requests_running, t[1] + info.num_requests_waiting, t[2] + seqs
-    for e, (running, waiting, seqs) in totals.items():
-        router.set_engine_load(e, running, waiting, seqs)
+            t[3] += 1
+    for e, (running, waiting, seqs, engines) in totals.items():
+        router.set_engine_load(e, running, waiting, seqs, engines)
 
 
 def _detect_shared_cpu(pairs: Pairs) -> bool | None:

@@ -146,6 +146,7 @@ class Router:
         self._e2e = {e: 0.0 for e in ENGINES}  # mean end-to-end seconds: service time until stages are seen
         self._service = {e: 0.0 for e in ENGINES}  # mean seconds of the engine's own stages per request
         self.concurrency = {e: 1 for e in ENGINES}
+        self.engines_up = {e: 1 for e in ENGINES}  # engines of each kind this gateway reaches (pairs, pools)
         self._engine_load = {e: (0, 0, 0) for e in ENGINES}  # (running, waiting, busy here when reported)
         self._share, self._limit, self._stale_after = explore_share, explore_limit, stale_after
         self._credit = 0.0  # for refreshing stale stages; confirming a never-measured stage needs none
@@ -338,15 +339,24 @@ class Router:
 
     def prefill_ahead_seconds(self, mode: str) -> float:
         """Prefill seconds a new request of `mode` waits behind: of the requests sent and awaiting their
-        first token on its prefill engine, or on either when the engines share one processor."""
+        first token on its prefill engine, or on either when the engines share one processor. The sum
+        is over every engine of the kind this gateway reaches; on separate devices N of them prefill
+        side by side (the placement spreads the prompts), so a new prompt waits behind 1/N of it; on one
+        processor they all take turns on the same cores, however many there are."""
         if not self.prefill_ahead:
             return 0.0
-        return sum(self._ahead.values()) if self.shared_compute else self._ahead[MODES[mode].prefill_engine]
+        if self.shared_compute:
+            return sum(self._ahead.values())
+        engine = MODES[mode].prefill_engine
+        return self._ahead[engine] / max(1, self.engines_up[engine])
 
-    def set_engine_load(self, engine: str, running: int, waiting: int, max_num_seqs: int) -> None:
-        """What the engine reports of its batch: running and waiting requests, and how many it batches."""
+    def set_engine_load(self, engine: str, running: int, waiting: int, max_num_seqs: int,
+                        engines: int = 1) -> None:
+        """What the engines of a kind report of their batches, summed: running and waiting requests,
+        how many they batch, and how many of them are up."""
         with self._lock:
             self.concurrency[engine] = max(1, max_num_seqs)
+            self.engines_up[engine] = max(1, engines)
             self._engine_load[engine] = (running, waiting, self._busy[engine])
 
     def queued(self, engine: str) -> int:

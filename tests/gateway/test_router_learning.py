@@ -609,3 +609,29 @@ def test_a_burst_on_separate_devices_spreads_over_the_prefill_engines():
         for d in sent[name]:
             router.finished(d.mode, prefill_s=d.prefill_s)
     assert on.snapshot()["prefill_ahead_s"] == {"gpu": 0.0, "fpga": 0.0}
+
+
+def test_on_separate_devices_the_prompts_ahead_are_shared_by_the_prefill_engines_of_their_kind():
+    """With two pairs (two prefill_gpu engines, the placement spreading the prompts) a new prompt waits
+    behind half of what was sent to prefill_gpu, so more of a burst goes to hybrid before fpga's own
+    prefill is the sooner first token; counted whole, the ahead term sent a burst to fpga as if one
+    engine had all the prompts. On one processor two engines take turns on the same cores: no change."""
+    n_in, n_out = 300, 64
+
+    def sent_to_hybrid(engines: int, shared: bool) -> tuple[int, float]:
+        router = Router([dict(s, quiet=True) for s in synthetic_samples()], explore_share=0, shared_compute=shared)
+        for e in ("gpu", "fpga"):
+            router.set_engine_load(e, running=0, waiting=0, max_num_seqs=64 * engines, engines=engines)
+        ds = []
+        for _ in range(16):
+            d = router.choose(n_in, n_out)
+            router.started(d.mode, d.prefill_s)
+            ds.append(d)
+        raw = router.snapshot()["prefill_ahead_s"]
+        ahead = router.prefill_ahead_seconds("hybrid")
+        assert abs(ahead - (sum(raw.values()) if shared else raw["gpu"] / engines)) < 1e-3
+        return sum(d.mode == "hybrid" for d in ds), ahead
+
+    one, two = sent_to_hybrid(1, shared=False), sent_to_hybrid(2, shared=False)
+    assert 0 < one[0] < 16 and two[0] > one[0], (one, two)
+    assert sent_to_hybrid(2, shared=True) == sent_to_hybrid(1, shared=True)
