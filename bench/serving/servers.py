@@ -32,6 +32,7 @@ def resolve_llama_server(arg: str | None) -> str | None:
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True)  # opened here, not between fork and exec (no dlopen in the child)
 
 
 def ends_with_starter() -> None:
@@ -41,7 +42,7 @@ def ends_with_starter() -> None:
     (our engines watch their starter themselves: services/lifetime.py). Start such processes from
     the main thread: the signal follows the starting *thread*."""
     parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the starter ended before the prctl: nobody would signal us
         os._exit(1)
 
