@@ -204,8 +204,9 @@ def main() -> int:
         for pname in profiles:
             a, b = results[ours][pname], results["llama-server"][pname]
             if a["output_tokens_per_s"] and b["output_tokens_per_s"] and a["ttft_ms"]["p50"] and b["ttft_ms"]["p50"]:
-                print(f"{pname}: {ours} / llama-server tokens/s {a['output_tokens_per_s'] / b['output_tokens_per_s']:.2f}x, "
-                      f"TTFT p50 {a['ttft_ms']['p50'] / b['ttft_ms']['p50']:.2f}x")
+                tps = a["output_tokens_per_s"] / b["output_tokens_per_s"]
+                ttft = a["ttft_ms"]["p50"] / b["ttft_ms"]["p50"]
+                print(f"{pname}: {ours} / llama-server tokens/s {tps:.2f}x, TTFT p50 {ttft:.2f}x")
     write_json(args.name, {"command": command_line(), "tool": "guidellm", "guidellm": _version(binary),
                            "requests": args.requests, "concurrency": streams, "rounds": args.rounds,
                            "first_seed": seed, "prompt_tokens": args.prompt_tokens,

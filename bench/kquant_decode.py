@@ -101,7 +101,8 @@ def main() -> int:
         progress(f"round {r + 1}/{args.rounds}")
         for batch in BATCHES:
             for name, eng in engs.items():
-                cells.setdefault((name, batch), []).extend(time_paged_wall(eng, eng.cfg, batch, args.context, args.steps))
+                cells.setdefault((name, batch), []).extend(
+                    time_paged_wall(eng, eng.cfg, batch, args.context, args.steps))
     rows, lines = [], []
     for name, eng in engs.items():
         row = [name, f"{eng.weights_nbytes / 1e6:.1f}", eng.weights.storage_summary()]
