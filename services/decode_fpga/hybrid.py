@@ -22,15 +22,15 @@ import numpy as np
 
 from services.engine import metrics as m
 from services.engine.generation import TokenEvent
-from services.engine.requests import (Cancellation, Cancelled, EngineRequest, HandoffFailed, InvalidRequest,
-                                      RequestTimings)
+from services.engine.requests import (Cancellation, Cancelled, EngineError, EngineRequest, HandoffFailed,
+                                      InvalidRequest, RequestTimings)
 from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.profile_sweep import fitting_lengths
 from services.engine.engine_loop import RequestStream
 from services.engine.runtime import EngineRuntime, stream_tokens
 from services.engine.sampling import SamplingParams
-from services.kv.handoff import HandoffEvent, KVReceiver, PrefillDone, SlotGrant
-from services.kv.header import SlotHeader
+from services.kv.handoff import HandoffEvent, KVReceiver, PrefillDone, SlotChanged, SlotGrant
+from services.kv.header import HeaderMismatch, SlotHeader
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,10 @@ class DecodeRuntime(EngineRuntime):
                  on_grant: Callable[[], None] = lambda: None) -> PrefillDone:
         events = peer.prefill(request, wire, cancel, skip_tokens)
         try:
-            d = receiver.consume(_calling_on_grant(events, on_grant), lambda: not cancel.is_cancelled())
+            try:
+                d = receiver.consume(_calling_on_grant(events, on_grant), lambda: not cancel.is_cancelled())
+            except (HeaderMismatch, SlotChanged) as exc:
+                raise _why_the_call_ended(events) or exc
             if d is None:
                 if cancel.is_cancelled():
                     raise Cancelled("client went away during the KV hand-off")
@@ -240,3 +243,17 @@ class BlockImport:
 
     def finish_import(self, seq, n_tokens: int) -> None:
         self.engine.finish_import_blocks()
+
+
+def _why_the_call_ended(events: Iterator[HandoffEvent], most: int = 4) -> EngineError | None:
+    """The error the Prefill call ended with, read from what is left of its stream (a few messages at
+    most), or None if it goes on or ended cleanly. A slot read as freed or changed under a hand-off is
+    mostly the peer giving it up because the call ended: its deadline passed (or it was cancelled)
+    between the grant and the read. Raised as the slot's error, that was an engine failure (500) where
+    the request had timed out (504): test_handoff_deadline.py's 1 ms call failed so once in CI."""
+    try:
+        for _, _msg in zip(range(most), events):
+            pass
+    except EngineError as exc:
+        return exc
+    return None

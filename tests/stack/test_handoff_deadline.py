@@ -60,3 +60,52 @@ def test_without_a_request_deadline_the_fixed_timeout_still_holds(hybrid_over_gr
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with pytest.raises(HandoffTimedOut):
         list(decode.generate(EngineRequest(tuple(prompt), params, "hybrid"), Cancellation()))
+
+
+class GrantThenDeadline:
+    """prefill_gpu's side of a Prefill call whose deadline passed just after it granted a slot: the
+    grant was on the wire, the slot freed (its header zeroed) by the time decode_fpga read it, then the
+    call's end (DEADLINE_EXCEEDED, as error_from_peer gives it). The real arena and shm receiver; only
+    the call's timing is played, since the race it lost once in CI cannot be forced over gRPC."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+
+    def wire_dtype(self) -> str:
+        return "fp32"
+
+    def receiver(self, engine, seq, expected):
+        from services.kv.arena import ArenaReader
+        from services.kv.shm import ShmReceiver
+
+        return ShmReceiver(ArenaReader(self.arena.name, self.arena.path.parent), engine, seq, expected)
+
+    def prefill(self, request, wire_dtype, cancel, skip_tokens=0):
+        from services.kv.handoff import SlotGrant
+
+        slot = self.arena.allocate(1 << 16, timeout=1.0)
+        self.arena.free(slot)  # the call ended: prefill_gpu freed what it granted
+        yield SlotGrant(slot.offset, slot.size, len(request.prompt_ids) - skip_tokens, wire_dtype)
+        raise HandoffTimedOut("prefill_gpu: Deadline Exceeded")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_slot_freed_because_the_call_timed_out_is_a_timeout_not_an_engine_failure(ocl_engine, loaded_model,
+                                                                                   model_config):
+    arena = Arena(1 << 20)
+    decode = DecodeRuntime(ocl_engine, loaded_model, DecodeSettings(max_concurrency=2, queue_depth=2),
+                           GrantThenDeadline(arena))
+    try:
+        prompt = random_prompt(24, model_config.vocab_size, seed=79)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        with pytest.raises(HandoffTimedOut):
+            list(decode.generate(EngineRequest(tuple(prompt), params, "hybrid"), Cancellation()))
+        deadline = time.monotonic() + 10  # the loop thread takes the cancelled reservation back
+        while decode.loop.scheduler.num_waiting_for_remote_kv and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert decode.loop.scheduler.num_waiting_for_remote_kv == 0  # nothing left reserved
+    finally:
+        decode.close()
+        arena.close()
