@@ -35,16 +35,18 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True)  # opened here, not between fork and exec (no dlopen in the child)
 
 
-def ends_with_starter() -> None:
+def ends_with(starter: int):
     """`preexec_fn` for a process this benchmark starts and cannot tell to watch us (llama-server): the
     kernel sends it SIGTERM when the thread that started it ends, however the benchmark ends. A
     benchmark stopped by SIGTERM left its llama-server running with 2 threads spinning on both cores
     (our engines watch their starter themselves: services/lifetime.py). Start such processes from
-    the main thread: the signal follows the starting *thread*."""
-    parent = os.getppid()
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the starter ended before the prctl: nobody would signal us
-        os._exit(1)
+    the main thread: the signal follows the starting *thread*. `starter`: the benchmark's pid, taken
+    before the fork (read in the child, a starter already gone would read as its reaper)."""
+    def preexec() -> None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != starter:  # the starter ended before the prctl: nobody would signal us
+            os._exit(1)
+    return preexec
 
 
 def start_llama_server(binary: str, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path):
@@ -54,7 +56,7 @@ def start_llama_server(binary: str, gguf: Path, slots: int, ctx_per_slot: int, t
     progress(f"starting {shlex.join(cmd)} (log: {log})")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=llama_server.library_env(binary), preexec_fn=ends_with_starter)
+                                env=llama_server.library_env(binary), preexec_fn=ends_with(os.getpid()))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

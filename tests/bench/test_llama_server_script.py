@@ -61,7 +61,7 @@ def test_a_binary_that_does_not_run_is_neither_installed_nor_found(tmp_path, mon
 
 def test_a_process_started_for_a_benchmark_ends_when_the_benchmark_is_killed(tmp_path):
     """A benchmark SIGTERMed mid-run left its llama-server running: a server it starts with
-    `ends_with_starter` gets SIGTERM from the kernel when the benchmark dies, by SIGKILL too."""
+    `ends_with` gets SIGTERM from the kernel when the benchmark dies, by SIGKILL too."""
     import signal
     import subprocess
     import sys
@@ -74,8 +74,9 @@ def test_a_process_started_for_a_benchmark_ends_when_the_benchmark_is_killed(tmp
     starter = subprocess.Popen([sys.executable, "-c", f"""
 import subprocess, sys, time
 sys.path[:0] = [{bench_dir!r}, {str(Path(bench_dir).parent)!r}]
-from serving.servers import ends_with_starter
-child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=ends_with_starter)
+import os
+from serving.servers import ends_with
+child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=ends_with(os.getpid()))
 open({str(pid_file)!r}, "w").write(str(child.pid))
 time.sleep(300)
 """])
