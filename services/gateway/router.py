@@ -104,6 +104,7 @@ class EstimateParts(NamedTuple):
     first: float  # seconds to its first token: the stages before decode, queueing, prefill ahead, missed waits
     decode: float  # seconds of its decode
     before_decode: float  # of `first`, the stages alone (prefill, hand-off): Decision.prefill_s
+    missed: float  # of `first`, what the stages lately missed (_missed_seconds): Decision.missed
 
 
 @dataclass(frozen=True)
@@ -407,7 +408,8 @@ class Router:
         for m in modes:
             if not self.model.can_estimate(m):
                 continue
-            waits = self.queueing(m) + self.prefill_ahead_seconds(m) + self._missed_seconds(m)
+            missed = self._missed_seconds(m)
+            waits = self.queueing(m) + self.prefill_ahead_seconds(m) + missed
             stages = decode = 0.0
             for k in CostModel.stage_keys(m):
                 seconds = self._stage_estimate(k, n_in, n_out, company.get(k[1], 0), shared)
@@ -415,7 +417,7 @@ class Router:
                     decode += seconds
                 else:
                     stages += seconds
-            parts[m] = EstimateParts(stages + waits, decode, stages)
+            parts[m] = EstimateParts(stages + waits, decode, stages, missed)
         return parts
 
     def _crowding_seconds(self, mode: str, n_in: int, n_out: int, decode: float) -> float:
@@ -446,7 +448,7 @@ class Router:
             est = {m: p.first + p.decode for m, p in parts.items()}
             crowd = {m: self._crowding_seconds(m, n_in, n_out, p.decode) for m, p in parts.items()}
             kw = dict(company=company, first_token={m: p.first for m, p in parts.items()},
-                      missed={m: self._missed_seconds(m) for m in parts}, crowding=crowd)
+                      missed={m: p.missed for m, p in parts.items()}, crowding=crowd)
             prefill = lambda mode: parts[mode].before_decode if mode in parts else 0.0  # noqa: E731
             if forced is not None:
                 return Decision(forced, "forced", est, prefill_s=prefill(forced), **kw)
