@@ -3,7 +3,8 @@ alternatives that would keep a row's bits whatever the batch.
 
 Two parts, both on the served model on this CPU:
 * a lone decode step (one sequence, context 128) through the torch engine's batched step, padded
-  (MIN_GEMM_ROWS = 4, today) and unpadded (1: not batch-invariant), interleaved round by round;
+  (MIN_GEMM_ROWS = 4, MKL's default mode's floor) and unpadded (1: invariant only where the engine
+  measured a floor of 1, as in MKL's strict mode on an Intel Xeon: `--mkl`), interleaved round by round;
   and the old slot path's decode of the same sequence (never padded) for scale;
 * for each of the model's matrix shapes, whether a one-row product written another way gives the
   same bits as that row among 4+ rows (the contract the padding keeps): x @ W at M = 1, torch.mv,
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 
 from services.engine.batching_settings import BatchingSettings  # noqa: E402
 from services.engine.scheduler import ScheduledChunk  # noqa: E402
-from services.prefill_gpu import batched_step  # noqa: E402
+from services.prefill_gpu.cpu_matmul import request_strict_mkl  # noqa: E402
 
 
 def timed(fn, reps: int) -> float:
@@ -80,7 +81,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as the engine runs)")
     ap.add_argument("--name", default="gpu_padding")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--mkl", choices=("strict", "default"), default="strict",
+                    help="MKL's mode: strict, as prefill_gpu runs it (cpu_matmul.py), or its default")
     args = ap.parse_args()
+    if args.mkl == "default":  # MKL starts in its default mode, and the engine's strict request comes too late
+        torch.ones(4, 4) @ torch.ones(4, 4)
+    mkl = request_strict_mkl()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -97,13 +103,15 @@ def main() -> None:
     seq = engine.new_sequence(context + 1)
     seq.k.normal_(0, 0.5), seq.v.normal_(0, 0.5)
 
+    floor = engine.min_gemm_rows  # what the engine measured on this CPU (cpu_matmul.py)
+
     def step(rows: int):
         def run():
-            batched_step.MIN_GEMM_ROWS = rows
+            engine.min_gemm_rows = rows
             try:
                 engine.step([chunk], greedy=True)
             finally:
-                batched_step.MIN_GEMM_ROWS = 4
+                engine.min_gemm_rows = floor
         return run
 
     def slot():
@@ -130,7 +138,7 @@ def main() -> None:
     print(table(["W [K, N]", "one row computed as", "= its bits among 4+ rows", "same bits at every M",
                  "one row ms"], [[f"{r['shape'][0]}x{r['shape'][1]}", r["way"], r["alone_equals_padded"],
                                   r["same_bits_at_every_M"], r["one_row_ms"]] for r in inv]))
-    write_json(args.name, {"model": c.model_id, "context": context, "rounds": args.rounds, "reps": args.reps,
+    write_json(args.name, {"model": c.model_id, "mkl": mkl, "engine_row_floor": floor, "context": context, "rounds": args.rounds, "reps": args.reps,
                                "torch_threads": torch.get_num_threads(), "loadavg_1m_after": os.getloadavg()[0],
                                "lone_decode_ms": summary, "one_row_ways": inv}, args.out)
 

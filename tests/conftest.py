@@ -14,6 +14,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# as prefill_gpu's service does before its model loads: MKL's strict mode can be chosen only before
+# any matmul of the process, and the torch engines tested here must run as the service runs them
+from services.prefill_gpu.cpu_matmul import request_strict_mkl  # noqa: E402
+
+request_strict_mkl()
+
 
 # make test's lanes (tests/lanes.py), by path: tests that start whole stacks of processes run beside the
 # rest; tests whose verdict needs a quiet machine run after both, alone. Run directly, pytest runs all.

@@ -7,17 +7,20 @@ gathered through their block tables into one padded batch with a mask; each long
 prefill) in its own SDPA call, causal over [its cached context + itself]. Logits only for the
 sampling rows.
 
-Batch invariance (a row's result does not depend on the other rows), measured on this CPU
-(MKL sgemm, AVX512): a row of x @ W is bit-identical for every row count M >= 4, whatever the
-other rows hold, while M = 1..3 take another kernel and differ in the last bits. So every
-matmul here gets at least MIN_GEMM_ROWS rows (zero rows pad the batch), and tests check the
-property itself (tests/prefill_gpu/test_batched_step.py). The padding is a measured choice
-(bench/gpu_padding.py, gpu_padding.json): no other way of computing one row that torch offers here
-gives the bits that row gets among 4+ rows (x @ W at M = 1, torch.mv, (W^T @ x^T)^T, MKL's packed
-linear: all differ), and the one invariant alternative, a gemv per row at every batch size, reads
-every weight once per row, which a batch of 16 decodes cannot afford. A lone decode therefore pays
-for three zero rows (measured at one torch thread: 76 ms padded against 46 ms unpadded, 1.65x,
-gpu_padding_1thread.json); at 4+ rows (any batch of 4 sequences, any prefill chunk) nothing is padded.
+Batch invariance (a row's result does not depend on the other rows) rests on the BLAS giving a row
+of x @ W the same bits at every row count from some floor up, whatever the other rows hold. The
+engine checks that on its own matrices at start (cpu_matmul.py) and every matmul here gets at
+least that many rows (`min_rows`: zero rows pad the batch); tests check the property itself
+(tests/prefill_gpu/test_batched_step.py). MKL in its default mode kept it from 4 rows on an AMD
+EPYC (rows 1..3 take another kernel) and not at all on an Intel Xeon (K 1536: rows changed at
+M = 24-128), so the service puts MKL in strict reproducibility mode first, where the Xeon kept it
+from one row. The padding to 4 was a measured choice (bench/gpu_padding.py, gpu_padding.json):
+no other way of computing one row that torch offers in MKL's default mode gives the bits that row
+gets among 4+ rows (x @ W at M = 1, torch.mv, (W^T @ x^T)^T, MKL's packed linear: all differ), and
+the one invariant alternative, a gemv per row at every batch size, reads every weight once per
+row, which a batch of 16 decodes cannot afford. With a floor of 4 a lone decode pays for three
+zero rows (measured at one torch thread on the EPYC: 76 ms padded against 46 ms unpadded, 1.65x,
+gpu_padding_1thread.json).
 On CUDA nothing is padded (min_gemm_rows): cuBLAS picks kernels by shape at any row count.
 Decode attention pads every context to
 a multiple of ATTN_LEN_MULTIPLE: masked positions past that add exact zeros, so a row attends
@@ -40,13 +43,14 @@ from services.prefill_gpu.model import LlamaTorch
 if TYPE_CHECKING:
     from services.engine.scheduler import ScheduledChunk
 
-MIN_GEMM_ROWS = 4  # below this MKL switches kernels and a row's bits depend on the row count
+MIN_GEMM_ROWS = 4  # MKL's default mode: below this it switches kernels and a row's bits depend on the row count
 
 
 def min_gemm_rows(device: torch.device) -> int:
-    """Rows every matmul gets at least: MIN_GEMM_ROWS on the CPU (MKL's invariance above); 1 on CUDA,
-    where cuBLAS picks its kernel by shape at every row count, so padding buys no invariance, and a
-    one-row product is up to 3x faster than four rows (H100: bench/results/engine_gpu.json, gemm_us)."""
+    """Rows every matmul gets at least when the engine has not measured its floor (cpu_matmul.py):
+    MIN_GEMM_ROWS on the CPU; 1 on CUDA, where cuBLAS picks its kernel by shape at every row count,
+    so padding buys no invariance, and a one-row product is up to 3x faster than four rows (H100:
+    bench/results/engine_gpu.json, gemm_us)."""
     return 1 if device.type == "cuda" else MIN_GEMM_ROWS
 ATTN_LEN_MULTIPLE = 16  # one AVX512 register of fp32: padded lengths keep each lane's sum order
 
@@ -78,14 +82,18 @@ class StepPlan:
     # every row, padding included, is a decode row and decode_rows is 0 .. n_padded - 1 (a captured
     # decode step): attention reads q and gives its output in row order, with no gather or scatter
     decode_only: bool = False
+    min_rows: int = MIN_GEMM_ROWS  # rows every matmul gets at least (n_padded >= this)
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: int, vocab_size: int) -> StepPlan:
-    """Check the chunks and turn them into index tensors; ValueError on anything out of bounds."""
+def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: int, vocab_size: int,
+              min_rows: int | None = None) -> StepPlan:
+    """Check the chunks and turn them into index tensors; ValueError on anything out of bounds.
+    `min_rows`: the engine's row floor (None: min_gemm_rows of the pool's device)."""
+    min_rows = min_gemm_rows(pool.device) if min_rows is None else min_rows
     n_rows = sum(len(c.token_ids) for c in chunks)
     if n_rows > max_rows:
         raise ValueError(f"{n_rows} rows exceed max_num_batched_tokens={max_rows}")
@@ -118,12 +126,13 @@ def plan_step(chunks: Sequence["ScheduledChunk"], pool: PagedKVPool, max_rows: i
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size})")
-    n_padded = max(n_rows, min_gemm_rows(pool.device))
+    n_padded = max(n_rows, min_rows)
     ids = np.pad(ids, (0, n_padded - n_rows))
     pos = np.pad(np.concatenate(positions) if positions else np.zeros(0, np.int64), (0, n_padded - n_rows))
     plan = StepPlan(n_rows, pool.index(ids), pool.index(pos),
                     pool.index(np.concatenate(write_slots) if write_slots else np.zeros(0, np.int64)),
-                    None, None, None, prefills, pool.index(np.asarray(sample_rows, dtype=np.int64)))
+                    None, None, None, prefills, pool.index(np.asarray(sample_rows, dtype=np.int64)),
+                    min_rows=min_rows)
     if decode_rows:
         length = _round_up(max(len(s) for s in decode_contexts), ATTN_LEN_MULTIPLE)
         gather = np.zeros((len(decode_rows), length), dtype=np.int64)  # padding reads slot 0, masked out
@@ -195,7 +204,7 @@ def forward_logits(model: LlamaTorch, pool: PagedKVPool, plan: StepPlan,
     if n_sample == 0:
         return x.new_zeros((0, c.vocab_size), dtype=torch.float32)
     rows = x.index_select(0, plan.sample_rows)
-    floor = min_gemm_rows(pool.device)
+    floor = plan.min_rows
     if n_sample < floor:  # the LM head's matmul too keeps its row bits whatever S is
         rows = torch.cat([rows, rows.new_zeros((floor - n_sample, rows.shape[1]))])
     return model._logits(rows)[:n_sample]  # [S, vocab] float32

@@ -142,10 +142,11 @@ class StaticStep:
             bias = torch.zeros(visible.shape, dtype=pool.dtype, device=inp.device).masked_fill_(~visible,
                                                                                                    float("-inf"))
             return StepPlan(r, tokens, positions, write, self._row_ids, ctx,
-                            bias.repeat(cfg.n_kv_heads, 1)[:, None, :], [], self._row_ids, decode_only=True)
+                            bias.repeat(cfg.n_kv_heads, 1)[:, None, :], [], self._row_ids, decode_only=True,
+                            min_rows=self.min_decode_rows)
         last = (real.sum() - 1).clamp(min=0).reshape(1)  # the chunk's last real row (0 in a padding-only step)
         return StepPlan(r, tokens, positions, write, None, None, None,
-                        [PrefillRows(0, r, 0, ctx[0], visible)], last)
+                        [PrefillRows(0, r, 0, ctx[0], visible)], last, min_rows=self.min_decode_rows)
 
     def forward(self) -> torch.Tensor:
         return forward_logits(self.model, self.pool, self.plan())

@@ -15,7 +15,8 @@ import torch
 from services.engine.batching_settings import BatchingSettings
 from services.model.config import ModelConfig
 from services.model.weights import ModelWeights
-from services.prefill_gpu.batched_step import plan_step, run_step
+from services.prefill_gpu.batched_step import MIN_GEMM_ROWS, plan_step, run_step
+from services.prefill_gpu.cpu_matmul import invariant_floor, request_strict_mkl
 from services.prefill_gpu.cuda_graphs import StepGraphs
 from services.prefill_gpu.kv_pool import PagedKVPool
 from services.prefill_gpu.model import LlamaTorch, TorchSequence
@@ -92,9 +93,26 @@ class TorchEngine:
         # on CUDA, decode-only steps and lone prefill chunks replay captured graphs (cuda_graphs.py)
         self.graphs = (StepGraphs(self.model, self.kv_pool, self.max_num_batched_tokens, self.max_num_seqs,
                                   cfg.max_context) if cuda_graphs and dev.type == "cuda" else None)
-        log.info("torch engine on %s (%s), %d threads; KV pool %d blocks of %d tokens (%d MiB)", self.device_name,
-                 self.model.dtype, torch.get_num_threads(), self.num_blocks, self.block_size,
-                 self.kv_pool.nbytes >> 20)
+        self.min_gemm_rows = self._row_floor()
+        log.info("torch engine on %s (%s), %d threads; KV pool %d blocks of %d tokens (%d MiB); matmuls of %d+ rows",
+                 self.device_name, self.model.dtype, torch.get_num_threads(), self.num_blocks, self.block_size,
+                 self.kv_pool.nbytes >> 20, self.min_gemm_rows)
+
+    def _row_floor(self) -> int:
+        """Rows every matmul of a step gets at least, so a row's bits never depend on its batch: on the
+        CPU what this process's BLAS keeps on the model's own matrices (cpu_matmul.py), measured once
+        per shape; 1 on CUDA (batched_step.min_gemm_rows)."""
+        if self.device.type == "cuda":
+            return 1
+        mkl = request_strict_mkl()
+        products, key = self.model.row_products()
+        floor = invariant_floor(products, self.model.dtype, key)
+        if floor is None:
+            log.warning("no row count keeps a row's bits on this CPU (MKL: %s): gpu mode's greedy tokens may "
+                        "depend on the requests that share their step; padding to %d rows", mkl, MIN_GEMM_ROWS)
+            return MIN_GEMM_ROWS
+        log.info("batch invariance on this CPU (MKL: %s): a row keeps its bits from %d rows up", mkl, floor)
+        return floor
 
     @classmethod
     def from_settings(cls, loaded, settings) -> "TorchEngine":
@@ -147,7 +165,7 @@ class TorchEngine:
             out = self.graphs.step(chunks, greedy)
             if out is not None:
                 return out
-        plan = plan_step(chunks, self.kv_pool, self.max_num_batched_tokens, self.cfg.vocab_size)
+        plan = plan_step(chunks, self.kv_pool, self.max_num_batched_tokens, self.cfg.vocab_size, self.min_gemm_rows)
         return run_step(self.model, self.kv_pool, plan, greedy, on_layer)
 
     def import_kv_blocks(self, block_table: Sequence[int], layer: int, kv: np.ndarray) -> None:

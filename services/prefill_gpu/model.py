@@ -189,6 +189,35 @@ class LlamaTorch:
             act = F.gelu(h, approximate="tanh")
         return self._residual_linear(x, act, layer.w_down, layer.b_down)
 
+    def row_products(self) -> tuple[list[tuple[Callable[[torch.Tensor], torch.Tensor], int]], tuple]:
+        """Each matrix product of a step as the step applies it (layer 0's and the LM head's), with its
+        input width, and what their bits depend on (shapes, dtype, layout, bias, fusing): the matmuls
+        whose batch invariance cpu_matmul.invariant_floor checks. A residual product adds a residual
+        drawn from its own row (its first input), so a row's result is its own wherever it sits."""
+        layer = self.layers[0]
+
+        def width(w: torch.Tensor) -> int:
+            return w.shape[1] if self.out_in else w.shape[0]
+
+        def linear(w, b):
+            return lambda x: self._linear(x, w, b)
+
+        def residual(w, b):
+            out = w.shape[0] if self.out_in else w.shape[1]
+            return lambda a: self._residual_linear(a[:, :1].expand(-1, out).contiguous(), a, w, b)
+
+        products = [(linear(layer.w_qkv, layer.b_qkv), width(layer.w_qkv)),
+                    (residual(layer.wo, layer.bo), width(layer.wo)),
+                    (linear(layer.w_gate_up, layer.b_gate_up), width(layer.w_gate_up)),
+                    (residual(layer.w_down, layer.b_down), width(layer.w_down)),
+                    (lambda x: x @ self.lm_head_t, self.lm_head_t.shape[0])]
+        key = (str(self.dtype), self.out_in, self.fused,
+               tuple((tuple(w.shape), b is not None) for w, b in ((layer.w_qkv, layer.b_qkv), (layer.wo, layer.bo),
+                                                                 (layer.w_gate_up, layer.b_gate_up),
+                                                                 (layer.w_down, layer.b_down),
+                                                                 (self.lm_head_t, None))))
+        return products, key
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return (self._norm(x, self.final_norm, self.final_norm_b) @ self.lm_head_t).float()
 
