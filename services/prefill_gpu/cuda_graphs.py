@@ -143,10 +143,10 @@ class StaticStep:
                                                                                                    float("-inf"))
             return StepPlan(r, tokens, positions, write, self._row_ids, ctx,
                             bias.repeat(cfg.n_kv_heads, 1)[:, None, :], [], self._row_ids, decode_only=True,
-                            min_rows=self.min_decode_rows)
+                            min_rows=min_gemm_rows(pool.device))
         last = (real.sum() - 1).clamp(min=0).reshape(1)  # the chunk's last real row (0 in a padding-only step)
         return StepPlan(r, tokens, positions, write, None, None, None,
-                        [PrefillRows(0, r, 0, ctx[0], visible)], last, min_rows=self.min_decode_rows)
+                        [PrefillRows(0, r, 0, ctx[0], visible)], last, min_rows=min_gemm_rows(pool.device))
 
     def forward(self) -> torch.Tensor:
         return forward_logits(self.model, self.pool, self.plan())

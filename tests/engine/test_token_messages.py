@@ -37,10 +37,17 @@ def test_a_reader_behind_the_loop_gets_the_ready_tokens_in_one_message(loop):
     assert msgs[0].finish_reason == "length"
 
 
-def test_a_reader_that_keeps_up_gets_one_token_per_message(loop):
+def test_a_reader_that_keeps_up_gets_one_token_per_message():
+    # steps of 30 ms: a reader on a busy machine (the suite's two lanes on two cores) still keeps up;
+    # at 2 ms it fell behind there and got 5 messages for 12 tokens
+    engine, loop = make_loop()
+    engine.step_s = 0.03
     prompt = [2, 7, 1, 8]
-    _, evs = events(loop, prompt)
-    msgs = list(messages_of(evs))  # read as the loop makes them (a 2 ms step each)
+    try:
+        _, evs = events(loop, prompt)
+        msgs = list(messages_of(evs))  # read as the loop makes them
+    finally:
+        loop.close()
     tokens = [t for m in msgs for t in m.token_ids]
     assert tokens == reference(prompt, GREEDY.max_tokens)
     assert len(msgs) >= GREEDY.max_tokens // 2  # mostly one each: nothing waits to be batched
