@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.kv_index import EngineBlocks
 from services.modes import ENGINE_NAMES, ENGINES
-from services.rpc.engine_token import aio_interceptors
+from services.rpc.engine_token import RECONNECT_OPTIONS, aio_interceptors
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 
@@ -24,8 +24,8 @@ class EngineClients:
                  label: str = ""):
         self.label = label  # in the log, which pair this is ("pair 1: "), when there are several
         addresses = {"gpu": prefill_address, "fpga": decode_address}
-        self.channels = {e: grpc.aio.insecure_channel(addresses[e], interceptors=aio_interceptors(engine_token))
-                         for e in ENGINES}
+        self.channels = {e: grpc.aio.insecure_channel(addresses[e], options=RECONNECT_OPTIONS,
+                                                      interceptors=aio_interceptors(engine_token)) for e in ENGINES}
         self.stubs = {e: pb_grpc.EngineStub(ch) for e, ch in self.channels.items()}
         self._health = {e: health_pb2_grpc.HealthStub(ch) for e, ch in self.channels.items()}
         self.up = {e: False for e in ENGINES}  # as of the last health check

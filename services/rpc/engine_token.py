@@ -1,5 +1,5 @@
 """The shared token on the engines' gRPC edge (HYBRIDSERVE_ENGINE_TOKEN): the server's check and
-what every client of an engine sends.
+what every client of an engine sends; and how such a client reconnects (RECONNECT_OPTIONS).
 
 Off when no token is set (loopback, one host). Across containers every engine checks it:
 a call without `authorization: Bearer <token>` ends UNAUTHENTICATED before it reaches the
@@ -75,9 +75,16 @@ class _SendToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
         return continuation(self._details(client_call_details), request_iterator)
 
 
+# gRPC's reconnect backoff grows to 120 s by default: a gateway started beside its engines (a minute of
+# model loads and profile sweeps on a busy 2-core machine) saw decode_fpga 18 s after it began serving,
+# and an engine restarted after a crash would be seen as late. Engines are on loopback or one cluster
+# hop away, where a connection attempt every 2 s at most costs nothing.
+RECONNECT_OPTIONS = (("grpc.max_reconnect_backoff_ms", 2000),)
+
+
 def engine_channel(address: str, token: str | None) -> grpc.Channel:
     """A blocking channel to an engine that sends the token with every call (when there is one)."""
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
     return grpc.intercept_channel(channel, _SendToken(token)) if token else channel
 
 
