@@ -3,7 +3,7 @@
 Every variable starts with `HYBRIDSERVE_`. A setting that means the same for every process
 that reads it is shared and keeps the bare prefix (`SHARED_FIELDS`: HYBRIDSERVE_MODEL,
 HYBRIDSERVE_LOG_LEVEL, HYBRIDSERVE_HOST, HYBRIDSERVE_PROFILE_CACHE, HYBRIDSERVE_PROFILE_AT_START,
-HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION, HYBRIDSERVE_PARENT_PID,
+HYBRIDSERVE_PROFILE_ATTEMPTS, HYBRIDSERVE_ENGINE_TOKEN, HYBRIDSERVE_ENGINE_REFLECTION, HYBRIDSERVE_PARENT_PID,
 HYBRIDSERVE_TOKEN_TRACE).
 Every other setting belongs to one process and carries its prefix (`SERVICE_PREFIXES`), e.g.
 HYBRIDSERVE_PREFILL_PORT, HYBRIDSERVE_DECODE_KV_CHANNELS, HYBRIDSERVE_GATEWAY_API_KEY.
@@ -38,8 +38,8 @@ SERVICE_PREFIXES = {"prefill_gpu": "HYBRIDSERVE_PREFILL_", "decode_fpga": "HYBRI
 # log level, one interface to listen on (loopback on a workstation, 0.0.0.0 in a container: the image
 # sets it once), the engines' one profile cache and profiling choice, and their gRPC edge: the token
 # every engine checks and every client of an engine sends, and whether they serve reflection
-SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "engine_token",
-                           "engine_reflection", "parent_pid", "token_trace"})
+SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "profile_attempts",
+                           "engine_token", "engine_reflection", "parent_pid", "token_trace"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
                     "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")

@@ -13,6 +13,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the stacks the tests start profile on a machine the suite keeps busy: a second sweep (the default
+# retry, services/engine/profile_cache.py) is as busy as the first and cost ~12 s per engine start
+os.environ.setdefault("HYBRIDSERVE_PROFILE_ATTEMPTS", "1")
 
 # as prefill_gpu's service does before its model loads: MKL's strict mode can be chosen only before
 # any matmul of the process, and the torch engines tested here must run as the service runs them
@@ -29,6 +32,7 @@ LANES = {
                    "tests/gateway/test_batching_live.py",
                    "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
                    "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py",
+                   "tests/gateway/test_engine_reconnect.py",
                    # the users of tests/stack's shared engine pair: it then starts in this lane only (the
                    # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
                    "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",

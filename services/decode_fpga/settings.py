@@ -83,6 +83,8 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     max_num_batched_tokens: int = Field(64, ge=16)
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True
+    # sweeps a busy machine gets before the least noisy one serves this run uncached (profile_cache.py)
+    profile_attempts: int = Field(2, ge=1)
 
     @field_validator("opencl_lanes")
     @classmethod

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from pydantic import Field
+
 from services.engine.batching_settings import BatchingSettings
 from services.settings import CommonSettings
 
@@ -47,3 +49,5 @@ class PrefillSettings(CommonSettings, BatchingSettings):
         return self.max_num_seqs if self.prefill_max_concurrency == "auto" else self.prefill_max_concurrency
     profile_cache: str = "~/.cache/hybridserve/profile"
     profile_at_start: bool = True
+    # sweeps a busy machine gets before the least noisy one serves this run uncached (profile_cache.py)
+    profile_attempts: int = Field(2, ge=1)

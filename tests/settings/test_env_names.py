@@ -149,12 +149,13 @@ def test_bad_values_are_still_validation_errors():
 # ---- shared names -------------------------------------------------------------------------------------
 def test_shared_names_are_read_by_every_process_that_has_them():
     env = {"HYBRIDSERVE_MODEL": "/m.gguf", "HYBRIDSERVE_LOG_LEVEL": "DEBUG", "HYBRIDSERVE_HOST": "0.0.0.0",
-           "HYBRIDSERVE_PROFILE_AT_START": "false"}
+           "HYBRIDSERVE_PROFILE_AT_START": "false", "HYBRIDSERVE_PROFILE_ATTEMPTS": "1"}
     for cls in SERVICES:
         s = cls.from_environ(env)
         assert (s.model, s.log_level, s.host) == ("/m.gguf", "DEBUG", "0.0.0.0")
     for cls in (PrefillSettings, DecodeSettings):
         assert cls.from_environ(env).profile_at_start is False
+        assert cls.from_environ(env).profile_attempts == 1 and cls.from_environ({}).profile_attempts == 2
     assert CommonSettings.from_environ(env).model == "/m.gguf"
 
 
