@@ -10,6 +10,7 @@ import numpy as np
 from services.model.architecture import (ARCHITECTURES, GGUF_SUPPORTED, ROPE_SCALINGS, SUPPORTED, Architecture,
                                          RopeScaling, by_gguf_name, by_hf_name, rope_inv_freq)
 from services.model.checkpoint import Checkpoint, CheckpointError
+from services.model.gguf_file import gguf_reader
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,8 @@ def _refuse(what: str, name, supported) -> CheckpointError:
 
 
 def _from_gguf(ckpt: Checkpoint) -> ModelConfig:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(ckpt.path))
+        reader = gguf_reader(ckpt.path)
     except Exception as exc:  # the gguf reader raises assorted errors on truncated files
         raise CheckpointError(f"cannot read GGUF file {str(ckpt.path)!r}: {exc}") from exc
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from services.model.checkpoint import Checkpoint, CheckpointError
 from services.model.config import ModelConfig
+from services.model.gguf_file import gguf_reader
 from services.model.weights import unpermute_rope_rows
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,8 @@ class GGUFBlocks:
     """Raw block tensors of a GGUF checkpoint (memory-mapped; nothing is dequantized)."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         try:
-            self._reader = gguf.GGUFReader(str(path))
+            self._reader = gguf_reader(path)
         except (ValueError, OSError) as exc:
             raise CheckpointError(f"{path}: cannot read GGUF: {exc}") from exc
         self._tensors = {t.name: t for t in self._reader.tensors}

@@ -16,6 +16,7 @@ import numpy as np
 
 from services.model.checkpoint import Checkpoint, CheckpointError
 from services.model.config import ModelConfig
+from services.model.gguf_file import gguf_reader
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +87,10 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _gguf_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    import gguf
     from gguf.quants import dequantize
 
     try:
-        reader = gguf.GGUFReader(str(ckpt.path))
+        reader = gguf_reader(ckpt.path)
         out = {}
         for t in reader.tensors:
             arr = dequantize(t.data, t.tensor_type)
