@@ -37,11 +37,13 @@ LANES = {
                    # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
                    "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",
                    "tests/stack/test_service_basics.py"),
-    # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
+    # (test_calibration_check.py is not here: its verdict is a count of requests, not a time, and in
+    # the in-process lane it shares tests/gateway's stack instead of starting one alone, 66 s on a Xeon;
+    # the one-launch checks: on a busy machine every one-launch step may give up, by design, and
     # "ran as one launch at least once" then fails; test_engine_loss: its kill must land while two
     # streams run, and beside the in-process lane one of them twice ended first)
     "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
-              "tests/gateway/test_calibration_check.py", "tests/gateway/test_engine_loss.py",
+              "tests/gateway/test_engine_loss.py",
               "tests/decode_fpga/test_paged_step.py::test_one_decode_row_runs_as_one_launch_bit_for_bit",
               "tests/decode_fpga/test_decode_layers.py::test_bit_for_bit_the_launch_by_launch_step"),
 }
