@@ -8,9 +8,10 @@ Rapids, 2026-11-27) it did not: for the default model's down projection (K 1536)
 their last bits at M = 24-128 and agreed again from 200, so a decode row's logits differed
 between a step alone and a step beside a 40-token prefill chunk. MKL's conditional numerical
 reproducibility in strict mode (MKL_CBWR=AUTO,STRICT) fixes the summation order per output: there
-every row count from 1 gave a row the same bits, so nothing needs padding, and a lone decode step
-of the default model took 42-47 ms against 47-55 ms padded in the default mode (prefill of 256
-tokens 343-372 against 293-317 ms: strict costs prefill ~15% on that CPU).
+every row count from 1 gave a row the same bits, so nothing needs padding. Its cost there, the
+default model's engine steps in alternate processes, medians of 3 rounds each: a lone decode 51.6 ms
+(unpadded) against 60.7 ms (default mode, padded to 4 rows), 8 decodes 74.9 against 89.1 ms, a
+256-token prefill 343 against 368 ms, a 512-token one 704 against 702 ms: none.
 
 Strict mode can only be chosen before MKL's first call in the process (mkl_cbwr_set answers
 MKL_CBWR_ERR_MODE_CHANGE_FAILURE after), and the environment variable is read at MKL's start,
