@@ -231,7 +231,9 @@ def test_gguf_storage_greedy_identical_to_transformers(ocl_gguf_engine, ocl_engi
     prompt = random_prompt(n_prompt, model_config.vocab_size, seed=11)
     ours = greedy(ocl_gguf_engine, prompt, n_new)
     assert ours == hf_greedy(hf_model, prompt, n_new)
-    assert ours == greedy(ocl_engine, prompt, n_new)  # and to the fp32 storage of the same weights
+    if n_prompt < 512:  # and to the fp32 storage of the same weights; at 512 test_engine_contract.py's
+        # [ocl_engine-512-64-11] checks that storage against the same reference (same prompt and seed)
+        assert ours == greedy(ocl_engine, prompt, n_new)
 
 
 @pytest.mark.slow
