@@ -39,6 +39,7 @@ SERVICE_PREFIXES = {"prefill_gpu": "HYBRIDSERVE_PREFILL_", "decode_fpga": "HYBRI
 # sets it once), the engines' one profile cache and profiling choice, and their gRPC edge: the token
 # every engine checks and every client of an engine sends, and whether they serve reflection
 SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "profile_attempts",
+                           "profile_keep_busy",
                            "engine_token", "engine_reflection", "parent_pid", "token_trace"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",

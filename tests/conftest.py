@@ -16,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the stacks the tests start profile on a machine the suite keeps busy: a second sweep (the default
 # retry, services/engine/profile_cache.py) is as busy as the first and cost ~12 s per engine start
 os.environ.setdefault("HYBRIDSERVE_PROFILE_ATTEMPTS", "1")
+# and that one busy sweep is kept for the later stacks (probed, never called quiet): each engine start
+# then probes for ~1-2 s where it swept for 8-20 s, and an engine joining a pool, or draining out of
+# one, no longer waits its turn behind the others' sweeps (a drain in test_up_pools took 38 s so)
+os.environ.setdefault("HYBRIDSERVE_PROFILE_KEEP_BUSY", "1")
 
 # as prefill_gpu's service does before its model loads: MKL's strict mode can be chosen only before
 # any matmul of the process, and the torch engines tested here must run as the service runs them

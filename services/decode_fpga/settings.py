@@ -85,6 +85,9 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     profile_at_start: bool = True
     # sweeps a busy machine gets before the least noisy one serves this run uncached (profile_cache.py)
     profile_attempts: int = Field(2, ge=1)
+    # cache a busy sweep too (apart, never called quiet): for machines that are never quiet, e.g. a test
+    # suite starting dozens of engines, where a rough profile beats a ~20 s sweep at every start
+    profile_keep_busy: bool = False
 
     @field_validator("opencl_lanes")
     @classmethod

@@ -25,7 +25,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy as llg_np
 import numpy as np
 
@@ -50,6 +49,8 @@ class GrammarTokenizer:
     def get(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf  # here, not at the top: it imports transformers (~1 s of every engine's start)
+
                 hf = self._load()
                 # the model's vocabulary may be larger than the tokenizer's (padding rows): those ids are
                 # never allowed; EOS is what the engine stops on, so a complete grammar ends the sequence

@@ -9,6 +9,11 @@ it is retried after a pause, and if every attempt is busy the least noisy one se
 this run only; the next start measures again. A cached profile is checked at every
 start by a quick probe when one is given, and measured again when the probe disagrees.
 
+With `keep_busy` a busy sweep is kept too, in a file of its own (`<key>.busy.json`), for
+machines that are never quiet (a test suite starting dozens of engines): the next start
+probes it and keeps it while the probe finds the machine busy, never calling it quiet,
+and sweeps again to replace it once a probe could tell (quiet now, or a profile off).
+
 What comes back says whether it is `quiet`: timed on a quiet machine in this process (a
 sweep that was not busy, or a cached profile a quiet probe agreed with now). The router
 trusts a quiet profile as it trusts a measured request; any other (every attempt busy, a
@@ -84,14 +89,20 @@ def _noise(samples) -> float:
     return float(getattr(samples, "spread", 0.0)) + float(getattr(samples, "foreign_load", 0.0))
 
 
+def busy_path(path: Path) -> Path:
+    """Where a busy sweep of `path`'s key is kept (with keep_busy)."""
+    return path.with_suffix(".busy.json")
+
+
 def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
                  probe: Callable[[list[dict]], str] | None = None,
-                 attempts: int = 2, retry_wait_s: float = 5.0) -> Profile:
+                 attempts: int = 2, retry_wait_s: float = 5.0, keep_busy: bool = False) -> Profile:
     """The samples cached under `key` (kept unless `probe(cached)` says "disagrees" or False),
     else run()'s, as a `Profile`.
 
     run() returns a list of samples; when it also carries `busy` (a `Sweep`), a busy sweep
-    is retried up to `attempts` times and never cached. probe() answers "agrees" (quiet and
+    is retried up to `attempts` times and never cached as quiet (with keep_busy, the least noisy is
+    kept apart; see the module's docstring). probe() answers "agrees" (quiet and
     within its tolerance), "busy" (it could not tell: the cache is kept, not confirmed) or
     "disagrees". All of it under `sweep_lock`.
     """
@@ -105,16 +116,29 @@ def cached_sweep(cache_dir: str, key: str, run: Callable[[], list[dict]],
                          "confirmed by a quiet probe" if verdict == "agrees" else "not confirmed now")
                 return Profile(cached, quiet=verdict == "agrees")
             log.warning("profile: the quick probe disagrees with %s by more than 2x; profiling again", path)
+        rough = read_cached(busy_path(path)) if keep_busy else None
+        if rough is not None:
+            verdict = "busy" if probe is None else probe(rough)
+            if verdict == "busy":
+                log.info("profile: %d samples from %s (timed on a busy machine; busy now too: kept, not quiet)",
+                         len(rough), busy_path(path))
+                return Profile(rough, quiet=False)
+            log.info("profile: a probe could tell now (%s); sweeping to replace the busy profile", verdict)
         log.info("profile: running the start-up sweep (%s)", key)
         noisy = []
         for attempt in range(max(1, attempts)):
             samples = run()
             if not getattr(samples, "busy", False):
                 _write(path, samples)
+                busy_path(path).unlink(missing_ok=True)
                 return Profile(samples, quiet=True)
             noisy.append(samples)
             log.warning("profile: the machine was busy during sweep %d/%d (%s); not cached", attempt + 1,
                         attempts, getattr(samples, "verdict", "noisy repeats"))
             if attempt + 1 < attempts:
                 time.sleep(retry_wait_s)
-        return Profile(min(noisy, key=_noise), quiet=False)
+        least_noisy = min(noisy, key=_noise)
+        if keep_busy:
+            _write(busy_path(path), least_noisy)
+            log.info("profile: the least noisy busy sweep is kept in %s (never called quiet)", busy_path(path))
+        return Profile(least_noisy, quiet=False)

@@ -219,11 +219,13 @@ def _per_unit(s: dict, cached: list[dict]) -> float | None:
     return float(np.median(same)) if same else None
 
 
-def profile_engine(engine, device: str, cache_dir: str, key: str, attempts: int = 2) -> Profile:
+def profile_engine(engine, device: str, cache_dir: str, key: str, attempts: int = 2,
+                   keep_busy: bool = False) -> Profile:
     """The engine's profile: cached and probed, or measured (in turn with the other engine), a busy
-    sweep retried until `attempts` ran."""
+    sweep retried until `attempts` ran (and kept apart with `keep_busy`)."""
     return cached_sweep(cache_dir, key, lambda: run_sweep(engine, device),
-                        probe=lambda cached: probe_verdict(engine, device, cached), attempts=attempts)
+                        probe=lambda cached: probe_verdict(engine, device, cached), attempts=attempts,
+                        keep_busy=keep_busy)
 
 
 def code_fingerprint(root: Path | None = None) -> str:

@@ -191,7 +191,8 @@ class EngineRuntime:
             elif self._profile is None:
                 # cached and checked by a quick probe, or measured in turn with the other engine
                 self._profile = profile_engine(LoopTimer(self.loop), self.device_label, self.settings.profile_cache,
-                                               self._profile_key(), self.settings.profile_attempts)
+                                               self._profile_key(), self.settings.profile_attempts,
+                                               self.settings.profile_keep_busy)
             return self._profile
 
     def _profile_key(self) -> str:

@@ -30,3 +30,36 @@ def test_fingerprint_follows_kernels_and_code_only(tmp_path):
     assert code_fingerprint(tmp_path) == before
     (tmp_path / "kernels" / "gemv.cl").write_text("__kernel void k() { }\n")
     assert code_fingerprint(tmp_path) != before
+
+
+def test_a_kept_busy_sweep_serves_while_busy_is_never_quiet_and_a_quiet_sweep_replaces_it(tmp_path):
+    from services.engine.profile_sweep import MAX_SPREAD, Sweep
+
+    def sweep(seconds: float, busy: bool) -> Sweep:
+        s = Sweep([{"stage": "prefill", "device": "gpu", "n_in": 16, "seconds": seconds}])
+        s.spread = MAX_SPREAD * 2 if busy else 0.0
+        return s
+
+    runs = []
+
+    def run(seconds, busy):
+        return lambda: runs.append(seconds) or sweep(seconds, busy)
+
+    # without keep_busy (the default) a busy sweep leaves nothing behind
+    assert cached_sweep(str(tmp_path), "k", run(0.3, True), attempts=1).quiet is False
+    assert not list(tmp_path.glob("*.json"))
+    # with it, the least noisy one is kept apart, and served while a probe finds the machine busy
+    first = cached_sweep(str(tmp_path), "k", run(0.2, True), attempts=1, keep_busy=True)
+    assert first.quiet is False and [p.name for p in tmp_path.glob("*.json")] == ["k.busy.json"]
+    again = cached_sweep(str(tmp_path), "k", run(0.9, True), probe=lambda cached: "busy", attempts=1,
+                         keep_busy=True)
+    assert again == first and again.quiet is False and runs == [0.3, 0.2]
+    # it is never read as the quiet cache, nor without keep_busy
+    assert cached_sweep(str(tmp_path), "k", run(0.4, True), probe=lambda cached: "agrees",
+                        attempts=1).quiet is False and runs[-1] == 0.4
+    # once a probe can tell (here: a quiet machine agreeing), a sweep replaces it; quiet, it is the cache
+    replaced = cached_sweep(str(tmp_path), "k", run(0.1, False), probe=lambda cached: "agrees", attempts=1,
+                            keep_busy=True)
+    assert replaced.quiet is True and replaced[0]["seconds"] == 0.1
+    assert [p.name for p in tmp_path.glob("*.json")] == ["k.json"]
+    assert json.loads((tmp_path / "k.json").read_text()) == list(replaced)

@@ -41,3 +41,19 @@ def test_a_file_that_is_not_gguf_raises_and_is_not_kept(tmp_path):
     write_gguf(path, 3.0)
     os.utime(path, ns=(1, 10**18))
     assert float(gguf_reader(path).tensors[0].data[0, 0]) == 3.0
+
+
+def test_the_reader_gives_what_gguf_py_gives_on_the_default_model(loaded_model):
+    """Fields (every value, the tokenizer's arrays included), tensors (name, type, shape, the bytes
+    and their layout) exactly as gguf-py's own reader, on the default model's file."""
+    path = loaded_model.checkpoint.path
+    ours, stock = gguf_reader(path), gguf.GGUFReader(str(path))
+    assert type(ours) is not gguf.GGUFReader and not isinstance(ours.data, np.memmap)
+    assert list(ours.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        assert ours.fields[name].types == field.types and ours.fields[name].contents() == field.contents(), name
+    assert len(ours.tensors) == len(stock.tensors) > 0
+    for a, b in zip(ours.tensors, stock.tensors):
+        assert (a.name, a.tensor_type, a.n_bytes, a.data_offset) == (b.name, b.tensor_type, b.n_bytes, b.data_offset)
+        assert np.array_equal(a.shape, b.shape)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data)
