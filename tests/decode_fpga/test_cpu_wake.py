@@ -6,6 +6,7 @@ import logging
 import os
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,25 @@ def current_limit() -> int:
     """The machine's current wake-latency limit in µs: the smallest request any process holds."""
     with open(PM_QOS_DEVICE, "rb") as f:
         return struct.unpack("i", f.read(4))[0]
+
+
+def holders() -> set[int]:
+    """The processes that hold a request open now (the kernel keeps one per open file)."""
+    pids = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == PM_QOS_DEVICE:
+                pids.add(int(fd.parts[2]))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return pids
+
+
+def let_go(pm_qos: int) -> bool:
+    """This process holds no request now, and the machine's limit is back to `pm_qos` unless another
+    process took one meanwhile (the stacks lane's decode engines hold theirs while they step)."""
+    others = holders() - {os.getpid()}
+    return os.getpid() not in holders() and (bool(others) or current_limit() == pm_qos)
 
 
 @pytest.fixture
@@ -36,7 +56,7 @@ def pm_qos():
 def test_held_while_touched_then_let_go(pm_qos):
     wake = CpuWakeLatency(release_after_s=0.3)
     wake.touch()
-    assert wake.held and current_limit() == 0
+    assert wake.held and current_limit() == 0 and os.getpid() in holders()
     for _ in range(6):  # touched every 0.1 s for 0.6 s: longer than release_after_s, still held
         time.sleep(0.1)
         wake.touch()
@@ -44,7 +64,7 @@ def test_held_while_touched_then_let_go(pm_qos):
     deadline = time.monotonic() + 3
     while wake.held and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not wake.held and current_limit() == pm_qos
+    assert not wake.held and let_go(pm_qos)
 
 
 def test_release_withdraws_the_request_at_once(pm_qos):
@@ -52,7 +72,7 @@ def test_release_withdraws_the_request_at_once(pm_qos):
     wake.touch()
     assert current_limit() == 0
     wake.release()
-    assert not wake.held and current_limit() == pm_qos
+    assert not wake.held and let_go(pm_qos)
 
 
 def test_without_the_device_file_the_engine_goes_on_and_says_why_once(tmp_path, caplog):
@@ -80,7 +100,7 @@ def test_a_decode_step_holds_it_on_a_cpu_device(ocl_gguf_engine, pm_qos):
         eng.release(seq)
         eng._wake.release()
         eng._wake.release_after_s = idle_s
-    assert current_limit() == pm_qos
+    assert let_go(pm_qos)
 
 
 def test_setting(monkeypatch):
