@@ -29,11 +29,12 @@ def gguf_reader(path: str | Path):
 
 @functools.lru_cache(maxsize=KEPT)
 def _parsed(path: str, size: int, mtime_ns: int):
-    return _reader_class()(path)
+    return plain_view_reader()(path)
 
 
 @functools.cache
-def _reader_class():
+def plain_view_reader() -> type:
+    """The reader class (a gguf.GGUFReader); the test suite hands it to transformers' GGUF loading too."""
     import gguf
     import numpy as np
 
