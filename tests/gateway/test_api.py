@@ -68,13 +68,21 @@ def test_stop_strings_end_the_text(client):
     assert full.startswith(r.choices[0].text)
 
 
-def test_auto_mode_follows_the_calibrated_router(client):
+def test_auto_mode_follows_the_calibrated_router(stack, client):
     for prompt_len, n_out in ((4, 24), (600, 4)):
         r = complete(client, "auto", prompt=[300 + i for i in range(prompt_len)], max_tokens=n_out)
         ext = r.model_extra["hybridserve"]
         assert ext["reason"] in ("auto", "explore") and set(ext["estimates"]) == set(MODE_NAMES)
+        # what the router weighed for it, as /debug/router keeps it: the estimates it answered, and the
+        # crowding term (what a mode's decode would cost requests already decoding: nonzero while an
+        # earlier test's request still runs on an engine, and then part of the choice)
+        decisions = httpx.get(stack["url"] + "/debug/router", headers=AUTH, timeout=30).json()["recent_decisions"]
+        weighed = [d for d in decisions if (d["n_in"], d["n_out"]) == (prompt_len, n_out)][-1]
+        assert (weighed["mode"], weighed["reason"]) == (ext["mode"], ext["reason"])
+        assert all(abs(weighed["estimates"][m] - ext["estimates"][m]) < 1e-3 for m in MODE_NAMES)
         if ext["reason"] == "auto":  # "explore": a stage no request has measured yet gets one run
-            assert ext["mode"] == min(ext["estimates"], key=ext["estimates"].get)
+            cost = {m: weighed["estimates"][m] + weighed["crowding"][m] for m in MODE_NAMES}
+            assert ext["mode"] == min(cost, key=cost.get), weighed
         assert ext["timings"]["prefill_s"] > 0
 
 
