@@ -45,10 +45,13 @@ LANES = {
                    # the users of tests/stack's shared engine pair: it then starts in this lane only (the
                    # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
                    "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",
-                   "tests/stack/test_service_basics.py"),
-    # (test_calibration_check.py is not here: its verdict is a count of requests, not a time, and in
-    # the in-process lane it shares tests/gateway's stack instead of starting one alone, 66 s on a Xeon;
-    # the one-launch checks: on a busy machine every one-launch step may give up, by design, and
+                   "tests/stack/test_service_basics.py",
+                   # and the users of tests/gateway's shared stack (test_calibration_check.py included: its
+                   # verdict is a count of requests, not a time): from a fresh clone the in-process lane,
+                   # which builds most of PoCL's kernels cold, ended 147-231 s after this one on a Xeon
+                   "tests/gateway/test_api", "tests/gateway/test_calibration_check.py",
+                   "tests/gateway/test_fuzz.py", "tests/gateway/test_prometheus.py"),
+    # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
     # "ran as one launch at least once" then fails; test_engine_loss: its kill must land while two
     # streams run, and beside the in-process lane one of them twice ended first)
     "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
