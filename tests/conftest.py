@@ -13,11 +13,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# before torch loads (libgomp reads it then), here and in every process a test starts: torch's OpenMP
-# threads otherwise spin between parallel regions, and with make test's two lanes (and their stacks) on
-# two cores the spinning ate the work. Two test files side by side, one torch-heavy, one OpenCL-heavy:
-# 228 s and 241 s (468 s of CPU) by default, 58 s and 110 s (184 s) passive, 2026-11-27 on the Xeon
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the stacks the tests start profile on a machine the suite keeps busy: a second sweep (the default
 # retry, services/engine/profile_cache.py) is as busy as the first and cost ~12 s per engine start
 os.environ.setdefault("HYBRIDSERVE_PROFILE_ATTEMPTS", "1")
