@@ -35,8 +35,8 @@ def holders() -> set[int]:
 def let_go(pm_qos: int) -> bool:
     """This process holds no request now, and the machine's limit is back to `pm_qos` unless another
     process took one meanwhile (the stacks lane's decode engines hold theirs while they step)."""
-    others = holders() - {os.getpid()}
-    return os.getpid() not in holders() and (bool(others) or current_limit() == pm_qos)
+    now = holders()
+    return os.getpid() not in now and (bool(now) or current_limit() == pm_qos)
 
 
 @pytest.fixture
