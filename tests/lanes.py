@@ -10,10 +10,17 @@ corrected within ten requests against forced runs) run after both, alone (`quiet
 where is decided by path in tests/conftest.py (`LANES`), so a new `up` test joins its lane by name.
 Every test still runs once; the exit status is the worst of the three runs.
 
+The two lanes side by side run torch on one thread each (OMP_NUM_THREADS=1, inherited by the engines
+their stacks start) unless the caller set it: two lanes' worth of processes share 2 cores, and torch's
+OpenMP team of 2 then waits at every barrier for a thread the other lane holds (measured beside one
+spinning process: the torch batched-step tests 89 s with 2 threads, 50 s with 1, half the CPU). The
+quiet lane keeps torch's default: it times the machine as a user's stack would see it.
+
     python tests/lanes.py [extra pytest arguments]
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,6 +37,10 @@ def pytest_cmd(marks: str, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-ra", "-m", marks, *extra]
 
 
+def side_by_side_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def status(code: int) -> int:
     return 0 if code == NO_TESTS else code
 
@@ -40,9 +51,9 @@ def main(extra: list[str]) -> int:
     with tempfile.NamedTemporaryFile("w+", prefix=f"hybridserve-{first}-", suffix=".log") as log:
         print(f"== lanes: '{first}' (output below once it ends) beside '{second}' (output now)", flush=True)
         background = subprocess.Popen(pytest_cmd(first_marks, extra), cwd=ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT)
+                                      stderr=subprocess.STDOUT, env=side_by_side_env())
         try:
-            foreground = subprocess.call(pytest_cmd(second_marks, extra), cwd=ROOT)
+            foreground = subprocess.call(pytest_cmd(second_marks, extra), cwd=ROOT, env=side_by_side_env())
             print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s; "
                   f"waiting for '{first}'", flush=True)
             behind = background.wait()
