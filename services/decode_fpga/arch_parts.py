@@ -109,22 +109,24 @@ class ArchKernels:
         c = self.cfg
         if c.arch.norm == "layer":
             return bind(self._ops, "layer_norm", (n,), rows, w, b, out, out_sums, np.int32(c.hidden),
-                        np.float32(c.rms_eps))
-        return bind(self._norm, "rms_norm", (n,), rows, w, out, out_sums, np.int32(c.hidden), np.float32(c.rms_eps))
+                        np.float32(c.rms_eps), by_row=True)
+        return bind(self._norm, "rms_norm", (n,), rows, w, out, out_sums, np.int32(c.hidden), np.float32(c.rms_eps),
+                    by_row=True)
 
     def add_bias(self, y: cl.Buffer, bias: cl.Buffer, cols: int, n: int) -> Launch:
-        return bind(self._ops, "add_bias", (n,), y, bias, np.int32(cols))
+        return bind(self._ops, "add_bias", (n,), y, bias, np.int32(cols), by_row=True)
 
     def head_norm(self, qkv: cl.Buffer, q_w: cl.Buffer, k_w: cl.Buffer, n: int) -> Launch:
         c = self.cfg
-        return bind(self._ops, "head_rms_norm", (n, c.n_heads + c.n_kv_heads), qkv, q_w, k_w, np.float32(c.rms_eps))
+        return bind(self._ops, "head_rms_norm", (n, c.n_heads + c.n_kv_heads), qkv, q_w, k_w, np.float32(c.rms_eps),
+                    by_row=True)
 
     def activation(self, gu: cl.Buffer, act: cl.Buffer, act_sums: cl.Buffer, n: int) -> Launch:
         """act = silu(gate) * up of gu = gate | up [rows, 2 ff], or gelu(up) of gu = up [rows, ff]."""
         ff = self.cfg.intermediate
         if self.cfg.arch.gated:
-            return bind(self._silu, "silu_mul", (n, blocks32(ff)), gu, act, act_sums, np.int32(ff))
-        return bind(self._ops, "gelu_rows", (n, blocks32(ff)), gu, act, act_sums, np.int32(ff))
+            return bind(self._silu, "silu_mul", (n, blocks32(ff)), gu, act, act_sums, np.int32(ff), by_row=True)
+        return bind(self._ops, "gelu_rows", (n, blocks32(ff)), gu, act, act_sums, np.int32(ff), by_row=True)
 
     def add_positions(self, x: cl.Buffer, table: cl.Buffer, pos: cl.Buffer, n: int) -> Launch:
-        return bind(self._ops, "add_positions", (n,), x, table, pos, np.int32(self.cfg.hidden))
+        return bind(self._ops, "add_positions", (n,), x, table, pos, np.int32(self.cfg.hidden), by_row=True)

@@ -89,7 +89,8 @@ class DenseMatrix(EnqueueOnce):
 
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""
-        return bind(self._program, "embed_rows", (n_rows,), self.buffer, tokens, x, np.int32(self.cols))
+        return bind(self._program, "embed_rows", (n_rows,), self.buffer, tokens, x, np.int32(self.cols),
+                    by_row=True)
 
 
 def upload_dense_matrix(dev: DeviceContext, w: np.ndarray, fmt: str) -> DenseMatrix:

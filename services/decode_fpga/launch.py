@@ -10,6 +10,7 @@ builds the list of a step's launches once per batch size and replays it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 import pyopencl as cl
 
@@ -24,11 +25,32 @@ class Launch:
         cl.enqueue_nd_range_kernel(queue, self.kernel, self.global_size, self.local_size)
 
 
+def row_groups(program: cl.Program, global_size: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The local size of a launch whose first dimension counts rows (tokens of a step), for a kernel
+    without barriers: on a CPU device one row per work-group, the other dimensions whole (or one
+    work-item each where they would pass the device's limits); elsewhere None, the driver's choice.
+
+    PoCL compiles a kernel's work-group function once per local size, and given none it takes one
+    from the global size: each row count a step had not had before (a chunk of a new length, a new
+    batch size) compiled every such kernel again the first time it ran, ~110-140 ms apiece for
+    rms_norm (its first launch at a new row count, an empty PoCL cache; 0.1-0.5 ms once built), a stall of the
+    step and of every stream in it. A fixed local size is one compile per kernel, whatever the rows."""
+    device = program.get_info(cl.program_info.DEVICES)[0]
+    if not device.type & cl.device_type.CPU:
+        return None
+    local = (1, *global_size[1:])
+    fits = all(n <= m for n, m in zip(local, device.max_work_item_sizes))
+    return local if fits and prod(local) <= device.max_work_group_size else (1,) * len(global_size)
+
+
 def bind(program: cl.Program, name: str, global_size: tuple[int, ...], *args,
-         local_size: tuple[int, ...] | None = None) -> Launch:
-    """A fresh kernel object of `program`'s `name` with `args` set (a kernel object holds one argument set)."""
+         local_size: tuple[int, ...] | None = None, by_row: bool = False) -> Launch:
+    """A fresh kernel object of `program`'s `name` with `args` set (a kernel object holds one argument set).
+    by_row: the first dimension counts rows, local size from row_groups (unless local_size is given)."""
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
+    if by_row and local_size is None:
+        local_size = row_groups(program, tuple(global_size))
     return Launch(kernel, tuple(global_size), local_size)
 
 
@@ -73,10 +95,12 @@ class ByRowCount:
 
 
 def bind_rows(program: cl.Program, name: str, global_size: tuple[int, ...], *args, rows_dim: int | None = 0,
-              rows_scale: int = 1, local_size: tuple[int, ...] | None = None) -> RowLaunch:
-    """bind, for a RowLaunch."""
+              rows_scale: int = 1, local_size: tuple[int, ...] | None = None, by_row: bool = False) -> RowLaunch:
+    """bind, for a RowLaunch (by_row: rows_dim is 0 and the kernel has no barriers, see row_groups)."""
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
+    if by_row and local_size is None:
+        local_size = row_groups(program, tuple(global_size))
     return RowLaunch(kernel, tuple(global_size), rows_dim, rows_scale, local_size)
 
 

@@ -153,7 +153,7 @@ class PagedStepPlans:
         b = self.inputs.buffers
         return [
             ("samples", bind_rows(self._elementwise, "gather_rows", (1,), s.x, b["sample_rows"], self.sampled,
-                                  np.int32(c.hidden))),
+                                  np.int32(c.hidden), by_row=True)),
             ("samples", self._norm(self.sampled, w.final_norm, w.arch.final_norm_b)),
             ("samples", w.lm_head.bind_gemv_rows(s.xn, self.logits, b["n_samples"], x_sums=s.xn_sums)),
         ]

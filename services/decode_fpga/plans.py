@@ -157,7 +157,7 @@ class LaunchPlans:
                                     local_size=(1, 1)))
                 continue
             out.append(bind(self._attention, "rope_store_kv", (n, span * (group + 1)), s.qkv, s.slots, s.pos,
-                            s.rope_cs, np.int32(h), *cache))
+                            s.rope_cs, np.int32(h), *cache, by_row=True))
             out.append(bind(self._attention, "attention", (n, span * group), s.qkv, s.slots, s.pos, np.int32(h),
                             scale, *cache, s.attn, s.attn_sums, local_size=(1, 1)))
         if c.head_dim % 32 and layer.o.needs_block_sums:  # attention writes the sums only of whole blocks

@@ -287,7 +287,8 @@ class QuantMatrix(EnqueueOnce):
 
     def bind_block_sums(self, x: cl.Buffer, x_sums: cl.Buffer, batch: int) -> Launch:
         """x_sums[b, k] = sum of x[b, 32 k : 32 k + 32], for an x whose producer does not write them."""
-        return bind(self._program, "block_sums", (batch, self.cols // 32), x, x_sums, np.int32(self.cols))
+        return bind(self._program, "block_sums", (batch, self.cols // 32), x, x_sums, np.int32(self.cols),
+                    by_row=True)
 
     def enqueue_gemv(self, queue: cl.CommandQueue, x: cl.Buffer, y: cl.Buffer, batch: int,
                      accumulate: bool = False) -> None:
@@ -302,7 +303,7 @@ class QuantMatrix(EnqueueOnce):
         """x[r, :] = this[tokens[r], :] dequantized (gguf's values): the embedding lookup, which is
         also the tied LM head, so a tied checkpoint needs no fp32 copy of its embedding."""
         return bind(self._program, "embed_rows", (n_rows,), self._d, self._m, self._q, tokens, x,
-                    np.int32(self.cols))
+                    np.int32(self.cols), by_row=True)
 
 
 def upload_block_matrix(dev: DeviceContext, t: BlockTensor):
