@@ -34,7 +34,7 @@ run: $(STAMP) system-deps
 
 # two pytest processes side by side, then the timing-sensitive tests alone (tests/lanes.py)
 test: $(STAMP) system-deps
-	$(PY) tests/lanes.py
+	$(PY) tests/lanes.py --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"

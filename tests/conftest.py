@@ -31,14 +31,12 @@ request_strict_mkl()
 # make test's lanes (tests/lanes.py), by path: tests that start whole stacks of processes run beside the
 # rest; tests whose verdict needs a quiet machine run after both, alone. Run directly, pytest runs all.
 LANES = {
-    # (tests/kv/test_prefill_restart_live.py and tests/gateway/test_engine_reconnect.py, which mostly
-    # wait, run in the in-process lane: with torch on one thread there (tests/lanes.py) it ended
-    # ~175 s before this one)
     "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
-                   "tests/bench/test_suite.py",
+                   "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
                    "tests/gateway/test_batching_live.py",
                    "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
                    "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py",
+                   "tests/gateway/test_engine_reconnect.py",
                    # the users of tests/stack's shared engine pair: it then starts in this lane only (the
                    # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
                    "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +53,10 @@ def main(extra: list[str]) -> int:
         print(f"== lanes: '{first}' (output below once it ends) beside '{second}' (output now)", flush=True)
         background = subprocess.Popen(pytest_cmd(first_marks, extra), cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, env=side_by_side_env())
+        # when the background lane ended, not when it was waited for: what balancing the lanes needs
+        ended: list[float] = []
+        watcher = threading.Thread(target=lambda: (background.wait(), ended.append(time.monotonic())), daemon=True)
+        watcher.start()
         try:
             foreground = subprocess.call(pytest_cmd(second_marks, extra), cwd=ROOT, env=side_by_side_env())
             print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s; "
@@ -62,11 +67,15 @@ def main(extra: list[str]) -> int:
                 background.terminate()
                 background.wait()
         log.seek(0)
-        print(f"== lane '{first}' ({behind}), ended at {time.monotonic() - started:.0f} s:", flush=True)
+        watcher.join(timeout=5)
+        end = ended[0] if ended else time.monotonic()
+        print(f"== lane '{first}' ({behind}), ended at {end - started:.0f} s:", flush=True)
         sys.stdout.write(log.read())
     name, marks = ALONE
     print(f"== lane '{name}', alone:", flush=True)
+    alone_started = time.monotonic()
     alone = subprocess.call(pytest_cmd(marks, extra), cwd=ROOT)
+    print(f"== lane '{name}' took {time.monotonic() - alone_started:.0f} s", flush=True)
     codes = {first: status(behind), second: status(foreground), name: status(alone)}
     print(f"== lanes done in {time.monotonic() - started:.0f} s: " + ", ".join(f"{k} {v}" for k, v in codes.items()),
           flush=True)
