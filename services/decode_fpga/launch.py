@@ -32,9 +32,9 @@ def row_groups(program: cl.Program, global_size: tuple[int, ...]) -> tuple[int, 
 
     PoCL compiles a kernel's work-group function once per local size, and given none it takes one
     from the global size: each row count a step had not had before (a chunk of a new length, a new
-    batch size) compiled every such kernel again the first time it ran, ~110-140 ms apiece for
-    rms_norm (its first launch at a new row count, an empty PoCL cache; 0.1-0.5 ms once built), a stall of the
-    step and of every stream in it. A fixed local size is one compile per kernel, whatever the rows."""
+    batch size) compiled every such kernel again the first time it ran (rms_norm alone: 110-140 ms,
+    then 0.1-0.5 ms; a paged step at a new row count: 546-741 ms, now 56-259 ms), a stall of every
+    stream in the step. A fixed local size is one compile per kernel, whatever the rows."""
     device = program.get_info(cl.program_info.DEVICES)[0]
     if not device.type & cl.device_type.CPU:
         return None
