@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
-import numpy as np
 from services.decode_fpga.config import EngineConfig
 from services.decode_fpga.device import select_device
 from services.decode_fpga.engine import OpenCLEngine
@@ -37,12 +36,12 @@ if "Portable Computing Language" not in dev.device.platform.name:
 engine = OpenCLEngine.create(model.config, model.weights, dev,
                              EngineConfig(weights_dtype="gguf", max_context=256, max_sequences=4, kv_cache_mb=16),
                              read_block_tensors(model.checkpoint, model.config))
-bs = engine.block_size
 tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]  # 64 tokens each
 
 
 def steps(lengths):
-    # a decode row beside a prefill chunk, then two chunks together: rows that start at 0 and past it
+    # a chunk alone; a decode beside a chunk; two decodes around a chunk that samples nothing: spans
+    # of rows that start at row 0 and past it (a global offset), as the scheduler makes them
     for n in lengths:
         engine.step([ScheduledChunk(0, 0, tuple(range(5, 5 + n)), tuple(tables[0]), True, None)], greedy=True)
         engine.step([ScheduledChunk(0, n, (7,), tuple(tables[0]), True, None),
