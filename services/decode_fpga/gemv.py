@@ -81,11 +81,11 @@ class DenseMatrix(EnqueueOnce):
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         return bind(self._program, "gemv", (self.rows,), self.buffer, x, y, np.int32(self.cols),
-                    np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)))
+                    np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)), by_row=True)
 
     def bind_gemv_rows(self, x, y, n_rows, accumulate=False, x_sums=None) -> RowLaunch:
         return bind_rows(self._program, "gemv_rows", (self.rows,), self.buffer, x, y, np.int32(self.cols),
-                         np.int32(self.rows), n_rows, np.int32(bool(accumulate)), rows_dim=None)
+                         np.int32(self.rows), n_rows, np.int32(bool(accumulate)), rows_dim=None, by_row=True)
 
     def bind_embed(self, tokens: cl.Buffer, x: cl.Buffer, n_rows: int) -> Launch:
         """x[r, :] = this[tokens[r], :], for the embedding (which is also the tied LM head)."""

@@ -26,15 +26,18 @@ class Launch:
 
 
 def row_groups(program: cl.Program, global_size: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The local size of a launch whose first dimension counts rows (tokens of a step), for a kernel
-    without barriers: on a CPU device one row per work-group, the other dimensions whole (or one
-    work-item each where they would pass the device's limits); elsewhere None, the driver's choice.
+    """The local size of a launch whose first dimension counts independent items (a step's rows, a
+    GEMV's output rows or tiles of them), for a kernel without barriers: on a CPU device one item per
+    work-group, the other dimensions whole (or one work-item each where they would pass the device's
+    limits); elsewhere None, the driver's choice.
 
     PoCL compiles a kernel's work-group function once per local size, and given none it takes one
     from the global size: each row count a step had not had before (a chunk of a new length, a new
     batch size) compiled every such kernel again the first time it ran (rms_norm alone: 110-140 ms,
     then 0.1-0.5 ms; a paged step at a new row count: 546-741 ms, now 56-259 ms), a stall of every
-    stream in the step. A fixed local size is one compile per kernel, whatever the rows."""
+    stream in the step; and each matrix shape compiled its GEMV again (0.5-1.5 s each). A fixed
+    local size is one compile per kernel, whatever the rows. It costs no speed: PoCL runs one
+    work-group after another on each core, and the kernels vectorize within a work-item."""
     device = program.get_info(cl.program_info.DEVICES)[0]
     if not device.type & cl.device_type.CPU:
         return None
@@ -46,7 +49,8 @@ def row_groups(program: cl.Program, global_size: tuple[int, ...]) -> tuple[int, 
 def bind(program: cl.Program, name: str, global_size: tuple[int, ...], *args,
          local_size: tuple[int, ...] | None = None, by_row: bool = False) -> Launch:
     """A fresh kernel object of `program`'s `name` with `args` set (a kernel object holds one argument set).
-    by_row: the first dimension counts rows, local size from row_groups (unless local_size is given)."""
+    by_row: the first dimension counts independent items, local size from row_groups (unless
+    local_size is given)."""
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
     if by_row and local_size is None:
@@ -96,7 +100,8 @@ class ByRowCount:
 
 def bind_rows(program: cl.Program, name: str, global_size: tuple[int, ...], *args, rows_dim: int | None = 0,
               rows_scale: int = 1, local_size: tuple[int, ...] | None = None, by_row: bool = False) -> RowLaunch:
-    """bind, for a RowLaunch (by_row: rows_dim is 0 and the kernel has no barriers, see row_groups)."""
+    """bind, for a RowLaunch (by_row: the first dimension's items are independent and the kernel has no
+    barriers, see row_groups)."""
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
     if by_row and local_size is None:

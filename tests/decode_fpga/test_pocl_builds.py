@@ -1,10 +1,12 @@
-"""A paged step at a row count the engine has not run before builds no kernel code on PoCL.
+"""PoCL builds each kernel's work-group function once: a paged step at a row count the engine has not run
+before builds no kernel code, and a GEMV kernel builds one whatever the shapes of the matrices it runs on.
 
 PoCL compiles a kernel's work-group function once per local size; given none, it derives one from the
 global size, so every new row count (a chunk of a new length, a new batch size) compiled the step's
-row kernels again on its first run: ~0.1 s each, a stall of every stream in the step. Checked in a
-process of its own with an empty PoCL cache (PoCL reads POCL_CACHE_DIR once, at start): the cache's
-work-group functions are counted after steps of some row counts and again after steps of others."""
+row kernels again on its first run (~0.1 s each, a stall of every stream in the step), and every matrix
+shape its GEMV kernels (0.5-1.5 s each, at an engine's first start). Checked in a process of its own
+with an empty PoCL cache (PoCL reads POCL_CACHE_DIR once, at start): the cache's work-group functions
+are counted after steps of some row counts and again after steps of others."""
 from __future__ import annotations
 
 import json
@@ -62,10 +64,13 @@ print(json.dumps({"before": before, "after": built()}))
 """
 
 
-@pytest.mark.slow
-def test_steps_of_new_row_counts_build_no_kernel_code(tmp_path):
-    cache = tmp_path / "pocl"
-    cache.mkdir()
+GEMV_KERNELS = ("gemv", "gemv_rows", "gemv_quant", "gemv_quant_rows", "gemv_quant_tiles", "gemv_quant_tiles1")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    """The cache's work-group functions (program/kernel/local size/file) before and after the new row counts."""
+    cache = tmp_path_factory.mktemp("pocl")
     env = {**os.environ, "POCL_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(cache)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
@@ -74,4 +79,21 @@ def test_steps_of_new_row_counts_build_no_kernel_code(tmp_path):
     if "skip" in out:
         pytest.skip(f"not PoCL ({out['skip']}): its cache is what is counted")
     assert out["before"], "PoCL's cache is not where POCL_CACHE_DIR says: nothing was counted"
-    assert out["after"] == out["before"], sorted(set(out["after"]) - set(out["before"]))
+    return out
+
+
+@pytest.mark.slow
+def test_steps_of_new_row_counts_build_no_kernel_code(built):
+    assert built["after"] == built["before"], sorted(set(built["after"]) - set(built["before"]))
+
+
+@pytest.mark.slow
+def test_a_gemv_kernel_builds_once_whatever_its_matrices_shapes(built):
+    # the default model's matrices have 192, 576, 1536 and 49152 rows; a program is one weight format
+    local_sizes: dict[tuple[str, str], set[str]] = {}
+    for path in built["after"]:
+        *program, kernel, local, _ = Path(path).parts
+        local_sizes.setdefault(("/".join(program), kernel), set()).add(local)
+    gemvs = {key: sizes for key, sizes in local_sizes.items() if key[1] in GEMV_KERNELS}
+    assert {kernel for _, kernel in gemvs} >= {"gemv_quant_tiles", "gemv_quant_tiles1"}, sorted(local_sizes)
+    assert all(len(sizes) == 1 for sizes in gemvs.values()), gemvs
