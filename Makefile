@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO := proto/hybridserve/v1/engine.proto
 
-.PHONY: run test test-fast bench proto system-deps venv clean
+.PHONY: run test test-fast bench proto system-deps deps venv clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,16 @@ system-deps:
 	  else echo "warning: missing$$missing; run: sudo apt-get install -y$$missing" >&2; fi; \
 	fi
 
-run: $(STAMP) system-deps
+# the venv and the Debian packages side by side: pip keeps one core busy and apt-get mostly waits on
+# the disk and the network, so on a fresh machine neither waits for the other
+deps:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) system-deps
+
+run: deps
 	$(VENV)/bin/hybridserve up
 
 # two pytest processes side by side, then the timing-sensitive tests alone (tests/lanes.py)
-test: $(STAMP) system-deps
+test: deps
 	$(PY) tests/lanes.py --durations=15
 
 test-fast: $(STAMP)
