@@ -124,6 +124,9 @@ def _device_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: 
 # ---- fp32 / fp16 ------------------------------------------------------------------------------
 def dense_weights(dev: DeviceContext, cfg: ModelConfig, w: ModelWeights, fmt: str) -> DeviceWeights:
     """Every matrix as `fmt` (fp32 or fp16) in a buffer of its own; the embedding is the LM head when tied."""
+    if not w.has_matrices:
+        raise ValueError(f"{fmt} storage uploads the fp32 matrices, and these weights were loaded without them "
+                         "(load_model(gguf_matrices=False))")
     layers = [DeviceLayer(attn_norm=upload_vector(dev, lw.attn_norm), ffn_norm=upload_vector(dev, lw.ffn_norm),
                           qkv=upload_dense_matrix(dev, np.concatenate([lw.wq, lw.wk, lw.wv]), fmt),
                           o=upload_dense_matrix(dev, lw.wo, fmt),

@@ -138,6 +138,14 @@ class GrpcPrefillPeer:
         self._channel.close()
 
 
+def load(settings):
+    """The model; a GGUF file's matrices stay in it unless the device stores them dense (fp32, fp16):
+    the gguf storage ("auto" on a GGUF file) uploads the file's own blocks, never the fp32 copy."""
+    from services.model.loading import load_model
+
+    return load_model(settings.model, gguf_matrices=settings.weights_dtype in ("fp32", "fp16"))
+
+
 def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
     """The OpenCL engine and the servicer over it (the runtime closes its peer on the way out)."""
     from services.decode_fpga.engine import OpenCLEngine

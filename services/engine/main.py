@@ -17,9 +17,11 @@ from typing import Callable
 
 # build(loaded model, settings, resources) → the servicer; resources.callback(...) for what must be released
 Build = Callable[[object, object, contextlib.ExitStack], object]
+# load(settings) → the loaded model (services.model.loading.LoadedModel); None: load_model(settings.model)
+Load = Callable[[object], object]
 
 
-def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
+def run_engine_service(process: str, settings_cls: type, build: Build, load: Load | None = None) -> int:
     settings = settings_cls()
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
@@ -38,7 +40,7 @@ def run_engine_service(process: str, settings_cls: type, build: Build) -> int:
     log.info("loading the model")
     with contextlib.ExitStack() as resources:
         try:
-            loaded = load_model(settings.model)
+            loaded = load(settings) if load is not None else load_model(settings.model)
             servicer = build(loaded, settings, resources)
         except CheckpointError as exc:  # a model this engine cannot serve: one line saying why, not a traceback
             log.error("cannot serve %s: %s", settings.model or "the default model", exc)

@@ -15,7 +15,8 @@ class LoadedModel:
     weights: ModelWeights
 
 
-def load_model(model: str | None = None) -> LoadedModel:
+def load_model(model: str | None = None, gguf_matrices: bool = True) -> LoadedModel:
+    """gguf_matrices=False: a GGUF file's matrices are not dequantized (weights.load_weights)."""
     ckpt = locate(model)
     cfg = read_config(ckpt)
-    return LoadedModel(ckpt, cfg, load_weights(ckpt, cfg))
+    return LoadedModel(ckpt, cfg, load_weights(ckpt, cfg, gguf_matrices))

@@ -65,14 +65,36 @@ class ModelWeights:
         arrays += [a for layer in self.layers for a in layer.arrays()]
         return sum(a.nbytes for a in arrays)
 
+    @property
+    def has_matrices(self) -> bool:
+        """False when loaded with gguf_matrices=False: the matrices are empty [0, cols] arrays."""
+        return self.embed.shape[0] > 0
 
-def load_weights(ckpt: Checkpoint, cfg: ModelConfig) -> ModelWeights:
+
+# a layer's matrices and the two embeddings: what gguf_matrices=False leaves in the file
+MATRICES = ("embed", "lm_head", *(f"layers.{{i}}.{k}" for k in ("wq", "wk", "wv", "wo", "wqkv", "w_gate", "w_up",
+                                                                   "w_down")))
+
+
+def load_weights(ckpt: Checkpoint, cfg: ModelConfig, gguf_matrices: bool = True) -> ModelWeights:
+    """The checkpoint's weights as fp32. gguf_matrices=False: a GGUF checkpoint's matrices (MATRICES)
+    stay in the file, empty [0, cols] arrays in their place (their shapes still checked), for an
+    engine that reads them from the file's own blocks (decode_fpga's gguf storage): the process
+    then never dequantizes the ~0.5 GB of fp32 it would not read (the default model: 3-4 s of a
+    start, and its memory held for the process's life)."""
     start = time.perf_counter()
-    tensors = _gguf_tensors(ckpt, cfg) if ckpt.kind == "gguf" else _hf_tensors(ckpt)
-    weights = _assemble(tensors, cfg, gguf=ckpt.kind == "gguf")
-    log.info("loaded %s (%s) weights: %.1f MB fp32 in %.2fs", cfg.model_id, cfg.arch.name, weights.nbytes() / 1e6,
-             time.perf_counter() - start)
+    skip = frozenset() if gguf_matrices or ckpt.kind != "gguf" else _gguf_matrix_names(cfg)
+    shapes: dict[str, tuple[int, ...]] = {}
+    tensors = _gguf_tensors(ckpt, cfg, skip, shapes) if ckpt.kind == "gguf" else _hf_tensors(ckpt)
+    weights = _assemble(tensors, cfg, gguf=ckpt.kind == "gguf", file_shapes=shapes)
+    log.info("loaded %s (%s) weights: %.1f MB fp32 in %.2fs%s", cfg.model_id, cfg.arch.name, weights.nbytes() / 1e6,
+             time.perf_counter() - start, "" if weights.has_matrices else " (the matrices stay in the file)")
     return weights
+
+
+def _gguf_matrix_names(cfg: ModelConfig) -> frozenset[str]:
+    names = cfg.arch.gguf_names
+    return frozenset(names[k].format(i=i) for k in MATRICES if k in names for i in range(cfg.n_layers))
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -86,15 +108,23 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _gguf_tensors(ckpt: Checkpoint, cfg: ModelConfig, skip: frozenset[str] = frozenset(),
+                  shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to fp32, those in `skip` as empty [0, cols] arrays (their shapes in
+    `shapes`)."""
     from gguf.quants import dequantize
 
     try:
         reader = gguf_reader(ckpt.path)
         out = {}
         for t in reader.tensors:
-            arr = dequantize(t.data, t.tensor_type)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if t.name in skip:
+                out[t.name] = np.empty((0, *shape[1:]), np.float32)
+                if shapes is not None:
+                    shapes[t.name] = shape
+                continue
+            arr = dequantize(t.data, t.tensor_type)
             out[t.name] = np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
     except NotImplementedError as exc:
         raise CheckpointError(f"{ckpt.path.name}: unsupported GGUF tensor type: {exc}") from exc
@@ -105,7 +135,7 @@ def _gguf_tensors(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, np.ndarray]:
             for part, heads in (("q", cfg.n_heads), ("k", cfg.n_kv_heads)):
                 for kind in ("weight", "bias"):
                     name = f"blk.{i}.attn_{part}.{kind}"
-                    if name in out:
+                    if name in out and name not in skip:
                         out[name] = unpermute_rope_rows(out[name], heads)
     return out
 
@@ -128,7 +158,10 @@ def _hf_tensors(ckpt: Checkpoint) -> dict[str, np.ndarray]:
     return out
 
 
-def _assemble(t: dict[str, np.ndarray], cfg: ModelConfig, gguf: bool) -> ModelWeights:
+def _assemble(t: dict[str, np.ndarray], cfg: ModelConfig, gguf: bool,
+              file_shapes: dict[str, tuple[int, ...]] | None = None) -> ModelWeights:
+    """file_shapes: the shapes of the tensors left in the file (empty arrays in `t`), checked as the others'."""
+    file_shapes = file_shapes or {}
     arch = cfg.arch
     names = arch.gguf_names if gguf else arch.hf_names
     transposed = arch.hf_transposed and not gguf
@@ -151,8 +184,9 @@ def _assemble(t: dict[str, np.ndarray], cfg: ModelConfig, gguf: bool) -> ModelWe
         what = canonical if i is None else f"layer {i} {canonical}"
         if a is None:
             raise CheckpointError(f"checkpoint {cfg.model_id} ({arch.name}) has no {what} tensor")
-        if a.shape != shape:
-            raise CheckpointError(f"{what} tensor has shape {a.shape}, expected {shape}")
+        key = names.get(canonical if i is None else f"layers.{{i}}.{canonical}", "").format(i=i)
+        if file_shapes.get(key, a.shape) != shape:
+            raise CheckpointError(f"{what} tensor has shape {file_shapes.get(key, a.shape)}, expected {shape}")
         return np.ascontiguousarray(a, np.float32)
 
     def layer(i: int) -> LayerWeights:

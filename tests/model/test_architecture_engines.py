@@ -54,6 +54,7 @@ def case(request, tmp_path_factory, tokenizer, device):
 
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.engine import OpenCLEngine
+    from services.decode_fpga.server import load as decode_service_load
     from services.engine.batching_settings import BatchingSettings
     from services.model.loading import load_model
     from services.prefill_gpu.engine import TorchEngine
@@ -73,17 +74,21 @@ def case(request, tmp_path_factory, tokenizer, device):
     loaded = load_model(str(target))
     batching = BatchingSettings(kv_cache_mb=4, max_num_batched_tokens=64)
     torch_engine = TorchEngine(loaded.config, loaded.weights, device="cpu", batching=batching)
-    ocl = OpenCLEngine.from_settings(loaded, _decode_settings()) if kind == "gguf" else OpenCLEngine.create(
-        loaded.config, loaded.weights, device, EngineConfig(kv_cache_mb=4, max_context=256, max_sequences=2,
-                                                            max_num_batched_tokens=64))
+    if kind == "gguf":  # as the decode service loads it: the file's matrices never dequantized (server.load)
+        settings = _decode_settings(str(target))
+        ocl = OpenCLEngine.from_settings(decode_service_load(settings), settings)
+    else:
+        ocl = OpenCLEngine.create(loaded.config, loaded.weights, device,
+                                  EngineConfig(kv_cache_mb=4, max_context=256, max_sequences=2,
+                                               max_num_batched_tokens=64))
     return Case(request.param, loaded, torch_engine, ocl, [hf_greedy(model, p, N_NEW) for p in PROMPTS])
 
 
-def _decode_settings():
+def _decode_settings(model: str):
     """The decode service's own settings (storage "auto": a GGUF's blocks), sized for a test."""
     from services.decode_fpga.settings import DecodeSettings
 
-    return DecodeSettings(kv_cache_mb=4, max_context=256, max_sequences=2, max_num_batched_tokens=64)
+    return DecodeSettings(model=model, kv_cache_mb=4, max_context=256, max_sequences=2, max_num_batched_tokens=64)
 
 
 def chunk(seq: int, start: int, tokens, table) -> ScheduledChunk:
@@ -163,7 +168,8 @@ def test_one_launch_where_decode_layers_computes_the_layer(case, device, monkeyp
         return  # Llama's own layer: tests/decode_fpga/test_decode_layers.py holds it to the launches
     choice = OneLaunchChoice(fixed=True)  # no tries of the other way
     monkeypatch.setattr(e, "one_launch_choice", choice)
-    launches = OpenCLEngine.from_settings(case.loaded, _decode_settings().model_copy(update={"opencl_layer_kernels": False}))
+    launches = OpenCLEngine.from_settings(case.loaded, _decode_settings(str(case.loaded.checkpoint.path)).model_copy(
+        update={"opencl_layer_kernels": False}))
     assert launches.paged_plans.one_launch is None
 
     def decode_logits(engine):
