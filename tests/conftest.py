@@ -37,9 +37,6 @@ LANES = {
                    "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
                    "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py",
                    "tests/gateway/test_engine_reconnect.py",
-                   # an engine in a process of its own, on an empty PoCL cache: from a fresh clone the
-                   # in-process lane ended 71 s after this one (811 / 740 s)
-                   "tests/decode_fpga/test_pocl_builds.py",
                    # the users of tests/stack's shared engine pair: it then starts in this lane only (the
                    # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
                    "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",
