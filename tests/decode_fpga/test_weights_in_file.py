@@ -58,3 +58,15 @@ def test_the_service_loads_the_matrices_only_for_a_dense_storage(loaded_model, s
 
     settings = DecodeSettings(model=str(loaded_model.checkpoint.path), weights_dtype=storage)
     assert load(settings).weights.has_matrices is matrices
+
+
+@pytest.mark.parametrize("gguf_matrices", [True, False])
+def test_a_matrix_of_the_wrong_shape_is_refused_whether_loaded_or_left_in_the_file(tmp_path, gguf_matrices):
+    from services.model.checkpoint import CheckpointError
+    from tests.model.tiny_checkpoints import save_gguf, tiny_model
+
+    model = tiny_model("llama3")
+    model.config.intermediate_size += 32  # the file's metadata; its MLP tensors keep their own shape
+    path = save_gguf(model, "llama3", tmp_path / "wrong.gguf")
+    with pytest.raises(CheckpointError, match=r"layer 0 w_(gate|up|down) tensor has shape"):
+        load_model(str(path), gguf_matrices=gguf_matrices)
