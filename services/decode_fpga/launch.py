@@ -51,11 +51,17 @@ def bind(program: cl.Program, name: str, global_size: tuple[int, ...], *args,
     """A fresh kernel object of `program`'s `name` with `args` set (a kernel object holds one argument set).
     by_row: the first dimension counts independent items, local size from row_groups (unless
     local_size is given)."""
+    kernel, local_size = _bound(program, name, global_size, args, local_size, by_row)
+    return Launch(kernel, tuple(global_size), local_size)
+
+
+def _bound(program: cl.Program, name: str, global_size: tuple[int, ...], args: tuple, local_size, by_row: bool):
+    """(a kernel object with `args` set, the local size: the one given, else row_groups' when by_row)."""
     kernel = cl.Kernel(program, name)
     kernel.set_args(*args)
     if by_row and local_size is None:
         local_size = row_groups(program, tuple(global_size))
-    return Launch(kernel, tuple(global_size), local_size)
+    return kernel, local_size
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,7 @@ def bind_rows(program: cl.Program, name: str, global_size: tuple[int, ...], *arg
               rows_scale: int = 1, local_size: tuple[int, ...] | None = None, by_row: bool = False) -> RowLaunch:
     """bind, for a RowLaunch (by_row: the first dimension's items are independent and the kernel has no
     barriers, see row_groups)."""
-    kernel = cl.Kernel(program, name)
-    kernel.set_args(*args)
-    if by_row and local_size is None:
-        local_size = row_groups(program, tuple(global_size))
+    kernel, local_size = _bound(program, name, global_size, args, local_size, by_row)
     return RowLaunch(kernel, tuple(global_size), rows_dim, rows_scale, local_size)
 
 

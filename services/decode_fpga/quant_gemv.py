@@ -249,10 +249,11 @@ class QuantMatrix(EnqueueOnce):
 
         def tiled(kernel: str, outputs: int) -> RowLaunch:
             items = -(-self.rows // outputs)
-            if row_groups(self._program, (items,)) is not None:
+            local = row_groups(self._program, (items,))
+            if local is not None:
                 # a CPU: one tile a work-group, one compile whatever the matrix's shape (row_groups);
                 # PoCL hands the groups to the cores as they free up (batch 64: 5.25 -> 4.80 ms a row)
-                return bind_rows(self._program, kernel, (items,), *args, rows_dim=None, by_row=True)
+                return bind_rows(self._program, kernel, (items,), *args, rows_dim=None, local_size=local)
             # elsewhere as many work-groups on each compute unit, so none idles at the end
             size, local = balanced_groups(items, d.max_compute_units, d.max_work_group_size)
             return bind_rows(self._program, kernel, (size,), *args, rows_dim=None, local_size=(local,))
