@@ -53,7 +53,8 @@ def main(extra: list[str]) -> int:
         print(f"== lanes: '{first}' (output below once it ends) beside '{second}' (output now)", flush=True)
         background = subprocess.Popen(pytest_cmd(first_marks, extra), cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT, env=side_by_side_env())
-        # when the background lane ended, not when it was waited for: what balancing the lanes needs
+        # the one waiter of the background lane, which notes when it ended (not when the foreground got
+        # round to asking): what balancing the lanes needs
         ended: list[float] = []
         watcher = threading.Thread(target=lambda: (background.wait(), ended.append(time.monotonic())), daemon=True)
         watcher.start()
@@ -61,15 +62,14 @@ def main(extra: list[str]) -> int:
             foreground = subprocess.call(pytest_cmd(second_marks, extra), cwd=ROOT, env=side_by_side_env())
             print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s; "
                   f"waiting for '{first}'", flush=True)
-            behind = background.wait()
+            watcher.join()
+            behind = background.returncode
         finally:
             if background.poll() is None:  # interrupted: never leave a lane (and its stacks) running
                 background.terminate()
                 background.wait()
         log.seek(0)
-        watcher.join(timeout=5)
-        end = ended[0] if ended else time.monotonic()
-        print(f"== lane '{first}' ({behind}), ended at {end - started:.0f} s:", flush=True)
+        print(f"== lane '{first}' ({behind}), ended at {ended[0] - started:.0f} s:", flush=True)
         sys.stdout.write(log.read())
     name, marks = ALONE
     print(f"== lane '{name}', alone:", flush=True)
