@@ -9,11 +9,17 @@ the caches and flatter both kernels), one wait per step. GB/s = K and V bytes th
 several steps. Besides 16-token blocks shuffled over the pool (the serving case), the same
 blocks in order and 64-token blocks shuffled, to tell the table's cost from the scattering's.
 
-    python bench/paged_attention.py [--steps N] [--quick]
+--prefill: a prefill chunk's attention instead (the rows of one sequence at the end of its context,
+over 30 layers, blocks shuffled): paged_attention (one work-item per query head) against
+paged_attention_scores (one per kv head, each score once), interleaved round by round, ms per step
+and per row, and whether their outputs are the same bits (an md5 of each one's output and sums).
+
+    python bench/paged_attention.py [--steps N] [--quick] [--prefill [--rounds N]]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import time
 
@@ -97,11 +103,74 @@ def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
     return row
 
 
+PREFILL_CASES = ((256, 16), (1000, 16), (2000, 4), (2000, 16), (2000, 64))  # (context, chunk rows)
+PREFILL_KERNELS = {"paged_attention": False, "paged_attention_scores": True}  # bind_attention's `scores`
+
+
+def measure_prefill(dev, ctx: int, rows: int, rounds: int, rng) -> dict:
+    """A chunk of `rows` tokens ending at position ctx - 1, its K and V already in the pool, 30 layers."""
+    layers, q_dim, kv_dim = 30, N_HEADS * HEAD_DIM, N_KV * HEAD_DIM
+    qkv = cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,
+                    hostbuf=rng.normal(size=(rows, q_dim + 2 * kv_dim)).astype(np.float32))
+    pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(ctx - rows, ctx, dtype=np.int32))
+    seqs = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.zeros(rows, np.int32))
+    max_blocks = -(-ctx // BLOCK)
+    layout = PagedKVLayout(layers, N_KV, HEAD_DIM, BLOCK, max_blocks + 8)
+    tables = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=pack_block_tables(
+        [rng.permutation(layout.num_blocks)[:max_blocks]], max_blocks))
+    pool = layout.allocate(dev)
+    cl.enqueue_copy(dev.queue, pool, (rng.normal(size=layout.nbytes // 4) * 0.5).astype(np.float32))
+    pa = PagedAttention(dev, layout, N_HEADS)
+    runs = {}
+    for name, scores in PREFILL_KERNELS.items():
+        out = cl.Buffer(dev.context, MF.READ_WRITE, rows * q_dim * 4)
+        sums = cl.Buffer(dev.context, MF.READ_WRITE, rows * q_dim // 32 * 4)
+        launches = [pa.bind_attention(rows, qkv, seqs, pos, tables, max_blocks, pool, layer, out, sums, scores=scores)
+                    for layer in range(layers)]
+        for launch in launches:  # its output, to compare (and the warm-up)
+            launch.enqueue(dev.queue)
+        o, s = np.empty(rows * q_dim, np.float32), np.empty(rows * q_dim // 32, np.float32)
+        cl.enqueue_copy(dev.queue, o, out)
+        cl.enqueue_copy(dev.queue, s, sums, is_blocking=True)
+        runs[name] = {"launches": launches, "held": (out, sums), "times": [],
+                      "md5": hashlib.md5(o.tobytes() + s.tobytes()).hexdigest()}
+    for _ in range(rounds):  # interleaved: a busy moment of the machine hits both
+        for run in runs.values():
+            run["times"].append(timed(dev.queue, run["launches"], 3))
+    row = {"context": ctx, "rows": rows, "layers": layers,
+           "same_bits": len({r["md5"] for r in runs.values()}) == 1}
+    for name, run in runs.items():
+        ms = statistics.median(run["times"]) * 1e3
+        row[name] = {"ms_per_step": ms, "ms_per_row": ms / rows, "rounds_ms": [t * 1e3 for t in run["times"]]}
+    return row
+
+
+def prefill_main(args) -> None:
+    dev = select_device()
+    rng = np.random.default_rng(0)
+    cases = PREFILL_CASES[:2] if args.quick else PREFILL_CASES
+    rows = []
+    for ctx, n in cases:
+        progress(f"prefill chunk: context {ctx}, {n} rows")
+        rows.append(measure_prefill(dev, ctx, n, args.rounds, rng))
+    old, new = PREFILL_KERNELS
+    print(table(["context", "rows", f"{old} ms", f"{new} ms", "speedup", "same bits"],
+                [[r["context"], r["rows"], f'{r[old]["ms_per_step"]:.1f}', f'{r[new]["ms_per_step"]:.1f}',
+                  f'{r[old]["ms_per_step"] / r[new]["ms_per_step"]:.2f}x', r["same_bits"]] for r in rows]))
+    write_json("paged_attention_prefill", {"device": dev.name, "n_heads": N_HEADS, "n_kv_heads": N_KV,
+                                           "head_dim": HEAD_DIM, "block_size": BLOCK, "rounds": args.rounds,
+                                           "rows": rows})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="context 64 and 512 only, 5 steps")
+    ap.add_argument("--prefill", action="store_true", help="a prefill chunk's attention, the two kernels")
+    ap.add_argument("--rounds", type=int, default=12, help="--prefill: interleaved rounds")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill_main(args)
     dev = select_device()
     rng = np.random.default_rng(0)
     contexts = (64, 512) if args.quick else (64, 512, 2048)

@@ -90,6 +90,13 @@ class PagedKVLayout:
         return cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, self.nbytes)
 
 
+def scores_positions(max_positions: int) -> int:
+    """paged_attention_scores' MAX_POS for tables of `max_positions`: the next power of two, at least
+    1024, so that pools of nearby sizes (every max_context a test or a setting asks for) share one
+    program instead of each compiling its own (0.5-1 s on PoCL)."""
+    return max(1024, 1 << (max_positions - 1).bit_length())
+
+
 def pack_block_tables(tables: Sequence[Sequence[int]], max_blocks: int) -> np.ndarray:
     """[n_seqs, max_blocks] int32 of the tables, padded with NO_BLOCK: the kernels' block_tables."""
     if any(len(t) > max_blocks for t in tables):
@@ -128,7 +135,7 @@ class PagedAttention:
     def __init__(self, dev: DeviceContext, layout: PagedKVLayout, n_heads: int):
         if n_heads % layout.n_kv_heads:
             raise ValueError(f"n_heads {n_heads} is not a multiple of n_kv_heads {layout.n_kv_heads}")
-        self.layout, self.n_heads = layout, n_heads
+        self.layout, self.n_heads, self._dev = layout, n_heads, dev
         self.group = n_heads // layout.n_kv_heads
         self.q_dim, self.kv_dim = n_heads * layout.head_dim, layout.n_kv_heads * layout.head_dim
         self.program = dev.build("paged_attention.cl", {
@@ -167,11 +174,31 @@ class PagedAttention:
 
     def bind_attention(self, n_rows: int, qkv: cl.Buffer, seq_of_row: cl.Buffer, pos: cl.Buffer,
                        block_tables: cl.Buffer, max_blocks: int, pool: cl.Buffer, layer: int, out: cl.Buffer,
-                       out_sums: cl.Buffer) -> Launch:
-        """Causal attention of roped query rows over [0, pos[r]] of their sequences (prefill chunks)."""
-        return bind(self.program, "paged_attention", (self._rows(n_rows), self.n_heads), qkv, seq_of_row, pos,
-                    block_tables, np.int32(max_blocks), pool, np.int64(self.layout.layer_base(layer)),
+                       out_sums: cl.Buffer, scores: bool | None = None) -> Launch:
+        """Causal attention of roped query rows over [0, pos[r]] of their sequences (prefill chunks):
+        paged_attention_scores where `scores_fit` says it may run, else paged_attention (the same bits).
+        scores: True or False to ask for one of them (a test's comparison), None to let scores_fit choose."""
+        if self.scores_fit(max_blocks) if scores is None else scores:
+            program, name, size = self._scores_program(max_blocks), "paged_attention_scores", self.layout.n_kv_heads
+        else:
+            program, name, size = self.program, "paged_attention", self.n_heads
+        return bind(program, name, (self._rows(n_rows), size), qkv, seq_of_row, pos, block_tables,
+                    np.int32(max_blocks), pool, np.int64(self.layout.layer_base(layer)),
                     np.float32(1.0 / np.sqrt(self.layout.head_dim)), out, out_sums, local_size=(1, 1))
+
+    def scores_fit(self, max_blocks: int) -> bool:
+        """Whether paged_attention_scores serves a pool of tables of `max_blocks`: a CPU device (whose
+        local memory is its caches; on a GPU or FPGA it is a small scratchpad) with room for a kv head's
+        scores of the longest context in half its local memory, and the 16-wide tiles it assumes."""
+        lay, device = self.layout, self._dev.device
+        scores_bytes = self.group * scores_positions(max_blocks * lay.block_size) * FLOAT_BYTES
+        return (bool(device.type & cl.device_type.CPU) and lay.head_dim % 16 == 0 and lay.block_size % 16 == 0
+                and scores_bytes <= device.local_mem_size // 2)
+
+    def _scores_program(self, max_blocks: int) -> cl.Program:
+        return self._dev.build("paged_attention.cl", {
+            "HEAD_DIM": self.layout.head_dim, "GROUP": self.group, "Q_DIM": self.q_dim, "KV_DIM": self.kv_dim,
+            "BLOCK_SIZE": self.layout.block_size, "MAX_POS": scores_positions(max_blocks * self.layout.block_size)})
 
     def bind_decode(self, n_rows: int, qkv: cl.Buffer, seq_of_row: cl.Buffer, pos: cl.Buffer, rope_cs: cl.Buffer,
                     block_tables: cl.Buffer, max_blocks: int, pool: cl.Buffer, layer: int, out: cl.Buffer,

@@ -296,3 +296,38 @@ def test_bit_identical_to_contiguous_kernels(cl_dev, shape):
     np.testing.assert_array_equal(got, want)
     if c.hd % 32 == 0:  # block sums are written for whole 32-blocks only
         np.testing.assert_array_equal(got_sums, want_sums)
+
+
+def test_the_scores_kernel_is_paged_attentions_bits_over_long_contexts(cl_dev):
+    """paged_attention_scores (one work-item per kv head, each score computed once) against
+    paged_attention: chunks of several sequences in one launch, contexts past a thousand positions and
+    off the 16-position tiles, the same output and block sums bit for bit. A CPU device with the
+    model's shape takes it; a context too long for its local memory does not."""
+    rng = np.random.default_rng(6)
+    c = Case(cl_dev, **MODEL, num_blocks=200, max_pos=1400)
+    starts, chunks = [1291, 0, 500, 31], [9, 16, 1, 17]
+    tables = scattered_tables(rng, c.layout.num_blocks, [s + n for s, n in zip(starts, chunks)], 16)
+    c.fill_context(rng, 0, tables, starts)
+    c.fill_context(rng, 1, tables, starts)
+    seq_of_row = np.concatenate([np.full(n, s) for s, n in enumerate(chunks)]).astype(np.int32)
+    pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, chunks)]).astype(np.int32)
+    max_blocks = max(len(t) for t in tables)
+    assert c.pa.scores_fit(max_blocks)  # PoCL: a CPU device
+    assert not c.pa.scores_fit(cl_dev.device.local_mem_size // (4 * c.group * 16))  # a context past its memory
+    qkv = c.qkv(rng, len(pos))
+    n = len(pos)
+    results = {}
+    for scores in (True, False):
+        pool = buf(cl_dev, c.image)
+        qkv_b, sb, pb, tb = (buf(cl_dev, a) for a in (qkv, seq_of_row, pos, pack_block_tables(tables, max_blocks)))
+        out = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * c.q_dim * 4)
+        sums = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * c.q_dim // 32 * 4)
+        c.pa.bind_rope_store(n, qkv_b, sb, pb, c.rope_cs, tb, max_blocks, pool, 1).enqueue(cl_dev.queue)
+        c.pa.bind_attention(n, qkv_b, sb, pb, tb, max_blocks, pool, 1, out, sums, scores=scores).enqueue(cl_dev.queue)
+        results[scores] = (read(cl_dev, out, (n, c.q_dim)), read(cl_dev, sums, (n, c.q_dim // 32)),
+                           read(cl_dev, pool, c.layout.shape))
+    np.testing.assert_array_equal(results[True][0], results[False][0])
+    np.testing.assert_array_equal(results[True][1], results[False][1])
+    q, _, _ = c.split(qkv)
+    ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, results[True][2], 1, tables)
+    np.testing.assert_allclose(results[True][0], ref.reshape(n, -1), rtol=1e-4, atol=1e-5)
