@@ -8,9 +8,14 @@ EWMA, with the rows it had) and the marginal seconds per row beyond it (an EWMA 
 (prompt tokens + decode rows beyond the base's): a decode row and a prompt token are each one row
 through the weights; attention over long contexts, which makes later chunks dearer, shows in it).
 While decodes run, a step's prompt tokens are capped so that the base for its decode rows + cap x
-per_token stays within `target_s`; at least
-`floor` tokens (a block) so a prompt always advances, at most the scheduler's own budget. With no
-decode running nothing waits on the step, and the cap is off. target_s = 0 turns it off.
+per_token stays within `target_s`; at most the scheduler's own budget, and at least a floor so a
+prompt always advances: `floor` tokens (a block), or fewer once a token's measured cost says a block
+would take more than half the target (FLOOR_SHARE), but at least one. A block was the floor alone
+until a 2,000-token prompt beside 4 streams on PoCL (a 2.1 GHz Xeon): past ~1,500 cached positions
+a token's attention made a 16-token chunk a 120-190 ms step (4 decodes alone: 30-40 ms), so the
+streams' ITL p99 was 181-194 ms against the 150 ms the pacer is for. Half the target's worth keeps a
+prompt moving when the decodes alone fill the step (its share of each step), where one token would
+crawl. With no decode running nothing waits on the step, and the cap is off. target_s = 0 turns it off.
 
 Two ways the estimate went wrong, measured in process on this machine (torch, 4 streams while
 512-token prompts arrived, a busy machine): one decode-only step took 1273 ms, which lifted the
@@ -47,6 +52,9 @@ ALPHA = 0.3  # EWMA weight of the newest step: follows a machine that gets busie
 # the most a step's prompt tokens may exceed those of a step known to keep within the target: with costs
 # linear in the tokens a step then lasts at most 1.5 x target (150 ms for the default 0.1 s)
 GROWTH = 1.5
+# the floor of a step's prompt tokens, as a share of its target: fewer tokens than a block when a block
+# costs more than this (long contexts), so the streams keep their ITL and the prompt still advances
+FLOOR_SHARE = 0.5
 
 
 class StepPacer:
@@ -115,5 +123,15 @@ class StepPacer:
         cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
         if self.per_token_s:
             cap = min(cap, int((target - self.base_for(n_decodes)) / self.per_token_s))
-        self.last_cap = max(self.floor, min(self.ceiling, cap))
+        self.last_cap = max(self.floor_for(target), min(self.ceiling, cap))
         return self.last_cap
+
+    def floor_for(self, target_s: float) -> int:
+        """The fewest prompt tokens a step beside decodes takes: a block, or as many as cost
+        FLOOR_SHARE of the target by the measured cost of a token if that is fewer; at least one. Only
+        with a decode-only step measured: without one each sample of a token's cost carries a whole
+        step's weight pass, and a floor from it shrank with every step to one token (a prompt crawling
+        beside 30 decodes that were never alone: test_step_pacer.py)."""
+        if not self.per_token_s or self.base_s is None:
+            return self.floor
+        return max(1, min(self.floor, int(FLOOR_SHARE * target_s / self.per_token_s)))

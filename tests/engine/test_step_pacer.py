@@ -20,8 +20,29 @@ def test_the_cap_fits_the_target_from_measured_costs():
     assert p.cap() == 40  # (0.1 - 0.02) / 0.002
     for _ in range(20):
         p.observe(4, 40, 0.02 + 40 * 0.01)  # the machine got 5x slower per prompt token (or the context grew)
-    assert p.cap() == 16  # never below a block: the prompt always advances
+    assert p.cap() == 8  # (0.1 - 0.02) / 0.01: fewer than a block, as measured
     assert StepPacer(0.0, 16, 512).cap() is None  # off
+
+
+def test_a_block_dearer_than_the_target_is_cut_below_a_block_but_the_prompt_always_advances():
+    """A 2,000-token prompt beside 4 streams on PoCL: past ~1,500 cached positions a 16-token chunk took
+    120-190 ms (decodes alone ~30 ms) and the streams' ITL p99 was 181-194 ms with a block as the floor.
+    The floor is now the tokens that cost half the target, at most a block, at least one."""
+    p = StepPacer(target_s=0.1, floor=16, ceiling=512)
+    for _ in range(20):
+        p.observe(4, 0, 0.03)
+        p.observe(4, 16, 0.03 + 16 * 0.009)  # 9 ms a token at a long context: a block is a 174 ms step
+    n = p.cap()
+    assert n < 16 and 0.03 + n * 0.009 <= 0.1, n
+    for _ in range(20):  # decodes alone fill the target: the prompt still gets half of it a step
+        p.observe(40, 0, 0.12)
+        p.observe(40, n, 0.12 + n * 0.009)
+        n = p.cap(n_decodes=40)
+    assert n == 5, n  # 0.05 / 0.009
+    for _ in range(20):  # a token dearer than the whole target: still one a step
+        p.observe(4, 0, 0.03)
+        p.observe(4, 1, 0.03 + 0.3)
+    assert p.cap() == 1
 
 
 def test_a_long_prompt_is_cut_to_the_cap_only_while_decodes_run():
