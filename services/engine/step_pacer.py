@@ -9,13 +9,16 @@ EWMA, with the rows it had) and the marginal seconds per row beyond it (an EWMA 
 through the weights; attention over long contexts, which makes later chunks dearer, shows in it).
 While decodes run, a step's prompt tokens are capped so that the base for its decode rows + cap x
 per_token stays within `target_s`; at most the scheduler's own budget, and at least a floor so a
-prompt always advances: `floor` tokens (a block), or fewer once a token's measured cost says a block
-would take more than half the target (FLOOR_SHARE), but at least one. A block was the floor alone
-until a 2,000-token prompt beside 4 streams on PoCL (a 2.1 GHz Xeon): past ~1,500 cached positions
-a token's attention made a 16-token chunk a 120-190 ms step (4 decodes alone: 30-40 ms), so the
-streams' ITL p99 was 181-194 ms against the 150 ms the pacer is for. Half the target's worth keeps a
-prompt moving when the decodes alone fill the step (its share of each step), where one token would
-crawl. With no decode running nothing waits on the step, and the cap is off. target_s = 0 turns it off.
+prompt always advances: a block, halved (down to half a block) after a step at the floor overran its
+target while the decodes alone left room in it, doubled back after one took half the target or less. A block alone was the floor until a 2,000-token prompt beside 4 streams on PoCL (a 2.1 GHz Xeon):
+past ~1,500 cached positions a token's attention made a 16-token chunk a 120-190 ms step (4 decodes
+alone: 30-40 ms), and the streams' ITL p99 was 181-194 ms against the 150 ms the pacer is for. The
+floor follows the steps themselves, not the per-token estimate: a floor from that estimate shrank to
+one token on torch, where a 1-token step slowed by the machine gave a sample of 60-90 ms a token
+(the true cost ~3 ms; the base, measured only by decode-only steps, was stale) and a 2,000-token
+prompt took 36-56 s. Half a block bounds what a slow machine costs a prompt's TTFT to 2x, and when
+the decodes alone fill the target, fewer prompt tokens would not bring the step within it.
+With no decode running nothing waits on the step, and the cap is off. target_s = 0 turns it off.
 
 Two ways the estimate went wrong, measured in process on this machine (torch, 4 streams while
 512-token prompts arrived, a busy machine): one decode-only step took 1273 ms, which lifted the
@@ -52,9 +55,6 @@ ALPHA = 0.3  # EWMA weight of the newest step: follows a machine that gets busie
 # the most a step's prompt tokens may exceed those of a step known to keep within the target: with costs
 # linear in the tokens a step then lasts at most 1.5 x target (150 ms for the default 0.1 s)
 GROWTH = 1.5
-# the floor of a step's prompt tokens, as a share of its target: fewer tokens than a block when a block
-# costs more than this (long contexts), so the streams keep their ITL and the prompt still advances
-FLOOR_SHARE = 0.5
 
 
 class StepPacer:
@@ -67,6 +67,7 @@ class StepPacer:
         self.base_rows = 0.0  # ...of this many decodes (an EWMA too)
         self.per_token_s: float | None = None  # one more prompt token in a step
         self.fits = 0  # the most prompt tokens a step beside decodes is known to keep within its target
+        self.floor_now = floor  # the fewest prompt tokens a step beside decodes takes: floor, or down to half
         self.step_target_s = target_s  # the target of the step last capped (stretched or not)
         self.last_cap = 0  # the prompt tokens that step was allowed (a gauge)
 
@@ -90,6 +91,8 @@ class StepPacer:
             return
         if n_decodes:  # the streams waited on this step
             self.fits = max(self.fits, n_prefill_tokens) if seconds <= self.step_target_s else n_prefill_tokens // 2
+            if n_prefill_tokens <= self.floor_now:  # a step at the floor: was the floor too much?
+                self._adjust_floor(seconds)
         # a step of prompt tokens alone still pays the weights' pass: that part is the base; rows beyond
         # the base's, decode rows or prompt tokens alike, cost the same each (one row through the weights)
         extra = seconds - (self.base_s or 0.0)
@@ -123,15 +126,17 @@ class StepPacer:
         cap = int(self.fits * GROWTH)  # measured steps first: the model is not trusted beyond them
         if self.per_token_s:
             cap = min(cap, int((target - self.base_for(n_decodes)) / self.per_token_s))
-        self.last_cap = max(self.floor_for(target), min(self.ceiling, cap))
+        self.last_cap = max(self.floor_now, min(self.ceiling, cap))
         return self.last_cap
 
-    def floor_for(self, target_s: float) -> int:
-        """The fewest prompt tokens a step beside decodes takes: a block, or as many as cost
-        FLOOR_SHARE of the target by the measured cost of a token if that is fewer; at least one. Only
-        with a decode-only step measured: without one each sample of a token's cost carries a whole
-        step's weight pass, and a floor from it shrank with every step to one token (a prompt crawling
-        beside 30 decodes that were never alone: test_step_pacer.py)."""
-        if not self.per_token_s or self.base_s is None:
-            return self.floor
-        return max(1, min(self.floor, int(FLOOR_SHARE * target_s / self.per_token_s)))
+    def _adjust_floor(self, seconds: float) -> None:
+        """After a step at the floor: halve it (to half of `floor` at least) if the step overran its
+        target, double it back (to `floor` at most) if it took half the target or less. Only while a
+        measured decode-only step leaves room in the target: when the decodes alone fill it, fewer
+        prompt tokens would not bring a step within it, and the floor is a block."""
+        if self.base_s is None or self.base_s >= self.step_target_s:
+            self.floor_now = self.floor
+        elif seconds > self.step_target_s:
+            self.floor_now = max(self.floor // 2, 1, self.floor_now // 2)
+        elif seconds <= self.step_target_s / 2:
+            self.floor_now = min(self.floor, self.floor_now * 2)
