@@ -9,8 +9,9 @@ EWMA, with the rows it had) and the marginal seconds per row beyond it (an EWMA 
 through the weights; attention over long contexts, which makes later chunks dearer, shows in it).
 While decodes run, a step's prompt tokens are capped so that the base for its decode rows + cap x
 per_token stays within `target_s`; at most the scheduler's own budget, and at least a floor so a
-prompt always advances: a block, halved (down to half a block) after a step at the floor overran its
-target while the decodes alone left room in it, doubled back after one took half the target or less. A block alone was the floor until a 2,000-token prompt beside 4 streams on PoCL (a 2.1 GHz Xeon):
+prompt always advances: a block, halved (down to half a block) after a step at the floor took more
+than FLOOR_OVER x its target while the decodes alone left room in it, doubled back after one whose
+prompt part, twice, would have kept within that. A block alone was the floor until a 2,000-token prompt beside 4 streams on PoCL (a 2.1 GHz Xeon):
 past ~1,500 cached positions a token's attention made a 16-token chunk a 120-190 ms step (4 decodes
 alone: 30-40 ms), and the streams' ITL p99 was 181-194 ms against the 150 ms the pacer is for. The
 floor follows the steps themselves, not the per-token estimate: a floor from that estimate shrank to
@@ -55,6 +56,9 @@ ALPHA = 0.3  # EWMA weight of the newest step: follows a machine that gets busie
 # the most a step's prompt tokens may exceed those of a step known to keep within the target: with costs
 # linear in the tokens a step then lasts at most 1.5 x target (150 ms for the default 0.1 s)
 GROWTH = 1.5
+# a step at the floor longer than this x its target halves the floor: below GROWTH, so that steps at the
+# floor keep within the 1.5x bound with room for the machine's noise
+FLOOR_OVER = 1.25
 
 
 class StepPacer:
@@ -130,13 +134,15 @@ class StepPacer:
         return self.last_cap
 
     def _adjust_floor(self, seconds: float) -> None:
-        """After a step at the floor: halve it (to half of `floor` at least) if the step overran its
-        target, double it back (to `floor` at most) if it took half the target or less. Only while a
-        measured decode-only step leaves room in the target: when the decodes alone fill it, fewer
-        prompt tokens would not bring a step within it, and the floor is a block."""
+        """After a step at the floor: halve it (to half of `floor` at least) if the step took more than
+        FLOOR_OVER x its target, double it back (to `floor` at most) if twice its prompt tokens would
+        not have (this step's own time beyond the base, twice). Only while a measured decode-only step
+        leaves room in the target: when the decodes alone fill it, fewer prompt tokens would not bring
+        a step within it, and the floor is a block."""
+        bound = FLOOR_OVER * self.step_target_s
         if self.base_s is None or self.base_s >= self.step_target_s:
             self.floor_now = self.floor
-        elif seconds > self.step_target_s:
+        elif seconds > bound:
             self.floor_now = max(self.floor // 2, 1, self.floor_now // 2)
-        elif seconds <= self.step_target_s / 2:
+        elif 2 * seconds - self.base_s <= bound:
             self.floor_now = min(self.floor, self.floor_now * 2)
