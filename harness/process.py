@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -14,11 +15,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+LOWEST_PORT = 20000  # free_port's ports lie in [LOWEST_PORT, the ephemeral range's start)
+_handed_out: set[int] = set()  # free_port's ports of this process
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes an outgoing connection's local port from (Linux's default elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS's choice)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for a service to bind seconds later.
+
+    Not the OS's choice (bind to port 0): that comes from the ephemeral range, from which every outgoing
+    connection takes its local port too, so a client could hold it by the time the service binds (a
+    fresh clone's `make test` once failed so: prefill_gpu's metrics port "Address already in use"). A
+    random port below that range instead, never one this process handed out before."""
+    lo, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(LOWEST_PORT, lo) if lo > LOWEST_PORT + 1000 else rng.randrange(1024, 65536)
+        if port not in _handed_out and port_is_free(port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free TCP port found on 127.0.0.1")
 
 
 def port_is_free(port: int) -> bool:

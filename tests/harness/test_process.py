@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from harness.process import Process, free_port, http_ok
+from harness.process import Process, ephemeral_ports, free_port, http_ok
 from harness.services import Service
 
 
@@ -14,6 +14,16 @@ def test_a_free_port_can_be_bound():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_are_never_handed_out_twice_nor_taken_from_the_ephemeral_range():
+    """Every outgoing connection takes its local port from the ephemeral range: a port chosen there
+    can be a client's by the time the service binds it. And two calls must not give the same port
+    (a service's gRPC and metrics ports)."""
+    lo, hi = ephemeral_ports()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(p < lo or p > hi for p in ports), [p for p in ports if lo <= p <= hi]
 
 
 def test_wait_until_returns_once_the_probe_passes_and_stop_ends_the_process(tmp_path):
