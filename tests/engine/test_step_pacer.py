@@ -63,10 +63,15 @@ def test_a_slow_machine_never_makes_a_prompt_crawl():
     a 2,000-token prompt took 36-56 s. The floor is never below half a block, and when the decodes alone
     fill the target it stays a block (fewer prompt tokens would not bring the step within it)."""
     p = StepPacer(target_s=0.1, floor=16, ceiling=512)
-    p.observe(4, 0, 0.06)
+    p.observe(4, 0, 0.04)
     for _ in range(30):  # every step slowed to 0.2 s whatever its prompt tokens
         p.observe(4, p.cap(), 0.2)
     assert p.cap() == 8
+    torch_like = StepPacer(target_s=0.1, floor=16, ceiling=512)
+    for _ in range(10):  # decodes alone 70 ms, a block 60 ms more: halving would save too little of a step
+        torch_like.observe(4, 0, 0.07)
+        torch_like.observe(4, torch_like.cap(), 0.13)
+    assert torch_like.floor_now == 16
     full = StepPacer(target_s=0.1, floor=16, ceiling=512)
     for _ in range(30):  # decodes alone 120 ms
         full.observe(40, 0, 0.12)
