@@ -37,12 +37,15 @@ typedef float4 hvec;
 inline float hsum(const float4 a) { return (a.x + a.y) + (a.z + a.w); }
 #endif
 
-inline float dot_head(const hvec *qv, __global const float *k)
+// q . k before its horizontal sum: NV lanes of products (paged_attention_scores sums 16 of them at once)
+inline hvec dot_lanes(const hvec *qv, __global const float *k)
 {
     hvec a = qv[0] * VLOADH(0, k);
     for (int i = 1; i < NV; ++i) a = fma(qv[i], VLOADH(i, k), a);
-    return hsum(a);
+    return a;
 }
+
+inline float dot_head(const hvec *qv, __global const float *k) { return hsum(dot_lanes(qv, k)); }
 
 // The softmax's first pass: the largest of m and the scaled scores of cached positions [0, n).
 inline float max_score(const hvec *qv, __global const float *K, const int n, const float scale, float m)

@@ -155,12 +155,7 @@ __kernel void paged_attention_scores(__global const float *qkv, __global const i
         __global const float *kt = paged_row_c(K, table, t);  // a tile within one block
         for (int j = 0; j < GROUP; ++j) {
             float16 a[16];
-            for (int k = 0; k < 16; ++k) {
-                __global const float *kr = kt + (size_t)k * HEAD_DIM;
-                hvec x = qv[j][0] * VLOADH(0, kr);
-                for (int i = 1; i < NV; ++i) x = fma(qv[j][i], VLOADH(i, kr), x);
-                a[k] = x;
-            }
+            for (int k = 0; k < 16; ++k) a[k] = dot_lanes(qv[j], kt + (size_t)k * HEAD_DIM);
             const float16 s = hsum16(a) * scale;
             vstore16(s, 0, &scores[j][t]);
             top[j] = fmax(top[j], s);
