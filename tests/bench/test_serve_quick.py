@@ -27,7 +27,10 @@ def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, bench_
     url, servers = bench_stack
     with_llama = llama_server.find() is not None
     cmd = [sys.executable, str(ROOT / "bench/serve.py"), "--quick", "--url", url, *stack_arguments(servers),
-           "--out", str(tmp_path), "--name", "serve", "--modes", ",".join(MODES)] \
+           "--out", str(tmp_path), "--name", "serve", "--modes", ",".join(MODES),
+           # one round, not the preset's two: the stacks lane's longest test; taking medians over
+           # rounds is tests/bench/test_serving_parts.py's (over_rounds)
+           "--rounds", "1"] \
         + (["--llama-server", "auto"] if with_llama else [])
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

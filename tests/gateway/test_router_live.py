@@ -94,7 +94,9 @@ def test_a_50x_wrong_cached_profile_is_corrected_within_ten_requests(tmp_path):
         url = f"http://127.0.0.1:{gateway.port}"
         wait_calibrated(url)
         auto = [complete(url, "auto") for _ in range(10)]
-        forced = {m: statistics.median(complete(url, m)["timings"]["e2e_s"] for _ in range(3))
+        # gpu mode once (~6x the others here, ~3.5 s a request; the quiet lane runs alone), the two
+        # close ones three times each
+        forced = {m: statistics.median(complete(url, m)["timings"]["e2e_s"] for _ in range(1 if m == "gpu" else 3))
                   for m in ("gpu", "fpga", "hybrid")}
         fastest = min(forced, key=forced.get)
         if forced["gpu"] <= 1.1 * forced[fastest]:
