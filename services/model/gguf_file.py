@@ -9,7 +9,8 @@ torch's import. `GGUFFile` reads the same header with `struct` and one `numpy.fr
 array, the tokenizer's strings decoded in one loop (~0.1 s): the same fields (their GGUFValueType
 list and `contents()`) and tensors (gguf.ReaderTensor, data viewing the same map) as gguf-py gives,
 which tests/model/test_gguf_file.py checks on the default model and the test checkpoints. A file it
-does not read (big-endian, arrays of arrays) goes to gguf-py's reader instead.
+does not read (big-endian, arrays of arrays, string values that are not UTF-8) goes to gguf-py's
+reader instead.
 
 An engine's start read the same file three times (its config, its dense weights, its device blocks):
 the parsed file is kept, so the second and third are free. It is mapped read-only, so sharing it is
@@ -129,10 +130,18 @@ class GGUFFile:
             raise ValueError("a string runs past the end of the file")
         return str(self._buf[offs + 8:end], "utf-8"), end
 
+    def _value_string(self, offs: int) -> tuple[str, int]:
+        """A string value: gguf-py decodes one only when asked for it, so a file whose values are not
+        all UTF-8 (a vocabulary of raw bytes) is left to it, to behave as it does."""
+        try:
+            return self._string(offs)
+        except UnicodeDecodeError as exc:
+            raise _NotRead(f"a string value that is not UTF-8: {exc}") from exc
+
     def _value(self, kind: int, offs: int) -> tuple[list, object, int]:
         t = self._types
         if kind == _STRING:
-            value, offs = self._string(offs)
+            value, offs = self._value_string(offs)
             return [t.STRING], value, offs
         if kind in _SCALARS:
             fmt = "<" + _SCALARS[kind]
@@ -147,7 +156,7 @@ class GGUFFile:
         if item == _STRING:
             values = []
             for _ in range(count):
-                s, offs = self._string(offs)
+                s, offs = self._value_string(offs)
                 values.append(s)
             return [t.ARRAY, t.STRING], values, offs
         if item not in _SCALARS:

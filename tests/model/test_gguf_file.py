@@ -110,6 +110,19 @@ def test_an_empty_array_reads_as_gguf_py_reads_it(tmp_path):
     assert ours.fields["empty"].contents() == stock.fields["empty"].contents() == []
 
 
+def test_a_value_that_is_not_utf8_goes_to_gguf_py(tmp_path):
+    """gguf-py decodes a value only when asked: such a file reads, and its other fields read, as there."""
+    import struct
+
+    path = tmp_path / "bytes.gguf"
+    entries = [(b"raw", b"\xff\xfe"), (b"ok", b"fine")]
+    body = b"".join(struct.pack("<Q", len(k)) + k + struct.pack("<IQ", gguf.GGUFValueType.STRING, len(v)) + v
+                    for k, v in entries)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(entries)) + body)
+    reader = gguf_reader(path)
+    assert isinstance(reader, gguf.GGUFReader) and reader.fields["ok"].contents() == "fine"
+
+
 def test_a_big_endian_file_goes_to_gguf_py(tmp_path):
     path = tmp_path / "be.gguf"
     w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
