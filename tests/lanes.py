@@ -8,7 +8,9 @@ to finish. They run in one lane (`stack_lane`) while everything else runs in the
 whose verdict depends on the machine being quiet (a profile sweep judged quiet and cached, the router
 corrected within ten requests against forced runs) run after both, alone (`quiet`). Which test goes
 where is decided by path in tests/conftest.py (`LANES`), so a new `up` test joins its lane by name.
-Every test still runs once; the exit status is the worst of the three runs.
+Every test still runs once; the exit status is the worst of the three runs. Each lane's end says its
+wall time and the CPU its processes used (theirs and their children's, as reaped): a lane whose CPU is
+near its wall time computes, one well under it waits, which is what moving tests between lanes needs.
 
 The two lanes side by side run torch on one thread each (OMP_NUM_THREADS=1, inherited by the engines
 their stacks start) unless the caller set it: two lanes' worth of processes share 2 cores, and torch's
@@ -21,6 +23,7 @@ quiet lane keeps torch's default: it times the machine as a user's stack would s
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -46,8 +49,28 @@ def status(code: int) -> int:
     return 0 if code == NO_TESTS else code
 
 
+class CpuLaps:
+    """CPU seconds (user + sys) of this process's reaped children since the last lap: taken as each
+    lane's process is reaped, one lap is that lane's processes (its engines included, once reaped)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last = self._now()
+
+    @staticmethod
+    def _now() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def lap(self) -> float:
+        with self._lock:
+            now = self._now()
+            spent, self._last = now - self._last, now
+            return spent
+
+
 def main(extra: list[str]) -> int:
-    started = time.monotonic()
+    started, laps, cpu = time.monotonic(), CpuLaps(), {}
     (first, first_marks), (second, second_marks) = SIDE_BY_SIDE
     with tempfile.NamedTemporaryFile("w+", prefix=f"hybridserve-{first}-", suffix=".log") as log:
         print(f"== lanes: '{first}' (output below once it ends) beside '{second}' (output now)", flush=True)
@@ -56,12 +79,18 @@ def main(extra: list[str]) -> int:
         # the one waiter of the background lane, which notes when it ended (not when the foreground got
         # round to asking): what balancing the lanes needs
         ended: list[float] = []
-        watcher = threading.Thread(target=lambda: (background.wait(), ended.append(time.monotonic())), daemon=True)
+        def watch() -> None:
+            background.wait()
+            cpu[first] = laps.lap()
+            ended.append(time.monotonic())
+
+        watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         try:
             foreground = subprocess.call(pytest_cmd(second_marks, extra), cwd=ROOT, env=side_by_side_env())
-            print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s; "
-                  f"waiting for '{first}'", flush=True)
+            cpu[second] = laps.lap()
+            print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s "
+                  f"(CPU {cpu[second]:.0f} s); waiting for '{first}'", flush=True)
             watcher.join()
             behind = background.returncode
         finally:
@@ -69,13 +98,14 @@ def main(extra: list[str]) -> int:
                 background.terminate()
                 background.wait()
         log.seek(0)
-        print(f"== lane '{first}' ({behind}), ended at {ended[0] - started:.0f} s:", flush=True)
+        print(f"== lane '{first}' ({behind}), ended at {ended[0] - started:.0f} s (CPU {cpu[first]:.0f} s):",
+              flush=True)
         sys.stdout.write(log.read())
     name, marks = ALONE
     print(f"== lane '{name}', alone:", flush=True)
     alone_started = time.monotonic()
     alone = subprocess.call(pytest_cmd(marks, extra), cwd=ROOT)
-    print(f"== lane '{name}' took {time.monotonic() - alone_started:.0f} s", flush=True)
+    print(f"== lane '{name}' took {time.monotonic() - alone_started:.0f} s (CPU {laps.lap():.0f} s)", flush=True)
     codes = {first: status(behind), second: status(foreground), name: status(alone)}
     print(f"== lanes done in {time.monotonic() - started:.0f} s: " + ", ".join(f"{k} {v}" for k, v in codes.items()),
           flush=True)
