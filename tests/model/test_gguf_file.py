@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from services.model.gguf_file import GGUFFile, gguf_reader
+from services.model.gguf_file import GGUFFile, gguf_reader, plain_view_reader
 from tests.decode_fpga.kquant_checkpoint import write_tiny_llama
 
 
@@ -65,6 +65,10 @@ def test_the_reader_gives_what_gguf_py_gives_on_the_default_model(loaded_model):
     ours = gguf_reader(path)
     assert type(ours) is GGUFFile and not isinstance(ours.data, np.memmap)
     same_as_gguf_py(ours, path)
+    # and the fallback, which the suite also hands transformers' GGUF loading (tests/conftest.py)
+    plain = plain_view_reader()(str(path))
+    assert isinstance(plain, gguf.GGUFReader) and not isinstance(plain.data, np.memmap)
+    same_as_gguf_py(plain, path)
 
 
 def test_every_value_type_and_block_types_read_as_gguf_py_reads_them(tmp_path):
