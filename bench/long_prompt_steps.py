@@ -15,7 +15,6 @@ Where serve.py's long-prompt variant measures a stack end to end, this shows why
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS, progress, table, write_json  # noqa: E402
+from serving.stats import pct  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -73,7 +73,7 @@ def run(engine, config, args, seed: int) -> dict:
     def recording(out, seconds):  # on the loop's thread, before the pacer learns from the step
         steps.append({"at": time.perf_counter(), "decodes": len(out.decodes), "seconds": seconds,
                       "prompt": [[c.num_tokens, c.start] for c in out.prefills],
-                      "cap": pacer.last_cap, "floor": getattr(pacer, "floor_now", pacer.floor)})
+                      "cap": pacer.last_cap, "floor": pacer.floor_now})
         observe(out, seconds)
 
     loop.scheduler.observe_step = recording
@@ -103,10 +103,9 @@ def run(engine, config, args, seed: int) -> dict:
         for r in readers:
             r.join(timeout=10)
         loop.close()
-    ms = sorted(s["seconds"] * 1e3 for s in during)
-    pct = lambda q: ms[min(len(ms) - 1, int(q * len(ms)))]  # noqa: E731
-    return {"ttft_s": ttft, "steps": during, "step_ms": {"p50": statistics.median(ms), "p90": pct(0.9),
-                                                         "p99": pct(0.99), "max": ms[-1], "n": len(ms)}}
+    ms = [s["seconds"] * 1e3 for s in during]
+    return {"ttft_s": ttft, "steps": during, "step_ms": {"p50": pct(ms, 50), "p90": pct(ms, 90), "p99": pct(ms, 99),
+                                                         "max": max(ms), "n": len(ms)}}
 
 
 def main() -> int:
