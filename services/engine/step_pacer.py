@@ -8,19 +8,19 @@ EWMA, with the rows it had) and the marginal seconds per row beyond it (an EWMA 
 (prompt tokens + decode rows beyond the base's): a decode row and a prompt token are each one row
 through the weights; attention over long contexts, which makes later chunks dearer, shows in it).
 While decodes run, a step's prompt tokens are capped so that the base for its decode rows + cap x
-per_token stays within `target_s`; at most the scheduler's own budget, and at least a floor so a
-prompt always advances: a block, halved (down to half a block) after a step at the floor took more
-than FLOOR_OVER x its target, mostly for its prompt tokens, while the decodes alone left room in it,
-doubled back after one whose prompt part, twice, would have kept within that. A block alone was the floor until a 2,000-token
-prompt beside 4 streams on PoCL (a 2.1 GHz Xeon): past ~1,500 cached positions a token's attention
-made a 16-token chunk a 120-190 ms step (4 decodes alone: 30-40 ms), and the streams' ITL p99 was
-181-214 ms against the 150 ms the pacer is for. The floor follows the steps themselves, not the
-per-token estimate: a floor from that estimate shrank to one token on torch, where a 1-token step
-slowed by the machine gave a sample of 60-90 ms a token (the true cost ~3 ms; the base, measured
-only by decode-only steps, was stale) and a 2,000-token prompt took 36-56 s. Half a block bounds
-what a slow machine costs a prompt's TTFT to 2x, and when the decodes alone fill the target, fewer
-prompt tokens would not bring the step within it. With no decode running nothing waits on the step,
-and the cap is off. target_s = 0 turns it off.
+per_token stays within `target_s`; at most the scheduler's own budget, and at least a floor so a prompt
+always advances: a block, halved (down to half a block) after a step at the floor took more than
+FLOOR_OVER x its target, mostly for its prompt tokens, while the decodes alone left room in it, doubled
+back after one whose prompt part, twice, would have kept within that. A block alone was the floor until
+a 2,000-token prompt beside 4 streams on PoCL (a 2.1 GHz Xeon): past ~1,500 cached positions a token's
+attention made a 16-token chunk a 120-190 ms step (4 decodes alone: 30-40 ms), and the streams' ITL p99
+was 181-214 ms against the 150 ms the pacer is for. The floor follows the steps themselves, not the
+per-token estimate: a floor from that estimate shrank to one token on torch, where a 1-token step slowed
+by the machine gave a sample of 60-90 ms a token (the true cost ~3 ms; the base, measured only by
+decode-only steps, was stale) and a 2,000-token prompt took 36-56 s. Half a block bounds what a slow
+machine costs a prompt's TTFT to 2x, and when the decodes alone fill the target, fewer prompt tokens
+would not bring the step within it. With no decode running nothing waits on the step, and the cap is
+off. target_s = 0 turns it off.
 
 Two ways the estimate went wrong, measured in process on this machine (torch, 4 streams while
 512-token prompts arrived, a busy machine): one decode-only step took 1273 ms, which lifted the
