@@ -31,6 +31,9 @@ GGUF_MAGIC = b"GGUF"
 # GGUFValueType codes and how each scalar is stored (little-endian)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# the GGML types gguf-py reads as numpy arrays of their own dtype; the others as bytes [rows, row bytes]
+_PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                 "I32": np.int32, "I64": np.int64}
 
 
 def gguf_reader(path: str | Path):
@@ -58,10 +61,10 @@ class GGUFField:
     """One metadata value: its GGUFValueType list (an array's: ARRAY, then its items' type, as gguf-py
     lists them) and its value, as gguf-py's ReaderField.contents() gives it."""
 
-    __slots__ = ("name", "types", "_value")
+    __slots__ = ("types", "_value")
 
-    def __init__(self, name: str, types: list, value):
-        self.name, self.types, self._value = name, types, value
+    def __init__(self, types: list, value):
+        self.types, self._value = types, value
 
     def contents(self):
         return list(self._value) if isinstance(self._value, list) else self._value
@@ -73,9 +76,8 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         import gguf
-        from gguf.quants import quant_shape_to_byte_shape
+        from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
-        self._types = gguf.GGUFValueType
         self.data = np.asarray(np.memmap(path, mode="r"))  # a plain ndarray over the map (see above)
         self._buf = memoryview(self.data)
         try:
@@ -84,11 +86,11 @@ class GGUFFile:
             version, n_tensors, n_kv = struct.unpack_from("<IQQ", self._buf, 4)
             if version & 0xFFFF == 0:
                 raise _NotRead("a GGUF file of the other byte order")
-            if version not in (2, 3):
-                raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
-            t = self._types
+            if version not in READER_SUPPORTED_VERSIONS:
+                raise ValueError(f"GGUF version {version} is not supported ({READER_SUPPORTED_VERSIONS})")
+            t = gguf.GGUFValueType
             self.fields: OrderedDict[str, GGUFField] = OrderedDict(
-                (name, GGUFField(name, [kind], value)) for name, kind, value in
+                (name, GGUFField([kind], value)) for name, kind, value in
                 (("GGUF.version", t.UINT32, version), ("GGUF.tensor_count", t.UINT64, n_tensors),
                  ("GGUF.kv_count", t.UINT64, n_kv)))
             offs = 24
@@ -98,7 +100,7 @@ class GGUFFile:
                 if name in self.fields:
                     raise KeyError(f"duplicate GGUF key {name}")
                 types, value, offs = self._value(kind, offs)
-                self.fields[name] = GGUFField(name, types, value)
+                self.fields[name] = GGUFField(types, value)
             infos = []
             for _ in range(n_tensors):
                 name, offs = self._string(offs)
@@ -117,7 +119,7 @@ class GGUFFile:
                 if alignment == 0 or alignment & (alignment - 1):
                     raise ValueError("Invalid alignment: must be a non-zero power of two")
             self.data_offset = offs + (-offs % alignment)
-            self.tensors = [self._tensor(gguf, quant_shape_to_byte_shape, *info) for info in infos]
+            self.tensors = [self._tensor(*info) for info in infos]
             if len({x.name for x in self.tensors}) != len(self.tensors):
                 raise ValueError("duplicated tensor names")
         except (struct.error, IndexError, UnicodeDecodeError) as exc:
@@ -139,7 +141,7 @@ class GGUFFile:
             raise _NotRead(f"a string value that is not UTF-8: {exc}") from exc
 
     def _value(self, kind: int, offs: int) -> tuple[list, object, int]:
-        t = self._types
+        from gguf import GGUFValueType as t
         if kind == _STRING:
             value, offs = self._value_string(offs)
             return [t.STRING], value, offs
@@ -165,17 +167,18 @@ class GGUFFile:
         values = np.frombuffer(self.data, dtype, count, offs).tolist()
         return [t.ARRAY, t(item)], values, offs + dtype.itemsize * count
 
-    def _tensor(self, gguf, quant_shape_to_byte_shape, name: str, dims: np.ndarray, raw_type: int,
-                tensor_offset: int):
+    def _tensor(self, name: str, dims: np.ndarray, raw_type: int, tensor_offset: int):
         """gguf.ReaderTensor as gguf-py's reader builds it: plain types as their numpy dtype, block
         types as bytes shaped [rows, bytes a row]."""
+        import gguf
+        from gguf.quants import quant_shape_to_byte_shape
+
         qtype = gguf.GGMLQuantizationType(raw_type)
         n_elements = int(np.prod(dims))
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = n_elements * type_size // block
         np_dims = tuple(reversed(dims.tolist()))
-        plain = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                 "I32": np.int32, "I64": np.int64}.get(qtype.name)
+        plain = _PLAIN_DTYPES.get(qtype.name)
         if plain is None:
             dtype, count, np_dims = np.uint8, n_bytes, quant_shape_to_byte_shape(np_dims, qtype)
         else:

@@ -13,8 +13,8 @@ from services.model.gguf_file import GGUFFile, gguf_reader, plain_view_reader
 from tests.decode_fpga.kquant_checkpoint import write_tiny_llama
 
 
-def write_gguf(path, value: float) -> None:
-    w = gguf.GGUFWriter(str(path), "llama")
+def write_gguf(path, value: float, endianess=gguf.GGUFEndian.LITTLE) -> None:
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
     w.add_uint32("test.value", 7)
     w.add_tensor("t", np.full((4, 8), value, np.float32))
     w.write_header_to_file()
@@ -129,13 +129,7 @@ def test_a_value_that_is_not_utf8_goes_to_gguf_py(tmp_path):
 
 def test_a_big_endian_file_goes_to_gguf_py(tmp_path):
     path = tmp_path / "be.gguf"
-    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
-    w.add_uint32("test.value", 7)
-    w.add_tensor("t", np.full((4, 8), 5.0, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, 5.0, gguf.GGUFEndian.BIG)
     reader = gguf_reader(path)
     assert isinstance(reader, gguf.GGUFReader) and reader.fields["test.value"].contents() == 7
     assert float(reader.tensors[0].data[0, 0]) == 5.0
