@@ -158,7 +158,8 @@ class DecodeRuntime(EngineRuntime):
             try:
                 d = receiver.consume(_calling_on_grant(events, on_grant), lambda: not cancel.is_cancelled())
             except (HeaderMismatch, SlotChanged) as exc:
-                raise _why_the_call_ended(events) or exc
+                # the rest of the call is at most a message a layer and its PrefillDone
+                raise _why_the_call_ended(events, self.loaded.config.n_layers + 1) or exc
             if d is None:
                 if cancel.is_cancelled():
                     raise Cancelled("client went away during the KV hand-off")
@@ -245,12 +246,15 @@ class BlockImport:
         self.engine.finish_import_blocks()
 
 
-def _why_the_call_ended(events: Iterator[HandoffEvent], most: int = 4) -> EngineError | None:
-    """The error the Prefill call ended with, read from what is left of its stream (a few messages at
-    most), or None if it goes on or ended cleanly. A slot read as freed or changed under a hand-off is
-    mostly the peer giving it up because the call ended: its deadline passed (or it was cancelled)
-    between the grant and the read. Raised as the slot's error, that was an engine failure (500) where
-    the request had timed out (504): test_handoff_deadline.py's 1 ms call failed so once in CI."""
+def _why_the_call_ended(events: Iterator[HandoffEvent], most: int) -> EngineError | None:
+    """The error the Prefill call ended with, read from what is left of its stream (`most` messages:
+    all a call can still send), or None if it ended cleanly. A slot read as freed or changed under a
+    hand-off is mostly the peer giving it up because the call ended: its deadline passed (or it was
+    cancelled) between the grant and the read, or its prefill failed. Raised as the slot's error, that
+    was an engine failure (500) where the request had timed out (504): test_handoff_deadline.py's 1 ms
+    call failed so once in CI; and FAILED_PRECONDITION where prefill_gpu had failed (INTERNAL), when
+    the layers it had sent before failing were more than the 4 messages read then (make test,
+    2026-11-27: test_a_failed_prefill_is_internal_on_both_engines_never_unavailable)."""
     try:
         for _, _msg in zip(range(most), events):
             pass
