@@ -34,6 +34,7 @@ import pyopencl as cl
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
 from services.decode_fpga.launch import ByRowCount, Launch, RowLaunch, balanced_groups, bind, bind_rows, row_groups
+from services.decode_fpga.settings import GEMV_TILE
 from services.model.gguf_blocks import BlockTensor
 
 # each format's code in the kernels (quant_blocks.h)
@@ -181,14 +182,16 @@ class QuantMatrix(EnqueueOnce):
         self._m = m_buf if m_buf is not None else self._d  # unread unless the format has minimums
         self.nbytes = d.nbytes + (m.nbytes if m is not None else 0) + quants.nbytes
         self._dev = dev
-        # the output's place, compiled in (the kernels' Y_OFFSET, Y_STRIDE); none: y is [batch, rows]
-        self._ydefs = {} if y_stride is None else {"Y_OFFSET": y_offset, "Y_STRIDE": y_stride}
+        # the output's place (the kernels' y_offset, y_stride arguments); none: y is [batch, rows]
+        self._y_offset, self._y_stride = np.int32(y_offset), np.int32(self.rows if y_stride is None else y_stride)
         self.lanes = dev.lanes_per_row  # 1: gemv_quant.cl, more: gemv_quant_wg.cl
         # output rows per work-item of the batched GEMV (gemv_quant_tiles), 0: gemv_quant_rows
         self.tile = dev.gemv_tile if self.lanes == 1 else 0
-        tiles = {"TILE_O": self.tile, "TILE_R": GEMV_TILE_ROWS} if self.tile else {}
+        # the tiles kernels are in the program whether or not they run (tile 0, a GPU's lanes): their
+        # default shape then, so the program is the CPU default's and is built once, not twice
+        tiles = {"TILE_O": self.tile or GEMV_TILE, "TILE_R": GEMV_TILE_ROWS}
         self.tile_above = max(1, GEMV_TILE_X_BYTES // (4 * self.cols))  # rows of x past which the tiles run
-        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype], **self._ydefs, **tiles})
+        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype], **tiles})
 
     @property
     def device_arrays(self) -> tuple[cl.Buffer, cl.Buffer, cl.Buffer]:
@@ -203,7 +206,7 @@ class QuantMatrix(EnqueueOnce):
         return self.fmt in MINIMUM_FORMATS and self.lanes == 1
 
     def _wg_program(self, norm_cols: int | None = None) -> cl.Program:
-        defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes, **self._ydefs}
+        defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes}
         if norm_cols is not None:
             defines["NORM_COLS"] = norm_cols
         return self._dev.build("gemv_quant_wg.cl", defines)
@@ -221,10 +224,10 @@ class QuantMatrix(EnqueueOnce):
         if self.lanes > 1:
             return bind(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, batch), self._d, self._m,
                         self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),
-                        local_size=(self.lanes, 1))
+                        self._y_offset, self._y_stride, local_size=(self.lanes, 1))
         return bind(self._program, "gemv_quant", (self.rows,), self._d, self._m, self._q, x, x_sums, y,
                     np.int32(self.cols), np.int32(self.rows), np.int32(batch), np.int32(bool(accumulate)),
-                    by_row=True)
+                    self._y_offset, self._y_stride, by_row=True)
 
     def bind_gemv_rows(self, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool = False,
                        x_sums: cl.Buffer | None = None) -> RowLaunch | ByRowCount:
@@ -236,13 +239,13 @@ class QuantMatrix(EnqueueOnce):
         if self.lanes > 1:
             return bind_rows(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, 1), self._d, self._m,
                              self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),
-                             rows_dim=1, local_size=(self.lanes, 1))
+                             self._y_offset, self._y_stride, rows_dim=1, local_size=(self.lanes, 1))
         if x_sums is None:
             if self.needs_block_sums:
                 raise ValueError(f"{self.name}: a {self.fmt} GEMV needs the block sums of x (x_sums)")
             x_sums = x  # unread
         args = (self._d, self._m, self._q, x, x_sums, y, np.int32(self.cols), np.int32(self.rows), n_rows,
-                np.int32(bool(accumulate)))
+                np.int32(bool(accumulate)), self._y_offset, self._y_stride)
         if not self.tile:
             return bind_rows(self._program, "gemv_quant_rows", (self.rows,), *args, rows_dim=None, by_row=True)
         d = self._dev.device
@@ -269,11 +272,11 @@ class QuantMatrix(EnqueueOnce):
         if self.lanes > 1:
             return bind(self._wg_program(self.cols), "gemv_quant_norm_wg", (self.rows * self.lanes,), self._d,
                         self._m, self._q, x, norm_w, np.float32(eps), y, np.int32(self.rows),
-                        np.int32(bool(accumulate)), local_size=(self.lanes,))
+                        np.int32(bool(accumulate)), self._y_offset, local_size=(self.lanes,))
         program = self._dev.build("gemv_quant.cl",
-                                  {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols, **self._ydefs})
+                                  {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols})
         return bind(program, "gemv_quant_norm", (self.rows,), self._d, self._m, self._q, x, norm_w,
-                    np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)))
+                    np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)), self._y_offset)
 
     @property
     def fuses_silu(self) -> bool:
@@ -288,9 +291,9 @@ class QuantMatrix(EnqueueOnce):
         if not self.fuses_silu:
             raise ValueError(f"{self.name}: no fused SiLU GEMV with {self.lanes} lanes per row and {self.cols} columns")
         program = self._dev.build("gemv_quant.cl",
-                                  {"QFMT": QFMT_CODES[self.fmt], "SILU_COLS": self.cols, **self._ydefs})
+                                  {"QFMT": QFMT_CODES[self.fmt], "SILU_COLS": self.cols})
         return bind(program, "gemv_quant_silu", (self.rows,), self._d, self._m, self._q, gu, y, np.int32(self.rows),
-                    np.int32(bool(accumulate)))
+                    np.int32(bool(accumulate)), self._y_offset)
 
     def bind_block_sums(self, x: cl.Buffer, x_sums: cl.Buffer, batch: int) -> Launch:
         """x_sums[b, k] = sum of x[b, 32 k : 32 k + 32], for an x whose producer does not write them."""

@@ -5,7 +5,7 @@ attention (and the activation) read. A Q4_K_M file of a 1B-class model keeps q a
 k in Q4_K and v in Q6_K in some layers (and may do the same to gate and up): no one
 block format holds the stack exactly (gguf_blocks.stack_exact), and storing it as
 f32 would read 7x the bytes. Here each part stays a QuantMatrix in its own format
-and writes its own rows of the shared output (the kernels' Y_OFFSET / Y_STRIDE), so
+and writes its own rows of the shared output (the kernels' y_offset, y_stride), so
 a GEMV over the stack is one launch per part, each part's rows computed exactly as
 a one-format stack computes them.
 

@@ -53,6 +53,24 @@ def test_stacked_gemv_is_ggufs(gemv_dev, batch):
         np.testing.assert_array_equal(got[:, lo:lo + p.rows], run_gemv(gemv_dev, p, x, y0[:, lo:lo + p.rows], True))
 
 
+def test_parts_of_one_format_run_one_program_wherever_they_sit(gemv_dev):
+    """A part's place in the stack is its kernels' arguments, not a define: q and k (both Q4_K, rows 0
+    and 40 of 88) run the same programs, v (Q6_K) its own. Each define set was a PoCL build of its
+    own (~1.5 s, then each kernel's code at its first launch), per part of every mixed layer."""
+    m = StackedMatrix(gemv_dev, parts())
+    x = cl.Buffer(gemv_dev.context, MF.READ_WRITE, size=4 * 4 * m.cols)
+    y = cl.Buffer(gemv_dev.context, MF.READ_WRITE, size=4 * 4 * m.rows)
+    xs = cl.Buffer(gemv_dev.context, MF.READ_WRITE, size=4 * 4 * m.cols // 32)
+    w = cl.Buffer(gemv_dev.context, MF.READ_WRITE, size=4 * m.cols)
+
+    def program(launch) -> int:
+        return launch.kernel.get_info(cl.kernel_info.PROGRAM).int_ptr
+
+    for bind in (lambda p: p.bind_gemv(x, y, 4, x_sums=xs), lambda p: p.bind_gemv_norm(x, w, 1e-5, y)):
+        q, k, v = (program(bind(p)) for p in m.parts)
+        assert q == k != v
+
+
 def test_stacked_rows_are_one_row_gemvs(gemv_dev):
     """The paged step's GEMV over the stack: close to gguf's, every row bit for bit the one-row GEMV."""
     ps = parts()

@@ -15,6 +15,11 @@
 //      Q6_K: uchar [rows][nb][24] weights 0..15 whole and 16..31's low 2 bits, then their
 //                         high 4 bits (quant_blocks.h)
 //      Q8: char  [rows][nb][32]
+// Output: row o of input row r goes to y[r * y_stride + y_offset + o] (the GEMV kernels' last
+// arguments; one-row kernels take y_offset only): the matrix's own [n_rows, out_rows] (0, out_rows),
+// or its rows of a stacked output (stacked_matrix.py: q, k and v in their own formats writing one
+// q|k|v). Arguments, not defines: each part of a stack was a program of its own to build.
+//
 // Why this layout, measured on PoCL: scales apart from quants so no load straddles
 // both (overlapping loads made the compiler shuffle bytes), and 4 minimums per
 // vload_half4 (scalar and 2-wide half loads are emulated in software there).
@@ -44,8 +49,6 @@
 #endif
 
 #include "quant_blocks.h"
-
-#include "stacked_output.h"
 
 // the 32 weights of block b of a row (scales DROW, minimums MROW), dequantized: w0 = weights
 // 0..15, w1 = weights 16..31
@@ -94,9 +97,10 @@ inline void dequant_block(__global const uchar *q, __global const float *drow, _
 // xsum: [n_rows, nb] block sums of x, read by formats with minimums when n_rows == 1
 __kernel void gemv_quant(__global const float *d, __global const half *m, __global const uchar *q,
                          __global const float *x, __global const float *xsum, __global float *y,
-                         const int cols, const int out_rows, const int n_rows, const int accumulate)
+                         const int cols, const int out_rows, const int n_rows, const int accumulate,
+                         const int y_offset, const int y_stride)
 {
-    y += Y_OFFSET;
+    y += y_offset;
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3;
@@ -126,7 +130,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
         const float v[8] = {hsum16(c0), hsum16(c1), hsum16(c2), hsum16(c3),
                             hsum16(c4), hsum16(c5), hsum16(c6), hsum16(c7)};
         for (int r = 0; r < 8; ++r) {
-            const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
+            const size_t k = (size_t)(r0 + r) * y_stride + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
     }
@@ -146,7 +150,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
         }
         const float v[4] = {hsum16(c0), hsum16(c1), hsum16(c2), hsum16(c3)};
         for (int r = 0; r < 4 && r0 + r < n_rows; ++r) {
-            const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
+            const size_t k = (size_t)(r0 + r) * y_stride + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
     }
@@ -179,9 +183,9 @@ inline float rows_finish(const float16 a0, const float16 a1, __global const floa
 __kernel void gemv_quant_rows(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *x, __global const float *xsum, __global float *y,
                               const int cols, const int out_rows, __global const int *n_rows,
-                              const int accumulate)
+                              const int accumulate, const int y_offset, const int y_stride)
 {
-    y += Y_OFFSET;
+    y += y_offset;
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3, n = n_rows[0];
@@ -214,7 +218,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
                             rows_finish(a20, a21, drow, mrow, xsum + (size_t)r2 * nb, nb),
                             rows_finish(a30, a31, drow, mrow, xsum + (size_t)r3 * nb, nb)};
         for (int r = 0; r < 4; ++r) {
-            const size_t k = (size_t)(r0 + r) * Y_STRIDE + o;
+            const size_t k = (size_t)(r0 + r) * y_stride + o;
             y[k] = accumulate ? y[k] + v[r] : v[r];
         }
     }
@@ -224,7 +228,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     for (; r0 < n; ++r0) {
         float acc;
         ROW_DOT(acc, drow, mrow, qrow, x + (size_t)r0 * cols, xsum + (size_t)r0 * nb, nb);
-        const size_t k = (size_t)r0 * Y_STRIDE + o;
+        const size_t k = (size_t)r0 * y_stride + o;
         y[k] = accumulate ? y[k] + acc : acc;
     }
 }
@@ -275,7 +279,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     {                                                                                              \
         const float v_ = rows_finish(a_##t##_##r##_0, a_##t##_##r##_1, d_##t, m_##t,               \
                                      xsum + (size_t)(r0 + r) * nb, nb);                           \
-        const size_t k_ = (size_t)(r0 + r) * Y_STRIDE + o0 + t;                                    \
+        const size_t k_ = (size_t)(r0 + r) * y_stride + o0 + t;                                    \
         y[k_] = accumulate ? y[k_] + v_ : v_;                                                      \
     }
 #define TILE_STORE(t, NR) if (o0 + t < out_rows) { TILE_EACH_R(NR, TILE_STORE1, t) }
@@ -284,7 +288,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     if (o0 + t < out_rows) {                                                                       \
         float v_;                                                                                  \
         ROW_DOT(v_, d_##t, m_##t, q_##t, x + (size_t)r0 * cols, xsum + (size_t)r0 * nb, nb);       \
-        const size_t k_ = (size_t)r0 * Y_STRIDE + o0 + t;                                          \
+        const size_t k_ = (size_t)r0 * y_stride + o0 + t;                                          \
         y[k_] = accumulate ? y[k_] + v_ : v_;                                                      \
     }
 // rows [r0, r0 + NR) of x times the tile's outputs, each pair exactly as ROW_DOT computes it alone
@@ -308,7 +312,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
 // last lone row one output at a time (a tile of outputs over one row measured up to 2x the CPU time
 // of one output at a time on the LM head at batch 1). Global size: out_rows / TILE_O rounded up.
 #define TILE_KERNEL_BODY                                                                           \
-    y += Y_OFFSET;                                                                                 \
+    y += y_offset;                                                                                 \
     const int o0 = get_global_id(0) * TILE_O;                                                      \
     if (o0 >= out_rows) return;                                                                    \
     const int nb = cols / 32, nbp = (nb + 3) & ~3, n = n_rows[0];                                  \
@@ -322,7 +326,7 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
 __kernel void gemv_quant_tiles(__global const float *d, __global const half *m, __global const uchar *q,
                                __global const float *x, __global const float *xsum, __global float *y,
                                const int cols, const int out_rows, __global const int *n_rows,
-                               const int accumulate)
+                               const int accumulate, const int y_offset, const int y_stride)
 {
     TILE_KERNEL_BODY
 }
@@ -335,7 +339,7 @@ __kernel void gemv_quant_tiles(__global const float *d, __global const half *m, 
 __kernel void gemv_quant_tiles1(__global const float *d, __global const half *m, __global const uchar *q,
                                 __global const float *x, __global const float *xsum, __global float *y,
                                 const int cols, const int out_rows, __global const int *n_rows,
-                                const int accumulate)
+                                const int accumulate, const int y_offset, const int y_stride)
 {
     TILE_KERNEL_BODY
 }
@@ -379,9 +383,10 @@ __kernel void block_sums(__global const float *x, __global float *xsum, const in
 // command, and a decode step had 61 rms_norm launches.
 __kernel void gemv_quant_norm(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *x, __global const float *norm_w, const float eps,
-                              __global float *y, const int out_rows, const int accumulate)
+                              __global float *y, const int out_rows, const int accumulate,
+                              const int y_offset)
 {
-    y += Y_OFFSET;
+    y += y_offset;
     __local float xn[NORM_COLS];
     __local float xsum[NORM_COLS / 32];
     if (get_local_id(0) == 0) RMS_NORM_ROW(xn, xsum, x, norm_w, eps, NORM_COLS);
@@ -400,9 +405,9 @@ __kernel void gemv_quant_norm(__global const float *d, __global const half *m, _
 // launch and its gap cost ~15 us a layer, the prologue ~4 us on each core at once.
 __kernel void gemv_quant_silu(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const float *gu, __global float *y, const int out_rows,
-                              const int accumulate)
+                              const int accumulate, const int y_offset)
 {
-    y += Y_OFFSET;
+    y += y_offset;
     __local float act[SILU_COLS];
     __local float xsum[SILU_COLS / 32];
     if (get_local_id(0) == 0) {

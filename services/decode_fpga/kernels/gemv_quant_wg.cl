@@ -13,8 +13,6 @@
 #define XAS __global
 #include "quant_blocks.h"
 
-#include "stacked_output.h"
-
 // the dequantized weight e (0..31) of a 5- or 6-bit block (quants QB, its scale D for weight e,
 // minimum M), gguf's value (quant_blocks.h)
 inline float kq_weight(__global const uchar *qb, const float d, const float m, const int e)
@@ -91,16 +89,17 @@ inline float kq_weight(__global const uchar *qb, const float d, const float m, c
 // y[r, o] (+)= sum_c W[o, c] * x[r, c]; work-group (o, r), local size (WG, 1)
 __kernel void gemv_quant_wg(__global const float *d, __global const half *m, __global const uchar *q,
                             __global const float *x_all, __global float *y, const int cols,
-                            const int out_rows, const int accumulate)
+                            const int out_rows, const int accumulate, const int y_offset,
+                            const int y_stride)
 {
-    y += Y_OFFSET;
+    y += y_offset;
     __local float part[WG];
     const int o = get_group_id(0), r = get_global_id(1), lid = get_local_id(0);
     __global const float *x = x_all + (size_t)r * cols;
     float sum;
     ROW_SUM_WG(sum, o, cols / 32, part);
     if (lid == 0) {
-        const size_t k = (size_t)r * Y_STRIDE + o;
+        const size_t k = (size_t)r * y_stride + o;
         y[k] = accumulate ? y[k] + sum : sum;
     }
 }
@@ -109,9 +108,10 @@ __kernel void gemv_quant_wg(__global const float *d, __global const half *m, __g
 // reduces the sum of squares itself, so the norm needs no launch of its own
 __kernel void gemv_quant_norm_wg(__global const float *d, __global const half *m, __global const uchar *q,
                                  __global const float *x, __global const float *norm_w, const float eps,
-                                 __global float *y, const int out_rows, const int accumulate)
+                                 __global float *y, const int out_rows, const int accumulate,
+                                 const int y_offset)
 {
-    y += Y_OFFSET;
+    y += y_offset;
     __local float part[WG];
     const int o = get_group_id(0), lid = get_local_id(0);
     float ss = 0.0f;
