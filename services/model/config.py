@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.model.architecture import (ARCHITECTURES, GGUF_SUPPORTED, ROPE_SCALINGS, SUPPORTED, Architecture,
-                                         RopeScaling, by_gguf_name, by_hf_name, rope_inv_freq)
+                                         RopeScaling, by_gguf_name, by_hf_name)
 from services.model.checkpoint import Checkpoint, CheckpointError
 from services.model.gguf_file import gguf_reader
+from services.model.rope_cache import cached_inv_freq
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class ModelConfig:
         if self.arch.positions != "rope":
             return np.zeros(self.head_dim // 2, np.float32)
         factors = None if self.rope_freq_factors is None else np.asarray(self.rope_freq_factors, np.float32)
-        return rope_inv_freq(self.rope_theta, self.head_dim, self.rope_scaling, factors)
+        return cached_inv_freq(self.rope_theta, self.head_dim, self.rope_scaling, factors)
 
 
 def read_config(ckpt: Checkpoint) -> ModelConfig:
