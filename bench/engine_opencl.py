@@ -201,13 +201,11 @@ def main() -> int:
     args = ap.parse_args()
     rounds, steps, ctx = (2, 8, 64) if args.quick else (args.rounds, 24, 64)
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
     from services.model.loading import load_model
+    from services.model.reference import load_reference
     from services.prefill_gpu.engine import TorchEngine
 
     loaded = load_model()
@@ -228,7 +226,7 @@ def main() -> int:
         "gguf", max_context=1024, max_sequences=8, layer_kernels=False, keep_cores_awake=False), blocks)
     torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
     ck = loaded.checkpoint
-    hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
+    hf = load_reference(ck)
     llm = llama_cpp_model(ck.path)
     bandwidth = []
     runs: dict[str, list[float]] = {}

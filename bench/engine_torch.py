@@ -105,16 +105,15 @@ def main() -> int:
     batches = (1, 4) if args.quick else (1, 4, 16)
     steps = 8 if args.quick else 16
 
-    from transformers import AutoModelForCausalLM
-
     from services.model.loading import load_model
+    from services.model.reference import load_reference
     from services.prefill_gpu.engine import TorchEngine
 
     progress("loading the model twice: ours and transformers'")
     loaded = load_model()
     ours = TorchEngine(loaded.config, loaded.weights, device="cpu")
     ck = loaded.checkpoint
-    hf = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32).eval()
+    hf = load_reference(ck)
     rng = np.random.default_rng(0)
     load_before = os.getloadavg()[0]
     res = {"prefill": {}, "decode": {}}

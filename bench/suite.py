@@ -131,12 +131,11 @@ def transformers_baseline(cells, reps: int) -> dict:
     import copy
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from services.model.checkpoint import locate
+    from services.model.reference import load_reference
 
-    ck = locate(None)
-    model = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=torch.float32)
+    model = load_reference(locate(None))
     gc = copy.deepcopy(model.generation_config)
     gc.eos_token_id, gc.pad_token_id, gc.do_sample = -1, 0, False  # never stop early: like ignore_eos
     gc.max_new_tokens = 2

@@ -135,27 +135,10 @@ def torch_engine(loaded_model):
 
 @pytest.fixture(scope="session")
 def hf_model(loaded_model):
-    """transformers' own Llama on the same GGUF: the numerical reference."""
-    import functools
+    """transformers' own Llama on the same GGUF: the numerical reference (services/model/reference.py)."""
+    from services.model.reference import load_reference
 
-    import gguf
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from services.model.gguf_file import plain_view_reader
-
-    ckpt = loaded_model.checkpoint
-    with pytest.MonkeyPatch.context() as mp:
-        # transformers' GGUF loading parses the file twice with gguf-py's reader and builds gguf-py's tensor
-        # name map once per module (397 times): ~17 s of each test session on a Xeon, 9 of it memmap views.
-        # It gets the same reader over plain views (the same fields and tensors: tests/model/test_gguf_file.py)
-        # and one name map per (architecture, layer count), which it only reads; the dequantization, the
-        # name mapping and the model stay transformers' own
-        mp.setattr(gguf, "GGUFReader", plain_view_reader())
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        model = AutoModelForCausalLM.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name,
-                                                     dtype=torch.float32)
-    return model.eval()
+    return load_reference(loaded_model.checkpoint)
 
 
 def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
