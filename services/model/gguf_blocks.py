@@ -83,7 +83,7 @@ def _ggml_type(qtype: str):
 
 def dequantize_rows(t: BlockTensor, rows: np.ndarray | slice | None = None) -> np.ndarray:
     """float32 [n, cols] of the given rows (all when None), with gguf's own dequantization."""
-    from gguf.quants import dequantize
+    from services.model.dequantize import dequantize
 
     raw = t.raw if rows is None else t.raw[rows]
     raw = np.ascontiguousarray(raw.reshape(-1, t.raw.shape[1]))
@@ -183,7 +183,7 @@ class GGUFBlocks:
             if not dense_fallback:
                 raise CheckpointError(f"{name}: GGUF type {t.tensor_type.name} has no device kernel "
                                       f"(supported: {', '.join(SUPPORTED_GGML_TYPES)})")
-            from gguf.quants import dequantize
+            from services.model.dequantize import dequantize
 
             log.warning("%s: GGUF type %s has no device kernel; stored as f32", name, t.tensor_type.name)
             dense = np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(rows, cols), np.float32)

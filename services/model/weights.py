@@ -1,7 +1,8 @@
 """Model weights as float32 numpy arrays in one structure both engines read.
 
-GGUF checkpoints are dequantized with the `gguf` package (the same code path
-`transformers` uses, so the values match the reference bit for bit); Hugging Face
+GGUF checkpoints are dequantized with the `gguf` package's block arithmetic (the code
+`transformers` uses, so the values match the reference bit for bit; in larger chunks of
+rows, services/model/dequantize.py); Hugging Face
 directories are read from safetensors only: pickled checkpoints are refused.
 Which tensors a layer has, and what each is called in either kind of checkpoint, is the
 architecture's (services/model/architecture.py); this module only reads and checks them.
@@ -112,7 +113,7 @@ def _gguf_tensors(ckpt: Checkpoint, cfg: ModelConfig, skip: frozenset[str] = fro
                   shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
     """Every tensor dequantized to fp32, those in `skip` as empty [0, cols] arrays (their shapes in
     `shapes`)."""
-    from gguf.quants import dequantize
+    from services.model.dequantize import dequantize
 
     try:
         reader = gguf_reader(ckpt.path)
