@@ -45,6 +45,21 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port found on 127.0.0.1")
 
 
+def free_strided_ports(stride: int, count: int) -> int:
+    """A free port p with p + i x stride free too for i < count (`up --pairs`: pair i's ports are the
+    first pair's plus i x its stride), none handed out before and all of them handed out now: a later
+    free_port() once gave a gateway the port `up` then gave pair 1's decode_fpga for its metrics."""
+    for _ in range(100):
+        p = free_port()
+        run = [p + stride * i for i in range(1, count)]
+        if run and run[-1] >= 65536:
+            continue
+        if all(q not in _handed_out and port_is_free(q) for q in run):
+            _handed_out.update(run)
+            return p
+    raise RuntimeError(f"no free ports {count} x {stride} apart")
+
+
 def port_is_free(port: int) -> bool:
     """Whether TCP port `port` of 127.0.0.1 can be bound now."""
     with socket.socket() as s:

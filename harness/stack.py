@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.process import Process, free_port, http_ok, port_is_free
+from harness.process import Process, free_port, free_strided_ports, http_ok
 
 
 @dataclass
@@ -51,15 +51,6 @@ class Stack:
         self.process.stop(signal.SIGTERM, timeout=60)
 
 
-def _free_strided(stride: int, count: int) -> int:
-    """A free port p with p + i x stride free too, for i < count."""
-    for _ in range(100):
-        p = free_port()
-        if p + stride * count < 65536 and all(port_is_free(p + stride * i) for i in range(1, count)):
-            return p
-    raise RuntimeError(f"no free ports {count} x {stride} apart")
-
-
 def launch_stack(log_path: Path, extra_env: dict | None = None, pairs: int = 1, port_stride: int = 10,
                  engines_per_kind: int | None = None) -> Stack:
     """`hybridserve up [--pairs N]` with every port free, started (see Stack.wait_up)."""
@@ -70,7 +61,7 @@ def launch_stack(log_path: Path, extra_env: dict | None = None, pairs: int = 1, 
 
     # engines_per_kind: the most engines of one kind (pools, `up --prefill N --decode M`: M), each a stride apart
     strided = engines_per_kind or pairs
-    ports = {name: _free_strided(port_stride, strided) if name.startswith(("prefill", "decode")) else free_port()
+    ports = {name: free_strided_ports(port_stride, strided) if name.startswith(("prefill", "decode")) else free_port()
              for name in ("prefill", "prefill_metrics", "decode", "decode_metrics", "gateway", "up_metrics")}
     env = {PrefillSettings.env_name("port"): ports["prefill"],
            PrefillSettings.env_name("metrics_port"): ports["prefill_metrics"],

@@ -6,7 +6,8 @@ import socket
 
 import pytest
 
-from harness.process import Process, ephemeral_ports, free_port, http_ok
+import harness.process
+from harness.process import Process, ephemeral_ports, free_port, free_strided_ports, http_ok
 from harness.services import Service
 
 
@@ -24,6 +25,25 @@ def test_free_ports_are_never_handed_out_twice_nor_taken_from_the_ephemeral_rang
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
     assert all(p < lo or p > hi for p in ports), [p for p in ports if lo <= p <= hi]
+
+
+def test_a_strided_run_of_ports_is_handed_out_whole(monkeypatch):
+    """`up --pairs 2` puts pair 1 a stride above pair 0's ports: those must never go to anything else
+    (a gateway once got the port of pair 1's decode metrics, and the stack did not start). The random
+    draws are scripted: the run's start, then its second port, then one past it."""
+    lo, _ = ephemeral_ports()
+    start = next(p for p in range(harness.process.LOWEST_PORT, lo - 40, 50)
+                 if all(harness.process.port_is_free(p + k) and p + k not in harness.process._handed_out
+                        for k in (0, 10, 20, 21)))
+    draws = iter([start, start + 10, start + 21])
+
+    class Scripted:
+        def randrange(self, *_):
+            return next(draws)
+
+    monkeypatch.setattr(harness.process.random, "SystemRandom", Scripted)
+    assert free_strided_ports(10, 3) == start
+    assert free_port() == start + 21  # not start + 10, the run's, though nothing listens there yet
 
 
 def test_wait_until_returns_once_the_probe_passes_and_stop_ends_the_process(tmp_path):
