@@ -5,13 +5,15 @@ what makes both engines' angles the reference's bit for bit (numpy's float32 `po
 torch's in the last bit for hundreds of (theta, head_dim) pairs). It is the only thing decode_fpga
 needs torch for, and `import torch` was ~2.7 s of CPU and ~300 MB of a decode engine's start. The
 values are kept as a .npy file named by everything they depend on (theta, head dim, scaling, the
-file's frequency factors, torch's version), written whole or not at all; a cache that cannot be
-read or written only costs the import.
+file's frequency factors, torch's version and rope_inv_freq's own source, so a change to it is never
+answered from an older entry), written whole or not at all; a cache that cannot be read or written
+only costs the import.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 import os
 import tempfile
@@ -30,9 +32,10 @@ CACHE = "~/.cache/hybridserve/rope"
 def cached_inv_freq(theta: float, head_dim: int, scaling: RopeScaling = RopeScaling(),
                     freq_factors: np.ndarray | None = None, cache_dir: str | None = CACHE) -> np.ndarray:
     """rope_inv_freq's values, from `cache_dir` when computed before (None: always computed)."""
-    if cache_dir is None:
+    key = _key(theta, head_dim, scaling, freq_factors) if cache_dir is not None else None
+    if key is None:
         return rope_inv_freq(theta, head_dim, scaling, freq_factors)
-    path = Path(cache_dir).expanduser() / f"{_key(theta, head_dim, scaling, freq_factors)}.npy"
+    path = Path(cache_dir).expanduser() / f"{key}.npy"
     try:
         inv = np.load(path, allow_pickle=False)
         if inv.dtype == np.float32 and inv.shape == (head_dim // 2,):
@@ -47,12 +50,18 @@ def cached_inv_freq(theta: float, head_dim: int, scaling: RopeScaling = RopeScal
     return inv
 
 
-def _key(theta: float, head_dim: int, scaling: RopeScaling, freq_factors: np.ndarray | None) -> str:
+def _key(theta: float, head_dim: int, scaling: RopeScaling, freq_factors: np.ndarray | None) -> str | None:
+    """The entry's name; None (no caching) where rope_inv_freq's source cannot be read (an install
+    without .py files), since a change to it could then not be told from an older entry."""
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "none"
-    parts = [repr(float(theta)), str(int(head_dim)), repr(dataclasses.astuple(scaling)), torch_version]
+    try:
+        code = inspect.getsource(rope_inv_freq)
+    except (OSError, TypeError):
+        return None
+    parts = [repr(float(theta)), str(int(head_dim)), repr(dataclasses.astuple(scaling)), torch_version, code]
     factors = b"none" if freq_factors is None else np.ascontiguousarray(freq_factors, np.float32).tobytes()
     return hashlib.sha256("|".join(parts).encode() + b"|" + factors).hexdigest()[:32]
 

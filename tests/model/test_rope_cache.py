@@ -78,3 +78,29 @@ def test_a_process_that_finds_the_default_models_frequencies_cached_never_import
     assert first["torch"] and not second["torch"]
     assert second["inv_freq"] == first["inv_freq"] and len(first["inv_freq"]) == 32
     assert len(list((tmp_path / ".cache/hybridserve/rope").glob("*.npy"))) == 1
+
+
+def test_changed_frequency_code_is_never_answered_from_an_older_entry(tmp_path, monkeypatch):
+    """The entry's name covers rope_inv_freq's source: a fix to it must not be hidden by the values an
+    older version cached."""
+    from services.model import rope_cache
+
+    cached_inv_freq(10000.0, 64, cache_dir=str(tmp_path))
+
+    def fixed_rope_inv_freq(theta, head_dim, scaling=RopeScaling(), freq_factors=None):
+        return np.full(head_dim // 2, 0.5, np.float32)
+
+    monkeypatch.setattr(rope_cache, "rope_inv_freq", fixed_rope_inv_freq)
+    np.testing.assert_array_equal(cached_inv_freq(10000.0, 64, cache_dir=str(tmp_path)), np.full(32, 0.5, np.float32))
+    assert len(list(tmp_path.glob("*.npy"))) == 2
+
+
+def test_without_the_codes_source_nothing_is_cached(tmp_path, monkeypatch):
+    from services.model import rope_cache
+
+    def no_source(_):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(rope_cache.inspect, "getsource", no_source)
+    np.testing.assert_array_equal(cached_inv_freq(10000.0, 64, cache_dir=str(tmp_path)), rope_inv_freq(10000.0, 64))
+    assert not list(tmp_path.iterdir())
