@@ -112,8 +112,7 @@ def main() -> int:
     progress("loading the model twice: ours and transformers'")
     loaded = load_model()
     ours = TorchEngine(loaded.config, loaded.weights, device="cpu")
-    ck = loaded.checkpoint
-    hf = load_reference(ck)
+    hf = load_reference(loaded.checkpoint)
     rng = np.random.default_rng(0)
     load_before = os.getloadavg()[0]
     res = {"prefill": {}, "decode": {}}

@@ -2,7 +2,7 @@
 
 architecture.rope_inv_freq computes them with torch, step by step as transformers does, which is
 what makes both engines' angles the reference's bit for bit (numpy's float32 `power` differs from
-torch's in the last bit for hundreds of (theta, head_dim) pairs). It is the only thing decode_fpga
+torch's in the last bit: 615 values over 8 thetas x 8 head dims). It is the only thing decode_fpga
 needs torch for, and `import torch` was ~2.7 s of CPU and ~300 MB of a decode engine's start. The
 values are kept as a .npy file named by everything they depend on (theta, head dim, scaling, the
 file's frequency factors, torch's version and rope_inv_freq's own source, so a change to it is never
