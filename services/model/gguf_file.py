@@ -193,7 +193,7 @@ class GGUFFile:
 
 @functools.cache
 def plain_view_reader() -> type:
-    """gguf.GGUFReader over a plain ndarray: what this module falls back on, and what the test suite
+    """gguf.GGUFReader over a plain ndarray: what this module falls back on, and what reference.py
     hands transformers' GGUF loading."""
     import gguf
 

@@ -65,7 +65,7 @@ def test_the_reader_gives_what_gguf_py_gives_on_the_default_model(loaded_model):
     ours = gguf_reader(path)
     assert type(ours) is GGUFFile and not isinstance(ours.data, np.memmap)
     same_as_gguf_py(ours, path)
-    # and the fallback, which the suite also hands transformers' GGUF loading (tests/conftest.py)
+    # and the fallback, which services/model/reference.py also hands transformers' GGUF loading
     plain = plain_view_reader()(str(path))
     assert isinstance(plain, gguf.GGUFReader) and not isinstance(plain.data, np.memmap)
     same_as_gguf_py(plain, path)
