@@ -1,5 +1,6 @@
-"""One-row block GEMV per format on a 1B model's shapes (8192x2048, 2048x2048): time per launch, and
-the process's CPU time per launch, which a busy machine disturbs far less than the wall clock.
+"""Block GEMV per format on a 1B model's shapes (8192x2048, 2048x2048): time per launch, and the
+process's CPU time per launch, which a busy machine disturbs far less than the wall clock. One row of
+x by default; --rows N puts N rows through the batched GEMV the paged step uses (bind_gemv_rows).
 
 At one row the K-quants are bound by arithmetic on this CPU, not by memory, so the CPU time of a
 launch (both PoCL threads together) is what a kernel change moves. Several distinct matrices are
@@ -8,6 +9,7 @@ quantize to K-quants; speed does not depend on the values). With --baseline, a c
 earlier commit runs in alternate subprocesses, round by round, so both see the same load:
 
     python bench/kquant_gemv.py [--rounds N] [--baseline DIR] [--formats q4_1,q4_k,q5_k,q6_k]
+                                [--rows N] [--name RESULTS_NAME]
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ def cpu_seconds() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def measure(tree: Path, formats: list[str], runs: int) -> list[dict]:
-    """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes."""
+def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1) -> list[dict]:
+    """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes. n_rows
+    > 1: that many rows of x through bind_gemv_rows (the paged step's batched GEMV, each row with the
+    one-row arithmetic), timed per launch as at one row."""
     sys.path.insert(0, str(tree))  # ahead of this checkout, which _common put first
     import numpy as np
     import pyopencl as cl
@@ -46,30 +50,38 @@ def measure(tree: Path, formats: list[str], runs: int) -> list[dict]:
     assert Path(sys.modules["services"].__file__).resolve().is_relative_to(tree.resolve())
 
     dev = select_device()
-    x = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 * 4)
-    y = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 * 4)
-    sums = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 8192 // 32 * 4)
-    cl.enqueue_fill_buffer(dev.queue, x, np.float32(0.01), 0, 8192 * 4)
-    cl.enqueue_fill_buffer(dev.queue, sums, np.float32(0.32), 0, 8192 // 32 * 4)
+    x = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, n_rows * 8192 * 4)
+    y = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, n_rows * 8192 * 4)
+    sums = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, n_rows * 8192 // 32 * 4)
+    count = cl.Buffer(dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
+                      hostbuf=np.array([n_rows], np.int32))
+    cl.enqueue_fill_buffer(dev.queue, x, np.float32(0.01), 0, n_rows * 8192 * 4)
+    cl.enqueue_fill_buffer(dev.queue, sums, np.float32(0.32), 0, n_rows * 8192 // 32 * 4)
+
+    def bound(m):
+        if n_rows == 1:
+            return m.bind_gemv(x, y, 1, x_sums=sums).enqueue
+        rows = m.bind_gemv_rows(x, y, count, x_sums=sums)
+        return lambda q: rows.enqueue(q, 0, n_rows)
     out = []
     for rows, cols in SHAPES:
         copies = max(3, int(40e6 // (rows * cols * 0.6)))  # ~40 MB of blocks: past the caches
         for fmt in formats:
             mats = [QuantMatrix(dev, synthetic(fmt, rows, cols, i) if fmt in ("q4_0", "q4_1", "q8_0")
                                 else random_blocks(fmt, rows, cols, seed=i)) for i in range(copies)]
-            launches = [m.bind_gemv(x, y, 1, x_sums=sums) for m in mats]
-            reps = max(2, int(4e6 // (rows * cols * 0.6)))
+            launches = [bound(m) for m in mats]
+            reps = max(2, int(4e6 // (rows * cols * 0.6 * n_rows)))
             for la in launches:
-                la.enqueue(dev.queue)
+                la(dev.queue)
             dev.queue.finish()
             for _ in range(runs):
                 t, c = time.perf_counter(), cpu_seconds()
                 for _ in range(reps):
                     for la in launches:
-                        la.enqueue(dev.queue)
+                        la(dev.queue)
                 dev.queue.finish()
                 n = reps * copies
-                out.append({"format": fmt, "rows": rows, "cols": cols, "bytes": mats[0].nbytes,
+                out.append({"format": fmt, "rows": rows, "cols": cols, "bytes": mats[0].nbytes, "x_rows": n_rows,
                             "wall_us": (time.perf_counter() - t) / n * 1e6, "cpu_us": (cpu_seconds() - c) / n * 1e6})
             del launches, mats
     return out
@@ -80,13 +92,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="alternating subprocess rounds")
     ap.add_argument("--runs", type=int, default=3, help="timed passes per format and shape in a round")
     ap.add_argument("--formats", default="q4_1,q4_k,q5_k,q6_k")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x a launch (>1: the batched GEMV)")
+    ap.add_argument("--name", default="kquant_gemv", help="the results file's name")
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout of an earlier commit to compare")
     ap.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)  # a checkout to measure
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     formats = args.formats.split(",")
     if args.child:
-        print(json.dumps(measure(args.child, formats, args.runs)))
+        print(json.dumps(measure(args.child, formats, args.runs, args.rows)))
         return 0
     trees = {"this": HERE.parent}
     if args.baseline:
@@ -98,7 +112,7 @@ def main() -> int:
             progress(f"round {r + 1}/{args.rounds}: {name}")
             env = {**os.environ, "PYTHONPATH": str(tree)}
             done = subprocess.run([sys.executable, __file__, "--child", str(tree), "--runs", str(args.runs),
-                                   "--formats", args.formats], env=env, capture_output=True, text=True)
+                                   "--formats", args.formats, "--rows", str(args.rows)], env=env, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")
             for s in json.loads(done.stdout.strip().splitlines()[-1]):
@@ -116,7 +130,7 @@ def main() -> int:
                   f"{ln['cpu_us_median']:.0f}", f"{ln['wall_us_median']:.0f}", f"{ln['wall_us_min']:.0f}",
                   f"{ln['gbs_at_cpu_per_2_threads']:.1f}"] for ln in lines]))
     print(f"load average before {load_before}, after {os.getloadavg()}")
-    write_json("kquant_gemv", {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds,
+    write_json(args.name, {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "x_rows": args.rows,
                                "runs": args.runs, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                                "lines": lines}, out_dir=Path(args.out))
     return 0

@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 from services.decode_fpga.quant_gemv import QuantMatrix, split_blocks
 from services.model.gguf_blocks import BlockTensor, as_q8_0, stack_exact
 from tests.decode_fpga.kquant_checkpoint import ggml_type, random_blocks
-from tests.decode_fpga.test_gemv_rows import check
+from tests.decode_fpga.test_gemv_rows import N_ROWS, check, one_row, run_rows
 from tests.decode_fpga.test_quant_gemv import gemv_dev, run_gemv, synthetic  # noqa: F401 (fixture)
 
 KTYPES = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -104,6 +104,26 @@ def test_batched_rows_are_one_row_gemvs(gemv_dev, qtype):
     """The paged step's GEMV (bind_gemv_rows): close to gguf's, and every row bit for bit the one-row GEMV."""
     t = random_blocks(qtype, 45, cols_for(qtype, 7), seed=3)
     check(gemv_dev, QuantMatrix(gemv_dev, t), lambda x, y0: reference(t, x, y0), 3, True)
+
+
+def test_q6_k_products_are_rounded_once(gemv_dev):
+    """Q6_K (a scale per 16 weights) multiplies x by gguf's weights themselves, scaled before the
+    products, in one row and in the batched rows alike: a row of x that is v at column c alone gives
+    float32(W[o, c] v), one rounding, as an f32 matmul of the dequantized matrix does. Scaling each
+    partial product instead (the kernels before) rounded twice, and the batched GEMV multiplied twice
+    a row for every block (bench/kquant_gemv.py --rows 8)."""
+    t = random_blocks("q6_k", 21, 512, seed=9)
+    rng = np.random.default_rng(9)
+    cols = rng.choice(t.cols, size=N_ROWS, replace=False)
+    v = rng.normal(size=N_ROWS).astype(np.float32)
+    x = np.zeros((N_ROWS, t.cols), np.float32)
+    x[np.arange(N_ROWS), cols] = v
+    want = (ggufs(t)[:, cols].T.astype(np.float64) * v[:, None].astype(np.float64)).astype(np.float32)
+    m = QuantMatrix(gemv_dev, t)
+    zeros = np.zeros((N_ROWS, t.rows), np.float32)
+    np.testing.assert_array_equal(run_rows(gemv_dev, m, x, zeros, False), want)
+    for r in range(N_ROWS):
+        np.testing.assert_array_equal(one_row(gemv_dev, m, x[r:r + 1], zeros[r:r + 1], False)[0], want[r])
 
 
 @pytest.mark.parametrize("qtype", KTYPES)

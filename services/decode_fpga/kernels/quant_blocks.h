@@ -122,14 +122,28 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
     return fma(w1, vload16(2 * b + 1, x), w0 * vload16(2 * b, x));
 }
 
-// A += block B of a row (quants QROW, scales DROW) times X, scaled: one scale a block, or
-// Q6_K's two (the 16-weight halves scaled apart). The one expression of the one-row kernels
-// (ROW_DOT) and of gemv_quant_rows (gemv_quant.cl), so they round alike.
+// The terms of block b that BLOCK_ACC_F takes: block_weights_f's, and for Q6_K (two scales a
+// block) those times their half's scale: gguf's weights themselves, each an exact product. Scaled
+// once, a Q6_K block costs a row of x two fmas where scaling each row's partial products took two
+// multiplies and two fmas (the batched GEMVs convert a block once for every row beside it).
+inline void block_terms_f(const int F, __global const uchar *q, const int b, __global const float *drow,
+                          __global const half *mrow, float16 *w0, float16 *w1)
+{
+    block_weights_f(F, q, b, w0, w1);
+    if (DPER_F(F) == 2) {
+        *w0 *= HALF_SCALE_F(F, drow, mrow, b, 0);
+        *w1 *= HALF_SCALE_F(F, drow, mrow, b, 1);
+    }
+}
+
+// A += block B of a row (quants QROW, scales DROW) times X, from block_terms_f's W0, W1: times
+// the block's scale after the dot (one scale a block), or Q6_K's weights (already scaled) straight
+// into A. The one expression of the one-row kernels (ROW_DOT) and of the batched ones
+// (gemv_quant.cl), so they round alike.
 #define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
     do {                                                                                       \
         if (DPER_F(F) == 2)                                                                    \
-            A = fma((W1) * vload16(2 * (B) + 1, (X)), (float16)(HALF_SCALE_F(F, DROW, MROW, B, 1)), \
-                    fma((W0) * vload16(2 * (B), (X)), (float16)(HALF_SCALE_F(F, DROW, MROW, B, 0)), A)); \
+            A = fma((W1), vload16(2 * (B) + 1, (X)), fma((W0), vload16(2 * (B), (X)), A));     \
         else                                                                                   \
             A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))),        \
                     (float16)(SCALE_F(F, DROW, MROW, B)), A);                                  \
@@ -138,7 +152,7 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
     do {                                                                                       \
         if (DPER_F(F) == 2) {                                                                  \
             float16 w0_, w1_;                                                                  \
-            block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
+            block_terms_f((F), (QROW), (B), (DROW), (MROW), &w0_, &w1_);                       \
             BLOCK_ACC_F(F, A, w0_, w1_, (X), (B), (DROW), (MROW));                             \
         } else {                                                                               \
             A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SCALE_F(F, DROW, MROW, B)), A); \
@@ -159,8 +173,7 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
         if (DPER_F(F) == 2) {                                                                  \
             float16 w0_, w1_;                                                                  \
             block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
-            A = fma(w1_ * vload16(2 * (B) + 1, (X)), (float16)(SO),                            \
-                    fma(w0_ * vload16(2 * (B), (X)), (float16)(SE), A));                       \
+            A = fma(w1_ * (SO), vload16(2 * (B) + 1, (X)), fma(w0_ * (SE), vload16(2 * (B), (X)), A)); \
         } else {                                                                               \
             A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SE), A);                     \
         }                                                                                      \
@@ -248,6 +261,7 @@ inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XA
 #define DROW_AT(D, O, NBP) DROW_AT_F(QFMT, D, O, NBP)
 #define block_weights(Q, B, W0, W1) block_weights_f(QFMT, (Q), (B), (W0), (W1))
 #define block_dot(Q, B, X) block_dot_f(QFMT, (Q), (B), (X))
+#define block_terms(Q, B, DROW, MROW, W0, W1) block_terms_f(QFMT, (Q), (B), (DROW), (MROW), (W0), (W1))
 #define BLOCK_ACC(A, W0, W1, X, B, DROW, MROW) BLOCK_ACC_F(QFMT, A, W0, W1, X, B, DROW, MROW)
 #define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB) ROW_DOT_F(QFMT, ACC, DROW, MROW, QROW, X, XSUM, NB)
 #define GEMV_ROW(O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE) GEMV_ROW_F(QFMT, O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)
