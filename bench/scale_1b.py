@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -88,6 +89,17 @@ def file_matrix_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2)
 
 
+def exit_reason(returncode: int) -> str:
+    """A child's exit status in words: a signal by name, and what SIGILL means for a llama.cpp build."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    name = signal.Signals(-returncode).name
+    if name == "SIGILL":
+        return (f"killed by {name}: the build uses an instruction this CPU or VM does not run; AMX faults on "
+                f"the VMs here, so build with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 (bench/llama_server.py)")
+    return f"killed by {name}"
+
+
 def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATCHES) -> dict[int, float]:
     """llama-batched-bench: seconds per decode step for each batch (its generation phase)."""
     from llama_server import library_env
@@ -97,7 +109,7 @@ def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATC
            "-npp", str(context), "-ntg", str(steps), "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=library_env(binary), timeout=900)
     if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({exit_reason(done.returncode)}):\n{done.stderr[-2000:]}")
     out = {}
     for line in done.stdout.splitlines():
         if line.startswith("{"):
