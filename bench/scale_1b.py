@@ -95,8 +95,10 @@ def exit_reason(returncode: int) -> str:
         return f"exit status {returncode}"
     name = signal.Signals(-returncode).name
     if name == "SIGILL":
+        from llama_server import NO_AMX
+
         return (f"killed by {name}: the build uses an instruction this CPU or VM does not run; AMX faults on "
-                f"the VMs here, so build with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 (bench/llama_server.py)")
+                f"the VMs here, so build with {NO_AMX} (bench/llama_server.py)")
     return f"killed by {name}"
 
 

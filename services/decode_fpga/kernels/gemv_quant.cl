@@ -76,16 +76,16 @@ inline void dequant_block(__global const uchar *q, __global const float *drow, _
 #endif
 #endif
 #else
-    block_weights(q, b, w0, w1);
 #if DPER == 2
-    *w0 *= HALF_SCALE(drow, mrow, b, 0);
-    *w1 *= HALF_SCALE(drow, mrow, b, 1);
+    block_terms(q, b, drow, mrow, w0, w1);  // each weight d_h (q - 32): gguf's value
 #elif HAS_MINS
+    block_weights(q, b, w0, w1);
     // the minimum 4-wide: a scalar half load is emulated in software on PoCL
     const float d = SCALE(drow, mrow, b), m = pick4(LOAD_MIN4(b >> 2, mrow, drow), b & 3);
     *w0 = *w0 * d + m;
     *w1 = *w1 * d + m;
 #else
+    block_weights(q, b, w0, w1);
     *w0 *= drow[b];
     *w1 *= drow[b];
 #endif

@@ -140,10 +140,12 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
 // the block's scale after the dot (one scale a block), or Q6_K's weights (already scaled) straight
 // into A. The one expression of the one-row kernels (ROW_DOT) and of the batched ones
 // (gemv_quant.cl), so they round alike.
+// A += block B's scaled weights W0, W1 (Q6_K's terms) times X: the one expression of both paths
+#define SCALED_ACC(A, W0, W1, X, B) A = fma((W1), vload16(2 * (B) + 1, (X)), fma((W0), vload16(2 * (B), (X)), A))
 #define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
     do {                                                                                       \
         if (DPER_F(F) == 2)                                                                    \
-            A = fma((W1), vload16(2 * (B) + 1, (X)), fma((W0), vload16(2 * (B), (X)), A));     \
+            SCALED_ACC(A, (W0), (W1), (X), (B));                                               \
         else                                                                                   \
             A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))),        \
                     (float16)(SCALE_F(F, DROW, MROW, B)), A);                                  \
@@ -173,7 +175,7 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
         if (DPER_F(F) == 2) {                                                                  \
             float16 w0_, w1_;                                                                  \
             block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
-            A = fma(w1_ * (SO), vload16(2 * (B) + 1, (X)), fma(w0_ * (SE), vload16(2 * (B), (X)), A)); \
+            SCALED_ACC(A, w0_ * (SE), w1_ * (SO), (X), (B));  /* block_terms_f's values */     \
         } else {                                                                               \
             A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SE), A);                     \
         }                                                                                      \
