@@ -49,9 +49,13 @@ LANES = {
                    # a process of its own building the default model's kernels into an empty PoCL cache
                    # (~25 s): from a fresh clone the in-process lane still ended last, by ~50 s
                    "tests/decode_fpga/test_pocl_builds.py",
-                   # no stack, but K-quant engines whose kernels a fresh clone builds cold (~50 s alone): the
-                   # in-process lane still ended last there, 878 s against 811 (lanes 2026-11-28)
-                   "tests/decode_fpga/test_kquant_engine.py"),
+                   # no stack, but K-quant engines whose kernels a fresh clone builds cold (~55 s): the
+                   # in-process lane ended last with none of them here (878 s against 811), the stacks lane
+                   # with all (722 against 662, an empty HOME, 2026-11-28): about half of it each
+                   "tests/decode_fpga/test_kquant_engine.py::test_one_launch_layers_bit_for_bit_per_type[q4",
+                   "tests/decode_fpga/test_kquant_engine.py::test_one_launch_layers_bit_for_bit_per_type[mixed]",
+                   "tests/decode_fpga/test_kquant_engine.py::test_three_modes_give_transformers_tokens",
+                   "tests/decode_fpga/test_kquant_engine.py::test_every_matrix_is_stored_in_its_own_format"),
     # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
     # "ran as one launch at least once" then fails; test_engine_loss: its kill must land while two
     # streams run, and beside the in-process lane one of them twice ended first)

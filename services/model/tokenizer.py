@@ -10,6 +10,7 @@ read back in 0.3 s; the cache keeps the KEPT newest and is skipped when it canno
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 CACHE = "~/.cache/hybridserve/tokenizers"
 KEPT = 16  # converted tokenizers kept (each ~3 MB for the default model)
 KEY_BYTES = 16 << 20
+# the class names transformers gives the plain tokenizers-library tokenizer (v5, and v4's alias)
+FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(ckpt: Checkpoint, cache_dir: str | None = CACHE):
@@ -31,17 +34,17 @@ def load_tokenizer(ckpt: Checkpoint, cache_dir: str | None = CACHE):
     # Never reach for a hub: weights and tokenizer come from the checkpoint on disk.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     start = time.perf_counter()
     cached = _cached_dir(ckpt, cache_dir) if ckpt.kind == "gguf" and cache_dir else None
     if cached is not None and (cached / "tokenizer.json").is_file():
         try:
-            tok = AutoTokenizer.from_pretrained(str(cached))
+            tok = _from_cache(cached)
             log.info("tokenizer loaded in %.2fs (converted before: %s)", time.perf_counter() - start, cached)
             return tok
         except Exception as exc:  # a damaged entry: convert again, and replace it
             log.warning("cached tokenizer %s unreadable (%s): converting the checkpoint's again", cached, exc)
+    from transformers import AutoTokenizer
+
     try:
         if ckpt.kind == "gguf":
             tok = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
@@ -53,6 +56,21 @@ def load_tokenizer(ckpt: Checkpoint, cache_dir: str | None = CACHE):
     if cached is not None:
         _keep(tok, cached)
     return tok
+
+
+def _from_cache(cached: Path):
+    """A converted tokenizer read back. What the cache holds is transformers' tokenizers-library
+    class (a GGUF conversion's): loaded as that class, not through AutoTokenizer, whose model and
+    configuration registry imports torch (3.6 s of CPU at every gateway start against 1.3, the same
+    tokenizer: tests/model/test_tokenizer_cache.py)."""
+    config = json.loads((cached / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") in FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cached))
 
 
 def _cached_dir(ckpt: Checkpoint, cache_dir: str) -> Path | None:
