@@ -209,9 +209,9 @@ def test_decode_fpga_killed_mid_stream_the_streams_go_on_on_prefill_gpu_with_the
     if choice_texts(beside, 2) != several_reference:
         # A sampled token whose uniform falls within rounding of a boundary of the CDF can come out
         # as its neighbour when the continuation's engine (torch) computes the logits in another
-        # order than the reference's (OpenCL): seen once in a full run (2026-11-28), the texts equal
-        # for ~50 tokens past the migration. A wrong stream or position diverges on every run, so a
-        # second kill must give the reference's texts.
+        # order than the reference's (OpenCL): seen once in a full run (2026-11-28), the second
+        # choice equal to its reference for its first ~50 tokens, well past the kill. A wrong stream or
+        # position diverges on every run, so a second kill must give the reference's texts.
         _, beside = kill_decode_mid_stream(stack, several)
         assert choice_texts(beside, 2) == several_reference
 
