@@ -161,6 +161,10 @@ def choice_texts(events: list, n: int) -> list[str]:
             for i in range(n)]
 
 
+def migrations_of(events: list) -> list[dict]:
+    return next(e["hybridserve"] for e in events if isinstance(e, dict) and e.get("hybridserve"))["migrations"]
+
+
 def kill_decode_mid_stream(stack, several: dict) -> tuple[list, list]:
     """decode_fpga SIGKILLed after KILL_AFTER chunks of a greedy hybrid stream while a request of
     several choices streams beside it: both requests' events."""
@@ -203,7 +207,7 @@ def test_decode_fpga_killed_mid_stream_the_streams_go_on_on_prefill_gpu_with_the
     # the two choices: each continued in a call of its own, where it was
     assert beside[-1] == "[DONE]" and not any("error" in e for e in beside if isinstance(e, dict))
     assert beside[-2]["usage"]["completion_tokens"] == 2 * N_TOKENS
-    moves = next(e["hybridserve"] for e in beside if isinstance(e, dict) and e.get("hybridserve"))["migrations"]
+    moves = migrations_of(beside)
     assert [(mg["from_mode"], mg["to_mode"]) for mg in moves] == [("hybrid", "gpu")] * 2, "the kill came too late"
     assert migrations(stack, "hybrid", "gpu") == before + 3
     if choice_texts(beside, 2) != several_reference:
@@ -214,6 +218,7 @@ def test_decode_fpga_killed_mid_stream_the_streams_go_on_on_prefill_gpu_with_the
         # position diverges on every run, so a second kill must give the reference's texts.
         _, beside = kill_decode_mid_stream(stack, several)
         assert choice_texts(beside, 2) == several_reference
+        assert len(migrations_of(beside)) == 2, "the second kill came too late"
 
 
 def test_prefill_gpu_killed_mid_request_the_answer_comes_from_decode_fpga_and_says_so(stack):
