@@ -136,12 +136,13 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
     }
 }
 
+// A += block B's scaled weights W0, W1 (Q6_K's terms) times X: the one expression of both paths
+#define SCALED_ACC(A, W0, W1, X, B) A = fma((W1), vload16(2 * (B) + 1, (X)), fma((W0), vload16(2 * (B), (X)), A))
+
 // A += block B of a row (quants QROW, scales DROW) times X, from block_terms_f's W0, W1: times
 // the block's scale after the dot (one scale a block), or Q6_K's weights (already scaled) straight
 // into A. The one expression of the one-row kernels (ROW_DOT) and of the batched ones
 // (gemv_quant.cl), so they round alike.
-// A += block B's scaled weights W0, W1 (Q6_K's terms) times X: the one expression of both paths
-#define SCALED_ACC(A, W0, W1, X, B) A = fma((W1), vload16(2 * (B) + 1, (X)), fma((W0), vload16(2 * (B), (X)), A))
 #define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
     do {                                                                                       \
         if (DPER_F(F) == 2)                                                                    \
