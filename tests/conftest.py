@@ -28,42 +28,8 @@ from services.prefill_gpu.cpu_matmul import request_strict_mkl  # noqa: E402
 request_strict_mkl()
 
 
-# make test's lanes (tests/lanes.py), by path: tests that start whole stacks of processes run beside the
-# rest; tests whose verdict needs a quiet machine run after both, alone. Run directly, pytest runs all.
-LANES = {
-    "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
-                   "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
-                   "tests/gateway/test_batching_live.py",
-                   "tests/gateway/test_engine_failure.py", "tests/stack/test_hybrid_tcp.py", "tests/stack/test_cli.py",
-                   "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py",
-                   "tests/gateway/test_engine_reconnect.py",
-                   # the users of tests/stack's shared engine pair: it then starts in this lane only (the
-                   # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
-                   "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",
-                   "tests/stack/test_service_basics.py",
-                   # and the users of tests/gateway's shared stack (test_calibration_check.py included: its
-                   # verdict is a count of requests, not a time): from a fresh clone the in-process lane,
-                   # which builds most of PoCL's kernels cold, ended 147-231 s after this one on a Xeon
-                   "tests/gateway/test_api", "tests/gateway/test_calibration_check.py",
-                   "tests/gateway/test_fuzz.py", "tests/gateway/test_prometheus.py",
-                   # a process of its own building the default model's kernels into an empty PoCL cache
-                   # (~25 s): from a fresh clone the in-process lane still ended last, by ~50 s
-                   "tests/decode_fpga/test_pocl_builds.py",
-                   # no stack, but K-quant engines whose kernels a fresh clone builds cold (~55 s): the
-                   # in-process lane ended last with none of them here (878 s against 811), the stacks lane
-                   # with all (722 against 662, an empty HOME, 2026-11-28): about half of it each
-                   "tests/decode_fpga/test_kquant_engine.py::test_one_launch_layers_bit_for_bit_per_type[q4",
-                   "tests/decode_fpga/test_kquant_engine.py::test_one_launch_layers_bit_for_bit_per_type[mixed]",
-                   "tests/decode_fpga/test_kquant_engine.py::test_three_modes_give_transformers_tokens",
-                   "tests/decode_fpga/test_kquant_engine.py::test_every_matrix_is_stored_in_its_own_format"),
-    # (the one-launch checks: on a busy machine every one-launch step may give up, by design, and
-    # "ran as one launch at least once" then fails; test_engine_loss: its kill must land while two
-    # streams run, and beside the in-process lane one of them twice ended first)
-    "quiet": ("tests/engine/test_profile_sweep.py", "tests/gateway/test_router_live.py",
-              "tests/gateway/test_engine_loss.py",
-              "tests/decode_fpga/test_paged_step.py::test_one_decode_row_runs_as_one_launch_bit_for_bit",
-              "tests/decode_fpga/test_decode_layers.py::test_bit_for_bit_the_launch_by_launch_step"),
-}
+# make test's lanes, by path (tests/lanes.py, which defines them): run directly, pytest runs all
+from tests.lanes import LANES  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
