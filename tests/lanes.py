@@ -1,10 +1,11 @@
-"""`make test`'s runner: the suite in two pytest processes side by side, then the tests that time the
+"""`make test`'s runner: the suite in three pytest processes side by side, then the tests that time the
 machine, alone.
 
 On 2 cores the suite ran test after test for ~13 minutes while the tests that start whole stacks
 (`hybridserve up` with two to four engines, the serve and suite benchmarks' quick runs) spent much of
 theirs waiting: for processes to start, for an engine to be found dead and come back, for streams
-to finish. They run in one lane (`stack_lane`) while everything else runs in the other; the tests
+to finish. They run in one lane (`stack_lane`) while everything else runs in two others (the engines'
+tests, and the rest: `SIDE_BY_SIDE`); the tests
 whose verdict depends on the machine being quiet (a profile sweep judged quiet and cached, the router
 corrected within ten requests against forced runs) run after both, alone (`quiet`). Which test goes
 where is decided by path (`LANES` below; tests/conftest.py marks the tests), so a new `up` test joins
@@ -13,8 +14,8 @@ Every test still runs once; the exit status is the worst of the three runs. Each
 wall time and the CPU its processes used (theirs and their children's, as reaped): a lane whose CPU is
 near its wall time computes, one well under it waits, which is what moving tests between lanes needs.
 
-The two lanes side by side run torch on one thread each (OMP_NUM_THREADS=1, inherited by the engines
-their stacks start) unless the caller set it: two lanes' worth of processes share 2 cores, and torch's
+The lanes side by side run torch on one thread each (OMP_NUM_THREADS=1, inherited by the engines
+their stacks start) unless the caller set it: the lanes' processes share 2 cores, and torch's
 OpenMP team of 2 then waits at every barrier for a thread the other lane holds (measured beside one
 spinning process: the torch batched-step tests 89 s with 2 threads, 50 s with 1, half the CPU). The
 quiet lane keeps torch's default: it times the machine as a user's stack would see it.
@@ -72,9 +73,14 @@ LANES = {
               "tests/decode_fpga/test_decode_layers.py::test_bit_for_bit_the_launch_by_launch_step"),
 }
 
-# (name, marks, the lane whose files it collects: None for all)
+# the lanes run side by side: (name, marks, what its pytest collects: a lane of LANES's files, or the
+# directories of ENGINE_DIRS, or everything but those). The in-process tests are two lanes: run alone they
+# kept one core busy (617 s wall for ~600 s of CPU on 2 cores), the torch and transformers runs on one
+# thread, so beside the stacks lane (which waits now and then) the second core sat idle ~10% of the time
 SIDE_BY_SIDE = (("stacks", "stack_lane and not quiet", "stack_lane"),
-                ("in-process", "not stack_lane and not quiet", None))
+                ("in-process: engines", "not stack_lane and not quiet", "engine_dirs"),
+                ("in-process: the rest", "not stack_lane and not quiet", "not_engine_dirs"))
+ENGINE_DIRS = ("tests/decode_fpga", "tests/kv", "tests/engine")  # ~270 of the in-process lanes' ~600 s
 ALONE = ("quiet", "quiet", "quiet")
 NO_TESTS = 5  # pytest's status when a selection is empty: not a failure
 
@@ -92,7 +98,7 @@ def lane_files(lane: str) -> list[str]:
     return sorted(files)
 
 
-def pytest_cmd(marks: str, extra: list[str], files: list[str] = ()) -> list[str]:
+def pytest_cmd(marks: str, extra: list[str], files: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-ra", "-m", marks, *extra, *files]
 
 
@@ -100,11 +106,22 @@ def side_by_side_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def files_of(lane: str | None, extra: list[str]) -> list[str]:
-    """What a lane's pytest collects: its files, unless the caller named tests itself (then every lane
-    collects those, each keeping its own marks) or the lane has none (all)."""
-    named = any(a.startswith("tests") or "::" in a or a.endswith(".py") for a in extra)
-    return lane_files(lane) if lane and not named else []
+def named_tests(extra: list[str]) -> bool:
+    """Whether the caller named tests (paths or node ids) among pytest's arguments."""
+    return any(a.startswith("tests") or "::" in a or a.endswith(".py") for a in extra)
+
+
+def files_of(collects: str, extra: list[str]) -> list[str] | None:
+    """What a lane's pytest is given to collect: its files or directories (or what the others leave:
+    --ignore's), or, where the caller named tests, those (the arguments themselves) for every lane but
+    the split's second half, which is then None: not run (the first half runs them all)."""
+    if named_tests(extra):
+        return None if collects == "not_engine_dirs" else []
+    if collects == "engine_dirs":
+        return list(ENGINE_DIRS)
+    if collects == "not_engine_dirs":
+        return [f"--ignore={d}" for d in ENGINE_DIRS]
+    return lane_files(collects)
 
 
 def status(code: int) -> int:
@@ -132,43 +149,50 @@ class CpuLaps:
 
 
 def main(extra: list[str]) -> int:
-    started, laps, cpu = time.monotonic(), CpuLaps(), {}
-    (first, first_marks, first_files), (second, second_marks, second_files) = SIDE_BY_SIDE
-    with tempfile.NamedTemporaryFile("w+", prefix=f"hybridserve-{first}-", suffix=".log") as log:
-        print(f"== lanes: '{first}' (output below once it ends) beside '{second}' (output now)", flush=True)
-        background = subprocess.Popen(pytest_cmd(first_marks, extra, files_of(first_files, extra)), cwd=ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT, env=side_by_side_env())
-        # the one waiter of the background lane, which notes when it ended (not when the foreground got
-        # round to asking): what balancing the lanes needs
-        ended: list[float] = []
-        def watch() -> None:
-            background.wait()
-            cpu[first] = laps.lap()
-            ended.append(time.monotonic())
+    started, laps, cpu, ended, codes = time.monotonic(), CpuLaps(), {}, {}, {}
+    lanes = [(name, marks, files) for name, marks, collects in SIDE_BY_SIDE
+             if (files := files_of(collects, extra)) is not None]
+    *behind, (front, front_marks, front_files) = lanes
+    print(f"== lanes: {', '.join(repr(n) for n, _, _ in behind)} (output below once each ends) beside "
+          f"'{front}' (output now)", flush=True)
+    logs = {name: tempfile.NamedTemporaryFile("w+", prefix="hybridserve-lane-", suffix=".log") for name, _, _ in behind}
+    procs: dict[str, subprocess.Popen] = {}
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            foreground = subprocess.call(pytest_cmd(second_marks, extra, files_of(second_files, extra)), cwd=ROOT, env=side_by_side_env())
-            cpu[second] = laps.lap()
-            print(f"== lane '{second}' ended ({foreground}) at {time.monotonic() - started:.0f} s "
-                  f"(CPU {cpu[second]:.0f} s); waiting for '{first}'", flush=True)
-            watcher.join()
-            behind = background.returncode
-        finally:
-            if background.poll() is None:  # interrupted: never leave a lane (and its stacks) running
-                background.terminate()
-                background.wait()
+    def watch(name: str) -> None:
+        # each lane's one waiter, which notes when it ended (not when the foreground got round to
+        # asking): what balancing the lanes needs; its CPU is the lap taken as it is reaped
+        codes[name] = procs[name].wait()
+        cpu[name], ended[name] = laps.lap(), time.monotonic() - started
+
+    try:
+        for name, marks, files in behind:
+            procs[name] = subprocess.Popen(pytest_cmd(marks, extra, files), cwd=ROOT, stdout=logs[name],
+                                           stderr=subprocess.STDOUT, env=side_by_side_env())
+        watchers = [threading.Thread(target=watch, args=(name,), daemon=True) for name in procs]
+        for w in watchers:
+            w.start()
+        codes[front] = subprocess.call(pytest_cmd(front_marks, extra, front_files), cwd=ROOT, env=side_by_side_env())
+        cpu[front] = laps.lap()
+        print(f"== lane '{front}' ended ({codes[front]}) at {time.monotonic() - started:.0f} s "
+              f"(CPU {cpu[front]:.0f} s); waiting for the others", flush=True)
+        for w in watchers:
+            w.join()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:  # interrupted: never leave a lane (and its stacks) running
+                p.terminate()
+                p.wait()
+    for name, log in logs.items():
         log.seek(0)
-        print(f"== lane '{first}' ({behind}), ended at {ended[0] - started:.0f} s (CPU {cpu[first]:.0f} s):",
-              flush=True)
+        print(f"== lane '{name}' ({codes[name]}), ended at {ended[name]:.0f} s (CPU {cpu[name]:.0f} s):", flush=True)
         sys.stdout.write(log.read())
-    name, marks, files = ALONE
+        log.close()
+    name, marks, collects = ALONE
     print(f"== lane '{name}', alone:", flush=True)
     alone_started = time.monotonic()
-    alone = subprocess.call(pytest_cmd(marks, extra, files_of(files, extra)), cwd=ROOT)
+    codes[name] = subprocess.call(pytest_cmd(marks, extra, files_of(collects, extra)), cwd=ROOT)
     print(f"== lane '{name}' took {time.monotonic() - alone_started:.0f} s (CPU {laps.lap():.0f} s)", flush=True)
-    codes = {first: status(behind), second: status(foreground), name: status(alone)}
+    codes = {k: status(v) for k, v in codes.items()}
     print(f"== lanes done in {time.monotonic() - started:.0f} s: " + ", ".join(f"{k} {v}" for k, v in codes.items()),
           flush=True)
     return max(codes.values())

@@ -39,5 +39,13 @@ def test_tests_named_on_the_command_line_are_what_every_lane_collects():
     from tests import lanes
 
     assert lanes.files_of("quiet", ["--durations=15"]) == lanes.lane_files("quiet")
-    assert lanes.files_of("quiet", ["-k", "sweep", "tests/engine/test_profile_sweep.py"]) == []
-    assert lanes.files_of(None, ["--durations=15"]) == []
+    named = ["-k", "sweep", "tests/engine/test_profile_sweep.py"]
+    assert lanes.files_of("quiet", named) == [] and lanes.files_of("engine_dirs", named) == []
+    assert lanes.files_of("not_engine_dirs", named) is None  # the split's first half runs them all
+
+
+def test_the_in_process_split_covers_every_test_once():
+    from tests import lanes
+
+    engines, rest = lanes.files_of("engine_dirs", []), lanes.files_of("not_engine_dirs", [])
+    assert rest == [f"--ignore={d}" for d in engines] and all((lanes.ROOT / d).is_dir() for d in engines)
