@@ -5,6 +5,8 @@ machine, so every test module shares these session-scoped objects.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import weakref
 
@@ -29,14 +31,13 @@ request_strict_mkl()
 
 
 # make test's lanes, by path (tests/lanes.py, which defines them): run directly, pytest runs all
-from tests.lanes import LANES  # noqa: E402
+from tests.lanes import lane_of  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for mark, prefixes in LANES.items():
-            if item.nodeid.startswith(prefixes):
-                item.add_marker(getattr(pytest.mark, mark))
+        if lane := lane_of(item.nodeid):
+            item.add_marker(getattr(pytest.mark, lane))
 
 
 # the lines of a failed live test's service logs that say what went wrong, in its report: a fresh
@@ -106,9 +107,17 @@ def torch_engine(loaded_model):
 @pytest.fixture(scope="session")
 def hf_model(loaded_model):
     """transformers' own Llama on the same GGUF: the numerical reference (services/model/reference.py)."""
+    import torch
+    import transformers
+
     from services.model.reference import load_reference
 
-    return load_reference(loaded_model.checkpoint)
+    model = load_reference(loaded_model.checkpoint)
+    # what its greedy tokens depend on, for hf_greedy's store shared by make test's lanes
+    path = loaded_model.checkpoint.path
+    model.hybridserve_reference_key = [str(path), path.stat().st_size, path.stat().st_mtime_ns, torch.__version__,
+                                       transformers.__version__, request_strict_mkl()]
+    return model
 
 
 def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -120,6 +129,26 @@ def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 # prefix: a step does not depend on how many follow). The engine contract, the block-format and the
 # paged-step tests ask for the same seeded prompts: computed once, ~8 s of the suite's reference runs.
 _HF_GREEDY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# and for the default model's reference (hf_model: its key names the file, torch's and transformers'
+# versions and MKL's mode), in pytest's cache folder: make test's lanes are separate processes, and the
+# engine lane's block-format tests and the other in-process lane's engine contract ask for the same
+# 64-token continuations (~17 s of transformers' generate, once more in the second). Each entry is
+# transformers' own output in this checkout, written by the first lane that ran it.
+_HF_GREEDY_DIR = None
+
+
+def pytest_configure(config):
+    global _HF_GREEDY_DIR
+    cache = getattr(config, "cache", None)
+    _HF_GREEDY_DIR = cache.mkdir("hf-greedy") if cache is not None else None
+
+
+def _stored_greedy(hf_model, prompt: list[int]):
+    """hf_greedy's file for (model, prompt), or None where the model has no key or pytest no cache."""
+    key = getattr(hf_model, "hybridserve_reference_key", None)
+    if key is None or _HF_GREEDY_DIR is None:
+        return None
+    return _HF_GREEDY_DIR / (hashlib.sha256(json.dumps([key, prompt]).encode()).hexdigest()[:40] + ".json")
 
 
 def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
@@ -134,6 +163,9 @@ def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
 
     known = _HF_GREEDY.setdefault(hf_model, {})
     done = known.get(tuple(prompt), [])
+    stored = _stored_greedy(hf_model, prompt)
+    if len(done) < n_new and stored is not None and stored.exists():
+        done = known[tuple(prompt)] = max(done, json.loads(stored.read_text()), key=len)
     if len(done) >= n_new:
         return done[:n_new]
     gc = copy.deepcopy(hf_model.generation_config)
@@ -142,4 +174,9 @@ def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
         out = hf_model.generate(torch.tensor([prompt]), generation_config=gc)
     tokens = out[0, len(prompt):].tolist()
     known[tuple(prompt)] = tokens
+    # whole or not at all (another lane may read it at any moment), and never shorter than another's
+    if stored is not None and not (stored.exists() and len(json.loads(stored.read_text())) >= len(tokens)):
+        partial = stored.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(tokens))
+        os.replace(partial, stored)
     return list(tokens)

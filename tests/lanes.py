@@ -35,9 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# the lanes, by node-id prefix (a file, a file-name prefix or a test): tests/conftest.py marks each test
-# collected with its lane's name. Tests that start whole stacks of processes run beside the rest; tests
-# whose verdict needs a quiet machine run after both, alone.
+# the lanes, by node-id prefix (a directory, a file, a file-name prefix or a test): tests/conftest.py marks
+# each test collected with the lane of the longest prefix it has (lane_of), none for the in-process rest.
+# Tests that start whole stacks of processes run beside the rest; tests whose verdict needs a quiet
+# machine run after all, alone.
 LANES = {
     "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
                    "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
@@ -71,16 +72,27 @@ LANES = {
               "tests/gateway/test_engine_loss.py",
               "tests/decode_fpga/test_paged_step.py::test_one_decode_row_runs_as_one_launch_bit_for_bit",
               "tests/decode_fpga/test_decode_layers.py::test_bit_for_bit_the_launch_by_launch_step"),
+    # the engines' own tests (the OpenCL engine's, the KV's, the engine loop's), and two `up` tests of
+    # four engines each: with these the stacks lane no longer ended last (697 s against 592 and 476 with
+    # the two in the stacks lane, a fresh clone, 2026-11-28)
+    "engine_lane": ("tests/decode_fpga/", "tests/kv/", "tests/engine/", "tests/stack/test_up_pools.py",
+                    "tests/stack/test_up_pairs.py"),
 }
 
-# the lanes run side by side: (name, marks, what its pytest collects: a lane of LANES's files, or the
-# directories of ENGINE_DIRS, or everything but those). The in-process tests are two lanes: run alone they
-# kept one core busy (617 s wall for ~600 s of CPU on 2 cores), the torch and transformers runs on one
-# thread, so beside the stacks lane (which waits now and then) the second core sat idle ~10% of the time
-SIDE_BY_SIDE = (("stacks", "stack_lane and not quiet", "stack_lane"),
-                ("in-process: engines", "not stack_lane and not quiet", "engine_dirs"),
-                ("in-process: the rest", "not stack_lane and not quiet", "not_engine_dirs"))
-ENGINE_DIRS = ("tests/decode_fpga", "tests/kv", "tests/engine")  # ~270 of the in-process lanes' ~600 s
+
+def lane_of(nodeid: str) -> str | None:
+    """The lane of the longest prefix of LANES that `nodeid` starts with; None: the in-process rest."""
+    best = max(((len(p), lane) for lane, prefixes in LANES.items() for p in prefixes if nodeid.startswith(p)),
+               default=(0, None))
+    return best[1]
+
+# the lanes run side by side: (name, marks, what its pytest collects: a lane of LANES's files, or all
+# but the engine lane's directories). The in-process tests were one lane: run alone it kept one core busy
+# (617 s wall for ~600 s of CPU on 2 cores: its torch and transformers runs are on one thread), so beside
+# the stacks lane, which waits now and then, the second core sat idle ~10% of the time
+SIDE_BY_SIDE = (("stacks", "stack_lane", "stack_lane"),
+                ("engines", "engine_lane", "engine_lane"),
+                ("in-process", "not stack_lane and not engine_lane and not quiet", "the_rest"))
 ALONE = ("quiet", "quiet", "quiet")
 NO_TESTS = 5  # pytest's status when a selection is empty: not a failure
 
@@ -91,7 +103,8 @@ def lane_files(lane: str) -> list[str]:
     files = set()
     for prefix in LANES[lane]:
         path = prefix.split("::")[0]
-        found = [path] if path.endswith(".py") else [str(p.relative_to(ROOT)) for p in ROOT.glob(path + "*.py")]
+        found = [path] if path.endswith(".py") else [str(p.relative_to(ROOT)) for p in ROOT.glob(path + "*.py")
+                                                     if p.name.startswith("test_")]
         if not found or not all((ROOT / f).is_file() for f in found):
             raise FileNotFoundError(f"lane {lane!r}: no test file at {prefix!r}")
         files.update(found)
@@ -112,15 +125,13 @@ def named_tests(extra: list[str]) -> bool:
 
 
 def files_of(collects: str, extra: list[str]) -> list[str] | None:
-    """What a lane's pytest is given to collect: its files or directories (or what the others leave:
-    --ignore's), or, where the caller named tests, those (the arguments themselves) for every lane but
-    the split's second half, which is then None: not run (the first half runs them all)."""
+    """What a lane's pytest is given to collect: its lane's files, or, for the rest, everything but the
+    directories the engine lane takes whole (--ignore's); where the caller named tests, those (the
+    arguments themselves: [])."""
     if named_tests(extra):
-        return None if collects == "not_engine_dirs" else []
-    if collects == "engine_dirs":
-        return list(ENGINE_DIRS)
-    if collects == "not_engine_dirs":
-        return [f"--ignore={d}" for d in ENGINE_DIRS]
+        return []
+    if collects == "the_rest":
+        return [f"--ignore={p.rstrip('/')}" for p in LANES["engine_lane"] if p.endswith("/")]
     return lane_files(collects)
 
 

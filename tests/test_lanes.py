@@ -40,12 +40,24 @@ def test_tests_named_on_the_command_line_are_what_every_lane_collects():
 
     assert lanes.files_of("quiet", ["--durations=15"]) == lanes.lane_files("quiet")
     named = ["-k", "sweep", "tests/engine/test_profile_sweep.py"]
-    assert lanes.files_of("quiet", named) == [] and lanes.files_of("engine_dirs", named) == []
-    assert lanes.files_of("not_engine_dirs", named) is None  # the split's first half runs them all
+    assert all(lanes.files_of(lane, named) == [] for lane in ("quiet", "engine_lane", "the_rest"))
 
 
-def test_the_in_process_split_covers_every_test_once():
+def test_a_test_is_in_the_lane_of_its_longest_prefix_and_that_lane_collects_its_file():
     from tests import lanes
 
-    engines, rest = lanes.files_of("engine_dirs", []), lanes.files_of("not_engine_dirs", [])
-    assert rest == [f"--ignore={d}" for d in engines] and all((lanes.ROOT / d).is_dir() for d in engines)
+    assert lanes.lane_of("tests/stack/test_up_heals.py::test_x") == "stack_lane"
+    assert lanes.lane_of("tests/stack/test_up_pools.py::test_x") == "engine_lane"  # longer than test_up_
+    assert lanes.lane_of("tests/decode_fpga/test_pocl_builds.py::test_x") == "stack_lane"
+    assert lanes.lane_of("tests/decode_fpga/test_paged_step.py::test_one_decode_row_runs_as_one_launch_bit_for_bit") \
+        == "quiet"
+    assert lanes.lane_of("tests/decode_fpga/test_paged_step.py::test_step_gives_transformers_tokens") == "engine_lane"
+    assert lanes.lane_of("tests/model/test_gguf_file.py::test_x") is None
+    ignored = [a.removeprefix("--ignore=") + "/" for a in lanes.files_of("the_rest", [])]
+    for path in sorted(lanes.ROOT.glob("tests/**/test_*.py")):
+        f = str(path.relative_to(lanes.ROOT))
+        lane = lanes.lane_of(f + "::test_x")
+        if lane is not None:
+            assert f in lanes.lane_files(lane), f
+        # what the rest's pytest does not collect, a lane does
+        assert lane is not None or not f.startswith(tuple(ignored)), f
