@@ -7,10 +7,10 @@ theirs waiting: for processes to start, for an engine to be found dead and come 
 to finish. They run in one lane (`stack_lane`) while everything else runs in two others (the engines'
 tests, and the rest: `SIDE_BY_SIDE`); the tests
 whose verdict depends on the machine being quiet (a profile sweep judged quiet and cached, the router
-corrected within ten requests against forced runs) run after both, alone (`quiet`). Which test goes
+corrected within ten requests against forced runs) run after them, alone (`quiet`). Which test goes
 where is decided by path (`LANES` below; tests/conftest.py marks the tests), so a new `up` test joins
-its lane by name, and the stacks and quiet lanes' pytest collect only their own files.
-Every test still runs once; the exit status is the worst of the three runs. Each lane's end says its
+its lane by name, and each lane's pytest but the rest's collects only its own files.
+Every test still runs once; the exit status is the worst of the four runs. Each lane's end says its
 wall time and the CPU its processes used (theirs and their children's, as reaped): a lane whose CPU is
 near its wall time computes, one well under it waits, which is what moving tests between lanes needs.
 
@@ -125,10 +125,10 @@ def named_tests(extra: list[str]) -> bool:
     return any(a.startswith("tests") or "::" in a or a.endswith(".py") for a in extra)
 
 
-def files_of(collects: str, extra: list[str]) -> list[str] | None:
+def files_of(collects: str, extra: list[str]) -> list[str]:
     """What a lane's pytest is given to collect: its lane's files, or, for the rest, everything but the
     directories the engine lane takes whole (--ignore's); where the caller named tests, those (the
-    arguments themselves: [])."""
+    arguments themselves: []), each lane running those of its own marks."""
     if named_tests(extra):
         return []
     if collects == "the_rest":
@@ -162,17 +162,18 @@ class CpuLaps:
 
 def main(extra: list[str]) -> int:
     started, laps, cpu, ended, codes = time.monotonic(), CpuLaps(), {}, {}, {}
-    lanes = [(name, marks, files) for name, marks, collects in SIDE_BY_SIDE
-             if (files := files_of(collects, extra)) is not None]
-    *behind, (front, front_marks, front_files) = lanes
+    *behind, (front, front_marks, front_files) = [(name, marks, files_of(collects, extra))
+                                                  for name, marks, collects in SIDE_BY_SIDE]
     print(f"== lanes: {', '.join(repr(n) for n, _, _ in behind)} (output below once each ends) beside "
           f"'{front}' (output now)", flush=True)
-    logs = {name: tempfile.NamedTemporaryFile("w+", prefix="hybridserve-lane-", suffix=".log") for name, _, _ in behind}
+    logs = {name: tempfile.NamedTemporaryFile("w+", prefix="hybridserve-lane-", suffix=".log")
+            for name, _, _ in behind}
     procs: dict[str, subprocess.Popen] = {}
 
     def watch(name: str) -> None:
         # each lane's one waiter, which notes when it ended (not when the foreground got round to
-        # asking): what balancing the lanes needs; its CPU is the lap taken as it is reaped
+        # asking): what balancing the lanes needs; its CPU is the lap taken as it is reaped (two lanes
+        # reaped within the same instant would share theirs: a figure to read, not a verdict)
         codes[name] = procs[name].wait()
         cpu[name], ended[name] = laps.lap(), time.monotonic() - started
 
@@ -183,7 +184,8 @@ def main(extra: list[str]) -> int:
         watchers = [threading.Thread(target=watch, args=(name,), daemon=True) for name in procs]
         for w in watchers:
             w.start()
-        codes[front] = subprocess.call(pytest_cmd(front_marks, extra, front_files), cwd=ROOT, env=side_by_side_env())
+        codes[front] = subprocess.call(pytest_cmd(front_marks, extra, front_files), cwd=ROOT,
+                                       env=side_by_side_env())
         cpu[front] = laps.lap()
         print(f"== lane '{front}' ended ({codes[front]}) at {time.monotonic() - started:.0f} s "
               f"(CPU {cpu[front]:.0f} s); waiting for the others", flush=True)
@@ -196,7 +198,8 @@ def main(extra: list[str]) -> int:
                 p.wait()
     for name, log in logs.items():
         log.seek(0)
-        print(f"== lane '{name}' ({codes[name]}), ended at {ended[name]:.0f} s (CPU {cpu[name]:.0f} s):", flush=True)
+        print(f"== lane '{name}' ({codes[name]}), ended at {ended[name]:.0f} s (CPU {cpu[name]:.0f} s):",
+              flush=True)
         sys.stdout.write(log.read())
         log.close()
     name, marks, collects = ALONE
