@@ -113,10 +113,12 @@ def hf_model(loaded_model):
     from services.model.reference import load_reference
 
     model = load_reference(loaded_model.checkpoint)
-    # what its greedy tokens depend on, for hf_greedy's store shared by make test's lanes
+    # what its greedy tokens depend on, for hf_greedy's store shared by make test's lanes (a GGUF file's
+    # size and time name it; a checkpoint directory's would not, and it goes without the store)
     path = loaded_model.checkpoint.path
-    model.hybridserve_reference_key = [str(path), path.stat().st_size, path.stat().st_mtime_ns, torch.__version__,
-                                       transformers.__version__, request_strict_mkl()]
+    if loaded_model.checkpoint.kind == "gguf":
+        model.hybridserve_reference_key = [str(path), path.stat().st_size, path.stat().st_mtime_ns,
+                                           torch.__version__, transformers.__version__, request_strict_mkl()]
     return model
 
 
@@ -148,7 +150,8 @@ def _stored_greedy(hf_model, prompt: list[int]):
     key = getattr(hf_model, "hybridserve_reference_key", None)
     if key is None or _HF_GREEDY_DIR is None:
         return None
-    return _HF_GREEDY_DIR / (hashlib.sha256(json.dumps([key, prompt]).encode()).hexdigest()[:40] + ".json")
+    ids = [int(t) for t in prompt]
+    return _HF_GREEDY_DIR / (hashlib.sha256(json.dumps([key, ids]).encode()).hexdigest()[:40] + ".json")
 
 
 def hf_greedy(hf_model, prompt: list[int], n_new: int) -> list[int]:
