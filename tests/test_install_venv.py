@@ -41,3 +41,10 @@ def test_this_machines_own_pip_configuration_parses():
     conf = pip_config(listing)
     assert len(conf) == len({line.split("=")[0].rsplit(".", 1)[-1] for line in listing.splitlines() if "=" in line})
     uv_options(conf)
+
+
+def test_a_line_pip_config_never_prints_is_an_error_the_installer_falls_back_on():
+    import pytest
+
+    with pytest.raises((ValueError, SyntaxError)):
+        pip_config("global.find-links=/opt/wheels\n")  # unquoted: not what pip prints

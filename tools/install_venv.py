@@ -85,7 +85,12 @@ def with_pip(py: str) -> bool:
 def main() -> int:
     py = sys.executable
     if os.environ.get("HYBRIDSERVE_INSTALL_WITH", "uv") == "uv":
-        if with_uv(py):
+        try:
+            done = with_uv(py)
+        except (OSError, ValueError, SyntaxError) as exc:  # a configuration line this did not foresee
+            print(f"warning: {exc!r}", file=sys.stderr)
+            done = False
+        if done:
             return 0
         print("warning: installing with uv failed; installing with pip instead", file=sys.stderr, flush=True)
     return 0 if with_pip(py) else 1
