@@ -5,9 +5,9 @@ On 2 cores the suite ran test after test for ~13 minutes while the tests that st
 (`hybridserve up` with two to four engines, the serve and suite benchmarks' quick runs) spent much of
 theirs waiting: for processes to start, for an engine to be found dead and come back, for streams
 to finish. They run in one lane (`stack_lane`) while everything else runs in two others (the engines'
-tests, and the rest: `SIDE_BY_SIDE`); the tests
-whose verdict depends on the machine being quiet (a profile sweep judged quiet and cached, the router
-corrected within ten requests against forced runs) run after them, alone (`quiet`). Which test goes
+tests, and the rest: `SIDE_BY_SIDE`); the tests whose verdict depends on the machine being quiet (a
+profile sweep judged quiet and cached, the router corrected within ten requests against forced runs)
+run after them, alone (`quiet`). Which test goes
 where is decided by path (`LANES` below; tests/conftest.py marks the tests), so a new `up` test joins
 its lane by name, and each lane's pytest but the rest's collects only its own files.
 Every test still runs once; the exit status is the worst of the four runs. Each lane's end says its
