@@ -87,14 +87,13 @@ def lane_of(nodeid: str) -> str | None:
                default=(0, None))
     return best[1]
 
-# the lanes run side by side: (name, marks, what its pytest collects: a lane of LANES's files, or all
-# but the engine lane's directories). The in-process tests were one lane: run alone it kept one core busy
-# (617 s wall for ~600 s of CPU on 2 cores: its torch and transformers runs are on one thread), so beside
-# the stacks lane, which waits now and then, the second core sat idle ~10% of the time
-SIDE_BY_SIDE = (("stacks", "stack_lane", "stack_lane"),
-                ("engines", "engine_lane", "engine_lane"),
-                ("in-process", "not stack_lane and not engine_lane and not quiet", "the_rest"))
-ALONE = ("quiet", "quiet", "quiet")
+# the lanes run side by side: (name, lane of LANES: its marks and files; None, the in-process rest: the
+# tests of no lane, collected from all but the engine lane's directories). The in-process tests were one
+# lane: run alone it kept one core busy (617 s wall for ~600 s of CPU on 2 cores: its torch and
+# transformers runs are on one thread), so beside the stacks lane, which waits now and then, the second
+# core sat idle ~10% of the time
+SIDE_BY_SIDE = (("stacks", "stack_lane"), ("engines", "engine_lane"), ("in-process", None))
+ALONE = ("quiet", "quiet")
 NO_TESTS = 5  # pytest's status when a selection is empty: not a failure
 
 
@@ -104,16 +103,18 @@ def lane_files(lane: str) -> list[str]:
     files = set()
     for prefix in LANES[lane]:
         path = prefix.split("::")[0]
-        found = [path] if path.endswith(".py") else [str(p.relative_to(ROOT)) for p in ROOT.glob(path + "*.py")
-                                                     if p.name.startswith("test_")]
-        if not found or not all((ROOT / f).is_file() for f in found):
+        found = [path] if (ROOT / path).is_file() else [str(p.relative_to(ROOT)) for p in ROOT.glob(path + "*.py")
+                                                         if p.name.startswith("test_")]
+        if not found:
             raise FileNotFoundError(f"lane {lane!r}: no test file at {prefix!r}")
         files.update(found)
     return sorted(files)
 
 
-def pytest_cmd(marks: str, extra: list[str], files: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-q", "-ra", "-m", marks, *extra, *files]
+def pytest_cmd(lane: str | None, extra: list[str]) -> list[str]:
+    """A lane's pytest: the tests marked with its lane (the rest: those of none) among what it collects."""
+    marks = lane or " and ".join(f"not {other}" for other in LANES)
+    return [sys.executable, "-m", "pytest", "-q", "-ra", "-m", marks, *extra, *files_of(lane, extra)]
 
 
 def side_by_side_env() -> dict[str, str]:
@@ -125,15 +126,15 @@ def named_tests(extra: list[str]) -> bool:
     return any(a.startswith("tests") or "::" in a or a.endswith(".py") for a in extra)
 
 
-def files_of(collects: str, extra: list[str]) -> list[str]:
+def files_of(lane: str | None, extra: list[str]) -> list[str]:
     """What a lane's pytest is given to collect: its lane's files, or, for the rest, everything but the
     directories the engine lane takes whole (--ignore's); where the caller named tests, those (the
     arguments themselves: []), each lane running those of its own marks."""
     if named_tests(extra):
         return []
-    if collects == "the_rest":
+    if lane is None:
         return [f"--ignore={p.rstrip('/')}" for p in LANES["engine_lane"] if p.endswith("/")]
-    return lane_files(collects)
+    return lane_files(lane)
 
 
 def status(code: int) -> int:
@@ -162,12 +163,11 @@ class CpuLaps:
 
 def main(extra: list[str]) -> int:
     started, laps, cpu, ended, codes = time.monotonic(), CpuLaps(), {}, {}, {}
-    *behind, (front, front_marks, front_files) = [(name, marks, files_of(collects, extra))
-                                                  for name, marks, collects in SIDE_BY_SIDE]
-    print(f"== lanes: {', '.join(repr(n) for n, _, _ in behind)} (output below once each ends) beside "
+    *behind, (front, front_lane) = SIDE_BY_SIDE
+    print(f"== lanes: {', '.join(repr(n) for n, _ in behind)} (output below once each ends) beside "
           f"'{front}' (output now)", flush=True)
     logs = {name: tempfile.NamedTemporaryFile("w+", prefix="hybridserve-lane-", suffix=".log")
-            for name, _, _ in behind}
+            for name, _ in behind}
     procs: dict[str, subprocess.Popen] = {}
 
     def watch(name: str) -> None:
@@ -178,14 +178,13 @@ def main(extra: list[str]) -> int:
         cpu[name], ended[name] = laps.lap(), time.monotonic() - started
 
     try:
-        for name, marks, files in behind:
-            procs[name] = subprocess.Popen(pytest_cmd(marks, extra, files), cwd=ROOT, stdout=logs[name],
+        for name, lane in behind:
+            procs[name] = subprocess.Popen(pytest_cmd(lane, extra), cwd=ROOT, stdout=logs[name],
                                            stderr=subprocess.STDOUT, env=side_by_side_env())
         watchers = [threading.Thread(target=watch, args=(name,), daemon=True) for name in procs]
         for w in watchers:
             w.start()
-        codes[front] = subprocess.call(pytest_cmd(front_marks, extra, front_files), cwd=ROOT,
-                                       env=side_by_side_env())
+        codes[front] = subprocess.call(pytest_cmd(front_lane, extra), cwd=ROOT, env=side_by_side_env())
         cpu[front] = laps.lap()
         print(f"== lane '{front}' ended ({codes[front]}) at {time.monotonic() - started:.0f} s "
               f"(CPU {cpu[front]:.0f} s); waiting for the others", flush=True)
@@ -202,10 +201,10 @@ def main(extra: list[str]) -> int:
               flush=True)
         sys.stdout.write(log.read())
         log.close()
-    name, marks, collects = ALONE
+    name, lane = ALONE
     print(f"== lane '{name}', alone:", flush=True)
     alone_started = time.monotonic()
-    codes[name] = subprocess.call(pytest_cmd(marks, extra, files_of(collects, extra)), cwd=ROOT)
+    codes[name] = subprocess.call(pytest_cmd(lane, extra), cwd=ROOT)
     print(f"== lane '{name}' took {time.monotonic() - alone_started:.0f} s (CPU {laps.lap():.0f} s)", flush=True)
     codes = {k: status(v) for k, v in codes.items()}
     print(f"== lanes done in {time.monotonic() - started:.0f} s: " + ", ".join(f"{k} {v}" for k, v in codes.items()),

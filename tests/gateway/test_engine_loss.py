@@ -199,8 +199,7 @@ def test_decode_fpga_killed_mid_stream_the_streams_go_on_on_prefill_gpu_with_the
     events, beside = kill_decode_mid_stream(stack, several)
     assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
     assert text_of(events) == text_of(reference) and events[-2]["usage"]["completion_tokens"] == N_TOKENS
-    ext = next(e["hybridserve"] for e in events if isinstance(e, dict) and e.get("hybridserve"))
-    [moved] = ext["migrations"]
+    [moved] = migrations_of(events)
     assert (moved["from_mode"], moved["to_mode"]) == ("hybrid", "gpu")
     assert KILL_AFTER <= moved["after_tokens"] < N_TOKENS
     assert "migrated from hybrid to gpu mode" in stack["gateway"].log_path.read_text()
