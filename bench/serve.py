@@ -109,6 +109,8 @@ def build_args() -> argparse.ArgumentParser:
                     help="with --start-stack: also start a second stack with these environment variables (e.g. "
                          "nostretch='{\"HYBRIDSERVE_DECODE_TTFT_TARGET_S\": \"0\"}') and measure each mode on it too: "
                          "a setting's effect, side by side in one run")
+    ap.add_argument("--stack-variant-modes", help="the modes measured on the --stack-variant stacks (default: --modes; "
+                                                   "e.g. auto alone when the setting only changes the router)")
     ap.add_argument("--seed", type=int, default=16)
     ap.add_argument("--name", help="output name (default: serve, or serve_vs_llama with llama-server)")
     ap.add_argument("--out", default=str(RESULTS))
@@ -144,7 +146,7 @@ def bring_up(args, servers: Servers, out: Path, max_clients: int, ctx_per_slot: 
             raise SystemExit("--stack-variant needs --start-stack")
         url = servers.start_stack(out / f"serve_stack_{name}.log", extra_env=json.loads(env), name=name)
         targets += [Target(f"hybridserve-{m}@{name}", url, {"mode": m}, served_model(url))
-                    for m in args.modes.split(",")]
+                    for m in (args.stack_variant_modes or args.modes).split(",")]
     return targets + [Target(n, u, {}, served_model(u)) for n, u in servers.externals.items()]
 
 
