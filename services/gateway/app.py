@@ -106,8 +106,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         file_samples = json.loads(open(settings.calibration_file).read()) if settings.calibration_file else []
         router = Router(file_samples, explore_share=settings.router_explore_share,
                         first_token_waits=settings.router_first_token_waits, crowding=settings.router_crowding,
-                        prefill_ahead=settings.router_prefill_ahead,
-                        prefill_crowding=settings.router_prefill_crowding)
+                        prefill_ahead=settings.router_prefill_ahead)
         pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         dispatcher = Dispatcher(pairs, router)
         dispatcher.planner = planner = Planner(settings.planner_targets())

@@ -49,9 +49,7 @@ cost_model.py, batch_slowdown.py and calibration_check.py.)
 * crowding (the choice, not the estimate): when the engines share one processor, each mode's
   decode is charged what it would cost the requests already decoding (`_crowding_seconds`), and the
   least estimate + crowding wins: a second busy engine halves the first one's share of the cores,
-  one more row in its batch costs it only beta; and its prefill, what its profile says it costs,
-  once per request on the processor (`_prefill_crowding_seconds`): on a saturated
-  processor the mode whose prompts cost the cores least serves the most;
+  one more row in its batch costs it only beta;
 * prefill ahead: the prefill (and hand-off) seconds, as estimated at their dispatch, of the requests sent and still
   waiting for their first token, on the mode's prefill engine, or on both when they share one
   processor (then the cores do one prompt at a time whichever engine holds it: every mode alike).
@@ -134,13 +132,13 @@ class Router:
     def __init__(self, samples: list[dict] | None = None, window: int = 64, refit_every: int = 8,
                  recent: int = 3, explore_share: float = 0.05, explore_limit: float = 3.0,
                  stale_after: int = 100, shared_compute: bool = False, first_token_waits: bool = True,
-                 crowding: bool = True, prefill_ahead: bool = True, prefill_crowding: bool = True):
+                 crowding: bool = True, prefill_ahead: bool = True):
         self._lock = threading.Lock()
         self._base = list(samples or [])
         self._online: dict[StageKey, deque] = {}  # recent online samples per stage
         self._window, self._refit_every, self._since_fit, self._recent = window, refit_every, 0, recent
         self.shared_compute, self.first_token_waits, self.crowding = shared_compute, first_token_waits, crowding
-        self.prefill_ahead, self.prefill_crowding = prefill_ahead, prefill_crowding
+        self.prefill_ahead = prefill_ahead
         self._ahead = {e: 0.0 for e in ENGINES}  # prefill seconds of the requests sent, awaiting their first token
         self._log_corr: dict[StageKey, float] = {}
         self.model = CostModel()
@@ -430,38 +428,16 @@ class Router:
         request: each of theirs runs at about half speed meanwhile. Judged on its own time alone, a
         lone gpu-mode decode beside 30 on decode_fpga looked cheap: at 32 clients auto gave 1.16x
         llama-server's tokens/s without this term and 1.50x with it, side by side
-        (bench/results/serve_8_32_crowding.json). Its prefill is charged too
-        (`_prefill_crowding_seconds`)."""
+        (bench/results/serve_8_32_crowding.json). A prefill is not counted: in
+        fpga mode its chunks lengthen the batch's steps, in gpu and hybrid mode it takes the cores
+        from them: about alike."""
         if not (self.crowding and self.shared_compute):
             return 0.0
         engine = MODES[mode].decode_engine
         alone = self._stage_estimate(("decode", engine), n_in, n_out, 0, 1.0)
         inside = self.queued(engine) * alone * self._slowdown[engine].beta
         beside = sum(self.queued(e) for e in ENGINES if e != engine) * decode * BESIDE_SHARE
-        return inside + beside + self._prefill_crowding_seconds(mode, n_in, n_out)
-
-    def _prefill_crowding_seconds(self, mode: str, n_in: int, n_out: int) -> float:
-        """Seconds the mode's prefill would take from the requests already on the processor,
-        summed over them. Each engine computes on all the cores, so a prompt delays each of them by
-        about its own length, whichever engine holds it: in fpga mode its chunks lengthen the batch's
-        steps, in gpu and hybrid mode torch takes the cores from decode_fpga's steps. What differs is
-        the length: on the 2.1 GHz Xeon torch's prefill cost 1.48 ms a token against the OpenCL engine's
-        3.10 (the profiles' fits), and on a saturated processor hybrid served 90.9 tokens/s against
-        fpga's 59.5 at 32 clients while auto, which weighed only each request's own latency, sent most
-        prompts to fpga and gave 60.2 (bench/results/serve_auto_vs_forced_8_32.json). The stages'
-        profiles are the cost (times their correction where a request found them faster): a correction
-        learned under load holds the waits for the cores too (prefill/gpu came out 2.57x there while
-        prefill/fpga, timed as its share of the engine's steps, came out 1.08x), which is the load's
-        and not the prompt's. The hand-off is not charged: its profile times a link (gRPC round trips,
-        the decode loop's turn to take it in) more than the copies the cores make. The requests: the
-        busier engine's (a hybrid request is on both: not twice)."""
-        if not self.prefill_crowding:
-            return 0.0
-        others = max(self.queued(e) for e in ENGINES)
-        if not others:
-            return 0.0
-        key = ("prefill", MODES[mode].prefill_engine)
-        return others * self.model.stage_seconds(key, n_in, n_out) * min(1.0, math.exp(self._log_corr.get(key, 0.0)))
+        return inside + beside
 
     def choose(self, n_in: int, n_out: int, forced: str | None = None, available=MODE_NAMES) -> Decision:
         """The mode to run. `available`: modes whose engines are up and can hold the request."""

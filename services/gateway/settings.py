@@ -59,8 +59,6 @@ class GatewaySettings(CommonSettings):
     router_first_token_waits: bool = True
     # on a shared processor, choose by estimate + what the mode's decode costs the requests decoding (router.py)
     router_crowding: bool = True
-    # ...and what its prefill costs them, from its profile (router.py; only with router_crowding)
-    router_prefill_crowding: bool = True
     # add to each mode's first-token estimate the prefill of the requests sent ahead, awaiting theirs (router.py)
     router_prefill_ahead: bool = True
     # whether both engines compute on the same processor (then queued work delays every mode alike);

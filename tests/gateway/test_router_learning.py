@@ -375,34 +375,6 @@ def test_on_one_processor_a_busy_batch_keeps_a_second_decode_off_the_other_engin
     assert last["crowding"]["gpu"] == round(d.crowding["gpu"], 4)
 
 
-def test_on_one_processor_a_prompt_goes_where_it_costs_the_running_requests_least():
-    """Beside 16 running requests, a 256-token prompt whose own latency favours fpga mode (hybrid's first
-    tokens lately came 3 s later than its stages said: its hand-off waits) while fpga's prefill costs the
-    cores 8x what gpu's does per token. Every running request waits for that prompt, whichever engine
-    computes it: auto sends it to hybrid. With the prefill term off, or with nothing running, or on
-    separate devices, the request's own latency decides: fpga."""
-    n_in, n_out = 256, 512  # a long answer: gpu mode's slow decode keeps it out of the running
-    routers = {name: Router(synthetic_samples(), explore_share=0, **kw) for name, kw in (
-        ("on", dict(shared_compute=True)), ("off", dict(shared_compute=True, prefill_crowding=False)),
-        ("separate", dict(shared_compute=False)))}
-    for router in routers.values():
-        first = router.choose(n_in, n_out).first_token
-        router.observe_first_token("fpga", first["fpga"], 0.0, first["fpga"])
-        router.observe_first_token("hybrid", first["hybrid"], 0.0, first["hybrid"] + 3.0)
-        alone = router.choose(n_in, n_out)
-        assert alone.mode == "fpga" and alone.crowding["fpga"] == alone.crowding["hybrid"] == 0.0, alone
-        router.set_engine_load("fpga", running=16, waiting=0, max_num_seqs=64)
-    d = routers["on"].choose(n_in, n_out)
-    assert d.estimates["fpga"] < d.estimates["hybrid"], d  # its own latency still favours fpga
-    assert d.mode == "hybrid", d
-    # each running request waits for the prompt's profiled prefill
-    extra = {m: d.crowding[m] - routers["off"].choose(n_in, n_out).crowding[m] for m in ("fpga", "hybrid")}
-    assert abs(extra["fpga"] - 16 * PREFILL["fpga"](n_in)) < 0.05 * extra["fpga"], extra
-    assert abs(extra["hybrid"] - 16 * PREFILL["gpu"](n_in)) < 0.05 * extra["hybrid"], extra
-    assert routers["off"].choose(n_in, n_out).mode == "fpga"
-    assert routers["separate"].choose(n_in, n_out).mode == "fpga"
-
-
 def test_on_one_processor_a_loaded_decode_does_not_make_the_other_engine_look_cheap():
     """A 64-client burst on one processor: fpga's decodes ran beside ~60 others at 30x their alone-time,
     far past what the batch term had learned. Taken into fpga's own decode correction, that made gpu
