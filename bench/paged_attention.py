@@ -14,7 +14,11 @@ over 30 layers, blocks shuffled): paged_attention (one work-item per query head)
 paged_attention_scores (one per kv head, each score once), interleaved round by round, ms per step
 and per row, and whether their outputs are the same bits (an md5 of each one's output and sums).
 
-    python bench/paged_attention.py [--steps N] [--quick] [--prefill [--rounds N]]
+--decode: a decode step's attention the same way (sequences at one context, their new tokens roped and
+written by the kernel): paged_rope_attention_decode (one work-item per query head, each score computed
+twice) against paged_rope_attention_decode_scores (one per kv head, each score once).
+
+    python bench/paged_attention.py [--steps N] [--quick] [--prefill | --decode [--rounds N]]
 """
 from __future__ import annotations
 
@@ -104,29 +108,47 @@ def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
 
 
 PREFILL_CASES = ((256, 16), (1000, 16), (2000, 4), (2000, 16), (2000, 64))  # (context, chunk rows)
-PREFILL_KERNELS = {"paged_attention": False, "paged_attention_scores": True}  # bind_attention's `scores`
+DECODE_CASES = ((128, 1), (512, 1), (512, 8), (1024, 4), (1024, 8), (2000, 8))  # (context, sequences)
+# the two kernels of each kind, by bind_attention's / bind_decode's `scores`
+KERNELS = {"prefill": {"paged_attention": False, "paged_attention_scores": True},
+           "decode": {"paged_rope_attention_decode": False, "paged_rope_attention_decode_scores": True}}
 
 
-def measure_prefill(dev, ctx: int, rows: int, rounds: int, rng) -> dict:
-    """A chunk of `rows` tokens ending at position ctx - 1, its K and V already in the pool, 30 layers."""
+def measure_pair(dev, kind: str, ctx: int, rows: int, rounds: int, rng) -> dict:
+    """The two kernels of `kind` over 30 layers, interleaved round by round. prefill: a chunk of `rows`
+    tokens ending at position ctx - 1, its K and V already in the pool; decode: `rows` sequences, each
+    one's new token at position ctx - 1 (written by the kernel, the same values every time)."""
     layers, q_dim, kv_dim = 30, N_HEADS * HEAD_DIM, N_KV * HEAD_DIM
+    max_blocks = -(-ctx // BLOCK)
+    n_seqs = rows if kind == "decode" else 1
     qkv = cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,
                     hostbuf=rng.normal(size=(rows, q_dim + 2 * kv_dim)).astype(np.float32))
-    pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(ctx - rows, ctx, dtype=np.int32))
-    seqs = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.zeros(rows, np.int32))
-    max_blocks = -(-ctx // BLOCK)
-    layout = PagedKVLayout(layers, N_KV, HEAD_DIM, BLOCK, max_blocks + 8)
+    positions = np.full(rows, ctx - 1, np.int32) if kind == "decode" else np.arange(ctx - rows, ctx, dtype=np.int32)
+    pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=positions)
+    seqs = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                     hostbuf=np.arange(rows, dtype=np.int32) if kind == "decode" else np.zeros(rows, np.int32))
+    layout = PagedKVLayout(layers, N_KV, HEAD_DIM, BLOCK, n_seqs * max_blocks + 8)
     tables = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=pack_block_tables(
-        [rng.permutation(layout.num_blocks)[:max_blocks]], max_blocks))
+        rng.permutation(layout.num_blocks)[:n_seqs * max_blocks].reshape(n_seqs, max_blocks), max_blocks))
     pool = layout.allocate(dev)
     cl.enqueue_copy(dev.queue, pool, (rng.normal(size=layout.nbytes // 4) * 0.5).astype(np.float32))
     pa = PagedAttention(dev, layout, N_HEADS)
+    inv_freq = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                         hostbuf=(1.0 / (1e4 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))).astype(np.float32))
+    rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, ctx * HEAD_DIM * 4)
+    prog = dev.build("attention.cl", {"HEAD_DIM": HEAD_DIM, "GROUP": N_HEADS // N_KV, "Q_DIM": q_dim,
+                                      "KV_DIM": kv_dim})
+    bind(prog, "rope_table", (ctx, HEAD_DIM // 2), inv_freq, rope_cs).enqueue(dev.queue)
     runs = {}
-    for name, scores in PREFILL_KERNELS.items():
+    for name, scores in KERNELS[kind].items():
         out = cl.Buffer(dev.context, MF.READ_WRITE, rows * q_dim * 4)
         sums = cl.Buffer(dev.context, MF.READ_WRITE, rows * q_dim // 32 * 4)
-        launches = [pa.bind_attention(rows, qkv, seqs, pos, tables, max_blocks, pool, layer, out, sums, scores=scores)
-                    for layer in range(layers)]
+        if kind == "decode":
+            launches = [pa.bind_decode(rows, qkv, seqs, pos, rope_cs, tables, max_blocks, pool, layer, out, sums,
+                                       scores=scores) for layer in range(layers)]
+        else:
+            launches = [pa.bind_attention(rows, qkv, seqs, pos, tables, max_blocks, pool, layer, out, sums,
+                                          scores=scores) for layer in range(layers)]
         for launch in launches:  # its output, to compare (and the warm-up)
             launch.enqueue(dev.queue)
         o, s = np.empty(rows * q_dim, np.float32), np.empty(rows * q_dim // 32, np.float32)
@@ -145,19 +167,20 @@ def measure_prefill(dev, ctx: int, rows: int, rounds: int, rng) -> dict:
     return row
 
 
-def prefill_main(args) -> None:
+def pair_main(args, kind: str) -> None:
     dev = select_device()
     rng = np.random.default_rng(0)
-    cases = PREFILL_CASES[:2] if args.quick else PREFILL_CASES
+    cases = PREFILL_CASES if kind == "prefill" else DECODE_CASES
+    cases = cases[:2] if args.quick else cases
     rows = []
     for ctx, n in cases:
-        progress(f"prefill chunk: context {ctx}, {n} rows")
-        rows.append(measure_prefill(dev, ctx, n, args.rounds, rng))
-    old, new = PREFILL_KERNELS
+        progress(f"{kind}: context {ctx}, {n} rows")
+        rows.append(measure_pair(dev, kind, ctx, n, args.rounds, rng))
+    old, new = KERNELS[kind]
     print(table(["context", "rows", f"{old} ms", f"{new} ms", "speedup", "same bits"],
-                [[r["context"], r["rows"], f'{r[old]["ms_per_step"]:.1f}', f'{r[new]["ms_per_step"]:.1f}',
+                [[r["context"], r["rows"], f'{r[old]["ms_per_step"]:.2f}', f'{r[new]["ms_per_step"]:.2f}',
                   f'{r[old]["ms_per_step"] / r[new]["ms_per_step"]:.2f}x', r["same_bits"]] for r in rows]))
-    write_json("paged_attention_prefill", {"device": dev.name, "n_heads": N_HEADS, "n_kv_heads": N_KV,
+    write_json(f"paged_attention_{kind}", {"device": dev.name, "n_heads": N_HEADS, "n_kv_heads": N_KV,
                                            "head_dim": HEAD_DIM, "block_size": BLOCK, "rounds": args.rounds,
                                            "rows": rows})
 
@@ -167,10 +190,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="context 64 and 512 only, 5 steps")
     ap.add_argument("--prefill", action="store_true", help="a prefill chunk's attention, the two kernels")
-    ap.add_argument("--rounds", type=int, default=12, help="--prefill: interleaved rounds")
+    ap.add_argument("--decode", action="store_true", help="a decode step's attention, the two kernels")
+    ap.add_argument("--rounds", type=int, default=12, help="--prefill, --decode: interleaved rounds")
     args = ap.parse_args()
-    if args.prefill:
-        return prefill_main(args)
+    if args.prefill or args.decode:
+        return pair_main(args, "prefill" if args.prefill else "decode")
     dev = select_device()
     rng = np.random.default_rng(0)
     contexts = (64, 512) if args.quick else (64, 512, 2048)

@@ -202,9 +202,16 @@ class PagedAttention:
 
     def bind_decode(self, n_rows: int, qkv: cl.Buffer, seq_of_row: cl.Buffer, pos: cl.Buffer, rope_cs: cl.Buffer,
                     block_tables: cl.Buffer, max_blocks: int, pool: cl.Buffer, layer: int, out: cl.Buffer,
-                    out_sums: cl.Buffer) -> Launch:
-        """A decode step's RoPE, KV write and attention, one row per sequence, in one launch."""
-        return bind(self.program, "paged_rope_attention_decode", (self._rows(n_rows), self.n_heads), qkv,
+                    out_sums: cl.Buffer, scores: bool | None = None) -> Launch:
+        """A decode step's RoPE, KV write and attention, one row per sequence, in one launch:
+        paged_rope_attention_decode_scores where `scores_fit` says it may run, else
+        paged_rope_attention_decode (the same bits); `scores` as bind_attention's."""
+        if self.scores_fit(max_blocks) if scores is None else scores:
+            program, name, size = (self._scores_program(max_blocks), "paged_rope_attention_decode_scores",
+                                   self.layout.n_kv_heads)
+        else:
+            program, name, size = self.program, "paged_rope_attention_decode", self.n_heads
+        return bind(program, name, (self._rows(n_rows), size), qkv,
                     seq_of_row, pos, rope_cs, block_tables, np.int32(max_blocks), pool,
                     np.int64(self.layout.layer_base(layer)), np.float32(1.0 / np.sqrt(self.layout.head_dim)), out,
                     out_sums, local_size=(1, 1))

@@ -331,3 +331,37 @@ def test_the_scores_kernel_is_paged_attentions_bits_over_long_contexts(cl_dev):
     q, _, _ = c.split(qkv)
     ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, results[True][2], 1, tables)
     np.testing.assert_allclose(results[True][0], ref.reshape(n, -1), rtol=1e-4, atol=1e-5)
+
+
+def test_the_decode_scores_kernel_is_the_decode_kernels_bits(cl_dev):
+    """paged_rope_attention_decode_scores (one work-item per kv head, each cached score computed once)
+    against paged_rope_attention_decode: decode rows of several sequences at positions on and off the
+    16-position tiles (0, 15, 16, 17, 500, 1291), the same output, block sums and written K/V bit for
+    bit; and bind_decode takes it on a CPU device (PoCL) where the scores fit."""
+    rng = np.random.default_rng(7)
+    c = Case(cl_dev, **MODEL, num_blocks=200, max_pos=1400)
+    lengths = [1291, 0, 500, 15, 16, 17]
+    tables = scattered_tables(rng, c.layout.num_blocks, lengths, 16, extra=1)
+    c.fill_context(rng, 1, tables, lengths)
+    seq_of_row, pos = np.arange(len(lengths), dtype=np.int32), np.array(lengths, np.int32)
+    max_blocks = max(len(t) for t in tables)
+    assert c.pa.scores_fit(max_blocks)
+    qkv = c.qkv(rng, len(pos))
+    n = len(pos)
+    results = {}
+    for scores in (None, False):  # None: bind_decode's own choice
+        pool = buf(cl_dev, c.image)
+        qkv_b, sb, pb, tb = (buf(cl_dev, a) for a in (qkv, seq_of_row, pos, pack_block_tables(tables, max_blocks)))
+        out = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * c.q_dim * 4)
+        sums = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * c.q_dim // 32 * 4)
+        launch = c.pa.bind_decode(n, qkv_b, sb, pb, c.rope_cs, tb, max_blocks, pool, 1, out, sums, scores=scores)
+        # the scores kernel runs a work-item per kv head, the other one per query head
+        assert launch.global_size == (n, c.n_kv if scores is None else c.n_heads)
+        launch.enqueue(cl_dev.queue)
+        results[scores] = (read(cl_dev, out, (n, c.q_dim)), read(cl_dev, sums, (n, c.q_dim // 32)),
+                           read(cl_dev, pool, c.layout.shape))
+    for got, want in zip(results[None], results[False]):
+        np.testing.assert_array_equal(got, want)
+    q, _, _ = c.split(qkv)
+    ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, results[None][2], 1, tables)
+    np.testing.assert_allclose(results[None][0], ref.reshape(n, -1), rtol=1e-4, atol=1e-5)
