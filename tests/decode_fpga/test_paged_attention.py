@@ -15,6 +15,9 @@ MF = cl.mem_flags
 POISON = np.float32(-7.25e7)  # what a block nobody wrote holds; any read of it wrecks a softmax
 TINY = dict(n_heads=4, n_kv=2, head_dim=16, block_size=4)
 MODEL = dict(n_heads=9, n_kv=3, head_dim=64, block_size=16)  # SmolLM2-135M's attention
+# the tiny checkpoints' attention (tests/model/tiny_checkpoints.py): heads of 32, where PoCL contracted
+# `score * scale - m` into an fma in one kernel and not in its scores twin (attention_decode.h)
+HEAD32 = dict(n_heads=4, n_kv=2, head_dim=32, block_size=16)
 
 
 def buf(dev, a):
@@ -298,13 +301,14 @@ def test_bit_identical_to_contiguous_kernels(cl_dev, shape):
         np.testing.assert_array_equal(got_sums, want_sums)
 
 
-def test_the_scores_kernel_is_paged_attentions_bits_over_long_contexts(cl_dev):
+@pytest.mark.parametrize("shape", [MODEL, HEAD32], ids=["model", "head32"])
+def test_the_scores_kernel_is_paged_attentions_bits_over_long_contexts(cl_dev, shape):
     """paged_attention_scores (one work-item per kv head, each score computed once) against
     paged_attention: chunks of several sequences in one launch, contexts past a thousand positions and
     off the 16-position tiles, the same output and block sums bit for bit. A CPU device with the
     model's shape takes it; a context too long for its local memory does not."""
     rng = np.random.default_rng(6)
-    c = Case(cl_dev, **MODEL, num_blocks=200, max_pos=1400)
+    c = Case(cl_dev, **shape, num_blocks=200, max_pos=1400)
     starts, chunks = [1291, 0, 500, 31], [9, 16, 1, 17]
     tables = scattered_tables(rng, c.layout.num_blocks, [s + n for s, n in zip(starts, chunks)], 16)
     c.fill_context(rng, 0, tables, starts)
@@ -333,13 +337,14 @@ def test_the_scores_kernel_is_paged_attentions_bits_over_long_contexts(cl_dev):
     np.testing.assert_allclose(results[True][0], ref.reshape(n, -1), rtol=1e-4, atol=1e-5)
 
 
-def test_the_decode_scores_kernel_is_the_decode_kernels_bits(cl_dev):
+@pytest.mark.parametrize("shape", [MODEL, HEAD32], ids=["model", "head32"])
+def test_the_decode_scores_kernel_is_the_decode_kernels_bits(cl_dev, shape):
     """paged_rope_attention_decode_scores (one work-item per kv head, each cached score computed once)
     against paged_rope_attention_decode: decode rows of several sequences at positions on and off the
     16-position tiles (0, 15, 16, 17, 500, 1291), the same output, block sums and written K/V bit for
     bit; and bind_decode takes it on a CPU device (PoCL) where the scores fit."""
     rng = np.random.default_rng(7)
-    c = Case(cl_dev, **MODEL, num_blocks=200, max_pos=1400)
+    c = Case(cl_dev, **shape, num_blocks=200, max_pos=1400)
     lengths = [1291, 0, 500, 15, 16, 17]
     tables = scattered_tables(rng, c.layout.num_blocks, lengths, 16, extra=1)
     c.fill_context(rng, 1, tables, lengths)

@@ -56,7 +56,11 @@ inline float max_score(const hvec *qv, __global const float *K, const int n, con
 
 // The second pass over cached positions [0, n): acc += exp(s_t - m) * V[t]; returns the sum of
 // the weights. 16 positions share one call of exp, a vector routine on PoCL (one scalar call per
-// position was about a third of attention at 1000 positions).
+// position was about a third of attention at 1000 positions). A scaled score is rounded before m is
+// taken from it, in a statement of its own: written as one expression, `dot * scale - m` may be
+// contracted into an fma (OpenCL's FP_CONTRACT), and PoCL did so for some head sizes (32) and not
+// others (64), so the kernels that keep the scores in memory (paged_attention.cl's *_scores) gave
+// other bits than these for those heads.
 inline float weigh_values(const hvec *qv, __global const float *K, __global const float *V, const int n,
                           const float scale, const float m, hvec *acc)
 {
@@ -64,7 +68,10 @@ inline float weigh_values(const hvec *qv, __global const float *K, __global cons
     int t = 0;
     for (; t + 16 <= n; t += 16) {
         float s[16], w[16];
-        for (int k = 0; k < 16; ++k) s[k] = dot_head(qv, K + (size_t)(t + k) * HEAD_DIM) * scale - m;
+        for (int k = 0; k < 16; ++k) {
+            const float scaled = dot_head(qv, K + (size_t)(t + k) * HEAD_DIM) * scale;  // rounded: see below
+            s[k] = scaled - m;
+        }
         const float16 w16 = exp(vload16(0, s));
         vstore16(w16, 0, w);
         wsum += w16;
@@ -75,7 +82,8 @@ inline float weigh_values(const hvec *qv, __global const float *K, __global cons
     const float4 w4 = w8.lo + w8.hi;
     float denom = (w4.x + w4.y) + (w4.z + w4.w);
     for (; t < n; ++t) {
-        const float w = exp(dot_head(qv, K + (size_t)t * HEAD_DIM) * scale - m);
+        const float scaled = dot_head(qv, K + (size_t)t * HEAD_DIM) * scale;
+        const float w = exp(scaled - m);
         denom += w;
         for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, V + (size_t)t * HEAD_DIM), acc[i]);
     }

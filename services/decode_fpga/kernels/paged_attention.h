@@ -64,7 +64,10 @@ inline float paged_weigh_values(const hvec *qv, __global const float *K, __globa
 #else
 #define TILE_ROW(k) paged_row_c(K, table, t + (k))
 #endif
-        for (int k = 0; k < 16; ++k) s[k] = dot_head(qv, TILE_ROW(k)) * scale - m;
+        for (int k = 0; k < 16; ++k) {
+            const float scaled = dot_head(qv, TILE_ROW(k)) * scale;  // rounded: weigh_values says why
+            s[k] = scaled - m;
+        }
         const float16 w16 = exp(vload16(0, s));
         vstore16(w16, 0, w);
         wsum += w16;
@@ -77,7 +80,8 @@ inline float paged_weigh_values(const hvec *qv, __global const float *K, __globa
     float denom = (w4.x + w4.y) + (w4.z + w4.w);
     for (; t < n; ++t) {
         __global const float *kr = paged_row_c(K, table, t);
-        const float w = exp(dot_head(qv, kr) * scale - m);
+        const float scaled = dot_head(qv, kr) * scale;
+        const float w = exp(scaled - m);
         denom += w;
         for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, kr + V_OFFSET), acc[i]);
     }
