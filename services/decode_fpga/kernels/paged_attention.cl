@@ -124,30 +124,13 @@ inline float16 hsum16(const float16 *a)
     return (float16)(d[0].even, d[1].even) + (float16)(d[0].odd, d[1].odd);
 }
 
-// paged_attention for a CPU device, the same bits, 1.3-2.1x faster (bench/paged_attention.py --prefill:
-// 16 rows at 2000 cached positions, 30 layers, 120 -> 75 ms on 2 Xeon cores). One work-item takes
-// the GROUP query heads of one kv head, so each K and V row is loaded once for all of them, and
-// computes each score once: the first pass keeps the scaled scores in local
-// memory (GROUP x MAX_POS floats a work-group; on a CPU that is its caches) and the second pass reads
-// them back where paged_attention computes every dot product again. A score is the same expression
-// either way, tiles of 16 positions reduce with hsum16, fmax gives the same maximum in any order, and
-// the weighted sum of V is weigh_values', tile for tile: every head's result is paged_attention's bits.
-// Work-item (r, g): query heads g GROUP .. g GROUP + GROUP - 1 of row r. Global size (rows, N_KV).
-// Needs HEAD_DIM % 16 == 0, BLOCK_SIZE % 16 == 0, MAX_POS >= the longest context (paged_attention.py).
-__kernel void paged_attention_scores(__global const float *qkv, __global const int *seq_of_row,
-                                     __global const int *pos, __global const int *block_tables, const int max_blocks,
-                                     __global const float *pool, const long layer_base, const float scale,
-                                     __global float *out, __global float *out_sums)
+// The first pass of the *_scores kernels: the scaled scores of positions [0, n) of a kv head's GROUP
+// query heads into `scores`, computed once each, and into m[j] the largest of m[j] and head j's scores.
+// A score is the same expression as paged_weigh_values' (tiles of 16 reduce with hsum16), and fmax
+// gives the same maximum in any order.
+inline void group_scores(hvec qv[GROUP][NV], __global const float *K, __global const int *table, const int n,
+                         const float scale, __local float scores[GROUP][MAX_POS], float *m)
 {
-    __local float scores[GROUP][MAX_POS];
-    const int r = get_global_id(0), g = get_global_id(1);
-    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
-    __global const float *K = pool + layer_base + g * BLOCK_ELEMS;
-    const int n = pos[r] + 1;
-    hvec qv[GROUP][NV];
-    for (int j = 0; j < GROUP; ++j)
-        for (int i = 0; i < NV; ++i) qv[j][i] = VLOADH(i, qkv + (size_t)r * QKV_ROW + (g * GROUP + j) * HEAD_DIM);
-    // the first pass: every scaled score, and each head's largest
     float16 top[GROUP];
     for (int j = 0; j < GROUP; ++j) top[j] = (float16)(-INFINITY);
     int t = 0;
@@ -161,11 +144,10 @@ __kernel void paged_attention_scores(__global const float *qkv, __global const i
             top[j] = fmax(top[j], s);
         }
     }
-    float m[GROUP];
     for (int j = 0; j < GROUP; ++j) {
         const float8 m8 = fmax(top[j].lo, top[j].hi);
         const float4 m4 = fmax(m8.lo, m8.hi);
-        m[j] = fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w));
+        m[j] = fmax(m[j], fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w)));
     }
     for (; t < n; ++t) {
         __global const float *kr = paged_row_c(K, table, t);
@@ -174,14 +156,21 @@ __kernel void paged_attention_scores(__global const float *qkv, __global const i
             m[j] = fmax(m[j], scores[j][t]);
         }
     }
-    // the second pass: weigh_values' tiles of 16 positions, then its tail
+}
+
+// The second pass: paged_weigh_values' tiles of 16 positions of [0, n), then its tail, for the GROUP
+// heads at once (each V row loaded once for all of them): acc[j] += exp(s_t - m[j]) V[t]; denom[j]:
+// the sum of head j's weights, tile for tile paged_weigh_values' bits.
+inline void group_weigh(__global const float *K, __global const int *table, const int n,
+                        __local float scores[GROUP][MAX_POS], const float *m, hvec acc[GROUP][NV], float *denom)
+{
     float16 wsum[GROUP];
-    hvec acc[GROUP][NV];
     for (int j = 0; j < GROUP; ++j) {
         wsum[j] = (float16)(0.0f);
         for (int i = 0; i < NV; ++i) acc[j][i] = (hvec)(0.0f);
     }
-    for (t = 0; t + 16 <= n; t += 16) {
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
         __global const float *vt = paged_row_c(K, table, t) + V_OFFSET;
         float w[GROUP][16];
         for (int j = 0; j < GROUP; ++j) {
@@ -198,22 +187,50 @@ __kernel void paged_attention_scores(__global const float *qkv, __global const i
     for (int j = 0; j < GROUP; ++j) {
         const float8 w8 = wsum[j].lo + wsum[j].hi;
         const float4 w4 = w8.lo + w8.hi;
-        float denom = (w4.x + w4.y) + (w4.z + w4.w);
+        denom[j] = (w4.x + w4.y) + (w4.z + w4.w);
         for (int u = t; u < n; ++u) {
             __global const float *vr = paged_row_c(K, table, u) + V_OFFSET;
             const float w = exp(scores[j][u] - m[j]);
-            denom += w;
+            denom[j] += w;
             for (int i = 0; i < NV; ++i) acc[j][i] = fma((hvec)(w), VLOADH(i, vr), acc[j][i]);
         }
-        store_head(acc[j], denom, r, g * GROUP + j, out, out_sums);
     }
 }
+
+// paged_attention for a CPU device, the same bits, 1.3-2.1x faster (bench/paged_attention.py --prefill:
+// 16 rows at 2000 cached positions, 30 layers, 120 -> 75 ms on 2 Xeon cores). One work-item takes
+// the GROUP query heads of one kv head, so each K and V row is loaded once for all of them, and
+// computes each score once: the first pass keeps the scaled scores in local memory (GROUP x MAX_POS
+// floats a work-group; on a CPU that is its caches) and the second pass reads them back where
+// paged_attention computes every dot product again (group_scores, group_weigh).
+// Work-item (r, g): query heads g GROUP .. g GROUP + GROUP - 1 of row r. Global size (rows, N_KV).
+// Needs HEAD_DIM % 16 == 0, BLOCK_SIZE % 16 == 0, MAX_POS >= the longest context (paged_attention.py).
+__kernel void paged_attention_scores(__global const float *qkv, __global const int *seq_of_row,
+                                     __global const int *pos, __global const int *block_tables, const int max_blocks,
+                                     __global const float *pool, const long layer_base, const float scale,
+                                     __global float *out, __global float *out_sums)
+{
+    __local float scores[GROUP][MAX_POS];
+    const int r = get_global_id(0), g = get_global_id(1);
+    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
+    __global const float *K = pool + layer_base + g * BLOCK_ELEMS;
+    const int n = pos[r] + 1;
+    hvec qv[GROUP][NV];
+    for (int j = 0; j < GROUP; ++j)
+        for (int i = 0; i < NV; ++i) qv[j][i] = VLOADH(i, qkv + (size_t)r * QKV_ROW + (g * GROUP + j) * HEAD_DIM);
+    float m[GROUP], denom[GROUP];
+    for (int j = 0; j < GROUP; ++j) m[j] = -INFINITY;
+    group_scores(qv, K, table, n, scale, scores, m);
+    hvec acc[GROUP][NV];
+    group_weigh(K, table, n, scores, m, acc, denom);
+    for (int j = 0; j < GROUP; ++j) store_head(acc[j], denom[j], r, g * GROUP + j, out, out_sums);
+}
+
 // paged_rope_attention_decode for a CPU device, the same bits: one work-item takes the GROUP query
 // heads of one kv head (RoPE of each query and of the new key, the new K and V stored once) and
-// computes each cached position's score once, into local memory, where paged_attend_decode computes
-// it twice for each query head (with SmolLM2's 3 query heads a kv head, each cached K row was read 6
-// times a layer and each V row 3 times; here once). The cached positions' scores, maxima, tiles and
-// tail are paged_attention_scores' (the same bits as paged_max_score and paged_weigh_values), and the
+// computes each cached position's score once, where paged_attend_decode computes it twice for each
+// query head (with SmolLM2's 3 query heads a kv head, each cached K row was read 6 times a layer and
+// each V row 3 times; here once). The cached positions go through group_scores and group_weigh; the
 // new position's score, from registers, joins the maximum and then the sums last, as in
 // paged_attend_decode. Work-item (r, g): query heads g GROUP .. g GROUP + GROUP - 1 of row r, one
 // sequence's new token at pos[r]. Global size (rows, N_KV). Needs what paged_attention_scores needs.
@@ -241,7 +258,7 @@ __kernel void paged_rope_attention_decode_scores(__global const float *qkv, __gl
     hvec kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = VLOADH(i, kf);
     hvec qv[GROUP][NV];
-    float s_new[GROUP];
+    float s_new[GROUP], m[GROUP], denom[GROUP];
     for (int j = 0; j < GROUP; ++j) {
         float qf[HEAD_DIM];
         for (int i = 0; i < HEAD_DIM; ++i) qf[i] = row[(g * GROUP + j) * HEAD_DIM + i];
@@ -249,70 +266,16 @@ __kernel void paged_rope_attention_decode_scores(__global const float *qkv, __gl
         for (int i = 0; i < NV; ++i) qv[j][i] = VLOADH(i, qf);
         hvec c = qv[j][0] * kv[0];
         for (int i = 1; i < NV; ++i) c = fma(qv[j][i], kv[i], c);
-        s_new[j] = hsum(c) * scale;
+        m[j] = s_new[j] = hsum(c) * scale;
     }
-    // the first pass over the cached positions [0, p): every scaled score, and each head's largest
-    float16 top[GROUP];
-    for (int j = 0; j < GROUP; ++j) top[j] = (float16)(-INFINITY);
-    int t = 0;
-    for (; t + 16 <= p; t += 16) {
-        __global const float *kt = paged_row_c(K, table, t);  // a tile within one block
-        for (int j = 0; j < GROUP; ++j) {
-            float16 a[16];
-            for (int k = 0; k < 16; ++k) a[k] = dot_lanes(qv[j], kt + (size_t)k * HEAD_DIM);
-            const float16 s = hsum16(a) * scale;
-            vstore16(s, 0, &scores[j][t]);
-            top[j] = fmax(top[j], s);
-        }
-    }
-    float m[GROUP];
-    for (int j = 0; j < GROUP; ++j) {
-        const float8 m8 = fmax(top[j].lo, top[j].hi);
-        const float4 m4 = fmax(m8.lo, m8.hi);
-        m[j] = fmax(fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w)), s_new[j]);
-    }
-    for (; t < p; ++t) {
-        __global const float *kr = paged_row_c(K, table, t);
-        for (int j = 0; j < GROUP; ++j) {
-            scores[j][t] = dot_head(qv[j], kr) * scale;
-            m[j] = fmax(m[j], scores[j][t]);
-        }
-    }
-    // the second pass: paged_weigh_values' tiles of 16 cached positions, its tail, then the new position
-    float16 wsum[GROUP];
+    group_scores(qv, K, table, p, scale, scores, m);  // the cached positions [0, p)
     hvec acc[GROUP][NV];
+    group_weigh(K, table, p, scores, m, acc, denom);
     for (int j = 0; j < GROUP; ++j) {
-        wsum[j] = (float16)(0.0f);
-        for (int i = 0; i < NV; ++i) acc[j][i] = (hvec)(0.0f);
-    }
-    for (t = 0; t + 16 <= p; t += 16) {
-        __global const float *vt = paged_row_c(K, table, t) + V_OFFSET;
-        float w[GROUP][16];
-        for (int j = 0; j < GROUP; ++j) {
-            const float16 w16 = exp(vload16(0, &scores[j][t]) - (float16)(m[j]));
-            vstore16(w16, 0, w[j]);
-            wsum[j] += w16;
-        }
-        for (int k = 0; k < 16; ++k)
-            for (int i = 0; i < NV; ++i) {
-                const hvec v = VLOADH(i, vt + (size_t)k * HEAD_DIM);
-                for (int j = 0; j < GROUP; ++j) acc[j][i] = fma((hvec)(w[j][k]), v, acc[j][i]);
-            }
-    }
-    for (int j = 0; j < GROUP; ++j) {
-        const float8 w8 = wsum[j].lo + wsum[j].hi;
-        const float4 w4 = w8.lo + w8.hi;
-        float denom = (w4.x + w4.y) + (w4.z + w4.w);
-        for (int u = t; u < p; ++u) {
-            __global const float *vr = paged_row_c(K, table, u) + V_OFFSET;
-            const float w = exp(scores[j][u] - m[j]);
-            denom += w;
-            for (int i = 0; i < NV; ++i) acc[j][i] = fma((hvec)(w), VLOADH(i, vr), acc[j][i]);
-        }
         const float w = exp(s_new[j] - m[j]);
-        denom += w;
+        denom[j] += w;
         for (int i = 0; i < NV; ++i) acc[j][i] = fma((hvec)(w), VLOADH(i, v_new), acc[j][i]);
-        store_head(acc[j], denom, r, g * GROUP + j, out, out_sums);
+        store_head(acc[j], denom[j], r, g * GROUP + j, out, out_sums);
     }
 }
 #endif
