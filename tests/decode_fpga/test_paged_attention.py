@@ -1,6 +1,7 @@
 """kernels/paged_attention.cl on real PoCL: against the float64 numpy reference, bit for bit
-against itself in other batches and block placements, and bit for bit against the contiguous
-kernels of attention.cl."""
+against itself in other batches and block placements, bit for bit against the contiguous
+kernels of attention.cl, and the CPU device's scores kernels (prefill chunks, decode rows) bit for
+bit against the portable ones."""
 from __future__ import annotations
 
 import numpy as np
