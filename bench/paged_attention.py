@@ -61,23 +61,29 @@ def timed(queue, launches, steps: int) -> float:
 VARIANTS = (("paged", 16, True), ("paged_in_order", 16, False), ("paged_bs64", 64, True))
 
 
+def rope_table(dev, ctx: int) -> tuple[cl.Program, cl.Buffer]:
+    """attention.cl built for the model's heads, and the cos | sin table of positions [0, ctx) it wrote."""
+    prog = dev.build("attention.cl", {"HEAD_DIM": HEAD_DIM, "GROUP": N_HEADS // N_KV, "Q_DIM": N_HEADS * HEAD_DIM,
+                                      "KV_DIM": N_KV * HEAD_DIM})
+    inv_freq = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                         hostbuf=(1.0 / (1e4 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))).astype(np.float32))
+    rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, ctx * HEAD_DIM * 4)
+    bind(prog, "rope_table", (ctx, HEAD_DIM // 2), inv_freq, rope_cs).enqueue(dev.queue)
+    dev.queue.finish()  # inv_freq is released on return: the table must be written before
+    return prog, rope_cs
+
+
 def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
     per_layer = batch * 2 * N_KV * ctx * HEAD_DIM * 4
     layers = max(1, min(30, KV_BUDGET // per_layer))
     q_dim, kv_dim = N_HEADS * HEAD_DIM, N_KV * HEAD_DIM
-    group = N_HEADS // N_KV
     qkv = cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,
                     hostbuf=rng.normal(size=(batch, q_dim + 2 * kv_dim)).astype(np.float32))
     pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.full(batch, ctx - 1, np.int32))
     seqs = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(batch, dtype=np.int32))
     out = cl.Buffer(dev.context, MF.READ_WRITE, batch * q_dim * 4)
     sums = cl.Buffer(dev.context, MF.READ_WRITE, batch * q_dim // 32 * 4)
-    inv_freq = (1.0 / (1e4 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))).astype(np.float32)
-    shape = {"HEAD_DIM": HEAD_DIM, "GROUP": group, "Q_DIM": q_dim, "KV_DIM": kv_dim}
-    prog = dev.build("attention.cl", shape)
-    inv_freq_b = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=inv_freq)
-    rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, ctx * HEAD_DIM * 4)
-    bind(prog, "rope_table", (ctx, HEAD_DIM // 2), inv_freq_b, rope_cs).enqueue(dev.queue)
+    prog, rope_cs = rope_table(dev, ctx)
 
     # today's: one slot per sequence, planes of max_context = ctx
     lay = ChannelLayout(layers, N_KV, HEAD_DIM, ctx, batch, 1)
@@ -133,12 +139,7 @@ def measure_pair(dev, kind: str, ctx: int, rows: int, rounds: int, rng) -> dict:
     pool = layout.allocate(dev)
     cl.enqueue_copy(dev.queue, pool, (rng.normal(size=layout.nbytes // 4) * 0.5).astype(np.float32))
     pa = PagedAttention(dev, layout, N_HEADS)
-    inv_freq = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
-                         hostbuf=(1.0 / (1e4 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))).astype(np.float32))
-    rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, ctx * HEAD_DIM * 4)
-    prog = dev.build("attention.cl", {"HEAD_DIM": HEAD_DIM, "GROUP": N_HEADS // N_KV, "Q_DIM": q_dim,
-                                      "KV_DIM": kv_dim})
-    bind(prog, "rope_table", (ctx, HEAD_DIM // 2), inv_freq, rope_cs).enqueue(dev.queue)
+    rope_cs = rope_table(dev, ctx)[1] if kind == "decode" else None  # the decode kernels rope
     runs = {}
     for name, scores in KERNELS[kind].items():
         out = cl.Buffer(dev.context, MF.READ_WRITE, rows * q_dim * 4)

@@ -178,10 +178,7 @@ class PagedAttention:
         """Causal attention of roped query rows over [0, pos[r]] of their sequences (prefill chunks):
         paged_attention_scores where `scores_fit` says it may run, else paged_attention (the same bits).
         scores: True or False to ask for one of them (a test's comparison), None to let scores_fit choose."""
-        if self.scores_fit(max_blocks) if scores is None else scores:
-            program, name, size = self._scores_program(max_blocks), "paged_attention_scores", self.layout.n_kv_heads
-        else:
-            program, name, size = self.program, "paged_attention", self.n_heads
+        program, name, size = self._kernel("paged_attention", max_blocks, scores)
         return bind(program, name, (self._rows(n_rows), size), qkv, seq_of_row, pos, block_tables,
                     np.int32(max_blocks), pool, np.int64(self.layout.layer_base(layer)),
                     np.float32(1.0 / np.sqrt(self.layout.head_dim)), out, out_sums, local_size=(1, 1))
@@ -195,6 +192,13 @@ class PagedAttention:
         return (bool(device.type & cl.device_type.CPU) and lay.head_dim % 16 == 0 and lay.block_size % 16 == 0
                 and scores_bytes <= device.local_mem_size // 2)
 
+    def _kernel(self, portable: str, max_blocks: int, scores: bool | None) -> tuple[cl.Program, str, int]:
+        """(program, kernel, work-items per row): `portable`'s `_scores` twin (one work-item per kv head)
+        where `scores_fit` says it may run, or where `scores` asks for it, else `portable` (one per query head)."""
+        if self.scores_fit(max_blocks) if scores is None else scores:
+            return self._scores_program(max_blocks), f"{portable}_scores", self.layout.n_kv_heads
+        return self.program, portable, self.n_heads
+
     def _scores_program(self, max_blocks: int) -> cl.Program:
         return self._dev.build("paged_attention.cl", {
             "HEAD_DIM": self.layout.head_dim, "GROUP": self.group, "Q_DIM": self.q_dim, "KV_DIM": self.kv_dim,
@@ -206,11 +210,7 @@ class PagedAttention:
         """A decode step's RoPE, KV write and attention, one row per sequence, in one launch:
         paged_rope_attention_decode_scores where `scores_fit` says it may run, else
         paged_rope_attention_decode (the same bits); `scores` as bind_attention's."""
-        if self.scores_fit(max_blocks) if scores is None else scores:
-            program, name, size = (self._scores_program(max_blocks), "paged_rope_attention_decode_scores",
-                                   self.layout.n_kv_heads)
-        else:
-            program, name, size = self.program, "paged_rope_attention_decode", self.n_heads
+        program, name, size = self._kernel("paged_rope_attention_decode", max_blocks, scores)
         return bind(program, name, (self._rows(n_rows), size), qkv,
                     seq_of_row, pos, rope_cs, block_tables, np.int32(max_blocks), pool,
                     np.int64(self.layout.layer_base(layer)), np.float32(1.0 / np.sqrt(self.layout.head_dim)), out,

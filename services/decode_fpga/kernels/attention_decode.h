@@ -47,6 +47,14 @@ inline hvec dot_lanes(const hvec *qv, __global const float *k)
 
 inline float dot_head(const hvec *qv, __global const float *k) { return hsum(dot_lanes(qv, k)); }
 
+// q . k of two head vectors in registers (the new position's key, roped in private memory)
+inline float dot_regs(const hvec *qv, const hvec *kv)
+{
+    hvec c = qv[0] * kv[0];
+    for (int i = 1; i < NV; ++i) c = fma(qv[i], kv[i], c);
+    return hsum(c);
+}
+
 // The softmax's first pass: the largest of m and the scaled scores of cached positions [0, n).
 inline float max_score(const hvec *qv, __global const float *K, const int n, const float scale, float m)
 {
@@ -159,9 +167,7 @@ inline void attend_decode(__global const float *qkv, const int r, const int kv_h
         kv[i] = VLOADH(i, kf);
     }
     // dot_head reads a __global K row; the new position's K is private, so its score is summed here
-    hvec c = qv[0] * kv[0];
-    for (int i = 1; i < NV; ++i) c = fma(qv[i], kv[i], c);
-    const float s_new = hsum(c) * scale;
+    const float s_new = dot_regs(qv, kv) * scale;
     const float m = max_score(qv, K, p, scale, s_new);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);

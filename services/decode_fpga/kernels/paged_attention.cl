@@ -250,11 +250,7 @@ __kernel void paged_rope_attention_decode_scores(__global const float *qkv, __gl
     float kf[HEAD_DIM];
     for (int i = 0; i < HEAD_DIM; ++i) kf[i] = row[Q_DIM + g * HEAD_DIM + i];
     rope(kf, p, rope_cs);
-    __global float *kd = paged_row(K, table, p);
-    for (int i = 0; i < HEAD_DIM; ++i) {
-        kd[i] = kf[i];
-        kd[V_OFFSET + i] = v_new[i];
-    }
+    paged_store_new(K, table, p, kf, v_new);
     hvec kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = VLOADH(i, kf);
     hvec qv[GROUP][NV];
@@ -264,9 +260,7 @@ __kernel void paged_rope_attention_decode_scores(__global const float *qkv, __gl
         for (int i = 0; i < HEAD_DIM; ++i) qf[i] = row[(g * GROUP + j) * HEAD_DIM + i];
         rope(qf, p, rope_cs);
         for (int i = 0; i < NV; ++i) qv[j][i] = VLOADH(i, qf);
-        hvec c = qv[j][0] * kv[0];
-        for (int i = 1; i < NV; ++i) c = fma(qv[j][i], kv[i], c);
-        m[j] = s_new[j] = hsum(c) * scale;
+        m[j] = s_new[j] = dot_regs(qv[j], kv) * scale;
     }
     group_scores(qv, K, table, p, scale, scores, m);  // the cached positions [0, p)
     hvec acc[GROUP][NV];

@@ -88,6 +88,17 @@ inline float paged_weigh_values(const hvec *qv, __global const float *K, __globa
     return denom;
 }
 
+// The new position's roped key (private) and its value into the pool at p. K: as paged_row's X.
+inline void paged_store_new(__global float *K, __global const int *table, const int p, const float *kf,
+                            __global const float *v_new)
+{
+    __global float *kd = paged_row(K, table, p);
+    for (int i = 0; i < HEAD_DIM; ++i) {
+        kd[i] = kf[i];
+        kd[V_OFFSET + i] = v_new[i];
+    }
+}
+
 // attend_decode (attention_decode.h) through a block table: query head kv_head * GROUP + j of row
 // r at position p (qk_w, qk_eps: attend_decode's). RoPE of the query and the new key in registers; j == 0 stores the new K and V
 // at p (its block must be in the table); positions [0, p) come from the pool, the new one from
@@ -111,21 +122,13 @@ inline void paged_attend_decode(__global const float *qkv, const int r, const in
     }
     rope(qf, p, rope_cs);
     rope(kf, p, rope_cs);
-    if (j == 0) {
-        __global float *kd = paged_row(K, table, p);
-        for (int i = 0; i < HEAD_DIM; ++i) {
-            kd[i] = kf[i];
-            kd[V_OFFSET + i] = v_new[i];
-        }
-    }
+    if (j == 0) paged_store_new(K, table, p, kf, v_new);
     hvec qv[NV], kv[NV];
     for (int i = 0; i < NV; ++i) {
         qv[i] = VLOADH(i, qf);
         kv[i] = VLOADH(i, kf);
     }
-    hvec c = qv[0] * kv[0];
-    for (int i = 1; i < NV; ++i) c = fma(qv[i], kv[i], c);
-    const float s_new = hsum(c) * scale;
+    const float s_new = dot_regs(qv, kv) * scale;
     const float m = paged_max_score(qv, K, table, p, scale, s_new);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
