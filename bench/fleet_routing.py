@@ -20,6 +20,8 @@ Medians over rounds. Writes `fleet_routing.json` and prints the table.
     python bench/fleet_routing.py [--rounds 2] [--conversations 8] [--turns 4] [--mode fpga]
     python bench/fleet_routing.py --kv-cache-mb 112 --conversations 8 --turns 6 --workloads multiturn \
         --name fleet_routing_pressure     # KV budgets below the conversations' working set
+    python bench/fleet_routing.py --kv-cache-mb 120,160,200,240 --conversations 16 --turns 8 --think-s 3 \
+        --workloads multiturn --name fleet_routing_budgets   # a stack per budget; also NAME.png
 """
 from __future__ import annotations
 
@@ -147,30 +149,13 @@ class QueueSampler(Periodic):
         return {"mean_queue": means, "busiest_over_least": hi / lo if lo > 0 else None}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--user-words", type=int, default=40)
-    ap.add_argument("--system-words", type=int, default=200)
-    ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument("--mode", default="fpga")
-    ap.add_argument("--kv-cache-mb", type=int, default=256,
-                    help="each engine's KV budget: below the conversations' working set, least-loaded placement "
-                         "keeps every conversation on both engines and their caches evict each other")
-    ap.add_argument("--workloads", default="multiturn,skewed")
-    ap.add_argument("--think-s", type=float, default=0.0,
-                    help="multiturn: a pause of up to this many seconds between a reply and the next turn (0: the "
-                         "next turn at once, which lets least-loaded keep a conversation where it just finished)")
-    ap.add_argument("--name", default="fleet_routing", help="the results file's name (without .json)")
-    ap.add_argument("--out", default=str(RESULTS))
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    words = corpus_words()
-    env = {"HYBRIDSERVE_PREFILL_KV_CACHE_MB": str(args.kv_cache_mb), "HYBRIDSERVE_DECODE_KV_CACHE_MB": str(args.kv_cache_mb)}
-    workloads = [(w, {"multiturn": multiturn, "skewed": skewed}[w]) for w in args.workloads.split(",")]
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def run_budget(args, kv_mb: int, workloads, words: list[str], out: Path) -> dict[str, dict[str, list[dict]]]:
+    """One stack whose engines each hold kv_mb of KV, both gateways in front, every round and workload."""
+    env = {"HYBRIDSERVE_PREFILL_KV_CACHE_MB": str(kv_mb), "HYBRIDSERVE_DECODE_KV_CACHE_MB": str(kv_mb)}
     stack = start_stack(out / "fleet_stack.log", env, pairs=2)
     other = None
     try:
@@ -192,7 +177,7 @@ def main() -> int:
             for workload, run in workloads:
                 for g in order:
                     seed += 1
-                    progress(f"round {r + 1}/{args.rounds}: {workload} through the {g} gateway")
+                    progress(f"{kv_mb} MB, round {r + 1}/{args.rounds}: {workload} through the {g} gateway")
                     before, placed0 = counters(list(engines.values())), placements(urls[g])
                     t0 = time.perf_counter()
                     with QueueSampler({k: v for k, v in engines.items() if k.startswith("decode")}) as q:
@@ -207,27 +192,97 @@ def main() -> int:
                         "tok_s": sum(x["tokens"] for x in ok) / wall, "errors": len(results) - len(ok),
                         "placements": {k: placed1.get(k, 0) - placed0.get(k, 0) for k in placed1},
                         **q.balance()})
-        report = {"args": vars(args), "rounds": rounds, "medians": {}}
-        rows = []
-        for workload, by_gateway in rounds.items():
-            for g, runs in by_gateway.items():
-                med = {k: statistics.median([x[k] for x in runs if x[k] is not None] or [float("nan")])
-                       for k in ("hit_rate", "ttft_p50", "ttft_p99", "tok_s")}
-                bal = [x["busiest_over_least"] for x in runs if x["busiest_over_least"] is not None]
-                med["busiest_over_least"] = statistics.median(bal) if bal else None
-                med["errors"] = sum(x["errors"] for x in runs)
-                report["medians"].setdefault(workload, {})[g] = med
-                rows.append([workload, g, f"{med['hit_rate']:.2f}", f"{med['ttft_p50'] * 1e3:.0f}",
-                             f"{med['ttft_p99'] * 1e3:.0f}", f"{med['tok_s']:.1f}",
-                             "-" if med["busiest_over_least"] is None else f"{med['busiest_over_least']:.2f}",
-                             med["errors"]])
-        print(table(["workload", "gateway", "hit rate", "TTFT p50 ms", "p99", "tok/s", "busiest/least queue",
-                     "errors"], rows))
-        write_json(args.name, report, out)
+        return rounds
     finally:
         if other is not None:
             other.stop()
         stack.stop()
+
+
+def medians(rounds: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
+    """Per workload and gateway: the medians over rounds, the total errors."""
+    out: dict[str, dict[str, dict]] = {}
+    for workload, by_gateway in rounds.items():
+        for g, runs in by_gateway.items():
+            med = {k: statistics.median([x[k] for x in runs if x[k] is not None] or [float("nan")])
+                   for k in ("hit_rate", "ttft_p50", "ttft_p99", "tok_s")}
+            bal = [x["busiest_over_least"] for x in runs if x["busiest_over_least"] is not None]
+            med["busiest_over_least"] = statistics.median(bal) if bal else None
+            med["errors"] = sum(x["errors"] for x in runs)
+            out.setdefault(workload, {})[g] = med
+    return out
+
+
+def plot_budgets(path: Path, by_budget: dict[int, dict], workload: str) -> Path:
+    """Hit rate, TTFT p50 and tokens/s of each gateway against the engines' KV budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted(by_budget)
+    panels = (("hit_rate", "prefix-cache hit rate", 1.0), ("ttft_p50", "TTFT p50 ms", 1e3), ("tok_s", "output tokens/s", 1.0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.5))
+    for ax, (key, label, scale) in zip(axes, panels):
+        for g in GATEWAYS:
+            ax.plot(budgets, [by_budget[b]["medians"][workload][g][key] * scale for b in budgets], "o-", label=g)
+        ax.set_xlabel("KV budget per engine, MB")
+        ax.set_ylabel(f"{label} (median over rounds)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"prefix-aware against least-loaded placement, {workload}, two pairs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--user-words", type=int, default=40)
+    ap.add_argument("--system-words", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--mode", default="fpga")
+    ap.add_argument("--kv-cache-mb", type=ints, default=[256],
+                    help="each engine's KV budget: below the conversations' working set, least-loaded placement "
+                         "keeps every conversation on both engines and their caches evict each other; several "
+                         "(120,160,240) sweep it, a stack each, and plot the figures against it")
+    ap.add_argument("--workloads", default="multiturn,skewed")
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="multiturn: a pause of up to this many seconds between a reply and the next turn (0: the "
+                         "next turn at once, which lets least-loaded keep a conversation where it just finished)")
+    ap.add_argument("--name", default="fleet_routing", help="the results file's name (without .json)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    words = corpus_words()
+    workloads = [(w, {"multiturn": multiturn, "skewed": skewed}[w]) for w in args.workloads.split(",")]
+    by_budget = {}
+    for kv_mb in args.kv_cache_mb:
+        rounds = run_budget(args, kv_mb, workloads, words, out)
+        by_budget[kv_mb] = {"rounds": rounds, "medians": medians(rounds)}
+    rows = []
+    for kv_mb, result in by_budget.items():
+        for workload, by_gateway in result["medians"].items():
+            for g, med in by_gateway.items():
+                rows.append([kv_mb, workload, g, f"{med['hit_rate']:.2f}", f"{med['ttft_p50'] * 1e3:.0f}",
+                             f"{med['ttft_p99'] * 1e3:.0f}", f"{med['tok_s']:.1f}",
+                             "-" if med["busiest_over_least"] is None else f"{med['busiest_over_least']:.2f}",
+                             med["errors"]])
+    print(table(["KV MB", "workload", "gateway", "hit rate", "TTFT p50 ms", "p99", "tok/s", "busiest/least queue",
+                 "errors"], rows))
+    # one budget keeps the shape of the results before the sweep (rounds and medians at the top)
+    report = ({"args": vars(args), **by_budget[args.kv_cache_mb[0]]} if len(by_budget) == 1
+              else {"args": vars(args), "budgets": {str(b): r for b, r in by_budget.items()}})
+    write_json(args.name, report, out)
+    if len(by_budget) > 1 and "multiturn" in args.workloads.split(","):
+        print("plot:", plot_budgets(out / f"{args.name}.png", by_budget, "multiturn"))
     return 0
 
 
