@@ -15,12 +15,14 @@ a prefix with another run's and neither gateway profits from the other's cache.
 
 Per gateway: the engines' prefix-cache hit rate over the run (hits / queried prompt tokens, all
 four engines' counters), TTFT p50/p99, output tokens/s, and the gateway's placements by reason.
-Medians over rounds. Writes `fleet_routing.json` and prints the table.
+Medians over rounds. Writes `fleet_routing.json` and prints the table. Several KV budgets
+(`--kv-cache-mb 130,160`) run one after another, a stack each, and are also plotted against the
+budget (NAME.png): how much placement matters depends on how scarce KV memory is.
 
     python bench/fleet_routing.py [--rounds 2] [--conversations 8] [--turns 4] [--mode fpga]
     python bench/fleet_routing.py --kv-cache-mb 112 --conversations 8 --turns 6 --workloads multiturn \
         --name fleet_routing_pressure     # KV budgets below the conversations' working set
-    python bench/fleet_routing.py --kv-cache-mb 120,160,200,240 --conversations 16 --turns 8 --think-s 3 \
+    python bench/fleet_routing.py --kv-cache-mb 130,160,190,240 --conversations 16 --turns 8 --think-s 3 \
         --workloads multiturn --name fleet_routing_budgets   # a stack per budget; also NAME.png
 """
 from __future__ import annotations
