@@ -11,9 +11,11 @@ text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from services.engine.logprobs import MAX_TOP_LOGPROBS
@@ -89,6 +91,70 @@ class ResponseFormat(BaseModel):
         return self._compiled
 
 
+# Rust regex's meta characters (llguidance's regexes): escaped, a choice is matched as written
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _literal_regex(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def vllm_format(kind: str, value: Any) -> dict:
+    """vLLM's structured-output request (`guided_<kind>`, or `structured_outputs: {kind: value}`) as the
+    `response_format` that means the same: json (a schema, or its JSON text), regex, choice (one of
+    these strings), grammar (read as Lark), json_object."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("the schema is not valid JSON") from None
+        if not isinstance(value, dict):
+            raise ValueError("the schema must be a JSON object")
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": value}}
+    if kind == "regex":
+        return {"type": "regex", "regex": value}
+    if kind == "choice":
+        return {"type": "regex", "regex": "|".join(_literal_regex(c) for c in value)}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": value}
+    if kind == "json_object":
+        return {"type": "json_object" if value else "text"}
+    raise ValueError(f"unknown structured output {kind!r}")
+
+
+def _compiled_format(kind: str, value: Any) -> ResponseFormat:
+    """vllm_format's ResponseFormat, compiled; its error a ValueError (the field's own 400)."""
+    try:
+        return ResponseFormat.model_validate(vllm_format(kind, value))
+    except ValidationError as exc:
+        raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    _format: ResponseFormat | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                   ("grammar", self.grammar), ("json_object", self.json_object)) if v is not None}
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {sorted(given)})")
+        self._format = _compiled_format(*next(iter(given.items())))
+        return self
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -99,7 +165,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=UINT32_MAX)  # extension
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
-    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None  # at most 4: _stop_list says so
     n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="choices, sharing the prompt's prefill")
     user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode
@@ -121,6 +187,39 @@ class _Common(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, description=(
         "extension (vLLM's): token ids that end the output (finish_reason `stop`)"))
     response_format: ResponseFormat | None = None
+    # vLLM's names for structured outputs, so its clients' requests mean the same here (vllm_format)
+    guided_json: dict[str, Any] | Text | None = Field(None, description=(
+        "extension (vLLM's): as response_format json_schema with this schema (an object, or its JSON text)"))
+    guided_regex: Text | None = Field(None, description="extension (vLLM's): as response_format regex")
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = Field(None, description=(
+        "extension (vLLM's): the output is exactly one of these strings"))
+    guided_grammar: Text | None = Field(None, description=(
+        "extension (vLLM's): as response_format grammar, a Lark grammar (llguidance's dialect; not GBNF)"))
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "extension (vLLM's): one of {json, regex, choice, grammar, json_object}, as the guided_* fields"))
+
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    @classmethod
+    def _guided_compiles(cls, v, info):
+        if v is not None:
+            _compiled_format(info.field_name.removeprefix("guided_"), v)  # its 400 names the field
+        return v
+
+    @model_validator(mode="after")
+    def _guided_as_response_format(self):
+        """A vLLM structured-output field becomes `response_format`; two ways of saying it are a 400."""
+        given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None]
+        if not given:
+            return self
+        if len(given) > 1 or (self.response_format is not None and self.response_format.type != "text"):
+            named = (["response_format"] if self.response_format is not None else []) + given
+            raise ValueError(f"{' and '.join(named)} each say what the output must be; send one")
+        field = given[0]
+        if field == "structured_outputs":
+            self.response_format = self.structured_outputs._format
+        else:
+            self.response_format = _compiled_format(field.removeprefix("guided_"), getattr(self, field))
+        return self
 
     @field_validator("n")
     @classmethod

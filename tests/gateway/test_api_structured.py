@@ -1,6 +1,7 @@
 """Structured outputs through the real stack in every mode: response_format json_object, json_schema
-(strict) and the regex extension, streamed and not, chat and completions; the output parses, validates
-and is the same in every mode (greedy). The 400s for formats that do not compile are in test_edge.py."""
+(strict) and the regex extension, streamed and not, chat and completions, and vLLM's names for them
+(guided_*, structured_outputs); the output parses, validates and is the same in every mode (greedy).
+The 400s for formats that do not compile are in test_edge.py."""
 from __future__ import annotations
 
 import json
@@ -64,3 +65,20 @@ def test_each_sampled_choice_follows_the_schema(stack):
                                                 "mode": "hybrid"})
     for choice in body["choices"]:
         jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
+def test_vllm_guided_fields_constrain_the_output_as_response_format_does(stack):
+    # a vLLM client's body, unchanged: before these fields were read they were ignored, and the text was free
+    choices = ["Paris", "Lyon", "a city (none of these)"]
+    for mode in MODE_NAMES:
+        text = post(stack, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+                                               "guided_choice": choices, "mode": mode})["choices"][0]["text"]
+        assert text in choices, (mode, text)
+    pattern = "[0-9]{3}-[a-z]{2,4}"
+    body = {"prompt": "Order number:", "max_tokens": 20, "temperature": 0, "mode": "hybrid"}
+    guided = post(stack, "/v1/completions", {**body, "guided_regex": pattern})["choices"][0]["text"]
+    as_format = post(stack, "/v1/completions", {**body, "response_format": {"type": "regex", "regex": pattern}})
+    assert re.fullmatch(pattern, guided) and guided == as_format["choices"][0]["text"], guided
+    content = post(stack, "/v1/chat/completions", {"messages": ASK_PERSON, "max_tokens": 40, "temperature": 0,
+                                                   "structured_outputs": {"json": PERSON}, "mode": "fpga"})
+    jsonschema.validate(json.loads(content["choices"][0]["message"]["content"]), PERSON)

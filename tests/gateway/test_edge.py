@@ -255,6 +255,21 @@ BAD = [
      "response_format.type", "invalid_value"),
     ("n above 16", "/v1/chat/completions", chat(n=17), "n", "invalid_value"),
     ("n 0", "/v1/completions", completion(n=0), "n", "invalid_value"),
+    # vLLM's structured-output fields (schemas.vllm_format): the 400 names the field the client sent
+    ("guided_regex that does not compile", "/v1/completions", completion(guided_regex="a(b"), "guided_regex",
+     "invalid_value"),
+    ("guided_json that is not JSON", "/v1/chat/completions", chat(guided_json="{not json"), "guided_json",
+     "invalid_value"),
+    ("guided_json schema that does not compile", "/v1/chat/completions", chat(guided_json={"type": "strin"}),
+     "guided_json", "invalid_value"),
+    ("guided_choice empty", "/v1/completions", completion(guided_choice=[]), "guided_choice", "invalid_value"),
+    ("structured_outputs with two kinds", "/v1/chat/completions",
+     chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "invalid_value"),
+    ("response_format and guided_regex", "/v1/completions",
+     completion(response_format={"type": "json_object"}, guided_regex="a"), None, "invalid_value"),
+    ("guided_regex and guided_choice", "/v1/completions", completion(guided_regex="a", guided_choice=["b"]), None,
+     "invalid_value"),
+    ("five stop sequences", "/v1/completions", completion(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
 ]
 
 
@@ -264,6 +279,15 @@ def test_out_of_range_and_unsupported_parameters_are_400_naming_them(edge, what,
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+
+
+def test_the_400s_say_what_to_change(edge):
+    # a union's type errors ("Input should be a valid string") told a client with five stops nothing
+    err = post(edge, "/v1/completions", completion(stop=["a", "b", "c", "d", "e"])).json()["error"]
+    assert "at most 4 stop sequences" in err["message"], err
+    err = post(edge, "/v1/completions", completion(response_format={"type": "json_object"},
+                                                    guided_regex="a")).json()["error"]
+    assert "response_format and guided_regex" in err["message"] and "send one" in err["message"], err
 
 
 def test_a_schema_that_does_not_compile_is_refused_with_the_reason(edge):
