@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +61,8 @@ from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
 from services.model.tokenizer import NoChatTemplate, chat_prompt_ids, load_tokenizer
 from services.modes import ENGINE_NAMES
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -212,6 +216,17 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     return app
 
 
+_PLAIN_FIELD = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def ignored_header(fields: list[str]) -> str:
+    """The fields a request sent that nothing reads, as the `x-hybridserve-ignored-fields` value: the
+    plain names (a header is latin-1 and bounded), at most 16, then how many more."""
+    plain = [f for f in fields if _PLAIN_FIELD.fullmatch(f)][:16]
+    rest = len(fields) - len(plain)
+    return ",".join(plain + ([f"+{rest} more"] if rest else []))
+
+
 def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text).input_ids
 
@@ -281,6 +296,10 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
                                   st.settings.prompts_in_flight, started)
         await run.open()
         headers = {"x-hybridserve-mode": run.modes, "x-hybridserve-pair": run.pairs}
+    if body.ignored_fields:
+        said = ignored_header(body.ignored_fields)
+        headers["x-hybridserve-ignored-fields"] = said
+        log.info("request %s: fields not read by this server, ignored: %s", rid, said)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(rid, st.model_name, int(time.time()), chat)

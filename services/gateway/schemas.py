@@ -3,7 +3,8 @@
 (Past 300 lines on purpose: every request body with its validation, the OpenAPI document's one
 source; the response_format and tool models are validated together with the bodies that carry them.)
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Known fields that this stack cannot
+Unknown fields are ignored, as OpenAI-compatible servers do, and named (`ignored_fields`: the
+response's x-hybridserve-ignored-fields header). Known fields that this stack cannot
 honour (the deprecated functions and function_call, suffix) are refused with a
 400 naming the field, never silently ignored. Numbers are bounded by
 what the engines' wire holds (uint32 token counts and top_k, a uint64 seed) and must be finite;
@@ -157,6 +158,23 @@ GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored(cls, data, handler):
+        """The body's top-level fields this server does not read, kept to be said (`ignored_fields`): a
+        client whose field is silently dropped (vLLM's guided_regex, before it was read here) gets other
+        output than it asked for and no sign of why."""
+        body = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            body._ignored = sorted(str(k) for k in data if k not in known)
+        return body
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return list(self._ignored)
 
     model: Text
     stream: bool = False

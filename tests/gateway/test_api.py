@@ -60,6 +60,22 @@ def test_mode_header_and_token_id_prompt(stack):
     assert r.json()["usage"]["prompt_tokens"] == 5
 
 
+def test_fields_nothing_reads_are_named_in_a_header_streamed_or_not(stack):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0, "mode": "fpga",
+            "guided_decoding_backend": "xgrammar", "frobnicate": 1}
+    r = httpx.post(stack["url"] + "/v1/completions", headers=AUTH, timeout=60, json=body)
+    assert r.status_code == 200 and r.headers["x-hybridserve-ignored-fields"] == "frobnicate,guided_decoding_backend"
+    with httpx.stream("POST", stack["url"] + "/v1/completions", headers=AUTH, timeout=60,
+                      json={**body, "stream": True}) as r:
+        assert r.headers["x-hybridserve-ignored-fields"] == "frobnicate,guided_decoding_backend"
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    # the fields it reads, extensions included, are not in it
+    r = httpx.post(stack["url"] + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "mode": "fpga", "ignore_eos": True,
+                         "guided_choice": ["a", "b"]})
+    assert r.status_code == 200 and "x-hybridserve-ignored-fields" not in r.headers
+
+
 def test_stop_strings_end_the_text(client):
     full = complete(client, "gpu", max_tokens=12).choices[0].text
     stop = full.strip()[2:5]
