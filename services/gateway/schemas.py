@@ -13,6 +13,7 @@ text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
@@ -125,9 +126,16 @@ def vllm_format(kind: str, value: Any) -> dict:
 
 
 def _compiled_format(kind: str, value: Any) -> ResponseFormat:
-    """vllm_format's ResponseFormat, compiled; its error a ValueError (the field's own 400)."""
+    """vllm_format's ResponseFormat, compiled; its error a ValueError (the field's own 400). Read-only
+    and cached by value: the field's check and the body's use compile it once, and a client that
+    sends the same schema with every request has it compiled once."""
+    return _compiled_cached(kind, json.dumps(value, sort_keys=True))
+
+
+@lru_cache(maxsize=64)
+def _compiled_cached(kind: str, value_json: str) -> ResponseFormat:
     try:
-        return ResponseFormat.model_validate(vllm_format(kind, value))
+        return ResponseFormat.model_validate(vllm_format(kind, json.loads(value_json)))
     except ValidationError as exc:
         raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
