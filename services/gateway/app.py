@@ -279,7 +279,8 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     asked = body.top_logprobs_asked is not None
     per_prompt = body.choices_generated
-    choices = [[Choice(p * per_prompt + i, IncrementalDetokenizer(st.tokenizer), StopMatcher(body.stops),
+    choices = [[Choice(p * per_prompt + i, IncrementalDetokenizer(st.tokenizer),
+                       StopMatcher(body.stops, body.include_stop_str_in_output),
                        LogprobsWriter(st.token_texts, chat) if asked else None,
                        Echo(echoes[p], ids) if echoes else None, show_output=max_tokens > 0)
                 for i in range(per_prompt)] for p, ids in enumerate(prompts)]

@@ -192,6 +192,8 @@ class _Common(BaseModel):
     top_k: int = Field(0, ge=0, le=UINT32_MAX)  # extension
     seed: int | None = Field(None, ge=0, le=UINT64_MAX)
     stop: NonEmptyText | list[NonEmptyText] | None = None  # at most 4: _stop_list says so
+    include_stop_str_in_output: bool = Field(False, description=(
+        "extension (vLLM's): the stop string that ended the text is kept at its end"))
     n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="choices, sharing the prompt's prefill")
     user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode

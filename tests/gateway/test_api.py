@@ -82,6 +82,13 @@ def test_stop_strings_end_the_text(client):
     r = complete(client, "gpu", max_tokens=12, stop=[stop])
     assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
     assert full.startswith(r.choices[0].text)
+    # vLLM's include_stop_str_in_output: the same text with the stop string kept, streamed or not
+    kept = complete(client, "fpga", max_tokens=12, stop=[stop], extra={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == r.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12, temperature=0,
+                                       stop=[stop], stream=True,
+                                       extra_body={"mode": "hybrid", "include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in chunks) == kept.choices[0].text
 
 
 def test_auto_mode_follows_the_calibrated_router(stack, client):
