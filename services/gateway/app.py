@@ -206,7 +206,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         _check_model(st, body.model)
         tools = _offered_tools(st, body)
         try:
-            prompt_ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), tools)
+            prompt_ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), tools,
+                                           body.add_generation_prompt, body.continue_final_message)
         except NoChatTemplate as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens

@@ -452,6 +452,23 @@ class ChatCompletionRequest(_Common):
         "one call, enforced by a grammar"))
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # vLLM's: how the chat template ends the prompt
+    add_generation_prompt: bool = Field(True, description=(
+        "extension (vLLM's): the template opens the assistant's turn after the messages"))
+    continue_final_message: bool = Field(False, description=(
+        "extension (vLLM's): the output continues the last message, an assistant's, as written (its turn is "
+        "left open); needs add_generation_prompt false"))
+
+    @model_validator(mode="after")
+    def _continue_an_assistant(self):
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false "
+                                          "(the template cannot both continue a message and open a new turn)")
+            if self.messages[-1].role != "assistant":
+                raise PydanticCustomError("invalid_value", "continue_final_message needs the last message to be an "
+                                          "assistant's")
+        return self
 
     @property
     def top_logprobs_asked(self) -> int | None:

@@ -113,10 +113,13 @@ class NoChatTemplate(ValueError):
     """The checkpoint has no chat template (a base model such as GPT-2): chat requests cannot be formatted."""
 
 
-def chat_prompt_ids(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(tok, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
     """Token ids of `messages` (and the `tools` the model may call) under the model's chat template, ready
-    for the assistant's turn; NoChatTemplate when the checkpoint has none (never a template made up here)."""
+    for the assistant's turn (or, continue_final_message, inside the last message's); NoChatTemplate when
+    the checkpoint has none (never a template made up here)."""
     if not getattr(tok, "chat_template", None):
         raise NoChatTemplate("this model's checkpoint has no chat template; send plain text to /v1/completions")
-    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message)
     return tok(text, add_special_tokens=False).input_ids

@@ -76,6 +76,28 @@ def test_fields_nothing_reads_are_named_in_a_header_streamed_or_not(stack):
     assert r.status_code == 200 and "x-hybridserve-ignored-fields" not in r.headers
 
 
+def test_continue_final_message_continues_the_assistants_text_in_every_mode(client, tokenizer):
+    # vLLM's assistant prefill: the last message's turn is left open and the output goes on inside it
+    messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.rstrip().endswith("One, two,")
+    want = complete(client, "gpu", prompt=text, max_tokens=6).choices[0].text  # the same prompt as text
+    for mode in MODE_NAMES:
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body={"mode": mode, "continue_final_message": True,
+                                                       "add_generation_prompt": False})
+        assert r.choices[0].message.content == want, mode
+    opened = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            extra_body={"mode": "fpga"})  # a new turn after it, as before
+    assert opened.usage.prompt_tokens > r.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt false"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="last message to be an assistant"):
+        client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=2,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+
+
 def test_stop_strings_end_the_text(client):
     full = complete(client, "gpu", max_tokens=12).choices[0].text
     stop = full.strip()[2:5]
