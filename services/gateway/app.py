@@ -48,6 +48,7 @@ from services.gateway.prompts import PromptsRun
 from services.gateway.planner import publish as publish_planner
 from services.gateway.pool_admin import RESPONSES as POOL_ADMIN_RESPONSES
 from services.gateway.pool_admin import pool_routes
+from services.gateway.tokenize_routes import tokenize_routes
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
 from services.gateway.router import Router
@@ -175,6 +176,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @app.get("/redoc", dependencies=[api_key], include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
+    app.include_router(tokenize_routes(lambda: app.state.hs, _check_model), dependencies=[api_key])
 
     @app.get("/v1/models", dependencies=[api_key], response_model=ModelList, responses=openapi.errors(*openapi.EDGE))
     async def models(st: State = Depends(state)):

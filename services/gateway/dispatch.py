@@ -253,6 +253,10 @@ class Dispatcher:
         raise APIError(400, f"prompt ({n_in} tokens) + max_tokens ({max_tokens}) exceeds the context window "
                             f"of {window} tokens", "max_tokens", "context_length_exceeded")
 
+    def context_window(self) -> int:
+        """The longest context a mode up now holds (prompt + output tokens); 0 while none is up."""
+        return max((self._window(name) for name in MODES if self.pairs.serving(name)), default=0)
+
     def _window(self, mode: str) -> int:
         return min(self.pairs.context_of(e) for e in MODES[mode].engines)
 

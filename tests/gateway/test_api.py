@@ -98,6 +98,29 @@ def test_continue_final_message_continues_the_assistants_text_in_every_mode(clie
                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
 
 
+def test_tokenize_counts_what_generation_counts_and_detokenize_gives_the_text_back(stack):
+    def post(path, body, headers=AUTH):
+        return httpx.post(stack["url"] + path, headers=headers, timeout=60, json=body)
+
+    prompt = "The capital of France is"
+    t = post("/tokenize", {"model": MODEL, "prompt": prompt}).json()
+    used = post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1, "mode": "fpga"}).json()
+    assert t["count"] == len(t["tokens"]) == used["usage"]["prompt_tokens"] and t["max_model_len"] > t["count"]
+    assert post("/detokenize", {"model": MODEL, "tokens": t["tokens"]}).json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    used = post("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1, "mode": "fpga"}).json()
+    assert chat["count"] == used["usage"]["prompt_tokens"]
+    # what it refuses, as the generation routes refuse it
+    for path, body, status, param in (("/tokenize", {"prompt": "a", "messages": messages}, 400, None),
+                                      ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+                                      ("/detokenize", {"tokens": [1, 10 ** 6]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
+        r = post(path, body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert post("/tokenize", {"prompt": "a"}, headers={}).status_code == 401
+
+
 def test_stop_strings_end_the_text(client):
     full = complete(client, "gpu", max_tokens=12).choices[0].text
     stop = full.strip()[2:5]

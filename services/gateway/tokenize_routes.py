@@ -1,0 +1,106 @@
+"""vLLM's /tokenize and /detokenize: the served model's tokenizer over HTTP, so a client can count a
+prompt's tokens before it sends it (a chat's under the model's template, rendered as
+/v1/chat/completions renders it) and turn token ids back into text.
+
+    POST /tokenize    {"prompt": "..."} or {"messages": [...]}  -> {"count", "max_model_len", "tokens"}
+    POST /detokenize  {"tokens": [ids]}                          -> {"prompt"}
+
+The tokenizer runs on the gateway's tokenizer thread (`State.tokenize`), as the generation routes' does.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Callable
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from services.gateway import openapi
+from services.gateway.errors import APIError
+from services.gateway.schemas import ChatMessage, Text, TokenId
+from services.gateway.tools import template_messages
+from services.model.tokenizer import NoChatTemplate, chat_prompt_ids
+
+MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body: more than any context window
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = Field(None, description="the served model's name; any other is a 404")
+    prompt: Text | None = Field(None, description="text, tokenized as /v1/completions tokenizes it")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(None, description=(
+        "a chat, rendered by the model's chat template as /v1/chat/completions renders it"))
+    add_special_tokens: bool = Field(True, description="with `prompt`: the tokenizer's own (a BOS, for some)")
+    add_generation_prompt: bool = Field(True, description="with `messages`: the assistant's turn opened")
+    continue_final_message: bool = Field(False, description=(
+        "with `messages`: the last message, an assistant's, left open (needs add_generation_prompt false)"))
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "send `prompt` or `messages`, one of them")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE)]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int = Field(description="the longest context an engine up now holds (0: none is up)")
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids)
+
+
+def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[object, str], None]) -> APIRouter:
+    """The two routes, reading the gateway's State through `get_state` (app.py owns it)."""
+    routes = APIRouter()
+
+    @routes.post("/tokenize", response_model=TokenizeResponse,
+                 responses=openapi.errors(400, 401, 404, 408, 413))
+    async def tokenize(body: TokenizeRequest):
+        st = get_state()
+        if body.model is not None:
+            check_model(st, body.model)
+        if body.prompt is not None:
+            ids = await st.tokenize(_encode, body.prompt, body.add_special_tokens)
+        else:
+            try:
+                ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), None,
+                                        body.add_generation_prompt, body.continue_final_message)
+            except NoChatTemplate as exc:
+                raise APIError(400, str(exc), "messages", "invalid_value") from exc
+        out = TokenizeResponse(count=len(ids), max_model_len=st.dispatcher.context_window(), tokens=ids)
+        return Response(out.model_dump_json(), media_type="application/json")
+
+    @routes.post("/detokenize", response_model=DetokenizeResponse,
+                 responses=openapi.errors(400, 401, 404, 408, 413))
+    async def detokenize(body: DetokenizeRequest):
+        st = get_state()
+        if body.model is not None:
+            check_model(st, body.model)
+        vocab = len(st.tokenizer)
+        beyond = sorted({t for t in body.tokens if t >= vocab})
+        if beyond:
+            raise APIError(400, f"token ids must be below the vocabulary size {vocab}: {beyond[:5]}", "tokens",
+                           "invalid_value")
+        text = await st.tokenize(_decode, body.tokens)
+        return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
+    return routes
