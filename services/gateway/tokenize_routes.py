@@ -71,13 +71,18 @@ def _decode(tokenizer, ids: list[int]) -> str:
 def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[object, str], None]) -> APIRouter:
     """The two routes, reading the gateway's State through `get_state` (app.py owns it)."""
     routes = APIRouter()
+    documented = openapi.errors(400, 401, 404, 408, 413)
 
-    @routes.post("/tokenize", response_model=TokenizeResponse,
-                 responses=openapi.errors(400, 401, 404, 408, 413))
-    async def tokenize(body: TokenizeRequest):
+    def serving(model: str | None):
+        """The gateway's State; a 404 when the body names another model than the one served."""
         st = get_state()
-        if body.model is not None:
-            check_model(st, body.model)
+        if model is not None:
+            check_model(st, model)
+        return st
+
+    @routes.post("/tokenize", response_model=TokenizeResponse, responses=documented)
+    async def tokenize(body: TokenizeRequest):
+        st = serving(body.model)
         if body.prompt is not None:
             ids = await st.tokenize(_encode, body.prompt, body.add_special_tokens)
         else:
@@ -89,12 +94,9 @@ def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[obje
         out = TokenizeResponse(count=len(ids), max_model_len=st.dispatcher.context_window(), tokens=ids)
         return Response(out.model_dump_json(), media_type="application/json")
 
-    @routes.post("/detokenize", response_model=DetokenizeResponse,
-                 responses=openapi.errors(400, 401, 404, 408, 413))
+    @routes.post("/detokenize", response_model=DetokenizeResponse, responses=documented)
     async def detokenize(body: DetokenizeRequest):
-        st = get_state()
-        if body.model is not None:
-            check_model(st, body.model)
+        st = serving(body.model)
         vocab = len(st.tokenizer)
         beyond = sorted({t for t in body.tokens if t >= vocab})
         if beyond:
