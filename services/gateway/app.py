@@ -60,7 +60,7 @@ from services.gateway.structured import GrammarError
 from services.gateway.tools import call_grammar, template_messages, template_takes_tools
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
-from services.model.tokenizer import NoChatTemplate, chat_prompt_ids, load_tokenizer
+from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids, load_tokenizer
 from services.modes import ENGINE_NAMES
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         try:
             prompt_ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), tools,
                                            body.add_generation_prompt, body.continue_final_message)
-        except NoChatTemplate as exc:
+        except (NoChatTemplate, ChatTemplateRefused) as exc:
             raise APIError(400, str(exc), "messages", "invalid_value") from exc
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
         return await _respond(st, request, body, [prompt_ids], max_tokens, chat=True,

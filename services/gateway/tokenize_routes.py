@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Callable
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -19,7 +19,7 @@ from services.gateway import openapi
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatMessage, Text, TokenId
 from services.gateway.tools import template_messages
-from services.model.tokenizer import NoChatTemplate, chat_prompt_ids
+from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body: more than any context window
 
@@ -89,7 +89,7 @@ def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[obje
             try:
                 ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), None,
                                         body.add_generation_prompt, body.continue_final_message)
-            except NoChatTemplate as exc:
+            except (NoChatTemplate, ChatTemplateRefused) as exc:
                 raise APIError(400, str(exc), "messages", "invalid_value") from exc
         out = TokenizeResponse(count=len(ids), max_model_len=st.dispatcher.context_window(), tokens=ids)
         return Response(out.model_dump_json(), media_type="application/json")

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import jinja2
+
 from services.model.checkpoint import Checkpoint, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -113,13 +115,27 @@ class NoChatTemplate(ValueError):
     """The checkpoint has no chat template (a base model such as GPT-2): chat requests cannot be formatted."""
 
 
+class ChatTemplateRefused(ValueError):
+    """The chat template would not render these messages: its own `raise_exception` (Qwen3's when no user
+    message is found, Mistral's when the roles do not alternate), or a last message it does not write as
+    sent, which continue_final_message cannot then leave open. The client's request, not the server."""
+
+
 def chat_prompt_ids(tok, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
     """Token ids of `messages` (and the `tools` the model may call) under the model's chat template, ready
     for the assistant's turn (or, continue_final_message, inside the last message's); NoChatTemplate when
-    the checkpoint has none (never a template made up here)."""
+    the checkpoint has none (never a template made up here), ChatTemplateRefused when it refuses them."""
     if not getattr(tok, "chat_template", None):
         raise NoChatTemplate("this model's checkpoint has no chat template; send plain text to /v1/completions")
-    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message)
+    try:
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message)
+    except jinja2.TemplateSyntaxError:
+        raise  # the checkpoint's template is broken: the server's fault, not the request's
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateRefused(f"the model's chat template refused these messages: {exc}") from None
+    except ValueError as exc:
+        raise ChatTemplateRefused(str(exc)) from None
     return tok(text, add_special_tokens=False).input_ids

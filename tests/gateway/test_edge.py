@@ -337,6 +337,23 @@ def test_what_asks_for_nothing_unsupported_is_accepted(edge):
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_400_not_a_500(edge):
+    # templates raise_exception on messages they do not take (Qwen3's, Mistral's); that reached the client as a 500
+    state = edge["app"].state.hs
+    real = state.tokenizer.chat_template
+    state.tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}"
+                                     "{{ raise_exception('the first message must be a system message') }}{% endif %}"
+                                     "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    try:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = post(edge, path, chat() if path != "/tokenize" else {"messages": chat()["messages"]})
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "messages" and "first message must be a system message" in err["message"], err
+    finally:
+        state.tokenizer.chat_template = real
+
+
 # ---- tokenizing off the event loop ---------------------------------------------------------
 def test_tokenizing_and_the_chat_template_run_off_the_event_loop(edge):
     state = edge["app"].state.hs
