@@ -438,6 +438,18 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+def check_continue(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """continue_final_message's rules (a chat's, and /tokenize's): vLLM's, that the template cannot both
+    continue a message and open a new turn, and that the message continued is an assistant's."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false "
+                                      "(the template cannot both continue a message and open a new turn)")
+        if messages[-1].role != "assistant":
+            raise PydanticCustomError("invalid_value", "continue_final_message needs the last message to be an "
+                                      "assistant's")
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: TokenCount | None = None
@@ -461,13 +473,7 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _continue_an_assistant(self):
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false "
-                                          "(the template cannot both continue a message and open a new turn)")
-            if self.messages[-1].role != "assistant":
-                raise PydanticCustomError("invalid_value", "continue_final_message needs the last message to be an "
-                                          "assistant's")
+        check_continue(self.messages, self.add_generation_prompt, self.continue_final_message)
         return self
 
     @property

@@ -17,7 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from services.gateway import openapi
 from services.gateway.errors import APIError
-from services.gateway.schemas import ChatMessage, Text, TokenId
+from services.gateway.schemas import ChatMessage, Text, TokenId, check_continue
 from services.gateway.tools import template_messages
 from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids
 
@@ -39,8 +39,8 @@ class TokenizeRequest(BaseModel):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("invalid_value", "send `prompt` or `messages`, one of them")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false")
+        if self.messages is not None:
+            check_continue(self.messages, self.add_generation_prompt, self.continue_final_message)
         return self
 
 

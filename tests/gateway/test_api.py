@@ -114,6 +114,8 @@ def test_tokenize_counts_what_generation_counts_and_detokenize_gives_the_text_ba
     # what it refuses, as the generation routes refuse it
     for path, body, status, param in (("/tokenize", {"prompt": "a", "messages": messages}, 400, None),
                                       ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+                                      ("/tokenize", {"messages": messages, "continue_final_message": True,
+                                                     "add_generation_prompt": False}, 400, None),
                                       ("/detokenize", {"tokens": [1, 10 ** 6]}, 400, "tokens"),
                                       ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
         r = post(path, body)
