@@ -118,6 +118,17 @@ inline void store_head(hvec *acc, const float denom, const int r, const int h, _
 #endif
 }
 
+// The new position last (its weight joins the cached positions' sums after theirs, in every decode
+// kernel), then out[r, h]: acc and denom hold the cached positions' sums, v_new the new value.
+inline void store_with_new(hvec *acc, float denom, const float s_new, const float m, __global const float *v_new,
+                           const int r, const int h, __global float *out, __global float *out_sums)
+{
+    const float w = exp(s_new - m);
+    denom += w;
+    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, v_new), acc[i]);
+    store_head(acc, denom, r, h, out, out_sums);
+}
+
 // The per-head RMSNorm of arch_ops.cl's head_rms_norm (Qwen3's q_norm / k_norm) on a head vector in
 // private memory, with its expression, so a head normalized here and one normalized by that launch
 // are the same bits.
@@ -171,9 +182,6 @@ inline void attend_decode(__global const float *qkv, const int r, const int kv_h
     const float m = max_score(qv, K, p, scale, s_new);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
-    float denom = weigh_values(qv, K, V, p, scale, m, acc);
-    const float w = exp(s_new - m);
-    denom += w;
-    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, v_new), acc[i]);
-    store_head(acc, denom, r, h, out, out_sums);
+    const float denom = weigh_values(qv, K, V, p, scale, m, acc);
+    store_with_new(acc, denom, s_new, m, v_new, r, h, out, out_sums);
 }

@@ -265,11 +265,7 @@ __kernel void paged_rope_attention_decode_scores(__global const float *qkv, __gl
     group_scores(qv, K, table, p, scale, scores, m);  // the cached positions [0, p)
     hvec acc[GROUP][NV];
     group_weigh(K, table, p, scores, m, acc, denom);
-    for (int j = 0; j < GROUP; ++j) {
-        const float w = exp(s_new[j] - m[j]);
-        denom[j] += w;
-        for (int i = 0; i < NV; ++i) acc[j][i] = fma((hvec)(w), VLOADH(i, v_new), acc[j][i]);
-        store_head(acc[j], denom[j], r, g * GROUP + j, out, out_sums);
-    }
+    for (int j = 0; j < GROUP; ++j)
+        store_with_new(acc[j], denom[j], s_new[j], m[j], v_new, r, g * GROUP + j, out, out_sums);
 }
 #endif

@@ -132,9 +132,6 @@ inline void paged_attend_decode(__global const float *qkv, const int r, const in
     const float m = paged_max_score(qv, K, table, p, scale, s_new);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
-    float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
-    const float w = exp(s_new - m);
-    denom += w;
-    for (int i = 0; i < NV; ++i) acc[i] = fma((hvec)(w), VLOADH(i, v_new), acc[i]);
-    store_head(acc, denom, r, h, out, out_sums);
+    const float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
+    store_with_new(acc, denom, s_new, m, v_new, r, h, out, out_sums);
 }
