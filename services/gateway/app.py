@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +59,8 @@ from services.gateway.structured import GrammarError
 from services.gateway.tools import call_grammar, template_messages, template_takes_tools
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
-from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids, load_tokenizer
+from services.model.tokenizer import (ChatTemplateRefused, NoChatTemplate, chat_prompt_ids, ids_text, load_tokenizer,
+                                      text_ids)
 from services.modes import ENGINE_NAMES
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         prompts, echoes, vocab = [], [], len(st.tokenizer)
         for prompt in body.prompts:
             if isinstance(prompt, str):
-                prompt_ids = await st.tokenize(_encode, prompt)
+                prompt_ids = await st.tokenize(text_ids, prompt)
             else:
                 prompt_ids = list(prompt)
                 if max(prompt_ids) >= vocab:
@@ -199,7 +199,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                                    "invalid_value")
             prompts.append(prompt_ids)
             if body.echo:  # the prompt as text: the client's own, or its token ids decoded
-                echoes.append(prompt if isinstance(prompt, str) else await st.tokenize(_decode, prompt_ids))
+                echoes.append(prompt if isinstance(prompt, str) else await st.tokenize(ids_text, prompt_ids))
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await _respond(st, request, body, prompts, max_tokens, chat=False, echoes=echoes or None)
 
@@ -218,25 +218,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                               tool_names={t["function"]["name"] for t in tools} if tools else None)
 
     return app
-
-
-_PLAIN_FIELD = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def ignored_header(fields: list[str]) -> str:
-    """The fields a request sent that nothing reads, as the `x-hybridserve-ignored-fields` value: the
-    plain names (a header is latin-1 and bounded), at most 16, then how many more."""
-    plain = [f for f in fields if _PLAIN_FIELD.fullmatch(f)][:16]
-    rest = len(fields) - len(plain)
-    return ",".join(plain + ([f"+{rest} more"] if rest else []))
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text).input_ids
-
-
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids)
 
 
 def _offered_tools(st: State, body: ChatCompletionRequest) -> list[dict] | None:
@@ -302,8 +283,7 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
         await run.open()
         headers = {"x-hybridserve-mode": run.modes, "x-hybridserve-pair": run.pairs}
     if body.ignored_fields:
-        said = ignored_header(body.ignored_fields)
-        headers["x-hybridserve-ignored-fields"] = said
+        headers["x-hybridserve-ignored-fields"] = said = body.ignored_header()
         log.info("request %s: fields not read by this server, ignored: %s", rid, said)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -13,7 +13,8 @@ text must be valid Unicode (no lone surrogates, which JSON's \\ud800 escapes can
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+import re
+from functools import cache, lru_cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
@@ -162,6 +163,13 @@ class StructuredOutputs(BaseModel):
 
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_PLAIN_FIELD = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a field name a header may carry as sent
+
+
+@cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """The top-level names a body model reads: its fields and their aliases (once per model)."""
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
 class _Common(BaseModel):
@@ -176,13 +184,20 @@ class _Common(BaseModel):
         output than it asked for and no sign of why."""
         body = handler(data)
         if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            known = _field_names(cls)
             body._ignored = sorted(str(k) for k in data if k not in known)
         return body
 
     @property
     def ignored_fields(self) -> list[str]:
         return list(self._ignored)
+
+    def ignored_header(self) -> str:
+        """`ignored_fields` as the x-hybridserve-ignored-fields value: the plain names (a header is latin-1
+        and bounded), at most 16, then how many more."""
+        plain = [f for f in self._ignored if _PLAIN_FIELD.fullmatch(f)][:16]
+        rest = len(self._ignored) - len(plain)
+        return ",".join(plain + ([f"+{rest} more"] if rest else []))
 
     model: Text
     stream: bool = False

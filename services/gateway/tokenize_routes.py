@@ -19,7 +19,7 @@ from services.gateway import openapi
 from services.gateway.errors import APIError
 from services.gateway.schemas import ChatMessage, Text, TokenId, check_continue
 from services.gateway.tools import template_messages
-from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids
+from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids, ids_text, text_ids
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize body: more than any context window
 
@@ -60,14 +60,6 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
-
-
-def _decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids)
-
-
 def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[object, str], None]) -> APIRouter:
     """The two routes, reading the gateway's State through `get_state` (app.py owns it)."""
     routes = APIRouter()
@@ -84,7 +76,7 @@ def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[obje
     async def tokenize(body: TokenizeRequest):
         st = serving(body.model)
         if body.prompt is not None:
-            ids = await st.tokenize(_encode, body.prompt, body.add_special_tokens)
+            ids = await st.tokenize(text_ids, body.prompt, body.add_special_tokens)
         else:
             try:
                 ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), None,
@@ -102,7 +94,7 @@ def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[obje
         if beyond:
             raise APIError(400, f"token ids must be below the vocabulary size {vocab}: {beyond[:5]}", "tokens",
                            "invalid_value")
-        text = await st.tokenize(_decode, body.tokens)
+        text = await st.tokenize(ids_text, body.tokens)
         return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
 
     return routes

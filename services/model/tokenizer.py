@@ -115,6 +115,17 @@ class NoChatTemplate(ValueError):
     """The checkpoint has no chat template (a base model such as GPT-2): chat requests cannot be formatted."""
 
 
+def text_ids(tok, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Text's token ids, as a completion prompt is tokenized (with the tokenizer's special tokens, a BOS
+    for some, unless told not)."""
+    return tok(text, add_special_tokens=add_special_tokens).input_ids
+
+
+def ids_text(tok, ids: list[int]) -> str:
+    """Token ids back to text, as the tokenizer decodes them."""
+    return tok.decode(ids)
+
+
 class ChatTemplateRefused(ValueError):
     """The chat template would not render these messages: its own `raise_exception` (Qwen3's when no user
     message is found, Mistral's when the roles do not alternate), or a last message it does not write as
