@@ -231,13 +231,13 @@ class OpenCLEngine:
 
     def import_kv_blocks(self, block_table, layer: int, kv: np.ndarray) -> None:
         """Hybrid, receiving side: one layer of wire-layout KV [2, n_kv_heads, n, head_dim] (fp32 or fp16)
-        into positions [0, n) of the blocks; only enqueued (finish_import_blocks waits)."""
-        with self._lock:
-            self.paged.import_layer(block_table, layer, kv)
+        into positions [0, n) of the blocks; only enqueued (finish_import_blocks waits). Not under the
+        engine's lock, nor behind its steps: the blocks are reserved for the hand-off and no step reads
+        them until the request joins the batch (PagedKVStore.import_layer)."""
+        self.paged.import_layer(block_table, layer, kv)
 
     def finish_import_blocks(self) -> None:
-        with self._lock:
-            self.paged.finish_import()
+        self.paged.finish_import()
 
     def read_kv_blocks(self, block_table, n_tokens: int) -> np.ndarray:
         """Positions [0, n) in wire layout, [n_layers, 2, n_kv_heads, n, head_dim] float32."""

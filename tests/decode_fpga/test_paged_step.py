@@ -3,6 +3,8 @@ invariance bit for bit, the slot path's and transformers' tokens, chunked prefil
 export through scattered blocks, and refusals of bad input."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -173,6 +175,54 @@ def test_imported_kv_decodes_as_the_kv_it_came_from(ocl_gguf_engine, model_confi
     a = e.step([chunk(0, 40, [first], src)], greedy=False)
     b = e.step([chunk(1, 40, [first], dst)], greedy=False)
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_hand_off_imports_beside_a_running_step(ocl_gguf_engine, model_config):
+    """A hand-off's layers go in while a step holds the engine (under load a step takes up to 2 s, and
+    each of 30 layers waiting for one made the exposed hand-off 2.5-10 s), and steps running on other
+    blocks meanwhile give the bits they give alone."""
+    e, c = ocl_gguf_engine, model_config
+    n = e.block_size + 9
+    table, busy = scattered_tables(e, [n, 48], seed=11)
+    kv = np.random.default_rng(12).standard_normal((c.n_layers, 2, c.n_kv_heads, n, c.head_dim)).astype(np.float32)
+
+    def hand_off():
+        for layer in range(c.n_layers):
+            e.import_kv_blocks(table, layer, kv[layer])
+        e.finish_import_blocks()
+
+    holding, release = threading.Event(), threading.Event()
+
+    def a_step_in_progress():  # what step() holds while its launches run and it waits for them
+        with e._lock:
+            holding.set()
+            release.wait(60)
+
+    stepper = threading.Thread(target=a_step_in_progress)
+    stepper.start()
+    try:
+        assert holding.wait(10)
+        importer = threading.Thread(target=hand_off)
+        importer.start()
+        importer.join(20)
+        assert not importer.is_alive(), "the import waited for the step holding the engine"
+    finally:
+        release.set()
+        stepper.join()
+        importer.join()
+    np.testing.assert_array_equal(e.read_kv_blocks(table, n), kv)
+
+    # real steps on other blocks while hand-offs import: the same logits as with nothing beside them
+    prompt = random_prompt(40, c.vocab_size, seed=13)
+    _, alone = run_alone(e, prompt, busy)
+    got = {}
+    stepping = threading.Thread(target=lambda: got.setdefault("beside", run_alone(e, prompt, busy)[1]))
+    stepping.start()
+    for _ in range(3):
+        hand_off()
+    stepping.join()
+    np.testing.assert_array_equal(got["beside"], alone)
+    np.testing.assert_array_equal(e.read_kv_blocks(table, n), kv)
 
 
 def test_bad_steps_are_refused(ocl_gguf_engine, model_config):
