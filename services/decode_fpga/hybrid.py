@@ -146,6 +146,7 @@ class DecodeRuntime(EngineRuntime):
                                   skip, on_grant=reserve_blocks)
         except BaseException:
             if reserved:
+                blocks.settle()  # its layers already enqueued land before the blocks can be reused
                 reserved[0].cancel()  # frees the blocks of a failed hand-off
             raise
         return reserved[0], first
@@ -236,14 +237,28 @@ class BlockImport:
 
     def __init__(self, engine, block_table: tuple[int, ...] | None = None):
         self.engine, self.block_table = engine, block_table
+        self.pending = False  # layers enqueued and not yet waited for
 
     def import_kv_layer(self, seq, layer: int, kv: np.ndarray) -> None:
         if self.block_table is None:
             raise HandoffFailed("a KV layer arrived before this engine reserved its blocks")
+        self.pending = True
         self.engine.import_kv_blocks(self.block_table, layer, kv)
 
     def finish_import(self, seq, n_tokens: int) -> None:
         self.engine.finish_import_blocks()
+        self.pending = False
+
+    def settle(self) -> None:
+        """Wait for the layers enqueued so far, before a failed hand-off's blocks are freed. The uploads
+        run on a queue of their own (paged_kv_store.py), not ahead of the steps on the engine's: freed
+        with a write still pending, a block could be given to a prompt whose step writes it first."""
+        if not self.pending:
+            return
+        try:
+            self.finish_import(None, 0)
+        except Exception:  # the hand-off is failing already; its blocks are freed either way
+            log.exception("waiting for a failed hand-off's KV uploads")
 
 
 def _why_the_call_ended(events: Iterator[HandoffEvent], most: int) -> EngineError | None:

@@ -77,9 +77,11 @@ class HostKVTier:
     def load(self, block: HostBlock, block_id: int) -> None:
         """Write a saved block into device block `block_id`; waits until the device has it."""
         t = time.perf_counter()
-        for layer in range(block.kv.shape[0]):
-            self.engine.import_kv_blocks([block_id], layer, block.kv[layer])
-        self.engine.finish_import_blocks()
+        try:
+            for layer in range(block.kv.shape[0]):
+                self.engine.import_kv_blocks([block_id], layer, block.kv[layer])
+        finally:  # the uploads have their own queue: none may still be pending once this returns or raises
+            self.engine.finish_import_blocks()
         self.loaded += 1
         m.HOST_KV_HITS.inc(self.block_size)
         m.HOST_KV_BYTES.labels(direction="load").inc(block.kv.nbytes)

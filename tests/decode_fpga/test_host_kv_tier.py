@@ -5,6 +5,7 @@ run, without it only what stayed on the device is reused."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from services.engine.engine_loop import EngineLoop
 from services.engine.sampling import SamplingParams
@@ -85,12 +86,17 @@ def test_the_tier_is_bounded_and_checks_what_it_hands_back():
             return np.full((2, 2, 1, n, 4), float(table[0]), np.float32)
 
         def import_kv_blocks(self, table, layer, kv):
+            if (table[0], layer) == self.refuse:
+                raise ValueError(f"block {table[0]}'s layer {layer} refused")
             self.written[(table[0], layer)] = float(kv.flat[0])
+            self.pending = True
 
         def finish_import_blocks(self):
-            pass
+            self.pending = False
 
     engine = Blocks()
+    engine.refuse, engine.pending = None, False
+
     tier = HostKVTier(engine, budget_bytes=3 * 2 * 2 * 16 * 4 * 4, block_size=16)  # three blocks
     for b in range(5):
         tier.save(bytes([b]) * 16, (b,) * 16, b"", b)
@@ -99,4 +105,9 @@ def test_the_tier_is_bounded_and_checks_what_it_hands_back():
     assert hit is not None and tier.lookup(bytes([4]) * 16, (9,) * 16, b"") is None  # other tokens: no
     assert tier.lookup(bytes([4]) * 16, (4,) * 16, b"other parent") is None
     tier.load(hit, 7)
-    assert engine.written == {(7, 0): 4.0, (7, 1): 4.0}
+    assert engine.written == {(7, 0): 4.0, (7, 1): 4.0} and not engine.pending
+    # uploads run on a queue of their own: one failing midway still waits for those enqueued before it
+    engine.refuse = (8, 1)  # its layer 0 is enqueued first
+    with pytest.raises(ValueError, match="refused"):
+        tier.load(hit, 8)
+    assert not engine.pending

@@ -52,6 +52,7 @@ class InProcessPeer:
         self.skipped: list[int] = []  # skip_tokens of each prefill asked for
         self.before_grant = lambda: None  # runs after the peer admitted the request, before its SlotGrant
         self.refuse: Exception | None = None  # raised instead of prefilling (the peer's admission refused)
+        self.fail_after: int | None = None  # the stream breaks after this many messages (the peer died)
 
     def wire_dtype(self) -> str:
         return self.prefill_runtime.settings.wire_dtype
@@ -72,6 +73,8 @@ class InProcessPeer:
 
     def _watched(self, events):
         for i, msg in enumerate(events):
+            if i == self.fail_after:
+                raise HandoffFailed(f"the prefill stream broke after {i} messages")
             if i == 0:
                 self.before_grant()
             elif i == 1 and self.watch is not None:  # the receiver took the grant in and asked for more
@@ -314,6 +317,35 @@ def test_kv_of_another_dtype_fails_the_request_and_frees_everything(decode, peer
         list(decode.hybrid_generation(EngineRequest(tuple(prompt), GREEDY, "hybrid"), RequestTimings(),
                                       Cancellation()))
     assert status_of(HeaderMismatch("x"), "decode_fpga", "r1")[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert peer.link.slots_in_use == 0 and all_free(decode)
+
+
+def test_a_hand_off_failing_midway_lands_its_uploads_before_its_blocks_are_freed(decode, peer, ocl_engine,
+                                                                                  model_config, monkeypatch):
+    """The layers go up on a queue of their own, not ahead of the engine's next step: a hand-off that
+    breaks after 5 of 30 layers waits for those 5 before its blocks are freed (a freed block may be
+    written by the next prompt's step at once)."""
+    calls = []
+    real_import, real_finish, real_reserve = (ocl_engine.import_kv_blocks, ocl_engine.finish_import_blocks,
+                                              decode.loop.reserve_remote)
+    monkeypatch.setattr(ocl_engine, "import_kv_blocks", lambda *a: (calls.append("upload"), real_import(*a))[1])
+    monkeypatch.setattr(ocl_engine, "finish_import_blocks", lambda: (calls.append("wait"), real_finish())[1])
+
+    def reserve_remote(*args, **kwargs):
+        stream = real_reserve(*args, **kwargs)
+        real_cancel = stream.cancel
+        stream.cancel = lambda: (calls.append("free"), real_cancel())[1]
+        return stream
+
+    monkeypatch.setattr(decode.loop, "reserve_remote", reserve_remote)
+    peer.fail_after = 6  # the grant and 5 layers
+    prompt = random_prompt(40, model_config.vocab_size, seed=35)
+    with pytest.raises(HandoffFailed, match="broke after 6"):
+        list(decode.hybrid_generation(EngineRequest(tuple(prompt), GREEDY, "hybrid"), RequestTimings(),
+                                      Cancellation()))
+    assert calls.count("upload") == 5
+    last_upload = max(i for i, c in enumerate(calls) if c == "upload")
+    assert "wait" in calls[last_upload:calls.index("free")], calls
     assert peer.link.slots_in_use == 0 and all_free(decode)
 
 
