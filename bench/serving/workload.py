@@ -46,6 +46,13 @@ def workload(corpus: list[int], n: int, seed: int, prompt_range, output_range) -
     return reqs
 
 
+def salt_seed(given: int | None) -> int:
+    """The Salter's seed of a run: the one given, else drawn afresh, so that a run against servers still
+    up from an earlier one (`--url`, `--target`) does not send them the earlier run's prompts (their
+    prefix caches would answer them: hybrid at 32 clients gave TTFT p50 0.4 s on a repeat, 17 s fresh)."""
+    return given if given is not None else random.SystemRandom().randrange(1 << 31)
+
+
 class Salter:
     """Makes every prompt of a run unique from its first token on, lengths unchanged.
 

@@ -36,6 +36,7 @@ def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, bench_
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((tmp_path / "serve.json").read_text())
     assert data["preset"] == "quick" and "--quick" in data["command"]
+    assert isinstance(data["salt_seed"], int)  # drawn for this run, and kept to repeat it (--salt-seed)
     assert data["concurrency"] == [1, 2] and data["machine"]["cpu_count"] >= 1
     targets = {f"hybridserve-{m}" for m in MODES} | ({"llama-server"} if with_llama else set())
     assert set(data["results"]) == targets

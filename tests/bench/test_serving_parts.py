@@ -9,7 +9,7 @@ import pytest
 from serving.long_prompts import summarize_arrivals
 from serving.report import LATENCY_PANELS, plot_against_concurrency, serve_table
 from serving.stats import over_rounds, pct, ratios_to, summarize
-from serving.workload import Salter, chat_workload, workload
+from serving.workload import Salter, chat_workload, salt_seed, workload
 
 CORPUS = list(range(10_000, 12_000))  # distinct ids: a window's position is its first id
 
@@ -75,6 +75,15 @@ def test_workload_is_deterministic_windows_in_range():
 def test_workload_refuses_prompts_longer_than_the_corpus():
     with pytest.raises(SystemExit):
         workload(CORPUS[:100], 1, seed=1, prompt_range=(200, 200), output_range=(1, 1))
+
+
+def test_each_run_salts_its_prompts_afresh_unless_told_the_seed():
+    """Two runs against the same servers (serve.py --url) must not send the same prompts: the second
+    would be answered from the first's prefix cache."""
+    prompts = [list(range(i, i + 40)) for i in range(20)]
+    first, second = Salter(salt_seed(None)), Salter(salt_seed(None))
+    assert [first(p)[0] for p in prompts] != [second(p)[0] for p in prompts]
+    assert salt_seed(7) == 7 and [Salter(salt_seed(7))(p) for p in prompts] == [Salter(7)(p) for p in prompts]
 
 
 def test_salter_gives_every_prompt_its_own_first_token_and_keeps_the_rest():
