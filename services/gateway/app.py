@@ -47,7 +47,7 @@ from services.gateway.prompts import PromptsRun
 from services.gateway.planner import publish as publish_planner
 from services.gateway.pool_admin import RESPONSES as POOL_ADMIN_RESPONSES
 from services.gateway.pool_admin import pool_routes
-from services.gateway.tokenize_routes import tokenize_routes
+from services.gateway.tokenize_routes import chat_ids, tokenize_routes
 from services.gateway.errors import APIError, install
 from services.gateway.openai_format import (ChatCompletion, ChunkWriter, Completion, Health, ModelCard, ModelList)
 from services.gateway.router import Router
@@ -56,11 +56,10 @@ from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
 from services.gateway.structured import GrammarError
-from services.gateway.tools import call_grammar, template_messages, template_takes_tools
+from services.gateway.tools import call_grammar, template_takes_tools
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
-from services.model.tokenizer import (ChatTemplateRefused, NoChatTemplate, chat_prompt_ids, ids_text, load_tokenizer,
-                                      text_ids)
+from services.model.tokenizer import ids_text, load_tokenizer, text_ids
 from services.modes import ENGINE_NAMES
 
 log = logging.getLogger(__name__)
@@ -208,11 +207,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, st: State = Depends(state)):
         _check_model(st, body.model)
         tools = _offered_tools(st, body)
-        try:
-            prompt_ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), tools,
-                                           body.add_generation_prompt, body.continue_final_message)
-        except (NoChatTemplate, ChatTemplateRefused) as exc:
-            raise APIError(400, str(exc), "messages", "invalid_value") from exc
+        prompt_ids = await chat_ids(st, body.messages, tools, body.add_generation_prompt, body.continue_final_message)
         max_tokens = body.max_completion_tokens or body.max_tokens or st.settings.chat_default_max_tokens
         return await _respond(st, request, body, [prompt_ids], max_tokens, chat=True,
                               tool_names={t["function"]["name"] for t in tools} if tools else None)

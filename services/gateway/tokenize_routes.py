@@ -60,6 +60,18 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+async def chat_ids(st, messages: list[ChatMessage], tools: list[dict] | None = None,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """A chat's prompt ids under the model's chat template, on the tokenizer thread (`State.tokenize`), as
+    /v1/chat/completions and /tokenize both render it; a checkpoint without a template, or a template that
+    refuses the messages, is the request's 400 (param `messages`)."""
+    try:
+        return await st.tokenize(chat_prompt_ids, template_messages(messages), tools, add_generation_prompt,
+                                 continue_final_message)
+    except (NoChatTemplate, ChatTemplateRefused) as exc:
+        raise APIError(400, str(exc), "messages", "invalid_value") from exc
+
+
 def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[object, str], None]) -> APIRouter:
     """The two routes, reading the gateway's State through `get_state` (app.py owns it)."""
     routes = APIRouter()
@@ -78,11 +90,7 @@ def tokenize_routes(get_state: Callable[[], object], check_model: Callable[[obje
         if body.prompt is not None:
             ids = await st.tokenize(text_ids, body.prompt, body.add_special_tokens)
         else:
-            try:
-                ids = await st.tokenize(chat_prompt_ids, template_messages(body.messages), None,
-                                        body.add_generation_prompt, body.continue_final_message)
-            except (NoChatTemplate, ChatTemplateRefused) as exc:
-                raise APIError(400, str(exc), "messages", "invalid_value") from exc
+            ids = await chat_ids(st, body.messages, None, body.add_generation_prompt, body.continue_final_message)
         out = TokenizeResponse(count=len(ids), max_model_len=st.dispatcher.context_window(), tokens=ids)
         return Response(out.model_dump_json(), media_type="application/json")
 
