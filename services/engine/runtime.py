@@ -1,6 +1,6 @@
 """Request handling both engine services share, in plain Python: a request in, token events out.
 
-`EngineRuntime.generate(request, cancel)` admits the request (admission.py), runs it
+`EngineRuntime.generate(request, cancel)` admits the request (the engine loop's bounded queue), runs it
 in the mode it asks for and yields `TokenEvent`s, the last one with its
 finish_reason and timings. It raises the typed errors of requests.py and knows
 nothing of gRPC: the servicer (service.py) is a thin layer over it, and in-process

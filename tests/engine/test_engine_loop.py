@@ -1,6 +1,6 @@
 """The engine loop over a pure-Python paged engine (paged_fake.py): streams, batching, cancellation,
 preemption, prefix reuse, hybrid reservations, a failing step. The real engines run the same loop
-in tests/stack/test_continuous_batching.py."""
+in tests/stack/test_engine_runtime.py and, through the whole stack, tests/gateway/test_batching_live.py."""
 from __future__ import annotations
 
 import threading

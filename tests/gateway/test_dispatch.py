@@ -1,7 +1,7 @@
 """The dispatcher's decisions (route, retry, fallback, errors) against a fake engine client.
 
 A fake stands in for the engines here because the real path (real gRPC to real engines) runs in
-test_api.py and test_zz_engine_failure.py; these pin down each decision on its own, fast.
+test_api*.py and test_engine_failure.py; these pin down each decision on its own, fast.
 The router is the real one.
 """
 from __future__ import annotations
