@@ -130,12 +130,26 @@ def test_first_come_first_served_a_long_prompt_is_not_overtaken(arena):
 
 def test_a_hand_off_larger_than_all_the_memory_is_refused_at_once(arena):
     admission = HandoffAdmission(arena.size, max_running=64, queue_depth=4)
-    t0 = time.monotonic()
-    with pytest.raises(HandoffTooLarge, match=r"can never fit the 1.0 MiB hand-off memory"):
-        with admitted(admission, sender(arena, 5000)):  # 1.2 MiB
+    too_large = sender(arena, 5000)  # 1.2 MiB
+    reserves: list[bool] = []
+
+    def reserve() -> bool:
+        reserves.append(too_large.reserve_now())
+        return reserves[-1]
+
+    def refused():
+        # no deadline, and a holder that keeps the memory taken: queued, it would wait for good
+        with admission.admit(too_large.memory_bytes, reserve, Cancellation()):
             pass
-    assert time.monotonic() - t0 < 1.0  # at once: never queued
-    assert admission.waiting == arena.slots_in_use == 0
+
+    with admitted(admission, sender(arena, 100)):
+        t, out = in_thread(refused)
+        t.join(10)  # a bound for a hang, not a speed check
+        assert not t.is_alive(), "queued: it waits for memory that can never be enough"
+        assert isinstance(out.get("error"), HandoffTooLarge)
+        assert "can never fit the 1.0 MiB hand-off memory" in str(out["error"])
+        assert reserves == [] and admission.waiting == 0  # refused before it asked for memory or queued
+        assert admission.running == arena.slots_in_use == 1  # the holder's only
 
 
 def test_a_waiter_leaves_the_queue_when_cancelled_or_past_its_deadline(arena):
