@@ -39,6 +39,15 @@ STEPS = Counter("hybridserve_up_scale_steps", "Engines `up --autoscale` started 
                 ["pool", "direction"])
 
 
+def observed(plan: dict, pool: str) -> str:
+    """The pool's observed latencies and the floor they set, as the planner says (older gateways: "")."""
+    r = plan.get("latency", {}).get(pool)
+    if not r:
+        return ""
+    p50 = ", ".join(f"{k.upper()} p50 {r[f'{k}_p50_s']:.3g} s" for k in ("ttft", "itl") if r[f"{k}_p50_s"] is not None)
+    return f"; observed {p50 or 'too few samples'}, model {plan['model'][pool]}, latency floor {r['floor']}"
+
+
 class GatewayAdmin:
     """The gateway's planner and pool routes over HTTP (loopback; the API key when one is set)."""
 
@@ -148,7 +157,7 @@ class EngineAutoscaler:
         numbers = (f"planner: desired {d.desired}, target {d.target} within [{lo}, {self.bounds[pool][1]}], "
                    f"current {d.current}; demand {dm['requests_per_s']:.2f} req/s, prompt {dm['mean_prompt_tokens']:.0f} "
                    f"and output {dm['mean_output_tokens']:.0f} tokens on average over {t['window_s']:g} s; "
-                   f"targets TTFT {t['ttft_s']:g} s, ITL {t['itl_s']:g} s")
+                   f"targets TTFT {t['ttft_s']:g} s, ITL {t['itl_s']:g} s{observed(plan, pool)}")
         if d.step == 0:
             # a hold or a cooldown is logged when it starts, not every round
             self._say_once(pool, f"autoscale {pool}: no change ({d.why}); {numbers}", key=(d.target, d.current))

@@ -92,6 +92,11 @@ class EngineStream:
         self.migrations: list[Migration] = []
         self._take(self._legs[0], first)
 
+    @property
+    def planner(self):
+        """The dispatcher's planner (told of the request's latencies by serving.Run), or None."""
+        return self._dispatcher.planner
+
     async def read(self) -> pb.GenerateResponse:
         if self._ready:
             return self._ready.popleft()

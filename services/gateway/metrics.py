@@ -26,6 +26,20 @@ PLANNER_DESIRED = Gauge("hybridserve_planner_desired_replicas", "Engines each po
                         "targets at the last window's load (services/gateway/planner.py)", ["pool"])
 PLANNER_DEMAND = Gauge("hybridserve_planner_demand_requests_per_second", "Requests admitted per second over the "
                        "planner's window")
+# the planner's parts (planner.py, planner_latency.py): the capacity model's counts, the floor the observed
+# latencies set, their p50 (since the pool's last size change, within the window) and ratio to the target,
+# and the model's error (observed p50 over its prediction: prefill on TTFT, decode on ITL); NaN: no evidence
+PLANNER_MODEL = Gauge("hybridserve_planner_model_replicas", "Engines each pool needs by the capacity model alone",
+                      ["pool"])
+PLANNER_FLOOR = Gauge("hybridserve_planner_latency_floor_replicas", "Engines each pool needs by its observed TTFT "
+                      "and ITL against the targets (0: no floor)", ["pool"])
+PLANNER_OBSERVED = Gauge("hybridserve_planner_observed_p50_seconds", "Observed p50 TTFT and ITL charged to each "
+                         "pool since its last size change, within the planner's window", ["pool", "latency"])
+PLANNER_RATIO = Gauge("hybridserve_planner_slo_ratio", "Each pool's worst observed p50 over its target "
+                      "(above 1: missed)", ["pool"])
+PLANNER_CORRECTION = Gauge("hybridserve_planner_correction_ratio", "Observed p50 over the capacity model's "
+                           "prediction at the pool's size (prefill: TTFT, decode: ITL)", ["pool"])
+PLANNER_TARGET = Gauge("hybridserve_planner_target_seconds", "The planner's TTFT and ITL targets", ["latency"])
 PAIR_PLACEMENTS = Counter("hybridserve_pair_placements", "Pair choices with several pairs, by what decided: "
                           "prefix (cached prefix and load), load (no hit anywhere), balance (the balance guard "
                           "overrode prefix affinity), only (one pair could serve)", ["reason"])

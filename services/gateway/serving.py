@@ -44,6 +44,7 @@ class Run:
     """
 
     tool_names: set[str] | None = None  # chat with tools offered: calls of them become tool_calls (tools.py)
+    planner = None  # told of each TTFT and token gap (planner.py's latency floor); `serve` sets it
 
     def __init__(self, router: Router, decision: Decision, n_in: int, started: float, choices: list[Choice]):
         self.router, self.decision, self.n_in, self.started = router, decision, n_in, started
@@ -95,8 +96,12 @@ class Run:
             if self.last_token_at is None:
                 m.TTFT.labels(mode=mode).observe(now - self.started)
                 self._teach_first_token(now - self.started)
+                if self.planner is not None:
+                    self.planner.observe("ttft", mode, now - self.started)
             else:
                 m.ITL.labels(mode=mode).observe(now - self.last_token_at)
+                if self.planner is not None:
+                    self.planner.observe("itl", mode, now - self.last_token_at)
             self.last_token_at = now
         if msg.index >= len(self.choices):
             raise APIError(502, "the engine answered for a choice the request does not have", code="engine_error")
@@ -165,6 +170,7 @@ async def serve(run: Run, stream: EngineStream) -> AsyncIterator[tuple[int, str]
     Raises APIError when the engine fails. Closing the generator early means the client went away.
     """
     status = "499"  # until the last message is in, an end means the client went away
+    run.planner = getattr(stream, "planner", None)
     n, rid = 0, stream.request_id  # tokens so far, for token_trace
     try:
         msg = stream.first

@@ -76,12 +76,17 @@ class GatewaySettings(CommonSettings):
     planner_itl_s: float = Field(0.1, gt=0)
     planner_max_replicas: int = Field(16, ge=1)
     planner_window_s: float = Field(60.0, gt=0)
+    # the observed latencies' floor (planner_latency.py): samples a pool's p50 needs, and the share of a
+    # target a pool must stay within at its smaller size before the floor lets it shrink
+    planner_min_samples: int = Field(5, ge=1)
+    planner_headroom: float = Field(0.8, gt=0, lt=1)
     # /admin/pools: engines added to and removed from the pools at run time, from loopback only (with the
     # API key when one is set); `hybridserve up --autoscale` sets it for its gateway (pool_admin.py)
     pool_admin: bool = False
 
     def planner_targets(self) -> Targets:
-        return Targets(self.planner_ttft_s, self.planner_itl_s, self.planner_max_replicas, self.planner_window_s)
+        return Targets(self.planner_ttft_s, self.planner_itl_s, self.planner_max_replicas, self.planner_window_s,
+                       self.planner_min_samples, self.planner_headroom)
 
     def prefix_policy(self) -> PrefixPolicy:
         return PrefixPolicy(self.prefix_routing, self.prefix_weight, self.prefix_balance_guard)
