@@ -1,6 +1,7 @@
 """The decode_fpga gRPC service: the shared servicer over DecodeRuntime (hybrid.py), its
-prefill_gpu peer over gRPC and the KV hand-off (the shared-memory arena, or TCP through this
-service's KV inbox when the two do not share /dev/shm), and its start-up."""
+prefill_gpu peer over gRPC and the KV hand-off (the transport its settings name, services/kv/transports.py:
+the shared-memory arena, or TCP or NIXL through this service's KV inbox when the two do not share
+/dev/shm), and its start-up."""
 from __future__ import annotations
 
 import contextlib
@@ -16,12 +17,13 @@ from services.engine.handoff_wire import handoff_from_proto
 from services.engine.requests import Cancellation, EngineRequest, PeerMismatch, PeerUnavailable
 from services.engine.service import EngineServicer, sampling_to_proto
 from services.engine.status import error_from_peer
-from services.kv.address import parse_address
+from services.kv import transports
 from services.kv.arena import ArenaReader
 from services.kv.handoff import HandoffEvent, SlotGrant
 from services.kv.header import SlotHeader, request_nonce
 from services.kv.shm import ShmReceiver
-from services.kv.tcp_inbox import InboxReceiver, KVInbox
+from services.kv.tcp_inbox import KVInbox
+from services.kv.transports import Transport
 from services.rpc.engine_token import engine_channel
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
@@ -31,17 +33,17 @@ log = logging.getLogger(__name__)
 
 class GrpcPrefillPeer:
     """prefill_gpu as hybrid mode's PrefillPeer: its Prefill RPC, and its arena mapped by name or,
-    with an `inbox`, the KV over TCP (the Prefill call names the inbox's address; the arena is
-    never mapped).
+    with a network `transport` and its `inbox`, the KV over the network (the Prefill call names the
+    inbox's address; the arena is never mapped).
 
     The arena is mapped again when the mapped segment is gone (prefill_gpu stopped, or its
     successor removed a killed one's) or when a grant does not fit it (the receiver's `remap`):
     then Info names the arena prefill_gpu uses now."""
 
     def __init__(self, address: str, model_id: str, timeout_s: float, token: str | None = None,
-                 inbox: KVInbox | None = None):
+                 inbox: KVInbox | None = None, transport: Transport | None = None):
         self.address, self.model_id, self.timeout_s = address, model_id, timeout_s
-        self.inbox = inbox
+        self.inbox, self.transport = inbox, transport
         self._channel = engine_channel(address, token)  # sends the shared token when there is one
         self._stub = pb_grpc.EngineStub(self._channel)
         self._reader: ArenaReader | None = None
@@ -97,7 +99,7 @@ class GrpcPrefillPeer:
 
     def receiver(self, engine, seq, expected: SlotHeader):
         if self.inbox is not None:
-            return InboxReceiver(self.inbox, engine, seq, expected, self.timeout_s)
+            return self.transport.receiver(self.inbox, engine, seq, expected, self.timeout_s)
         return ShmReceiver(self._arena(), engine, seq, expected, remap=self._remap)
 
     def prefill(self, request: EngineRequest, wire_dtype: str, cancel: Cancellation,
@@ -154,14 +156,16 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> EngineServicer:
     log.info("building kernels and uploading weights")
     engine = OpenCLEngine.from_settings(loaded, settings)
     token = settings.engine_token.get_secret_value() if settings.engine_token else None
+    transport = transports.get(settings.kv_transport)
     inbox = None
-    if settings.kv_transport == "tcp":
-        host, port = parse_address(settings.kv_listen)
-        inbox = KVInbox(host, port, settings.kv_advertise, token=token)  # with a token, only its holders' KV
+    if transport.open_inbox is not None:
+        inbox = transport.open_inbox(settings, token)  # with a token, only its holders' KV
         resources.callback(inbox.close)  # after the runtime (closed first): no hand-off is running then
-        log.info("KV over TCP: listening on %s, prefill_gpu connects to %s", inbox.address, inbox.advertised)
+        log.info("KV over %s: listening on %s, prefill_gpu connects to %s", transport.name, inbox.address,
+                 inbox.advertised)
+
     def connect(address: str) -> GrpcPrefillPeer:
-        return GrpcPrefillPeer(address, loaded.config.model_id, settings.handoff_timeout_s, token, inbox)
+        return GrpcPrefillPeer(address, loaded.config.model_id, settings.handoff_timeout_s, token, inbox, transport)
 
     peers = PrefillPeers(connect(settings.prefill_address), settings.prefill_address,
                          settings.prefill_address_list(), connect)

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator, model_validator
 
 from services.engine.batching_settings import BatchingSettings
 from services.kv.address import WILDCARD_HOSTS, parse_address
+from services.kv.transports import check_name as check_transport
 from services.settings import CommonSettings
 
 # output rows per work-item of the paged step's block GEMVs on a CPU or an FPGA (gemv_quant_tiles, each
@@ -70,12 +71,14 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     queue_depth: int = 16  # requests waiting beyond max_num_seqs running; more → RESOURCE_EXHAUSTED
     max_concurrency: int = 4  # no longer limits anything: the batch holds max_num_seqs (kept for old envs)
     handoff_timeout_s: float = 120.0  # deadline of the Prefill call in hybrid mode for a request without its own
-    # how hybrid mode's KV comes from prefill_gpu: "shm", its shared-memory arena (same host, shared
-    # /dev/shm); "tcp", a connection prefill_gpu opens to this service's KV port (two pods or hosts)
-    kv_transport: Literal["shm", "tcp"] = "shm"
-    kv_listen: str = "127.0.0.1:0"  # tcp: host:port the KV port binds (port 0: any free one)
-    # tcp: the host:port prefill_gpu is told to connect to; unset, the bound address (which must then be
-    # a real one, not 0.0.0.0); in Kubernetes the pod's IP from the downward API
+    # how hybrid mode's KV comes from prefill_gpu, a name of services/kv/transports.py: "shm", its
+    # shared-memory arena (same host, shared /dev/shm); "tcp", a connection prefill_gpu opens to this
+    # service's KV port (two pods or hosts); "nixl", NIXL READs out of prefill_gpu's memory, offered
+    # through the same KV port (the nixl extra; docs/kv-transports.md says which to choose where)
+    kv_transport: str = "shm"
+    kv_listen: str = "127.0.0.1:0"  # tcp, nixl: host:port the KV port binds (port 0: any free one)
+    # tcp, nixl: the host:port prefill_gpu is told to connect to; unset, the bound address (which must then
+    # be a real one, not 0.0.0.0); in Kubernetes the pod's IP from the downward API
     kv_advertise: str | None = None
     # tokens one step computes: on a CPU device a 512-token prefill chunk is a ~1.4 s step that stalls every
     # running stream (serve.py's long-prompts variant: ITL p99 1415 ms); 64 keeps a step near 0.2 s. A
@@ -101,6 +104,11 @@ class DecodeSettings(CommonSettings, BatchingSettings):
             raise ValueError(f"opencl_gemv_tile must be one of {GEMV_TILES} (output rows per work-item), got {v}")
         return v
 
+    @field_validator("kv_transport")
+    @classmethod
+    def _transport(cls, v: str) -> str:
+        return check_transport(v)
+
     @field_validator("kv_listen", "kv_advertise")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
@@ -123,7 +131,7 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     @model_validator(mode="after")
     def _advertised_address(self) -> "DecodeSettings":
         listen_host, _ = parse_address(self.kv_listen)
-        if self.kv_transport == "tcp" and self.kv_advertise is None and listen_host in WILDCARD_HOSTS:
+        if self.kv_transport != "shm" and self.kv_advertise is None and listen_host in WILDCARD_HOSTS:
             raise ValueError(f"kv_listen {self.kv_listen!r} binds every interface: set kv_advertise to the "
                              f"address prefill_gpu should connect to")
         if self.kv_advertise is not None and parse_address(self.kv_advertise)[0] in WILDCARD_HOSTS:

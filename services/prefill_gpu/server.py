@@ -2,7 +2,8 @@
 
 Generate, Info and Profile come from the shared servicer; Prefill translates the
 request into plain objects and the hand-off's messages back into protos, and picks the
-hand-off's sender: the arena, or TCP when the request names a `kv_address`.
+hand-off's sender: the arena, or the network transport (services/kv/transports.py) the request's
+`kv_address` names (host:port: tcp; nixl://host:port: nixl).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from services.engine.handoff_wire import handoff_to_proto
 from services.engine.requests import EngineRequest, InvalidRequest
 from services.engine.service import EngineServicer, cancellation_of, request_id_of, sampling_from_proto
 from services.engine.status import abort
-from services.kv.address import parse_address
+from services.kv import transports
 from services.kv.header import SlotHeader, request_nonce
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
@@ -38,7 +39,8 @@ class PrefillServicer(EngineServicer):
             def sender(header: SlotHeader):
                 header = dataclasses.replace(header, nonce=nonce)
                 if kv_address is not None:
-                    return self.runtime.tcp_sender(kv_address, header, cancel)
+                    transport, address = kv_address
+                    return transport.sender(self.runtime, address, header, cancel)
                 return self.runtime.shm_sender(header)
 
             for ev in self.runtime.prefill(plain, request.wire_dtype, cancel, new_sender=sender,
@@ -48,12 +50,11 @@ class PrefillServicer(EngineServicer):
             abort(context, exc, self.process, request_id)
 
 
-def _kv_address(text: str) -> tuple[str, int] | None:
-    """The reader's KV address (None: the arena); InvalidRequest if it is not host:port."""
-    if not text:
-        return None
+def _kv_address(text: str) -> tuple[transports.Transport, tuple[str, int]] | None:
+    """The reader's KV transport and address (None: the arena); InvalidRequest if it is not
+    [scheme://]host:port of a network transport."""
     try:
-        return parse_address(text)
+        return transports.parse_kv_address(text)
     except ValueError as exc:
         raise InvalidRequest(f"kv_address: {exc}") from None
 
@@ -64,6 +65,7 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> PrefillServicer:
     from services.prefill_gpu.engine import TorchEngine
     from services.prefill_gpu.runtime import PrefillRuntime
 
+    transports.get(settings.kv_transport).prepare()  # e.g. nixl's agent: a missing extra fails the start
     engine = TorchEngine.from_settings(loaded, settings)
     for name in remove_stale_segments():
         log.warning("removed KV arena %s: the prefill_gpu that made it is gone", name)

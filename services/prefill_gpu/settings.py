@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.engine.batching_settings import BatchingSettings
+from services.kv.transports import check_name as check_transport
 from services.settings import CommonSettings
 
 
@@ -42,6 +43,15 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     # caps the count as well
     prefill_max_concurrency: int | Literal["auto"] = "auto"
     prefill_queue_depth: int = 64  # hand-offs waiting for memory; more → RESOURCE_EXHAUSTED
+    # the KV transport prepared at start (services/kv/transports.py): "nixl" creates the NIXL agent then (and
+    # without the nixl extra the start fails). Whatever it says, each Prefill call's kv_address picks the
+    # transport of that hand-off (the decode engine's choice): shm and tcp need nothing prepared
+    kv_transport: str = "shm"
+
+    @field_validator("kv_transport")
+    @classmethod
+    def _transport(cls, v: str) -> str:
+        return check_transport(v)
 
     @property
     def handoff_max_running(self) -> int:
