@@ -14,6 +14,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # prefill_gpu batches two gpu-mode requests and queues none, so a burst gets 429s
 PREFILL_ENV = {"HYBRIDSERVE_PREFILL_MAX_NUM_SEQS": "2", "HYBRIDSERVE_QUEUE_DEPTH": "0",
                "HYBRIDSERVE_ARENA_BYTES": str(64 << 20), "HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256"}
+PLANNER_WINDOW_S = 20.0
 DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "2048", "HYBRIDSERVE_MAX_SEQUENCES": "4",
               "HYBRIDSERVE_DECODE_KV_CACHE_MB": "512"}
 
@@ -36,7 +37,10 @@ def wait_calibrated(url: str, timeout: float = 240.0) -> None:
 def stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("stack")
     prefill, decode = engine_pair(tmp, PREFILL_ENV, DECODE_ENV, profile_cache)
-    gateway = start_gateway(tmp, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY, "HYBRIDSERVE_MAX_BODY_BYTES": "200000"})
+    # the planner keeps its default TTFT and ITL targets; its window is short so that test_api_planner.py
+    # finds it clear of the tests before it within seconds
+    gateway = start_gateway(tmp, prefill, decode, {"HYBRIDSERVE_API_KEY": API_KEY, "HYBRIDSERVE_MAX_BODY_BYTES": "200000",
+                                                   "HYBRIDSERVE_GATEWAY_PLANNER_WINDOW_S": str(PLANNER_WINDOW_S)})
     try:
         # start-up (model load, profile sweep) takes minutes when other work holds the two cores
         prefill.wait_healthy(timeout=420)
