@@ -35,13 +35,14 @@ from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
 from services.decode_fpga.launch import ByRowCount, Launch, RowLaunch, balanced_groups, bind, bind_rows, row_groups
 from services.decode_fpga.settings import GEMV_TILE
+from services.model.formats import FORMATS, kernel_defines
 from services.model.gguf_blocks import BlockTensor
 
-# each format's code in the kernels (quant_blocks.h)
-QFMT_CODES = {"q4_0": 40, "q4_1": 41, "q8_0": 80, "q5_0": 50, "q5_1": 51, "q4_k": 42, "q5_k": 52, "q6_k": 62}
-# each format's bit in decode_layers.cl's QFMT_SET (the formats a model's packed layers hold)
-QFMT_BITS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}
-MINIMUM_FORMATS = ("q4_1", "q5_1", "q4_k", "q5_k")  # weights d q + m: one-row GEMVs read x's block sums
+# views of services/model/formats.py's table, by format name: the code in the kernels (quant_blocks.h),
+# the bit in decode_layers.cl's QFMT_SET, and the formats whose one-row GEMVs read x's block sums
+QFMT_CODES = {f.name: f.code for f in FORMATS.values() if f.is_block}
+QFMT_BITS = {f.name: f.bit for f in FORMATS.values() if f.is_block}
+MINIMUM_FORMATS = tuple(f.name for f in FORMATS.values() if f.has_mins)
 MF = cl.mem_flags
 GEMV_TILE_ROWS = 4  # rows of x per pass of gemv_quant_tiles (its TILE_R): 8 and (with 4 outputs) 4 spilled
 # gemv_quant_tiles runs once the rows of x hold more than this (a core's L1 data cache here: 48 KiB),
@@ -137,23 +138,21 @@ def split_blocks(t: BlockTensor) -> tuple[np.ndarray, np.ndarray | None, np.ndar
         out[:, :nb * per] = a
         return out
 
-    if t.qtype in ("q4_0", "q4_1", "q8_0"):
+    fmt = FORMATS[t.qtype]
+    if fmt.repack == "split":  # the file's quants as they are, after their scales
         blocks = t.blocks()  # [rows, nb, block_bytes]
-        head = 4 if t.qtype == "q4_1" else 2  # bytes before the quants: d (and m)
+        head = 4 if fmt.has_mins else 2  # bytes before the quants: d (and m)
         d = padded(_halves(blocks, 0), 1, np.float32)
-        m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q4_1" else None
+        m = padded(_halves(blocks, 2), 1, np.float16) if fmt.has_mins else None
         return d, m, np.ascontiguousarray(blocks[:, :, head:]).reshape(t.rows, -1)
     v = _values(t)
-    if t.qtype == "q6_k":
-        parts = _q6_parts(v)
-    else:
-        parts = [_nibbles(v)]
-    if t.qtype in ("q5_0", "q5_1", "q5_k"):
+    parts = _q6_parts(v) if fmt.repack == "q6" else [_nibbles(v)]
+    if fmt.repack == "q5":
         parts.append(_fifth_bits(v))
     quants = np.ascontiguousarray(np.concatenate(parts, axis=-1)).reshape(t.rows, -1)
-    if t.qtype in ("q5_0", "q5_1"):
+    if fmt.per_block == 32:  # Q5_0, Q5_1: a block's own fp16 d (and m)
         blocks = t.blocks()
-        m = padded(_halves(blocks, 2), 1, np.float16) if t.qtype == "q5_1" else None
+        m = padded(_halves(blocks, 2), 1, np.float16) if fmt.has_mins else None
         return padded(_halves(blocks, 0), 1, np.float32), m, quants
     d, m = _k_scales(t)  # a whole number of super-blocks: nbp == nb, nothing to pad
     return np.ascontiguousarray(d, np.float32), m, quants
@@ -191,7 +190,7 @@ class QuantMatrix(EnqueueOnce):
         # default shape then, so the program is the CPU default's and is built once, not twice
         tiles = {"TILE_O": self.tile or GEMV_TILE, "TILE_R": GEMV_TILE_ROWS}
         self.tile_above = max(1, GEMV_TILE_X_BYTES // (4 * self.cols))  # rows of x past which the tiles run
-        self._program = dev.build("gemv_quant.cl", {"QFMT": QFMT_CODES[t.qtype], **tiles})
+        self._program = dev.build("gemv_quant.cl", {**kernel_defines(t.qtype), **tiles})
 
     @property
     def device_arrays(self) -> tuple[cl.Buffer, cl.Buffer, cl.Buffer]:
@@ -206,7 +205,7 @@ class QuantMatrix(EnqueueOnce):
         return self.fmt in MINIMUM_FORMATS and self.lanes == 1
 
     def _wg_program(self, norm_cols: int | None = None) -> cl.Program:
-        defines = {"QFMT": QFMT_CODES[self.fmt], "WG": self.lanes}
+        defines = {**kernel_defines(self.fmt), "WG": self.lanes}
         if norm_cols is not None:
             defines["NORM_COLS"] = norm_cols
         return self._dev.build("gemv_quant_wg.cl", defines)
@@ -274,7 +273,7 @@ class QuantMatrix(EnqueueOnce):
                         self._m, self._q, x, norm_w, np.float32(eps), y, np.int32(self.rows),
                         np.int32(bool(accumulate)), self._y_offset, local_size=(self.lanes,))
         program = self._dev.build("gemv_quant.cl",
-                                  {"QFMT": QFMT_CODES[self.fmt], "NORM_COLS": self.cols})
+                                  {**kernel_defines(self.fmt), "NORM_COLS": self.cols})
         return bind(program, "gemv_quant_norm", (self.rows,), self._d, self._m, self._q, x, norm_w,
                     np.float32(eps), y, np.int32(self.rows), np.int32(bool(accumulate)), self._y_offset)
 
@@ -291,7 +290,7 @@ class QuantMatrix(EnqueueOnce):
         if not self.fuses_silu:
             raise ValueError(f"{self.name}: no fused SiLU GEMV with {self.lanes} lanes per row and {self.cols} columns")
         program = self._dev.build("gemv_quant.cl",
-                                  {"QFMT": QFMT_CODES[self.fmt], "SILU_COLS": self.cols})
+                                  {**kernel_defines(self.fmt), "SILU_COLS": self.cols})
         return bind(program, "gemv_quant_silu", (self.rows,), self._d, self._m, self._q, gu, y, np.int32(self.rows),
                     np.int32(bool(accumulate)), self._y_offset)
 
@@ -318,6 +317,6 @@ class QuantMatrix(EnqueueOnce):
 
 def upload_block_matrix(dev: DeviceContext, t: BlockTensor):
     """A DeviceMatrix in the tensor's own format: QuantMatrix for blocks, dense for F32/F16."""
-    if t.qtype in ("f32", "f16"):
+    if not FORMATS[t.qtype].is_block:
         return upload_dense_matrix(dev, t.dequantize(), "fp32" if t.qtype == "f32" else "fp16")
     return QuantMatrix(dev, t)

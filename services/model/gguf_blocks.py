@@ -19,17 +19,14 @@ import numpy as np
 
 from services.model.checkpoint import Checkpoint, CheckpointError
 from services.model.config import ModelConfig
+from services.model.formats import FORMATS
 from services.model.gguf_file import gguf_reader
 from services.model.weights import unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
-# qtype → (elements per block, bytes per block); f16/f32 are "blocks" of one element; the K-quants'
-# blocks are super-blocks of 256
-BLOCK_FORMATS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q5_0": (32, 22), "q5_1": (32, 24),
-                 "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210), "f16": (1, 2), "f32": (1, 4)}
-_GGML_NAMES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q4_K": "q4_k",
-               "Q5_K": "q5_k", "Q6_K": "q6_k", "F16": "f16", "F32": "f32"}
+# GGUF type name -> the engine's format name (formats.py: sizes, kernels, layout of each)
+_GGML_NAMES = {f.ggml: f.name for f in FORMATS.values()}
 SUPPORTED_GGML_TYPES = tuple(_GGML_NAMES)  # the GGUF tensor types the decode engine stores as they are
 
 
@@ -38,14 +35,14 @@ class BlockTensor:
     """One [rows, cols] matrix as GGUF blocks; `raw` is uint8 [rows, row_bytes], read-only."""
 
     name: str
-    qtype: str  # one of BLOCK_FORMATS
+    qtype: str  # a name in formats.FORMATS
     rows: int
     cols: int
     raw: np.ndarray
     source: str = ""  # the file's type name (Q4_K, BF16, ...), when the blocks came from one
 
     def __post_init__(self):
-        per_block, block_bytes = BLOCK_FORMATS[self.qtype]
+        per_block, block_bytes = FORMATS[self.qtype].per_block, FORMATS[self.qtype].block_bytes
         if self.cols % per_block:
             raise CheckpointError(f"{self.name}: {self.cols} columns is not a whole number of {self.qtype} blocks")
         want = (self.rows, self.cols // per_block * block_bytes)
@@ -55,7 +52,7 @@ class BlockTensor:
     @property
     def n_blocks(self) -> int:
         """Blocks per row."""
-        return self.cols // BLOCK_FORMATS[self.qtype][0]
+        return self.cols // FORMATS[self.qtype].per_block
 
     @property
     def data(self) -> np.ndarray:
@@ -68,7 +65,7 @@ class BlockTensor:
 
     def blocks(self) -> np.ndarray:
         """uint8 [rows, n_blocks, block_bytes]."""
-        return self.raw.reshape(self.rows, self.n_blocks, BLOCK_FORMATS[self.qtype][1])
+        return self.raw.reshape(self.rows, self.n_blocks, FORMATS[self.qtype].block_bytes)
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols], exactly gguf.quants.dequantize's values."""
@@ -111,7 +108,7 @@ def stack_rows(name: str, parts: list[BlockTensor]) -> BlockTensor:
 
 
 # formats whose weights are d * (integer in [-128, 127]) with the block's fp16 d: Q8_0 holds them exactly
-_SYMMETRIC_32 = ("q4_0", "q5_0", "q8_0")
+_SYMMETRIC_32 = tuple(f.name for f in FORMATS.values() if f.symmetric)
 
 
 def as_q8_0(t: BlockTensor) -> BlockTensor:
