@@ -41,7 +41,6 @@ Needs root (ip netns, tc); exits with a clear message otherwise. The namespaces 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import signal
@@ -53,114 +52,30 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, progress, table, write_json  # noqa: E402
+from _common import RESULTS, progress, write_json  # noqa: E402
+from cross_host_net import RX_ADDR, HostImporter, Netns, _enter, selftest  # noqa: E402,F401
+from cross_host_report import merge, plot, report, verdict  # noqa: E402,F401
+from cross_host_transports import OneHost, Receivers, make_sender, port_of, ucx_env  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-TX_ADDR, RX_ADDR, PREFIX = "10.231.0.1", "10.231.0.2", 30
-DELAY = "0.5ms"
 TIMEOUT_S = 60.0
 GRANULE = 64  # DP slice lengths are multiples of this (four 16-token blocks)
 
 
-# ---- the two namespaces -------------------------------------------------------------------------
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
-
-
-class Netns:
-    """Two namespaces and a veth pair, `rate` (e.g. '1gbit', None: unshaped) and 0.5 ms each way.
-    A context manager; deleted on exit, on SIGTERM and at interpreter exit, whatever happened."""
-
-    def __init__(self, rate: str | None):
-        pid = os.getpid()
-        self.tx, self.rx = f"hs-tx-{pid}", f"hs-rx-{pid}"
-        self.veth_tx, self.veth_rx = f"hst{pid % 100000}", f"hsr{pid % 100000}"
-        self.rate = rate
-        self.delay: str | None = None
-        self.no_delay_reason: str | None = None
-
-    @staticmethod
-    def exec_in(ns: str) -> list[str]:
-        return ["ip", "netns", "exec", ns]
-
-    def __enter__(self) -> "Netns":
-        atexit.register(self.cleanup)
-        try:
-            _ip("netns", "add", self.tx)
-            _ip("netns", "add", self.rx)
-            _ip("link", "add", self.veth_tx, "type", "veth", "peer", "name", self.veth_rx)
-            for ns, dev, addr in ((self.tx, self.veth_tx, TX_ADDR), (self.rx, self.veth_rx, RX_ADDR)):
-                _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{addr}/{PREFIX}", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-            self.shape(self.rate)
-        except subprocess.CalledProcessError as exc:
-            self.cleanup()
-            raise RuntimeError(f"setting up the namespaces failed: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from exc
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def shape(self, rate: str | None) -> None:
-        """Both veth ends: netem's delay (when this kernel has netem) with a tbf at `rate` under it, or
-        the tbf alone; replaces what was there. `self.delay` says what delay was really applied."""
-        self.rate = rate
-        for ns, dev in ((self.tx, self.veth_tx), (self.rx, self.veth_rx)):
-            tc = [*self.exec_in(ns), "tc", "qdisc"]
-            subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True)  # none there: fine
-            netem = subprocess.run([*tc, "add", "dev", dev, "root", "handle", "1:", "netem", "delay", DELAY,
-                                    "limit", "100000"], capture_output=True, text=True)
-            self.delay = DELAY if netem.returncode == 0 else None
-            self.no_delay_reason = None if self.delay else f"tc netem: {netem.stderr.strip() or netem.returncode}"
-            if rate:
-                bits = float(rate.removesuffix("gbit")) * 1e9
-                burst = str(max(int(bits / 8 * 1e-3), 200_000))  # a millisecond of bytes: GSO packets fit
-                where = ["parent", "1:1"] if self.delay else ["root"]
-                subprocess.run([*tc, "add", "dev", dev, *where, "handle", "10:", "tbf", "rate", rate, "burst", burst,
-                                "latency", "50ms"], capture_output=True, text=True, check=True)
-
-    def cleanup(self) -> None:
-        for ns in (self.tx, self.rx):  # deleting a namespace deletes its end of the veth, and so the pair
-            _ip("netns", "del", ns, check=False)
-
-    def __exit__(self, *exc) -> None:
-        self.cleanup()
-        atexit.unregister(self.cleanup)
-
-
 # ---- the receiving host ---------------------------------------------------------------------------
-class HostImporter:
-    """Imports into host memory as decode would before its device copy: [layers, 2, kv_heads, n, dim]."""
-
-    def __init__(self, layout):
-        self.kv = np.empty(layout.shape, layout.dtype)
-
-    def import_kv_layer(self, seq, layer, kv):
-        self.kv[layer] = kv
-
-    def import_kv_slice(self, seq, layer, start, kv):
-        self.kv[layer, :, :, start:start + kv.shape[2]] = kv
-
-    def finish_import(self, seq, n_tokens):
-        pass
-
-
 def receive(host: str, port: int) -> None:
     """Serve hand-offs until the control connection ends: per request, a JSON line {n_tokens, request,
-    dtype} on the control connection, 'ready', one KV connection, then a JSON line with the outcome."""
+    dtype, transport} on the control connection, 'ready', the hand-off, then a JSON line with the outcome."""
     from services.kv.header import SlotHeader, request_nonce
     from services.kv.handoff import layout_of
-    from services.kv.tcp import TcpListener, TcpReceiver
     from services.model.config import read_config
     from services.model.checkpoint import locate
 
     cfg = read_config(locate(None))
-    with TcpListener(host, port + 1, timeout_s=TIMEOUT_S) as kv_listener, \
-            socket.create_server((host, port)) as control_server:
+    ends = Receivers(host, port + 1)
+    with socket.create_server((host, port)) as control_server:
         control_server.settimeout(TIMEOUT_S)
         print("listening", flush=True)
         control, _ = control_server.accept()
@@ -174,10 +89,9 @@ def receive(host: str, port: int) -> None:
             importer.kv.fill(0)  # touch the pages now, as a decode engine's preallocated pool would be
             lines.write("ready\n")
             lines.flush()
-            rx = TcpReceiver(kv_listener.accept(), importer, None, expected)
             try:
-                rx.run()
-                out = {"ok": True, "imported_at": rx.on_device_at, "bytes": rx.bytes,
+                imported_at, nbytes = ends.receive(req.get("transport", "tcp"), importer, expected)
+                out = {"ok": True, "imported_at": imported_at, "bytes": nbytes,
                        "checksum": float(importer.kv[:, :, :, :: max(1, req["n_tokens"] // 7)].sum(dtype=np.float64))}
             except Exception as exc:  # reported to the sending side, which fails the bench
                 out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -266,22 +180,21 @@ def fit_costs(points) -> dict:
             "relative_errors": errs, "max_abs_relative_error": max(map(abs, errs))}
 
 
-def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None) -> dict:
-    """One prompt prefilled and sent as `mode` says; the receiver's outcome and the times."""
+def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None, transport="tcp") -> dict:
+    """One prompt prefilled and sent as `mode` says over `transport`; the receiver's outcome and the times."""
     from services.kv.handoff import PrefillDone
     from services.kv.header import SlotHeader, request_nonce
-    from services.kv.tcp import TcpSender
 
     n, cfg = len(tokens), p.cfg
     request = f"bench-{mode}-{n}-{time.monotonic_ns()}"
-    control.write(json.dumps({"n_tokens": n, "request": request, "dtype": "fp32"}) + "\n")
+    control.write(json.dumps({"n_tokens": n, "request": request, "dtype": "fp32", "transport": transport}) + "\n")
     control.flush()
     if control.readline().strip() != "ready":
         raise RuntimeError("the receiver did not get ready")
     header = SlotHeader("fp32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, cfg.model_id,
                         nonce=request_nonce(request))
     L = cfg.n_layers
-    with TcpSender(address, header, timeout_s=TIMEOUT_S) as tx:
+    with make_sender(transport, (address[0], port_of(transport, address[1])), header) as tx:
         tx.open()
         t0 = time.time()
         if mode in ("whole", "layers"):
@@ -309,7 +222,8 @@ def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None) -> di
     out = json.loads(control.readline())
     if not out.get("ok"):
         raise RuntimeError(f"the receiver failed: {out.get('error')}")
-    return {"mode": mode, "n_tokens": n, "slices": list(slices) if slices else None, "first_token": first,
+    return {"mode": mode, "transport": transport, "n_tokens": n, "slices": list(slices) if slices else None,
+            "first_token": first,
             "start": t0, "compute_s": compute_end - t0, "imported_after_s": imported_at - t0,
             "tail_s": imported_at - compute_end, "bytes": out["bytes"], "checksum": out["checksum"]}
 
@@ -358,21 +272,25 @@ def bench(args) -> None:
     rng = np.random.default_rng(1)
     prompts = {n: rng.integers(3, p.cfg.vocab_size, n).tolist() for n in sizes}
     p.step(prompts[sizes[0]], 0, min(sizes[0], GRANULE))  # warm-up
-    with Netns(rate=None) as ns:
+    rx_addr, extra = ("127.0.0.1", [t for t in args.transports.split(",") if t != "tcp"])
+    with OneHost() if args.one_host else Netns(rate=None) as ns:
+        rx_addr = rx_addr if args.one_host else RX_ADDR
         port = 47000 + os.getpid() % 1000
         rx = subprocess.Popen([*ns.exec_in(ns.rx), sys.executable, str(Path(__file__).resolve()), "--receive",
-                               RX_ADDR, str(port)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               rx_addr, str(port)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **ucx_env(getattr(ns, "veth_rx", None))})
         try:
             if rx.stdout.readline().strip() != "listening":
                 raise RuntimeError("the receiving process did not start")
             # the sending side joins the tx namespace for its sockets only: setns on this thread
-            _enter(ns.tx)
-            control = socket.create_connection((RX_ADDR, port), timeout=TIMEOUT_S).makefile("rw")
-            for gbit in links:
+            if not args.one_host:
+                _enter(ns.tx)
+            os.environ.update(ucx_env(getattr(ns, "veth_tx", None)))  # before this process's NIXL agent exists
+            control = socket.create_connection((rx_addr, port), timeout=TIMEOUT_S).makefile("rw")
+            for gbit in [0.0] if args.one_host else links:  # 0: one host, loopback, unshaped
                 ns.shape(f"{gbit:g}gbit")
                 delay, no_delay = ns.delay, ns.no_delay_reason
-                link = Link(gbit * 1e9 / 8 * 0.94, 0.5e-3 + 50e-6)  # TCP/IP overhead; delay plus per-send cost
+                link = Link((gbit or 22) * 1e9 / 8 * 0.94, 0.5e-3 + 50e-6)  # TCP/IP overhead; one host: ~22 Gbit/s
                 for n in sizes:
                     dp, dp_t = best_slices(n, model, link, bpt, granule=GRANULE, layers=L)
                     plans = [("local", None), ("whole", None), ("layers", None)]
@@ -381,6 +299,9 @@ def bench(args) -> None:
                     predicted = {"local": model(n, 0), "whole": pipeline_time([n], model, link, bpt, 1),
                                  "layers": pipeline_time([n], model, link, bpt, L),
                                  **{m: pipeline_time(sl, model, link, bpt, L) for m, sl in plans[3:]}}
+                    # the other transports: layer by layer and the uniform slicings ("nixl:u256"), the same plans
+                    plans += [(f"{t}:{m}", sl) for t in extra for m, sl in plans[2:] if m != "dp"]
+                    predicted.update({m: predicted[m.split(":")[1]] for m, _ in plans if ":" in m})
                     dp_plans[f"{gbit:g}/{n}"] = {"slices": dp, "predicted_s": dp_t}
                     progress(f"{gbit:g} Gbit/s, {n} tokens: DP slices {dp} (predicted {dp_t:.3f} s; "
                              f"one step predicted {model(n, 0):.3f} s)")
@@ -391,8 +312,9 @@ def bench(args) -> None:
                             if mode == "local":
                                 r = run_local(p, prompts[n])
                             else:
-                                r = run_handoff(p, control, (RX_ADDR, port + 1), prompts[n],
-                                                mode if slices is None else "slices", slices)
+                                t, base = mode.split(":") if ":" in mode else ("tcp", mode)
+                                r = run_handoff(p, control, (rx_addr, port + 1), prompts[n],
+                                                base if slices is None else "slices", slices, t)
                             runs[mode].append(r)
                         local_s = runs["local"][-1]["imported_after_s"]
                         for mode, _ in plans:
@@ -431,140 +353,6 @@ def bench(args) -> None:
     plot(records, RESULTS / f"{args.out}.png")
 
 
-def verdict(cell: list[dict]) -> dict:
-    """The DP against the uniform slicing with the lowest median exposed hand-off in one cell."""
-    dp = next(r for r in cell if r["mode"] == "dp")
-    uni = [r for r in cell if r["mode"].startswith("u")]
-    if not uni:
-        return {"best_uniform": None, "verdict": "no uniform slicing shorter than the prompt"}
-    best = min(uni, key=lambda r: r["exposed_s"])
-    diff = dp["exposed_s"] - best["exposed_s"]
-    spread = max(dp["exposed_spread_s"], best["exposed_spread_s"])
-    word = "yes" if diff <= 0 else "within spread" if diff <= spread else "no"
-    same = [r["mode"] for r in uni if r["slices"] == dp["slices"]]  # then the difference is the noise floor
-    return {"best_uniform": best["mode"], "dp_exposed_s": dp["exposed_s"], "uniform_exposed_s": best["exposed_s"],
-            "difference_s": diff, "spread_s": spread, "verdict": word, "dp_plan_is": same[0] if same else None}
-
-
-ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "predicted s", "e2e s", "exposed s", "spread s", "% prefill",
-               "tail ms"]
-
-
-def row_of(r: dict) -> list:
-    return [f"{r['gbit']:g}", r["n_tokens"], r["mode"], len(r["slices"]) if r["slices"] else 1, r["predicted_s"],
-            r["e2e_s"], r["exposed_s"], r["exposed_spread_s"], r["exposed_pct"], r["tail_s"] * 1e3]
-
-
-def report(records: list[dict], verdicts: dict) -> None:
-    records = sorted(records, key=lambda r: (r["gbit"], r["n_tokens"]))
-    print(table(ROW_HEADERS, [row_of(r) for r in records]))
-    print()
-    print(table(["cell", "best uniform", "its exposed s", "dp exposed s", "dp - uniform s", "spread s", "DP <= uniform",
-                 "DP plan is"],
-                [[k, v["best_uniform"], v.get("uniform_exposed_s", ""), v.get("dp_exposed_s", ""),
-                  v.get("difference_s", ""), v.get("spread_s", ""), v["verdict"], v.get("dp_plan_is") or "its own"]
-                 for k, v in verdicts.items()]))
-
-
-def merge(names: list[str], out: str) -> None:
-    """Join the results of runs split by prompt size (and link) into one JSON, table and plot."""
-    parts = [json.loads((RESULTS / f"{name}.json").read_text()) for name in names]
-    models = {json.dumps(p["costs"]["model"], sort_keys=True) for p in parts}
-    if len(models) != 1:
-        raise SystemExit(f"the parts used {len(models)} different cost models; merge parts made with one --costs")
-    commands = list(dict.fromkeys([parts[0]["costs"]["command"], *(p["command"] for p in parts)]))
-    payload = {**parts[0], "results": [r for p in parts for r in p["results"]],
-               "dp_plans": {k: v for p in parts for k, v in p["dp_plans"].items()},
-               "verdicts": {f"{g:g}/{n}": verdict([r for r in (r for p in parts for r in p["results"])
-                                                  if r["gbit"] == g and r["n_tokens"] == n])
-                            for g, n in dict.fromkeys((r["gbit"], r["n_tokens"]) for p in parts for r in p["results"])},
-               "reps": {name: p["reps"] for name, p in zip(names, parts)},
-               "commands": commands + [f"python bench/cross_host.py --merge {','.join(names)} --out {out}"]}
-    payload.pop("command", None)
-    report(payload["results"], payload["verdicts"])
-    write_json(out, payload)
-    plot(payload["results"], RESULTS / f"{out}.png")
-
-
-def plot(records, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    gbits = sorted({r["gbit"] for r in records})
-    # top: the exposed hand-off, median with the rounds' min..max; bottom: the tail after compute (log)
-    fig, axes = plt.subplots(2, len(gbits), figsize=(6 * len(gbits), 7), squeeze=False)
-    for col, g in enumerate(gbits):
-        for row, key in enumerate(("exposed_s", "tail_s")):
-            ax = axes[row][col]
-            for mode in dict.fromkeys(r["mode"] for r in records if r["mode"] != "local"):
-                rs = sorted((r for r in records if r["gbit"] == g and r["mode"] == mode), key=lambda r: r["n_tokens"])
-                if not rs:
-                    continue
-                x = [r["n_tokens"] for r in rs]
-                y = [r[key] * 1e3 for r in rs]
-                if key == "exposed_s":
-                    lo = [(r[key] - min(u[key] for u in r["runs"])) * 1e3 for r in rs]
-                    hi = [(max(u[key] for u in r["runs"]) - r[key]) * 1e3 for r in rs]
-                    ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=mode)
-                else:
-                    ax.plot(x, [max(v, 1e-2) for v in y], marker="o", label=mode)
-            ax.set_xscale("log", base=2)
-            if row == 0:
-                ax.axhline(0, color="grey", lw=0.5)
-                ax.set_title(f"{g:g} Gbit/s")
-                ax.set_ylabel("exposed hand-off vs local prefill (ms)")
-            else:
-                ax.set_yscale("log")
-                ax.set_ylabel("tail after compute (ms)")
-            ax.set_xlabel("prompt tokens")
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def _enter(ns: str) -> None:
-    """This thread into network namespace `ns`: sockets made from now on live there (made before: stay put)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)  # os.setns is Python 3.12+
-    with open(f"/var/run/netns/{ns}") as f:
-        if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
-            raise OSError(ctypes.get_errno(), f"setns into {ns} failed")
-
-
-def selftest(tx_ns: str, rx_ns: str) -> None:
-    """For the tests: one hand-off of random bytes over the veth, the listener made in `rx_ns`, the sender's
-    socket in `tx_ns` (both in this process: a socket stays in the namespace it was made in)."""
-    import threading
-
-    from services.kv.header import SlotHeader
-    from services.kv.tcp import TcpListener, TcpReceiver, TcpSender
-    from services.kv.handoff import layout_of
-
-    header = SlotHeader("fp32", 4, 2, 8, 33, "selftest", nonce=7)
-    kv = np.random.default_rng(0).normal(size=layout_of(header).shape).astype(np.float32)
-    importer = HostImporter(layout_of(header))
-    _enter(rx_ns)
-    with TcpListener(RX_ADDR, 0, timeout_s=10) as listener:
-        _enter(tx_ns)
-        done = {}
-        th = threading.Thread(target=lambda: done.update(r=TcpReceiver(listener.accept(), importer, None,
-                                                                       header).run()))
-        th.start()
-        with TcpSender(listener.address, header, timeout_s=10) as tx:
-            tx.open()
-            for a in range(0, 33, 10):
-                for layer in range(4):
-                    tx.layer_buffer(layer)[:, :, a:a + 10] = kv[layer][:, :, a:a + 10]
-                tx.send_slice(0, 4, a, min(a + 10, 33))
-            tx.finish()
-        th.join(10)
-    if "r" not in done or not np.array_equal(importer.kv, kv):
-        raise SystemExit("selftest failed: the KV did not arrive intact")
-    print("selftest ok")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="256,1024,2048,4096")
@@ -576,6 +364,8 @@ def main() -> None:
     ap.add_argument("--costs", help="a result name (--fit-only's --out) to take the cost model from")
     ap.add_argument("--fit-only", action="store_true", help="measure and fit the cost model, write it, stop")
     ap.add_argument("--out", default="cross_host")
+    ap.add_argument("--transports", default="tcp", help="tcp and/or nixl (nixl: layers and uniform slices)")
+    ap.add_argument("--one-host", action="store_true", help="no namespaces: both ends on loopback, unshaped")
     ap.add_argument("--merge", help="comma-separated result names to join into --out (no measuring)")
     ap.add_argument("--receive", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--selftest", nargs=2, metavar=("TX_NS", "RX_NS"), help=argparse.SUPPRESS)
@@ -589,7 +379,7 @@ def main() -> None:
     if args.merge:
         merge(args.merge.split(","), args.out)
         return
-    if os.geteuid() != 0 and not args.fit_only:
+    if os.geteuid() != 0 and not args.fit_only and not args.one_host:
         raise SystemExit("cross_host needs root to make network namespaces and shape them with tc; "
                          "run it as root (e.g. sudo python bench/cross_host.py). Nothing was measured.")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces' cleanup runs
