@@ -97,7 +97,7 @@ class Plan:
     """One evaluation: the model's counts, the latency floors, and the larger of the two per pool."""
 
     demand: Demand
-    model: dict[str, int]
+    model: dict[str, int]  # the capacity model's, its costs scaled down by a correction below 1
     latency: dict[str, Reading]
     predicted: dict[str, float | None]  # the model's TTFT and ITL at the pools' present sizes
     correction: dict[str, float | None]  # observed p50 over predicted: prefill on TTFT, decode on ITL
@@ -135,26 +135,35 @@ class Planner:
 
     def plan(self, router, max_num_seqs: int, sizes: dict[str, int] | None = None) -> Plan:
         """The pools' sizes from the router's fitted costs (1 each before it is calibrated), raised to the
-        observed latencies' floor. `sizes`: each pool's serving engines now (1 each when not given)."""
+        observed latencies' floor. `sizes`: each pool's serving engines now (1 each when not given).
+
+        A correction below 1 (the pool is faster than the model predicts: costs profiled on a busy host,
+        or corrected by requests that ran beside others) scales the model's costs down before it sizes;
+        one above 1 is left to the floor, which sizes on the pool as it is (docs/planner.md: scaled up,
+        this model's costs would send every miss to max_replicas)."""
         d, t = self.demand(), self.targets
         sizes = {p: max(1, (sizes or {}).get(p, 1)) for p in POOLS}
-        model = {"prefill": 1, "decode": 1}
-        predicted: dict[str, float | None] = {"ttft_s": None, "itl_s": None}
-        if router.calibrated and d.rate > 0:
-            n_in, n_out = max(1, round(d.n_in)), max(1, round(d.n_out))
-            prefill_s = router.stage_seconds("prefill", "gpu", n_in, 0)
-
-            def token_s(b: int) -> float:
-                return router.stage_seconds("decode", "fpga", n_in, n_out, company=b - 1) / n_out
-            seqs = max(1, max_num_seqs)
-            model = {"prefill": prefill_replicas(d, prefill_s, t), "decode": decode_replicas(d, token_s, seqs, t)}
-            predicted = {"ttft_s": predicted_ttft(d, prefill_s, sizes["prefill"]),
-                         "itl_s": token_s(decode_batch(d, token_s, sizes["decode"], seqs))}
         now, traffic = self._clock(), d.rate > 0
         targets = {"ttft": t.ttft_s, "itl": t.itl_s}
         latency = {p: self.floor.update(p, sizes[p], targets, now, t.window_s, traffic) for p in POOLS}
-        correction = {"prefill": _ratio(latency["prefill"].p50["ttft"], predicted["ttft_s"]),
-                      "decode": _ratio(latency["decode"].p50["itl"], predicted["itl_s"])}
+        model = {"prefill": 1, "decode": 1}
+        predicted: dict[str, float | None] = {"ttft_s": None, "itl_s": None}
+        correction: dict[str, float | None] = {"prefill": None, "decode": None}
+        if router.calibrated and d.rate > 0:
+            n_in, n_out = max(1, round(d.n_in)), max(1, round(d.n_out))
+            prefill_s = router.stage_seconds("prefill", "gpu", n_in, 0)
+            scale = {"decode": 1.0}
+
+            def token_s(b: int) -> float:
+                return scale["decode"] * router.stage_seconds("decode", "fpga", n_in, n_out, company=b - 1) / n_out
+            seqs = max(1, max_num_seqs)
+            predicted = {"ttft_s": predicted_ttft(d, prefill_s, sizes["prefill"]),
+                         "itl_s": token_s(decode_batch(d, token_s, sizes["decode"], seqs))}
+            correction = {"prefill": _ratio(latency["prefill"].p50["ttft"], predicted["ttft_s"]),
+                          "decode": _ratio(latency["decode"].p50["itl"], predicted["itl_s"])}
+            prefill_s *= min(1.0, correction["prefill"] or 1.0)
+            scale["decode"] = min(1.0, correction["decode"] or 1.0)
+            model = {"prefill": prefill_replicas(d, prefill_s, t), "decode": decode_replicas(d, token_s, seqs, t)}
         desired = {p: min(t.max_replicas, max(model[p], latency[p].floor)) for p in POOLS}
         return Plan(d, model, latency, predicted, correction, desired)
 

@@ -187,3 +187,23 @@ def test_latencies_in_a_plan_are_json_and_nan_free():
                                                                                          "decode": None}
     assert shown["targets"]["min_samples"] == 5 and not any(
         isinstance(v, float) and math.isnan(v) for v in shown["targets"].values())
+
+
+def test_a_model_that_overestimates_is_corrected_down_by_what_was_observed():
+    """Costs profiled on a busy host: the model wants two prefill engines (its TTFT at one, 1.05 s, over
+    a 1 s target) while one serves first tokens in 0.3 s. The correction (0.3 / 1.05) scales the model's
+    prefill cost down, and the pool stays at one engine; without evidence the model's answer stands."""
+    router = calibrated_router()
+    p, clock = planner(ttft_s=1.0, window_s=30)
+    for _ in range(30):  # a request of 256 prompt tokens a second: 0.512 s of prefill each
+        p.arrived(256, 8)
+        clock.now += 1.0
+    assert p.plan(router, 8).model["prefill"] == 2  # no first token observed yet: the model alone
+    for _ in range(30):
+        p.arrived(256, 8)
+        p.observe("ttft", "hybrid", 0.3)
+        clock.now += 1.0
+    plan = p.plan(router, 8)
+    assert plan.predicted["ttft_s"] > 1.0 and plan.correction["prefill"] == pytest.approx(
+        0.3 / plan.predicted["ttft_s"])
+    assert plan.model["prefill"] == 1 and plan.desired["prefill"] == 1
