@@ -9,10 +9,14 @@ is a 400 naming the reason before any engine sees the request:
     {"type": "regex", "regex": "..."}                         extension: text matching the regex
     {"type": "grammar", "grammar": "..."}                     extension: a Lark grammar (llguidance's dialect)
 
-JSON comes compact (`{"a":1,"b":[2,3]}`: no free whitespace between tokens): a small model left to
-choose its whitespace can spend its whole budget on it. A schema may ask otherwise through
-llguidance's own `x-guidance` key (e.g. `{"whitespace_flexible": true}`). The schema is enforced
-whether or not `strict` is set.
+JSON may carry bounded whitespace where JSON allows it: at most one space, or one newline and an
+indent of up to 20 spaces or tabs (llama.cpp's JSON grammar bounds it the same way). A small model's
+natural next token after `{"name":` carries a leading space or newline; forcing JSON compact masked
+all of those, and the default model's best token left was `{`, nesting `{"name":{"name":...` until
+max_tokens ran out. Bounded, it cannot spend its budget on whitespace either. A schema may still ask
+for compact JSON through llguidance's own `x-guidance` key (`COMPACT_JSON` below, e.g.
+`{"type": "object", "x-guidance": {"whitespace_flexible": false}}`). The schema is enforced whether
+or not `strict` is set.
 """
 from __future__ import annotations
 
@@ -22,11 +26,20 @@ import llguidance
 
 from services.engine.grammar import check_grammar
 
+# one optional space, or a newline and an indent of at most 20: where JSON allows whitespace
+BOUNDED_JSON = {"whitespace_flexible": True, "whitespace_pattern": r"[ ]?|\n[ \t]{0,20}"}
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class GrammarError(ValueError):
     """The response format cannot be compiled; the message says why."""
+
+
+def _json_defaults(schema) -> dict:
+    """The whitespace a schema's JSON takes: bounded, unless its `x-guidance` turns flexible whitespace off
+    (llguidance lays `x-guidance` over these defaults, and a pattern left from them would still apply)."""
+    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    return COMPACT_JSON if isinstance(own, dict) and own.get("whitespace_flexible") is False else BOUNDED_JSON
 
 
 def grammar_of(kind: str, schema: dict | None = None, regex: str | None = None, lark: str | None = None) -> str | None:
@@ -37,9 +50,9 @@ def grammar_of(kind: str, schema: dict | None = None, regex: str | None = None, 
         if kind == "text":
             return None
         if kind == "json_object":
-            grammar = M.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
+            grammar = M.grammar_from_json_schema({"type": "object"}, defaults=BOUNDED_JSON)
         elif kind == "json_schema":
-            grammar = M.grammar_from_json_schema(json.dumps(schema), defaults=COMPACT_JSON)
+            grammar = M.grammar_from_json_schema(json.dumps(schema), defaults=_json_defaults(schema))
         elif kind == "regex":
             grammar = M.grammar_from_regex(regex)
         elif kind == "grammar":

@@ -23,7 +23,7 @@ import re
 import uuid
 
 from services.gateway.openai_format import AssistantMessage, ToolCall
-from services.gateway.structured import COMPACT_JSON, GrammarError, grammar_of
+from services.gateway.structured import BOUNDED_JSON, GrammarError, grammar_of
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -44,7 +44,7 @@ def call_grammar(functions: list[dict], name: str | None = None) -> str:
     GrammarError when a function's parameters cannot be compiled."""
     chosen = [f for f in functions if name is None or f["name"] == name]
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(f) for f in chosen]}
-    schema["x-guidance"] = COMPACT_JSON
+    schema["x-guidance"] = BOUNDED_JSON
     lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
     return grammar_of("grammar", lark=lark)
 

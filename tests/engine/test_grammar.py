@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import llguidance
 import numpy as np
 import pytest
 
@@ -41,9 +42,32 @@ def test_a_continuation_starts_past_the_output_so_far(grammars, tokenizer):
     so_far = tokenizer('{"a":', add_special_tokens=False).input_ids
     m = grammars.matcher(grammar_of("json_schema", schema), prior_tokens=so_far)
     allowed = np.flatnonzero(m.allowed())
-    assert allowed.size and all(re.fullmatch(r"-?[0-9]+|-", tokenizer.decode([t])) for t in allowed)
+    # a number, or the bounded whitespace JSON allows before it
+    assert allowed.size and all(re.fullmatch(r"[ \n\t]*(-?[0-9]+|-)?", tokenizer.decode([t])) for t in allowed)
     with pytest.raises(InvalidRequest, match="does not fit"):
         grammars.matcher(grammar_of("json_schema", schema), prior_tokens=tokenizer("hello").input_ids)
+
+
+def _accepts(grammars, grammar: str, text: str) -> bool:
+    """Whether the grammar's matcher takes `text`, fed byte by byte, to a complete match."""
+    tok = grammars.get()
+    m = llguidance.LLMatcher(tok, grammar)
+    for ch in text.encode():
+        ids = tok.tokenize_bytes(bytes([ch]))
+        if len(ids) != 1 or not m.consume_token(ids[0]):
+            return False
+    return m.is_accepting()
+
+
+def test_json_takes_bounded_whitespace_by_default_and_compact_json_on_request(grammars):
+    any_object = grammar_of("json_object")
+    assert _accepts(grammars, any_object, '{"a":1}')
+    assert _accepts(grammars, any_object, '{\n    "name": "Mara",\n\t"x": [1, 2]\n}')
+    assert not _accepts(grammars, any_object, '{  "a":1}')  # two spaces
+    assert not _accepts(grammars, any_object, '{\n\n"a":1}')  # two newlines
+    assert not _accepts(grammars, any_object, "{\n" + " " * 21 + '"a":1}')  # an indent past 20
+    compact = grammar_of("json_schema", {"type": "object", "x-guidance": {"whitespace_flexible": False}})
+    assert _accepts(grammars, compact, '{"a":1}') and not _accepts(grammars, compact, '{"a": 1}')
 
 
 def test_a_grammar_that_does_not_compile_is_an_invalid_request(grammars):

@@ -34,6 +34,22 @@ def test_json_schema_output_validates_and_is_the_same_in_every_mode(stack):
     assert len(set(texts.values())) == 1, texts
 
 
+def test_json_object_closes_where_compact_json_nested_until_max_tokens(stack):
+    # compact JSON masked every token with the space or newline the model puts after `{"name":`; greedy then
+    # took `{` and nested {"name":{"name":... until max_tokens in every mode (issue 53)
+    messages = [{"role": "user", "content": "Reply in JSON: your name."}]
+    texts = {}
+    for mode in MODE_NAMES:
+        choice = post(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 120, "temperature": 0,
+                                                      "response_format": {"type": "json_object"},
+                                                      "mode": mode})["choices"][0]
+        text = choice["message"]["content"]
+        assert choice["finish_reason"] == "stop", (mode, text)
+        assert isinstance(json.loads(text), dict) and "{\"name\":{" not in text.replace(" ", ""), (mode, text)
+        texts[mode] = text
+    assert len(set(texts.values())) == 1, texts
+
+
 def test_streamed_json_object_parses_in_every_mode(stack):
     messages = [{"role": "user", "content": "Reply with a JSON object with a key \"colour\" and a colour as its value."}]
     texts = {}
