@@ -83,6 +83,7 @@ def start_gateway(tmp: Path, prefill: Service, decode: Service, env: dict | None
     return Service("services.gateway", {**wiring, **(env or {})}, tmp / "gateway.log").start()
 
 
-def wait_http_ok(svc: Service, path: str = "/health", timeout: float = 180.0) -> None:
-    """Until http://127.0.0.1:<svc.port><path> answers 200."""
+def wait_http_ok(svc: Service, path: str = "/health", timeout: float = 400.0) -> None:
+    """Until http://127.0.0.1:<svc.port><path> answers 200 (a gateway's /health: ready, so calibrated too:
+    with a cold profile cache the engines' sweeps come first)."""
     svc.wait_until(http_ok(f"http://127.0.0.1:{svc.port}{path}"), timeout, f"answering {path}")

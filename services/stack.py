@@ -135,12 +135,20 @@ def _relay(name: str, proc: subprocess.Popen, quiet_after: threading.Event) -> N
 
 
 def _healthy(url: str) -> bool:
-    """Every engine of every pair up (with several pairs, a 200 only says that one pair is)."""
+    """Every engine of every pair up (with several pairs, a 200 only says that one pair is), whether or not
+    the gateway is ready yet: its /health is a 503 while the router calibrates, with the engines in the body."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200 and json.load(r).get("status") == "ok"
+            body = json.load(r)
+    except urllib.error.HTTPError as exc:  # 503: not ready (yet); the body still names each engine's state
+        try:
+            body = json.loads(exc.read())
+        except ValueError:
+            return False
     except (urllib.error.URLError, OSError, ValueError):
         return False
+    engines = body.get("engines") if isinstance(body, dict) else None
+    return bool(engines) and all(state == "up" for state in engines.values())
 
 
 def _grpc_serving(address: str) -> Callable[[], bool]:
@@ -355,7 +363,7 @@ class _Readiness:
         self._next = time.monotonic() + 1.0
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                if json.load(r).get("calibrated"):
+                if json.load(r).get("ready"):  # a 200: ready; a 503 (not yet) raises HTTPError, an OSError
                     return True
         except (OSError, ValueError):  # the gateway is away (being started again): ask again later
             pass

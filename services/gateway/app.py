@@ -55,12 +55,12 @@ from services.gateway.router_debug import debug_routes
 from services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from services.gateway.serving import Run, sse_events, unary_response
 from services.gateway.settings import GatewaySettings
+from services.gateway.readiness import Readiness
 from services.gateway.structured import GrammarError
 from services.gateway.tools import call_grammar, template_takes_tools
 from services.gateway.stops import StopMatcher
 from services.model.checkpoint import locate
 from services.model.tokenizer import ids_text, load_tokenizer, text_ids
-from services.modes import ENGINE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -141,21 +141,22 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.include_router(pool_routes(lambda: app.state.hs.pairs, lambda: app.state.hs.connect),
                            dependencies=[api_key], responses=POOL_ADMIN_RESPONSES)
 
+    readiness = app.state.readiness = Readiness()
+
     @app.get("/health", response_model=Health,
-             responses={503: {"model": Health, "description": "an engine is down, or the gateway is draining"},
-                        **openapi.errors(408, 413)})
+             responses={503: {"model": Health, "description": (
+                 "not ready: no pair has both engines up, the router is calibrating for the first time, or the "
+                 "gateway is draining (`waiting_for` says which)")}, **openapi.errors(408, 413)})
+    @app.get("/readyz", response_model=Health, include_in_schema=False)
     async def health(st: State = Depends(state)):
         up = await st.pairs.check_all()  # pair -> engine -> up
-        draining = app.state.drain.draining
-        every = bool(up) and all(all(engines.values()) for engines in up.values())
-        serving = any(all(engines.values()) for engines in up.values())  # some pair serves every mode
         one_pair = len(up) == 1 and not st.settings.pairs_dns
-        body = Health(status="draining" if draining else "ok" if every else "degraded",
-                      engines={ENGINE_NAMES[e] if one_pair else f"{ENGINE_NAMES[e]}@{p}": "up" if ok else "down"
-                               for p, engines in up.items() for e, ok in engines.items()},
-                      calibrated=st.router.calibrated)
-        return Response(body.model_dump_json(), media_type="application/json",
-                        status_code=200 if serving and not draining else 503)
+        body, status = readiness.health(up, st.router.calibrated, app.state.drain.draining, one_pair)
+        return Response(body.model_dump_json(), media_type="application/json", status_code=status)
+
+    @app.get("/livez", responses={200: {"description": "the gateway's process answers"}})
+    async def livez():
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics", dependencies=[] if settings.metrics_open else [api_key], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

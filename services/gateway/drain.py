@@ -24,7 +24,7 @@ from services.gateway.openai_format import SSE_DONE, sse
 
 log = logging.getLogger(__name__)
 
-ALWAYS_OPEN = frozenset({"/health", "/metrics"})  # still answered while draining: probes and scrapers
+ALWAYS_OPEN = frozenset({"/health", "/readyz", "/livez", "/metrics"})  # answered while draining: probes, scrapers
 _SHUTTING_DOWN = "the server is shutting down; retry on another instance"
 
 

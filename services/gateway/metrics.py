@@ -40,6 +40,8 @@ PLANNER_RATIO = Gauge("hybridserve_planner_slo_ratio", "Each pool's worst observ
 PLANNER_CORRECTION = Gauge("hybridserve_planner_correction_ratio", "Observed p50 over the capacity model's "
                            "prediction at the pool's size (prefill: TTFT, decode: ITL)", ["pool"])
 PLANNER_TARGET = Gauge("hybridserve_planner_target_seconds", "The planner's TTFT and ITL targets", ["latency"])
+CALIBRATION_CHECKS = Counter("hybridserve_calibration_checks", "The gateway's calibration-check requests by mode and "
+                             "outcome: ran, or yielded (cancelled because a request arrived)", ["mode", "outcome"])
 PAIR_PLACEMENTS = Counter("hybridserve_pair_placements", "Pair choices with several pairs, by what decided: "
                           "prefix (cached prefix and load), load (no hit anywhere), balance (the balance guard "
                           "overrode prefix affinity), only (one pair could serve)", ["reason"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, model_serializer
+from pydantic import BaseModel, Field, model_serializer
 
 
 class _LeavesOutNone(BaseModel):
@@ -278,13 +278,19 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    """`/health`: "ok" when every engine answers, else "degraded" (a 503 unless some pair still has
-    both engines up: then the gateway serves every mode); "draining" (a 503) once the gateway is
-    shutting down. With several pairs, an engine's key is "<engine>@<pair>". `calibrated`: the
-    router has both engines' start-up profiles (until then auto requests go to hybrid, and the
-    engines' timing sweeps share the machine with whatever is served)."""
+    """`/health` (and `/readyz`), the readiness signal: 200 only once the stack serves at its speed (some
+    pair has both engines up, and the router has been calibrated once: the engines' profiles are in and
+    a check of an unquiet one is over); else a 503 whose `waiting_for` says what it waits on. `status`:
+    "starting" until the first time it was ready, then "ok" when every engine answers, "degraded" when
+    one does not (still a 200 while some pair has both engines up: the gateway serves every mode), and
+    "draining" (a 503) once the gateway is shutting down. With several pairs, an engine's key is
+    "<engine>@<pair>". `calibrated`: the router's calibration right now (a re-check after an engine
+    restart makes it false again without taking readiness away: the check yields to requests)."""
 
-    status: Literal["ok", "degraded", "draining"]
+    status: Literal["starting", "ok", "degraded", "draining"]
+    ready: bool = False
+    waiting_for: list[str] = Field(default_factory=list, description=(
+        "what readiness waits on: engines by name, `calibration`, or `drain` (the gateway is stopping)"))
     engines: dict[str, Literal["up", "down"]]
     calibrated: bool = False
 

@@ -72,6 +72,11 @@ class PairLoads:
         with self._lock:
             return self._calls.get(pair, 0)
 
+    def open_calls(self) -> int:
+        """Calls this gateway has open on any pair (the calibration check yields to them)."""
+        with self._lock:
+            return sum(self._calls.values())
+
     def ours(self, pair: int, engine: str) -> int:
         with self._lock:
             return self._ours.get((pair, engine), 0)

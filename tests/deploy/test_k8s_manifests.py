@@ -184,7 +184,10 @@ def test_every_container_has_startup_readiness_and_liveness_probes(rendered, ove
                 # the engines serve grpc.health.v1 on their gRPC port
                 assert all(p["grpc"]["port"] == ports[ENGINE_GRPC_PORT[c["name"]]] for p in probes), c["name"]
             else:
+                # readiness on /health (ready once calibrated); liveness and start-up on /livez, so a stack
+                # still calibrating, or an engine down, never has the gateway restarted
                 assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+                assert c["livenessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/livez"
                 assert all(p["httpGet"]["port"] in ports for p in probes)
             assert all(len(name) <= 15 for name in ports)  # IANA service names
 

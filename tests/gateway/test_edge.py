@@ -412,7 +412,9 @@ def test_a_tokenization_that_hangs_does_not_stop_health_from_answering(edge):
         worker.start()
         assert entered.wait(60), "the request never reached the tokenizer"
         health = httpx.get(edge["url"] + "/health", timeout=20)  # answered while the tokenizer is stuck
-        assert health.status_code == 503 and health.json()["status"] == "degraded"  # no engine here
+        body = health.json()  # no engine here: never ready, and it says what it waits on
+        assert health.status_code == 503 and body["status"] == "starting" and not body["ready"]
+        assert {"prefill_gpu", "decode_fpga", "calibration"} <= set(body["waiting_for"]), body
         assert not pending  # the completion is still inside its tokenization
     finally:
         release.set()
