@@ -100,6 +100,8 @@ def build_args() -> argparse.ArgumentParser:
     ap.add_argument("--no-long-prompts", action="store_true", help="skip the long-prompts-arrive variant")
     ap.add_argument("--long-streams", type=int, help="streams running while long prompts arrive")
     ap.add_argument("--long-prompt-tokens", type=int, help="the arriving prompts' tokens (default: the preset's 512)")
+    ap.add_argument("--long-at-once", type=int, default=1,
+                    help="long prompts that arrive together, the next wave once they are answered (default 1)")
     ap.add_argument("--only-long-prompts", action="store_true",
                     help="run only the long-prompts-arrive variant (no concurrency levels): cheap; writes "
                          "serve_long_prompts.json (serve_long_prompts_N.json for N-token prompts other than 512)")
@@ -184,7 +186,7 @@ def run_levels(targets: list[Target], servers: Servers, work: dict, rounds: int,
 
 
 def run_long_prompts(targets: list[Target], p: Preset, corpus: list[int], seed: int, rounds: int,
-                     salt: Salter) -> dict:
+                     salt: Salter, at_once: int = 1) -> dict:
     """Per target: the streams quiet, then the same streams while long prompts arrive; medians over rounds."""
     streams = workload(corpus, p.long_streams, seed, (64, 64), (p.long_stream_output, p.long_stream_output))
     longs = [prompt for prompt, _ in workload(corpus, 16, seed + 1, (p.long_prompt, p.long_prompt), (1, 1))]
@@ -194,7 +196,7 @@ def run_long_prompts(targets: list[Target], p: Preset, corpus: list[int], seed: 
             for cond in ("quiet", "arrivals"):
                 progress(f"long prompts round {r + 1}/{rounds}: {t.name} {p.long_streams} streams, {cond}")
                 runs[t.name][cond].append(asyncio.run(streams_with_arrivals(
-                    t, streams, longs, p.long_output, cond == "arrivals", salt)))
+                    t, streams, longs, p.long_output, cond == "arrivals", salt, at_once=at_once)))
     return {n: {cond: over_rounds(rs) for cond, rs in per.items()} for n, per in runs.items()}
 
 
@@ -203,16 +205,20 @@ def long_prompts_table(results: dict) -> str:
     for name, per in results.items():
         for cond, v in per.items():
             m = v["median"]
+            over = m.get("stream_gaps_over_150ms")
             rows.append([name, cond, ms(m["stream_itl_p50"]), ms(m["stream_itl_p99"]), ms(m["stream_itl_max"]),
+                         "-" if over is None else f"{100 * over:.1f}",
                          "-" if m["arrivals"] is None else f"{m['arrivals']:.0f}", ms(m["arrival_ttft_p50"]),
                          sum(r["stream_errors"] + r["arrival_errors"] for r in v["rounds"])])
-    return table(["target", "long prompts", "stream ITL p50 ms", "p99", "max", "arrivals", "their TTFT p50 ms",
+    return table(["target", "long prompts", "stream ITL p50 ms", "p99", "max", "gaps > 150 ms %", "arrivals",
+                  "their TTFT p50 ms",
                   "errors"], rows)
 
 
 def default_name(args, p: Preset) -> str:
     if args.only_long_prompts:
-        return "serve_long_prompts" + ("" if p.long_prompt == PRESETS["default"].long_prompt else f"_{p.long_prompt}")
+        return ("serve_long_prompts" + ("" if p.long_prompt == PRESETS["default"].long_prompt else f"_{p.long_prompt}")
+                + ("" if args.long_at_once == 1 else f"_x{args.long_at_once}"))
     return "serve_vs_llama" if args.llama_server else "serve"
 
 
@@ -261,7 +267,8 @@ def main() -> int:
             progress(f"warming up {t.name} ({t.url}, model {t.model})")
             warm_up(t, salt(corpus[:32]), progress=progress)
         runs, memory = ({}, {}) if args.only_long_prompts else run_levels(targets, servers, work, rounds, salt)
-        long_results = {} if args.no_long_prompts else run_long_prompts(targets, p, corpus, args.seed, rounds, salt)
+        long_results = {} if args.no_long_prompts else run_long_prompts(targets, p, corpus, args.seed, rounds, salt,
+                                                                        args.long_at_once)
     finally:
         servers.stop()
 
@@ -279,7 +286,8 @@ def main() -> int:
               f"outputs {output_range[0]}-{output_range[1]} tokens (ignore_eos)")
     if long_results:
         print(f"\n{p.long_streams} streams of {p.long_stream_output} tokens while {p.long_prompt}-token prompts "
-              f"arrive back to back ({p.long_output} output tokens each), medians over {rounds} rounds:")
+              f"arrive {'back to back' if args.long_at_once == 1 else f'{args.long_at_once} at once, wave after wave'} "
+              f"({p.long_output} output tokens each), medians over {rounds} rounds:")
         print(long_prompts_table(long_results))
         for target, per in long_results.items():
             for cond, v in per.items():
@@ -312,7 +320,8 @@ def main() -> int:
         "tok_s_ratio_to_baseline": {n: {str(c): v for c, v in per_c.items()} for n, per_c in ratios.items()},
         "memory": memory,
         "long_prompts": {"streams": p.long_streams, "stream_output": p.long_stream_output,
-                         "prompt_tokens": p.long_prompt, "output_tokens": p.long_output, "results": long_results},
+                         "prompt_tokens": p.long_prompt, "output_tokens": p.long_output,
+                         "at_once": args.long_at_once, "results": long_results},
         "plots": [png.name for png in pngs]}, out_dir=out)
     return 0
 

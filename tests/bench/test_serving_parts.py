@@ -107,6 +107,7 @@ def test_long_prompt_summary_reads_the_streams_gaps_and_the_arrivals():
     arrivals = [ok(0.7, [], 0.8, 1), ok(0.9, [], 1.0, 1), {"error": "HTTP 503: y"}]
     s = summarize_arrivals(streams, arrivals)
     assert s["stream_itl_p50"] == pytest.approx(0.02) and s["stream_itl_max"] == 0.5
+    assert s["stream_gaps_over_150ms"] == pytest.approx(1 / 3)  # one gap of three felt (0.5 s)
     assert (s["stream_errors"], s["arrivals"], s["arrival_errors"]) == (1, 2, 1)
     assert s["arrival_ttft_p50"] == pytest.approx(0.8)
     assert s["error_messages"] == ["HTTP 500: x", "HTTP 503: y"]
