@@ -41,6 +41,11 @@ SERVICE_PREFIXES = {"prefill_gpu": "HYBRIDSERVE_PREFILL_", "decode_fpga": "HYBRI
 SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profile_at_start", "profile_attempts",
                            "profile_keep_busy",
                            "engine_token", "engine_reflection", "parent_pid", "token_trace"})
+# read by the build, the benchmarks and compose, never by a service (docs/configuration.md lists them): a
+# service leaves them alone, so `HYBRIDSERVE_INSTALL_WITH=pip make run` installs with pip and then serves
+OUTSIDE_VARIABLES = frozenset({"HYBRIDSERVE_INSTALL_WITH", "HYBRIDSERVE_LLAMA_SERVER_CACHE", "HYBRIDSERVE_SCALE_CACHE",
+                               "HYBRIDSERVE_BASE_IMAGE", "HYBRIDSERVE_GATEWAY_HOST_PORT", "HYBRIDSERVE_TORCH_INDEX",
+                               "HYBRIDSERVE_TEST_COMPOSE"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
                     "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")
@@ -160,8 +165,8 @@ def _check_known(cls: type[CommonSettings], environ: Mapping[str, str]) -> None:
     mine = {k: v for k, v in suggest.items() if not k.startswith(owned) or (own and k.startswith(own))}
     errors = []
     for name in sorted(environ):
-        if name in suggest or (name.startswith(owned) and not (own and name.startswith(own))):
-            continue  # known to some process, or another process's business
+        if name in suggest or name in OUTSIDE_VARIABLES or (name.startswith(owned) and not (own and name.startswith(own))):
+            continue  # known to some process, read outside the services, or another process's business
         nearest = difflib.get_close_matches(name, list(mine), n=1, cutoff=0.6)
         hint = f"; did you mean {mine[nearest[0]]}?" if nearest else ""
         whose = f"a setting of {cls.service}" if own and name.startswith(own) else "a hybridserve setting"

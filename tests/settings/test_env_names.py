@@ -124,6 +124,15 @@ def test_a_typo_under_the_shared_prefix_fails_in_every_process():
             cls.from_environ({"HYBRIDSERVE_MODLE": "x"})
 
 
+def test_variables_read_outside_the_services_are_left_alone_by_every_process():
+    # `HYBRIDSERVE_INSTALL_WITH=pip make run` refused to start (the variable is the install tool's)
+    for name in settings_module.OUTSIDE_VARIABLES:
+        for cls in SERVICES:
+            cls.from_environ({name: "1"})
+    with pytest.raises(UnknownSettingError, match="HYBRIDSERVE_INSTALL_WIHT is not a hybridserve setting"):
+        GatewaySettings.from_environ({"HYBRIDSERVE_INSTALL_WIHT": "pip"})  # a typo of one is still a typo
+
+
 def test_other_services_prefixes_are_ignored():
     env = {"HYBRIDSERVE_PREFILL_NOT_A_SETTING": "1", "HYBRIDSERVE_DECODE_KV_CHANNELS": "8"}
     assert DecodeSettings.from_environ({"HYBRIDSERVE_PREFILL_NOT_A_SETTING": "1"}).kv_channels == 1
