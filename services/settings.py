@@ -165,7 +165,8 @@ def _check_known(cls: type[CommonSettings], environ: Mapping[str, str]) -> None:
     mine = {k: v for k, v in suggest.items() if not k.startswith(owned) or (own and k.startswith(own))}
     errors = []
     for name in sorted(environ):
-        if name in suggest or name in OUTSIDE_VARIABLES or (name.startswith(owned) and not (own and name.startswith(own))):
+        others = name.startswith(owned) and not (own and name.startswith(own))
+        if name in suggest or name in OUTSIDE_VARIABLES or others:
             continue  # known to some process, read outside the services, or another process's business
         nearest = difflib.get_close_matches(name, list(mine), n=1, cutoff=0.6)
         hint = f"; did you mean {mine[nearest[0]]}?" if nearest else ""

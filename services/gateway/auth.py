@@ -2,8 +2,8 @@
 
 With a key set, every route but the probes (`/health`, `/readyz`, `/livez`) needs
 `Authorization: Bearer <key>`: the API, the documents (`/openapi.json`, `/docs`, `/redoc`) and
-`/metrics`, unless `metrics_open` leaves `/metrics` to a scraper on a private network. The key is compared in constant time, so the
-time of a refusal says nothing about how much of a guess was right.
+`/metrics`, unless `metrics_open` leaves `/metrics` to a scraper on a private network. The key is
+compared in constant time, so the time of a refusal says nothing about how much of a guess was right.
 """
 from __future__ import annotations
 
