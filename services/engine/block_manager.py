@@ -232,6 +232,22 @@ class BlockManager:
             self._register(block, key, tokens, table[i - 1] if i else None, hashes[-2] if i else b"")
 
     # ---- release ---------------------------------------------------------------------------
+    def truncate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Cut `seq_id`'s table back to the blocks its first `num_tokens` positions need (speculation's
+        rejected drafts had KV written past them); the freed block ids. Only blocks past every registered
+        (full, hashed) one can go: their content was never a cached block's."""
+        table = self._tables[seq_id]
+        keep = max(self.blocks_needed(num_tokens), len(self._hashes[seq_id]))
+        freed = table[keep:]
+        del table[keep:]
+        for block_id in freed:
+            block = self.blocks[block_id]
+            if block.hash is not None or block.ref_count != 1:
+                raise RuntimeError(f"block {block_id} of sequence {seq_id} is shared or cached; not a draft's")
+            block.ref_count = 0
+            self._free.append(block_id)
+        return freed
+
     def free(self, seq_id: int) -> list[int]:
         """Drop `seq_id`'s references; return its block table as it was."""
         table = self._tables.pop(seq_id)

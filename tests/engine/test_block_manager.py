@@ -197,3 +197,29 @@ def test_reset_prefix_cache_forgets_only_unreferenced_blocks():
     assert bm.num_free_blocks == 8 - 3 and bm.reset_prefix_cache() == 0
     bm.free(1)
     assert bm.reset_prefix_cache() == 2 and bm.num_free_blocks == 8
+
+
+def test_truncate_frees_only_the_blocks_past_the_kept_positions_back_to_the_free_list():
+    bm = make_manager(num_blocks=8)
+    computed(bm, 1, tokens(0, 6))  # blocks 0 (full, cached) and 1 (2 of 4 positions)
+    bm.append_slots(1, 6 + 5)  # a verify step's drafts: positions up to 10, blocks 1 and 2
+    assert bm.block_table(1) == [0, 1, 2] and bm.num_free_blocks == 5
+    assert bm.truncate(1, 8) == [2]  # 2 drafts accepted: 8 positions fit blocks 0 and 1
+    assert bm.block_table(1) == [0, 1] and bm.num_free_blocks == 6 and ref_counts(bm)[2] == 0
+    assert bm.truncate(1, 8) == []  # nothing more to cut
+    assert bm.truncate(1, 1) == [1]  # never below a registered (cached) block: block 0 stays
+    assert bm.block_table(1) == [0]
+    bm.free(1)
+    assert bm.num_free_blocks == 8  # block 0 evictable, the rest free: nothing leaked
+
+
+def test_a_thousand_rejected_drafts_leak_no_block():
+    bm = make_manager(num_blocks=8)
+    computed(bm, 1, tokens(0, 3))
+    for step in range(1000):
+        n = 3 + step // 100  # the sequence grows by one token every 100 steps
+        bm.append_slots(1, n + 4)  # room for 4 drafts
+        bm.truncate(1, n + 1)  # all rejected: only the target's own token stays
+    assert len(bm.block_table(1)) == bm.blocks_needed(3 + 999 // 100 + 1)
+    bm.free(1)
+    assert bm.num_free_blocks == 8 and all(c == 0 for c in ref_counts(bm))
