@@ -32,9 +32,11 @@ def reference(t: BlockTensor, x: np.ndarray, y0: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ ggufs(t).astype(np.float64).T + y0
 
 
-def numpy_weights(t: BlockTensor) -> np.ndarray:
-    """The numpy reference of the kernels' arithmetic: the weights rebuilt from the device arrays
-    (split_blocks) as quant_blocks.h does it, float32, [rows, cols]."""
+def numpy_factors(t: BlockTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The numpy reference of the kernels' factors, from the device arrays (split_blocks) as
+    quant_blocks.h reads them: the integers (q - offset) as float32 [rows, nb, 32], each half-block's
+    scale float32 [rows, nb, 2] (the same for both halves but in Q6_K), and each block's minimum
+    float32 [rows, nb] (None without). A weight is q * scale (+ minimum)."""
     d, m, q = split_blocks(t)
     nb = t.cols // 32
     qbytes = q.shape[1] // nb
@@ -52,7 +54,7 @@ def numpy_weights(t: BlockTensor) -> np.ndarray:
     vf = (v - offset).astype(np.float32)
     if t.qtype == "q6_k":  # a scale per 16 weights: d_super * the half's int8
         scale = d[:, :, None] * m.view(np.int8).reshape(t.rows, -1, 16).astype(np.float32)
-        return (vf.reshape(t.rows, nb, 2, 16) * scale.reshape(t.rows, nb, 2, 1)).reshape(t.rows, t.cols)
+        return vf, scale.reshape(t.rows, nb, 2), None
     if t.qtype in ("q4_k", "q5_k"):  # d_super * sc_b, -(dmin_super * mn_b)
         ints = m.reshape(t.rows, -1, 8, 2).astype(np.float32)
         sup = d.reshape(t.rows, -1, 1, 2)
@@ -60,7 +62,13 @@ def numpy_weights(t: BlockTensor) -> np.ndarray:
         minimum = -(sup[..., 1] * ints[..., 1]).reshape(t.rows, nb)
     else:
         scale, minimum = d[:, :nb], (m[:, :nb].astype(np.float32) if m is not None else None)
-    w = vf * scale[..., None]
+    return vf, np.repeat(scale[..., None], 2, axis=-1), minimum
+
+
+def numpy_weights(t: BlockTensor) -> np.ndarray:
+    """The weights rebuilt from numpy_factors, float32 [rows, cols]."""
+    vf, scale, minimum = numpy_factors(t)
+    w = (vf.reshape(*vf.shape[:2], 2, 16) * scale[..., None]).reshape(vf.shape)
     if minimum is not None:
         w = w + minimum[..., None]
     return w.reshape(t.rows, t.cols)
@@ -106,19 +114,28 @@ def test_batched_rows_are_one_row_gemvs(gemv_dev, qtype):
     check(gemv_dev, QuantMatrix(gemv_dev, t), lambda x, y0: reference(t, x, y0), 3, True)
 
 
-def test_q6_k_products_are_rounded_once(gemv_dev):
-    """Q6_K (a scale per 16 weights) multiplies x by gguf's weights themselves, scaled before the
-    products, in one row and in the batched rows alike: a row of x that is v at column c alone gives
-    float32(W[o, c] v), one rounding, as an f32 matmul of the dequantized matrix does. Scaling each
-    partial product instead (the kernels before) rounded twice, and the batched GEMV multiplied twice
-    a row for every block (bench/kquant_gemv.py --rows 8)."""
-    t = random_blocks("q6_k", 21, 512, seed=9)
+@pytest.mark.parametrize("qtype", KTYPES)
+def test_factored_products(gemv_dev, qtype):
+    """The factored GEMV (quant_blocks.h): a half-block's integers times x first, then its scale, in
+    one row and in the batched rows alike. A row of x that is v at column c alone gives exactly
+    float32(float32((q - offset) v) * scale) (+ the minimum times the block's sum of x, v): numpy's
+    value of that order, which scaling the weights first (float32(w v)) does not give for every c."""
+    if gemv_dev.lanes_per_row > 1:
+        pytest.skip("the work-group kernels (gemv_quant_wg.cl, a GPU's) dequantize each weight first")
+    t = random_blocks(qtype, 21, 512, seed=9)
     rng = np.random.default_rng(9)
     cols = rng.choice(t.cols, size=N_ROWS, replace=False)
     v = rng.normal(size=N_ROWS).astype(np.float32)
     x = np.zeros((N_ROWS, t.cols), np.float32)
     x[np.arange(N_ROWS), cols] = v
-    want = (ggufs(t)[:, cols].T.astype(np.float64) * v[:, None].astype(np.float64)).astype(np.float32)
+    vf, scale, minimum = numpy_factors(t)
+    q = vf.reshape(t.rows, t.cols)[:, cols].T  # [N_ROWS, rows]
+    sc = scale.reshape(t.rows, -1)[:, cols // 16].T
+    want = (q * v[:, None]).astype(np.float32) * sc
+    if minimum is not None:
+        want = want + minimum[:, cols // 32].T * v[:, None]
+    scaled_first = ggufs(t)[:, cols].T * v[:, None]  # float32(w v): a different rounding
+    assert qtype == "q5_1" or not np.array_equal(want, scaled_first)
     m = QuantMatrix(gemv_dev, t)
     zeros = np.zeros((N_ROWS, t.rows), np.float32)
     np.testing.assert_array_equal(run_rows(gemv_dev, m, x, zeros, False), want)

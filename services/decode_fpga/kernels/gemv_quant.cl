@@ -157,10 +157,10 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
 }
 
 // ROW_DOT's ending of one row: its two accumulators' sum, then the minimums over the block sums
-inline float rows_finish(const float16 a0, const float16 a1, __global const float *drow, __global const half *mrow,
+inline float rows_finish(const float8 a0, const float8 a1, __global const float *drow, __global const half *mrow,
                          __global const float *xsum, const int nb)
 {
-    float acc = hsum16(a0 + a1);
+    float acc = hsum8(a0 + a1);
     if (HAS_MINS) {
         const int ng = nb / 4;
         float4 ms = (float4)(0.0f);
@@ -198,18 +198,18 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
         const int r1 = r0 + 1, r2 = r0 + 2, r3 = r0 + 3;
         __global const float *x0 = x + (size_t)r0 * cols, *x1 = x + (size_t)r1 * cols;
         __global const float *x2 = x + (size_t)r2 * cols, *x3 = x + (size_t)r3 * cols;
-        float16 a00 = (float16)(0.0f), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+        float8 a00 = (float8)(0.0f), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
-            block_terms(qrow, b, drow, mrow, &w0, &w1);
+            block_weights(qrow, b, &w0, &w1);
             BLOCK_ACC(a00, w0, w1, x0, b, drow, mrow); BLOCK_ACC(a10, w0, w1, x1, b, drow, mrow);
             BLOCK_ACC(a20, w0, w1, x2, b, drow, mrow); BLOCK_ACC(a30, w0, w1, x3, b, drow, mrow);
-            block_terms(qrow, b + 1, drow, mrow, &w0, &w1);
+            block_weights(qrow, b + 1, &w0, &w1);
             BLOCK_ACC(a01, w0, w1, x0, b + 1, drow, mrow); BLOCK_ACC(a11, w0, w1, x1, b + 1, drow, mrow);
             BLOCK_ACC(a21, w0, w1, x2, b + 1, drow, mrow); BLOCK_ACC(a31, w0, w1, x3, b + 1, drow, mrow);
         }
         if (b < nb) {
-            block_terms(qrow, b, drow, mrow, &w0, &w1);
+            block_weights(qrow, b, &w0, &w1);
             BLOCK_ACC(a00, w0, w1, x0, b, drow, mrow); BLOCK_ACC(a10, w0, w1, x1, b, drow, mrow);
             BLOCK_ACC(a20, w0, w1, x2, b, drow, mrow); BLOCK_ACC(a30, w0, w1, x3, b, drow, mrow);
         }
@@ -262,9 +262,9 @@ __kernel void gemv_quant_rows(__global const float *d, __global const half *m, _
     __global const half *m_##t = MROW_AT(m, o_##t, nbp);                                           \
     __global const uchar *q_##t = q + (size_t)o_##t * nb * QBYTES;
 #define TILE_XROW(r, _) __global const float *x_##r = x + (size_t)(r0 + r) * cols;
-#define TILE_ZERO(r, t) float16 a_##t##_##r##_0 = (float16)(0.0f), a_##t##_##r##_1 = (float16)(0.0f);
+#define TILE_ZERO(r, t) float8 a_##t##_##r##_0 = (float8)(0.0f), a_##t##_##r##_1 = (float8)(0.0f);
 #define TILE_ZEROS(t, NR) TILE_EACH_R(NR, TILE_ZERO, t)
-#define TILE_W(t, B) float16 w0_##t, w1_##t; block_terms(q_##t, (B), d_##t, m_##t, &w0_##t, &w1_##t);
+#define TILE_W(t, B) float16 w0_##t, w1_##t; block_weights(q_##t, (B), &w0_##t, &w1_##t);
 #define TILE_ADD(t, r, B, H) BLOCK_ACC(a_##t##_##r##_##H, w0_##t, w1_##t, x_##r, (B), d_##t, m_##t);
 #define TILE_ROW(r, B, H) TILE_EACH_T(TILE_ADD, r, B, H)
 // block B of every output into accumulator H (0: even blocks, 1: odd, as ROW_DOT takes them) of

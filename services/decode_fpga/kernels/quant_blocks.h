@@ -59,6 +59,12 @@ inline float hsum16(const float16 a)
     return (s4.x + s4.y) + (s4.z + s4.w);
 }
 
+inline float hsum8(const float8 a)
+{
+    const float4 s4 = a.lo + a.hi;
+    return (s4.x + s4.y) + (s4.z + s4.w);
+}
+
 inline float pick4(const float4 v, const int i)
 {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
@@ -89,21 +95,27 @@ inline void block_weights_f(const int F, __global const uchar *q, const int b, f
         // 8192x2048 GEMV: 800 -> 690 us of CPU against 2-bit highs for every weight)
         __global const uchar *qb = q + QBYTES_F(F) * b;
         const uint16 qi = convert_uint16(vload16(0, qb));
+        // lane j's nibble (bit 4 (j >> 1) of its uint) shifted right to bits 2..5: lanes 0..7 from the
+        // uints shifted up by 2 first (nibbles 0..3 only: nothing they need falls off the top), so
+        // every lane shifts right, one vpsrlvd (AVX2 has no vector rotate: it took 3 instructions)
         const uint2 h2 = vload2(0, (__global const uint *)(qb + 16));
-        const uint16 h = (uint16)(h2, h2, h2, h2, h2, h2, h2, h2);
-        const uint16 rot = (uint16)(2, 2, 30, 30, 26, 26, 22, 22, 18, 18, 14, 14, 10, 10, 6, 6);
+        const uint2 u2 = h2 << (uint2)(2);
+        const uint16 h = (uint16)(u2, u2, u2, u2, h2, h2, h2, h2);
+        const uint16 sh = (uint16)(0, 0, 4, 4, 8, 8, 12, 12, 14, 14, 18, 18, 22, 22, 26, 26);
         *w0 = convert_float16(convert_int16(qi & (uint16)(0x3F)) - 32);
-        *w1 = convert_float16(convert_int16((qi >> (uint16)(6)) | (rotate(h, rot) & (uint16)(0x3C))) - 32);
+        *w1 = convert_float16(convert_int16((qi >> (uint16)(6)) | ((h >> sh) & (uint16)(0x3C))) - 32);
     } else {  // 50, 51, 52: five bits
         __global const uchar *qb = q + QBYTES_F(F) * b;
         const uint16 qi = convert_uint16(vload16(0, qb));
-        const uint16 h = (uint16)(*(__global const uint *)(qb + 16));  // QBYTES * b + 16: 4-byte aligned
-        // weight j's fifth bit (bit j of h) rotated to bit 4 of lane j; weight 16 + j's (bit 16 + j)
-        // likewise: a rotate and a mask where a shift down, a mask and a shift up took three
-        const uint16 rot = (uint16)(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21);
-        const uint16 lo = (qi & (uint16)(0x0F)) | (rotate(h, rot) & (uint16)(0x10));
-        const uint16 rot_hi = (uint16)(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
-        const uint16 hi = (qi >> (uint16)(4)) | (rotate(h, rot_hi) & (uint16)(0x10));
+        const uint hw = *(__global const uint *)(qb + 16);  // QBYTES * b + 16: 4-byte aligned
+        // weight j's fifth bit (bit j of hw) shifted right to bit 4 of lane j: weights 0..7 from hw
+        // shifted up by 4 first (their bits stay), the others straight, so every lane takes one
+        // vpsrlvd and a mask (AVX2 has no vector rotate: the rotate this replaces was 3 instructions)
+        const uint8 hu = (uint8)(hw << 4), hd = (uint8)(hw);
+        const uint16 lo = (qi & (uint16)(0x0F)) |
+                          (((uint16)(hu, hd) >> (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11)) & (uint16)(0x10));
+        const uint16 hi = (qi >> (uint16)(4)) |
+                          (((uint16)(hd, hd) >> (uint16)(12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27)) & (uint16)(0x10));
         if (F == 50) {
             *w0 = convert_float16(convert_int16(lo) - 16);
             *w1 = convert_float16(convert_int16(hi) - 16);
@@ -114,18 +126,38 @@ inline void block_weights_f(const int F, __global const uchar *q, const int b, f
     }
 }
 
-// sum_j q_bj * x_bj of block b as 16 lanes (Q4_0: (q - 8)), before the block's scale
-inline float16 block_dot_f(const int F, __global const uchar *q, const int b, XAS const float *x)
+// The factored sums. A block's weights are d (q - offset) (+ m): sum_j w_j x_j = d sum_j q_j x_j
+// (+ m sum_j x_j), so the scale multiplies a block's 8-lane partial sum once and the minimum the
+// block's sum of x (computed once per row of x, shared by every output). A block's products fold
+// to 8 lanes in one fixed order, weights 0-7, 8-15, 16-23, 24-31 (one multiply and three fmas),
+// where 16 lanes cost a multiply, an fma and an fma by the scale for each half: 5 instructions
+// for 32 weights instead of 6, and every kernel sums a (block, row) in this same order.
+inline float8 block_dot8(const float16 w0, const float16 w1, XAS const float *x, const int b)
+{
+    float8 p = w0.lo * vload8(4 * b, x);
+    p = fma(w0.hi, vload8(4 * b + 1, x), p);
+    p = fma(w1.lo, vload8(4 * b + 2, x), p);
+    return fma(w1.hi, vload8(4 * b + 3, x), p);
+}
+
+// Q6_K's halves (a scale per 16 weights): half h (weights 16 h .. 16 h + 15 of the row) folded to
+// 8 lanes, before its scale. Scaling each weight first cost 4 multiplies a block more.
+inline float8 half_dot8(const float16 w, XAS const float *x, const int h)
+{
+    return fma(w.hi, vload8(2 * h + 1, x), w.lo * vload8(2 * h, x));
+}
+
+// sum_j q_bj * x_bj of block b as 8 lanes (Q4_0: (q - 8)), before the block's scale
+inline float8 block_dot_f(const int F, __global const uchar *q, const int b, XAS const float *x)
 {
     float16 w0, w1;
     block_weights_f(F, q, b, &w0, &w1);
-    return fma(w1, vload16(2 * b + 1, x), w0 * vload16(2 * b, x));
+    return block_dot8(w0, w1, x, b);
 }
 
-// The terms of block b that BLOCK_ACC_F takes: block_weights_f's, and for Q6_K (two scales a
-// block) those times their half's scale: gguf's weights themselves, each an exact product. Scaled
-// once, a Q6_K block costs a row of x two fmas where scaling each row's partial products took two
-// multiplies and two fmas (the batched GEMVs convert a block once for every row beside it).
+// Block b's weights dequantized as far as the scales: block_weights_f's, and for Q6_K (two scales
+// a block) those times their half's scale, gguf's weights themselves, each an exact product (the
+// embedding lookup's; the GEMVs scale the sums instead).
 inline void block_terms_f(const int F, __global const uchar *q, const int b, __global const float *drow,
                           __global const half *mrow, float16 *w0, float16 *w1)
 {
@@ -136,30 +168,26 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
     }
 }
 
-// A += block B's scaled weights W0, W1 (Q6_K's terms) times X: the one expression of both paths
-#define SCALED_ACC(A, W0, W1, X, B) A = fma((W1), vload16(2 * (B) + 1, (X)), fma((W0), vload16(2 * (B), (X)), A))
-
-// A += block B of a row (quants QROW, scales DROW) times X, from block_terms_f's W0, W1: times
-// the block's scale after the dot (one scale a block), or Q6_K's weights (already scaled) straight
-// into A. The one expression of the one-row kernels (ROW_DOT) and of the batched ones
-// (gemv_quant.cl), so they round alike.
-#define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
-    do {                                                                                       \
-        if (DPER_F(F) == 2)                                                                    \
-            SCALED_ACC(A, (W0), (W1), (X), (B));                                               \
-        else                                                                                   \
-            A = fma(fma((W1), vload16(2 * (B) + 1, (X)), (W0) * vload16(2 * (B), (X))),        \
-                    (float16)(SCALE_F(F, DROW, MROW, B)), A);                                  \
-    } while (0)
-#define ROW_BLOCK_F(F, A, QROW, DROW, MROW, B, X)                                              \
+// A (float8) += block B (weights W0, W1 from block_weights_f) times X with its scales SE, SO (Q6_K:
+// its halves'; else SE is the block's): the factored sum, the one expression of the one-row kernels
+// (ROW_DOT) and of the batched ones (gemv_quant.cl), so a row rounds alike in every batch.
+#define SCALES_ACC_F(F, A, W0, W1, X, B, SE, SO)                                               \
     do {                                                                                       \
         if (DPER_F(F) == 2) {                                                                  \
-            float16 w0_, w1_;                                                                  \
-            block_terms_f((F), (QROW), (B), (DROW), (MROW), &w0_, &w1_);                       \
-            BLOCK_ACC_F(F, A, w0_, w1_, (X), (B), (DROW), (MROW));                             \
+            A = fma(half_dot8((W0), (X), 2 * (B)), (float8)(SE), A);                           \
+            A = fma(half_dot8((W1), (X), 2 * (B) + 1), (float8)(SO), A);                       \
         } else {                                                                               \
-            A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SCALE_F(F, DROW, MROW, B)), A); \
+            A = fma(block_dot8((W0), (W1), (X), (B)), (float8)(SE), A);                        \
         }                                                                                      \
+    } while (0)
+// the same with the scales read from the row's arrays (DROW, MROW)
+#define BLOCK_ACC_F(F, A, W0, W1, X, B, DROW, MROW)                                            \
+    SCALES_ACC_F(F, A, W0, W1, X, B, HALF_SCALE_F(F, DROW, MROW, B, 0), HALF_SCALE_F(F, DROW, MROW, B, 1))
+#define ROW_BLOCK_F(F, A, QROW, DROW, MROW, B, X)                                              \
+    do {                                                                                       \
+        float16 w0_, w1_;                                                                      \
+        block_weights_f((F), (QROW), (B), &w0_, &w1_);                                         \
+        BLOCK_ACC_F(F, A, w0_, w1_, (X), (B), (DROW), (MROW));                                 \
     } while (0)
 
 // A K-quant super-block's 8 blocks' byte scales (and minimums), converted once for the 8: one
@@ -173,13 +201,9 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
 // A += block B times X with its scales SE, SO (first and second half): ROW_BLOCK_F's arithmetic
 #define KQ_BLOCK_F(F, A, QROW, SE, SO, B, X)                                                   \
     do {                                                                                       \
-        if (DPER_F(F) == 2) {                                                                  \
-            float16 w0_, w1_;                                                                  \
-            block_weights_f((F), (QROW), (B), &w0_, &w1_);                                     \
-            SCALED_ACC(A, w0_ * (SE), w1_ * (SO), (X), (B));  /* block_terms_f's values */     \
-        } else {                                                                               \
-            A = fma(block_dot_f((F), (QROW), (B), (X)), (float16)(SE), A);                     \
-        }                                                                                      \
+        float16 w0_, w1_;                                                                      \
+        block_weights_f((F), (QROW), (B), &w0_, &w1_);                                         \
+        SCALES_ACC_F(F, A, w0_, w1_, (X), (B), (SE), (SO));                                    \
     } while (0)
 // super-block S's 8 blocks, even ones into A0 and odd into A1 as ROW_DOT_F's pairs take them, and
 // (Q4_K, Q5_K) its minimums times the block sums XSUM into MS, 4 blocks an fma as ROW_DOT_F's
@@ -211,13 +235,13 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
 // K-quants (whole super-blocks) go a super-block at a time, the same terms in the same order.
 #define ROW_DOT_F(F, ACC, DROW, MROW, QROW, X, XSUM, NB)                                       \
     do {                                                                                       \
-        float16 a0_ = (float16)(0.0f), a1_ = a0_;                                              \
+        float8 a0_ = (float8)(0.0f), a1_ = a0_;                                                \
         int b_ = 0;                                                                            \
         if (KQ_F(F)) { /* whole super-blocks, the minimums in the same pass */                 \
             float4 ms_ = (float4)(0.0f);                                                       \
             for (int s_ = 0; s_ < (NB) / 8; ++s_)                                              \
                 KQ_SUPER_F(F, a0_, a1_, ms_, (QROW), (DROW), (MROW), s_, (X), (XSUM));         \
-            ACC = hsum16(a0_ + a1_);                                                           \
+            ACC = hsum8(a0_ + a1_);                                                             \
             if (HAS_MINS_F(F)) ACC += (ms_.x + ms_.y) + (ms_.z + ms_.w);                       \
             break; /* out of this do-while: the row is done */                              \
         }                                                                                      \
@@ -226,7 +250,7 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
             ROW_BLOCK_F(F, a1_, (QROW), (DROW), (MROW), b_ + 1, (X));                          \
         }                                                                                      \
         if (b_ < (NB)) ROW_BLOCK_F(F, a0_, (QROW), (DROW), (MROW), b_, (X));                   \
-        ACC = hsum16(a0_ + a1_);                                                               \
+        ACC = hsum8(a0_ + a1_);                                                                 \
         if (HAS_MINS_F(F)) {                                                                   \
             const int ng_ = (NB) / 4;                                                          \
             float4 ms_ = (float4)(0.0f);                                                       \
