@@ -54,27 +54,27 @@ test-fast: $(STAMP)
 bench: $(STAMP) system-deps
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp (llama-cpp-python) for the comparison: ~20-25 min on 2 cores, once"; \
 	  $(PY) -m pip install -q -e '.[test,llamacpp]' || echo "warning: llama.cpp did not build; engine_opencl.py runs without it"; }
-	$(PY) bench/engine_torch.py
+	$(PY) -m bench.engine_torch
 	@for b in engine_opencl handoff quant_gemv logprobs_cost; do \
-	  if [ -f bench/$$b.py ]; then $(PY) bench/$$b.py || exit $$?; else echo "bench/$$b.py is not here; skipped"; fi; \
+	  if [ -f bench/$$b.py ]; then $(PY) -m bench.$$b || exit $$?; else echo "bench/$$b.py is not here; skipped"; fi; \
 	done
-	$(PY) bench/suite.py
-	$(PY) bench/router_fresh.py
+	$(PY) -m bench suite
+	$(PY) -m bench router
 	@$(MAKE) --no-print-directory bench-serve
 
 # the serving benchmarks against llama.cpp's server (bench/README.md): builds llama-server once
-# (~5-25 min on 2 cores; skipped when built), then serve.py and prefix_cache.py. Without a
+# (~5-25 min on 2 cores; skipped when built), then the serve and prefix benchmarks. Without a
 # llama-server build serve.py still runs, says so, and measures our modes only.
 # SERVE_REPEATS=1 for a quicker, noisier pass; LLAMA_SERVER=PATH to use another binary.
 SERVE_REPEATS ?= 3
 .PHONY: bench-serve llama-server
 llama-server: $(STAMP)
-	$(PY) bench/llama_server.py
+	$(PY) -m bench llama-server
 
 bench-serve: $(STAMP) system-deps
-	@$(PY) bench/llama_server.py >/dev/null || echo "WARNING: llama-server did not build: the serving benchmark runs WITHOUT it"
-	$(PY) bench/serve.py --start-stack --repeats $(SERVE_REPEATS) --llama-server $(or $(LLAMA_SERVER),auto)
-	$(PY) bench/prefix_cache.py --repeats $(SERVE_REPEATS)
+	@$(PY) -m bench llama-server >/dev/null || echo "WARNING: llama-server did not build: the serving benchmark runs WITHOUT it"
+	$(PY) -m bench serve --start-stack --repeats $(SERVE_REPEATS) --llama-server $(or $(LLAMA_SERVER),auto)
+	$(PY) -m bench prefix --repeats $(SERVE_REPEATS)
 
 # the compose stack for real (tests/deploy/test_compose_live.py): builds the images, brings them up, kills an
 # engine and sees it heal. Needs root for Docker; tens of minutes on a cold cache, so not part of `make test`

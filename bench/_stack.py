@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from _common import progress  # puts the repository root on sys.path
+from bench._common import progress
 
 from harness.stack import Stack, start_stack as _start_stack
 

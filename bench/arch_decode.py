@@ -10,7 +10,7 @@ intermediate 1536, vocabulary 49152) in each family, written as GGUF with Q8_0 m
           their own (arch_parts.py), GPT-2's only way
 Interleaved round by round, medians of every round's steps.
 
-    python bench/arch_decode.py [--rounds N] [--steps N]
+    python -m bench.arch_decode [--rounds N] [--steps N]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import progress, stats, table, write_json
+from bench._common import progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -6,8 +6,8 @@ Reports per round: seconds until ready, the stream's largest gap while the long 
 its gaps over 150 ms, the long prompt's time in the stack, and whether any calibration request ran after
 readiness (it must not). Prints a table, writes bench/results/cold_start.json and cold_start.png.
 
-    python bench/cold_start.py                        # auto, 2 rounds, 2,000-token prompt
-    python bench/cold_start.py --modes auto,fpga,hybrid --rounds 1 --long-prompt-tokens 512
+    python -m bench.cold_start                        # auto, 2 rounds, 2,000-token prompt
+    python -m bench.cold_start --modes auto,fpga,hybrid --rounds 1 --long-prompt-tokens 512
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _common import RESULTS, progress, table, write_json  # puts the repository root on sys.path
+from bench._common import RESULTS, progress, table, write_json
 
 from harness.first_exchange import calibration_checks_ran, first_exchange, get_json, wait_ready
 from harness.stack import launch_stack

@@ -34,9 +34,9 @@ Both namespaces share the host's clock. Traffic stays on the veth pair inside th
 
 Needs root (ip netns, tc); exits with a clear message otherwise. The namespaces are deleted on any exit.
 
-    sudo python bench/cross_host.py --fit-only --sizes 4096 --out cross_host_costs   # the cost model
-    sudo python bench/cross_host.py --costs cross_host_costs --sizes 1024 --links 1,10 --reps 3 --out cross_host_1024
-    python bench/cross_host.py --merge cross_host_256,cross_host_1024,...   # one table, JSON and plot
+    sudo python -m bench.cross_host --fit-only --sizes 4096 --out cross_host_costs   # the cost model
+    sudo python -m bench.cross_host --costs cross_host_costs --sizes 1024 --links 1,10 --reps 3 --out cross_host_1024
+    python -m bench.cross_host --merge cross_host_256,cross_host_1024,...   # one table, JSON and plot
 """
 from __future__ import annotations
 
@@ -49,13 +49,14 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, progress, write_json  # noqa: E402
-from cross_host_net import RX_ADDR, HostImporter, Netns, _enter, selftest  # noqa: E402,F401
-from cross_host_report import merge, plot, report, verdict  # noqa: E402,F401
-from cross_host_transports import OneHost, Receivers, make_sender, port_of, ucx_env  # noqa: E402
+import numpy as np
+import torch
+
+from bench._common import RESULTS, ROOT, progress, write_json
+from bench.cross_host_net import RX_ADDR, HostImporter, Netns, _enter, selftest  # noqa: F401
+from bench.cross_host_report import merge, plot, report, verdict  # noqa: F401
+from bench.cross_host_transports import OneHost, Receivers, make_sender, port_of, ucx_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -249,7 +250,7 @@ def load_or_fit_costs(args, p: Prefiller | None) -> dict:
 
 
 def _command() -> str:
-    return "python bench/cross_host.py " + " ".join(sys.argv[1:])
+    return "python -m bench.cross_host " + " ".join(sys.argv[1:])
 
 
 def bench(args) -> None:
@@ -276,8 +277,8 @@ def bench(args) -> None:
     with OneHost() if args.one_host else Netns(rate=None) as ns:
         rx_addr = rx_addr if args.one_host else RX_ADDR
         port = 47000 + os.getpid() % 1000
-        rx = subprocess.Popen([*ns.exec_in(ns.rx), sys.executable, str(Path(__file__).resolve()), "--receive",
-                               rx_addr, str(port)], stdout=subprocess.PIPE, text=True,
+        rx = subprocess.Popen([*ns.exec_in(ns.rx), sys.executable, "-m", "bench.cross_host", "--receive",
+                               rx_addr, str(port)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1", **ucx_env(getattr(ns, "veth_rx", None))})
         try:
             if rx.stdout.readline().strip() != "listening":
@@ -381,14 +382,11 @@ def main() -> None:
         return
     if os.geteuid() != 0 and not args.fit_only and not args.one_host:
         raise SystemExit("cross_host needs root to make network namespaces and shape them with tc; "
-                         "run it as root (e.g. sudo python bench/cross_host.py). Nothing was measured.")
+                         "run it as root (e.g. sudo python -m bench.cross_host). Nothing was measured.")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces' cleanup runs
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # a core for the sender's thread and the receiver
     bench(args)
 
-
-import numpy as np  # noqa: E402  (after the path set-up above)
-import torch  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from _common import RESULTS, table, write_json
+from bench._common import RESULTS, table, write_json
 
 
 def verdict(cell: list[dict]) -> dict:
@@ -56,7 +56,7 @@ def merge(names: list[str], out: str) -> None:
                                                   if r["gbit"] == g and r["n_tokens"] == n])
                             for g, n in dict.fromkeys((r["gbit"], r["n_tokens"]) for p in parts for r in p["results"])},
                "reps": {name: p["reps"] for name, p in zip(names, parts)},
-               "commands": commands + [f"python bench/cross_host.py --merge {','.join(names)} --out {out}"]}
+               "commands": commands + [f"python -m bench.cross_host --merge {','.join(names)} --out {out}"]}
     payload.pop("command", None)
     report(payload["results"], payload["verdicts"])
     write_json(out, payload)

@@ -4,7 +4,7 @@ Prefill tokens/s at 64, 256, 512, 1024 prompt tokens; decode ms/token at batch
 1, 4, 16 (sequences of different lengths). Rounds alternate ours / theirs
 because this machine's speed drifts by +-25% over minutes.
 
-    python bench/engine_torch.py [--rounds N] [--quick] [--out DIR]
+    python -m bench.engine_torch [--rounds N] [--quick] [--out DIR]
 
 Writes engine_torch.json and engine_torch.png under bench/results (or --out);
 the 1-minute load average before and after goes into the JSON, since other
@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import RESULTS, progress, stats, table, write_json
+from bench._common import RESULTS, progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

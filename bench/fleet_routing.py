@@ -19,10 +19,10 @@ Medians over rounds. Writes `fleet_routing.json` and prints the table. Several K
 (`--kv-cache-mb 130,160`) run one after another, a stack each, and are also plotted against the
 budget (NAME.png): how much placement matters depends on how scarce KV memory is.
 
-    python bench/fleet_routing.py [--rounds 2] [--conversations 8] [--turns 4] [--mode fpga]
-    python bench/fleet_routing.py --kv-cache-mb 112 --conversations 8 --turns 6 --workloads multiturn \
+    python -m bench.fleet_routing [--rounds 2] [--conversations 8] [--turns 4] [--mode fpga]
+    python -m bench.fleet_routing --kv-cache-mb 112 --conversations 8 --turns 6 --workloads multiturn \
         --name fleet_routing_pressure     # KV budgets below the conversations' working set
-    python bench/fleet_routing.py --kv-cache-mb 130,160,190,240 --conversations 16 --turns 8 --think-s 3 \
+    python -m bench.fleet_routing --kv-cache-mb 130,160,190,240 --conversations 16 --turns 8 --think-s 3 \
         --workloads multiturn --name fleet_routing_budgets   # a stack per budget; also NAME.png
 """
 from __future__ import annotations
@@ -39,14 +39,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, ROOT, progress, table, write_json  # noqa: E402
-from serving.client import async_client  # noqa: E402
-from serving.probe import Periodic, scrape  # noqa: E402
-from serving.stats import pct  # noqa: E402
-from serving.workload import CORPUS_FILES  # noqa: E402
+from bench._common import RESULTS, ROOT, progress, table, write_json  # noqa: E402
+from bench.serving.client import async_client  # noqa: E402
+from bench.serving.probe import Periodic, scrape  # noqa: E402
+from bench.serving.stats import pct  # noqa: E402
+from bench.serving.workload import CORPUS_FILES  # noqa: E402
 
 from harness.process import Process, free_port, http_ok  # noqa: E402
 from harness.stack import start_stack  # noqa: E402

@@ -19,7 +19,7 @@ The default GGUF is used when installed; otherwise (a lent GPU machine cannot re
 98 MB file) a SmolLM2-shaped checkpoint with random weights, written as safetensors with
 bench/cuda_check.py, which exercises every kernel path at the real sizes.
 
-    python bench/gpu_engine.py [--out bench/results] [--name engine_gpu]
+    python -m bench.gpu_engine [--out bench/results] [--name engine_gpu]
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from services.engine.batching_settings import BatchingSettings  # noqa: E402
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, Sequence  # noqa: E402

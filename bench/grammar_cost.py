@@ -14,7 +14,7 @@ matchers are timed from inside: per step (all rows), the time the pick waited fo
 filled (`wait`: what the overlap did not hide), the time applying masks (`apply`) and accepting
 tokens (`accept`); apply and accept include the wait.
 
-    python bench/grammar_cost.py [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
+    python -m bench.grammar_cost [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import threading
 import time
 
 import numpy as np
-from _common import machine, progress, table, write_json
-from logprobs_cost import make_engine, run_level
+from bench._common import machine, progress, table, write_json
+from bench.logprobs_cost import make_engine, run_level
 
 from services.engine import grammar as grammar_mod
 from services.engine.engine_loop import EngineLoop

@@ -17,7 +17,7 @@ object; a regex) it times:
 A library that cannot express a grammar says so in the table (outlines-core compiles regular
 languages only: no unbounded nesting, so no "any JSON object").
 
-    python bench/grammar_libs.py [--repeats 5] [--libs xgrammar,llguidance,outlines_core]
+    python -m bench.grammar_libs [--repeats 5] [--libs xgrammar,llguidance,outlines_core]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import statistics
 import time
 
 import numpy as np
-from _common import progress, table, write_json
+from bench._common import progress, table, write_json
 
 from services.model.checkpoint import locate
 from services.model.tokenizer import load_tokenizer

@@ -26,7 +26,7 @@ request latency (median and p99), errors, and the prompt tokens the server said 
 over rounds; prints a table and writes bench/results/guidellm_compare.json (guidellm's full report of
 each run in bench/results/guidellm/<target>_<profile>_r<round>.json, not committed: ~130 KB each).
 
-    python bench/guidellm_compare.py --llama-server auto [--guidellm PATH] [--requests 16] [--rounds 2]
+    python -m bench.guidellm_compare --llama-server auto [--guidellm PATH] [--requests 16] [--rounds 2]
         [--concurrency 8[,32]] [--prompt-tokens 128] [--output-tokens 64] [--mode auto] [--seed N]
 """
 from __future__ import annotations
@@ -40,13 +40,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RESULTS, progress, table, write_json
+from bench._common import RESULTS, progress, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from serving.client import served_model  # noqa: E402
-from serving.report import command_line  # noqa: E402
-from serving.servers import Servers, resolve_llama_server  # noqa: E402
+from bench.serving.client import served_model  # noqa: E402
+from bench.serving.report import command_line  # noqa: E402
+from bench.serving.servers import Servers, resolve_llama_server  # noqa: E402
 
 DEFAULT_GUIDELLM = Path("~/.cache/hybridserve/guidellm-venv/bin/guidellm").expanduser()
 

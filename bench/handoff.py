@@ -4,7 +4,7 @@ For prompts of 64, 256, 512 and 1024 tokens, several hybrid requests (one
 output token) through the real services; plus, in the same run, the GB/s of a
 copy into the shared-memory arena against a plain memcpy of the same size.
 
-    python bench/handoff.py [--reps N]
+    python -m bench.handoff [--reps N]
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import RESULTS, progress, stats, table, write_json
-from _stack import start_stack
+from bench._common import RESULTS, progress, stats, table, write_json
+from bench._stack import start_stack
 
 import numpy as np  # noqa: E402
 

@@ -7,7 +7,7 @@ then little: the others evicted it) and prefills the rest again; with it, the ev
 back from host memory. Per run: TTFT (submit to first token, engine loop included) of every return,
 its median, and the prompt tokens found cached. The two configurations alternate round by round.
 
-    python bench/host_kv_tier.py [--conversations 8] [--prompt 256] [--rounds 3]
+    python -m bench.host_kv_tier [--conversations 8] [--prompt 256] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -17,10 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, progress, table, write_json  # noqa: E402
+from bench._common import RESULTS, progress, table, write_json  # noqa: E402
 
 from services.engine.engine_loop import EngineLoop  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402

@@ -8,9 +8,9 @@ instructions, as our engines use) less AMX (see NO_AMX), without curl, tests or 
 finds the binary there and does nothing. `--from-build DIR` installs the binary (and any shared
 libraries beside it) from a llama.cpp build tree that already exists, instead of building.
 
-    python bench/llama_server.py                 # build if needed; prints the binary's path last
-    python bench/llama_server.py --path          # only print where it is (exit 1 when not built)
-    python bench/llama_server.py --from-build DIR
+    python -m bench.llama_server                 # build if needed; prints the binary's path last
+    python -m bench.llama_server --path          # only print where it is (exit 1 when not built)
+    python -m bench.llama_server --from-build DIR
 """
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def main() -> int:
         if found:
             print(found)
             return 0
-        log(f"{BINARY} {VERSION} is not built; run: python bench/llama_server.py")
+        log(f"{BINARY} {VERSION} is not built; run: python -m bench.llama_server")
         return 1
     print(ensure(args.from_build))
     return 0

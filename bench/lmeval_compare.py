@@ -11,7 +11,7 @@ lm-eval lives in a venv of its own (it must not change the project's): make it o
 
 then, from the project's venv:
 
-    python bench/lmeval_compare.py [--lm-eval ~/.cache/hybridserve/lmeval-venv/bin/lm_eval]
+    python -m bench.lmeval_compare [--lm-eval ~/.cache/hybridserve/lmeval-venv/bin/lm_eval]
                                    [--modes gpu,fpga,hybrid] [--batch-size 8] [--url http://127.0.0.1:8000]
 
 * The `hf` side reads the default model as a Hugging Face directory that this script writes once from
@@ -37,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
-from _common import ROOT, progress, table, write_json
+from bench._common import ROOT, progress, table, write_json
 
 TASK_DIR = ROOT / "bench" / "lmeval"
 TASK = "hybridserve_mc"
@@ -159,7 +159,7 @@ def main() -> None:
         if args.url:
             url = args.url
         else:
-            from _stack import start_stack
+            from bench._stack import start_stack
 
             stack = start_stack(runs_dir / "stack.log")
             url = stack.url
@@ -200,7 +200,7 @@ def main() -> None:
         "batch_size": args.batch_size, "lm_eval": "0.4.13", "backends": report,
         "hf_output_reused": bool(args.hf_output),
         # this machine's paths (the lm-eval venv, an earlier hf output) left out of the record
-        "command": " ".join(["python bench/lmeval_compare.py", *(a for a in sys.argv[1:] if not a.startswith("/"))])})
+        "command": " ".join(["python -m bench.lmeval_compare", *(a for a in sys.argv[1:] if not a.startswith("/"))])})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ The holds and cooldown are shortened (`--up-hold-s`, `--cooldown-s`) so a short 
 On a machine whose cores every engine shares (2 cores here), extra engines add no capacity: the
 figures then show what the planner asks for and how fast `up` acts on it, not a latency that falls.
 
-    python bench/planner_slo.py [--rates 0.5,1,2] [--clients 4,16,32] [--phase-s 30]
+    python -m bench.planner_slo [--rates 0.5,1,2] [--clients 4,16,32] [--phase-s 30]
 """
 from __future__ import annotations
 
@@ -21,17 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from _common import RESULTS, progress, table, write_json  # noqa: E402
-from _stack import start_stack  # noqa: E402
-from serving.client import Target, async_client, one_request, served_model, warm_up  # noqa: E402
-from serving.probe import Periodic  # noqa: E402
-from serving.report import command_line  # noqa: E402
-from serving.stats import summarize  # noqa: E402
-from serving.workload import Salter, corpus_ids, salt_seed, workload  # noqa: E402
+from bench._common import RESULTS, progress, table, write_json  # noqa: E402
+from bench._stack import start_stack  # noqa: E402
+from bench.serving.client import Target, async_client, one_request, served_model, warm_up  # noqa: E402
+from bench.serving.probe import Periodic  # noqa: E402
+from bench.serving.report import command_line  # noqa: E402
+from bench.serving.stats import summarize  # noqa: E402
+from bench.serving.workload import Salter, corpus_ids, salt_seed, workload  # noqa: E402
 
 from services.gateway.settings import GatewaySettings  # noqa: E402
 from services.stack import UpSettings  # noqa: E402

@@ -7,7 +7,7 @@ repo's own prose, 64-256 prompt tokens, 32-96 output tokens, a unique first toke
 stops it. Medians over rounds: output tokens/s, TTFT and ITL p50. 1P:2D runs three engine processes
 where 2P:2D runs four: on a machine whose cores both layouts share, that is the trade to see.
 
-    python bench/pools.py [--rounds 2] [--concurrency 4,8]
+    python -m bench.pools [--rounds 2] [--concurrency 4,8]
 """
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, progress, table, write_json  # noqa: E402
-from serving.client import Target, closed_loop, served_model, warm_up  # noqa: E402
-from serving.stats import summarize  # noqa: E402
-from serving.workload import Salter, corpus_ids, workload  # noqa: E402
+from bench._common import RESULTS, progress, table, write_json  # noqa: E402
+from bench.serving.client import Target, closed_loop, served_model, warm_up  # noqa: E402
+from bench.serving.stats import summarize  # noqa: E402
+from bench.serving.workload import Salter, corpus_ids, workload  # noqa: E402
 
 from harness.stack import start_stack  # noqa: E402
 

@@ -13,7 +13,7 @@ hit ratio over the measured requests when the engines export one (a `*prefix_cac
 gauge, or `*prefix_cache*hits*` and `*prefix_cache*queries*` counters; absence is tolerated).
 Prints a table, writes `prefix_cache.json` and `prefix_cache.png`.
 
-    python bench/prefix_cache.py [--quick] [--modes gpu,fpga,hybrid] [--repeats 3]
+    python -m bench.prefix_cache [--quick] [--modes gpu,fpga,hybrid] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -24,16 +24,16 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import RESULTS, progress, table, write_json
+from bench._common import RESULTS, progress, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from serving.client import Target, closed_loop, served_model, warm_up  # noqa: E402
-from serving.probe import scrape  # noqa: E402
-from serving.report import command_line, ms  # noqa: E402
-from serving.servers import Servers  # noqa: E402
-from serving.stats import over_rounds, summarize  # noqa: E402
-from serving.workload import CORPUS_FILES, chat_workload, corpus_ids  # noqa: E402
+from bench.serving.client import Target, closed_loop, served_model, warm_up  # noqa: E402
+from bench.serving.probe import scrape  # noqa: E402
+from bench.serving.report import command_line, ms  # noqa: E402
+from bench.serving.servers import Servers  # noqa: E402
+from bench.serving.stats import over_rounds, summarize  # noqa: E402
+from bench.serving.workload import CORPUS_FILES, chat_workload, corpus_ids  # noqa: E402
 
 MODES = ("gpu", "fpga", "hybrid")
 SETTINGS = ("on", "off")

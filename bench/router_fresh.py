@@ -11,7 +11,7 @@ calibrate. Then, through the OpenAI API with streaming:
 Regret of a request = auto's end-to-end time / the fastest forced mode's for the same request.
 It prints tables, writes bench/results/router_fresh.json and a plot.
 
-    python bench/router_fresh.py [--requests 20] [--clients 1,8] [--rounds 2] [--no-hog] [--url URL]
+    python -m bench.router_fresh [--requests 20] [--clients 1,8] [--rounds 2] [--no-hog] [--url URL]
 
 Every run draws fresh prompt tokens (same lengths): a prompt run before would be a prefix-cache
 hit, and whichever mode came later would look faster.
@@ -22,15 +22,15 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import RESULTS, CpuHog, progress, table, write_json
-from suite import FORCED, MODES, fresh_seed, one_request, percentile, warm_up
+from bench._common import RESULTS, CpuHog, progress, table, write_json
+from bench.serving.report import command_line
+from bench.suite import FORCED, MODES, fresh_seed, one_request, percentile, warm_up
 
 import httpx  # noqa: E402
 
@@ -128,7 +128,7 @@ def main() -> int:
     url = args.url
     started = time.perf_counter()
     if not url:
-        from _stack import start_stack
+        from bench._stack import start_stack
 
         cache = tempfile.mkdtemp(prefix="hybridserve-profile-")  # a fresh clone's empty cache
         hog = CpuHog(0 if args.no_hog else os.cpu_count() or 2)
@@ -168,7 +168,7 @@ def main() -> int:
     write_json("router_fresh", {"start_s": start_s, "hog": not args.no_hog and not args.url,
                                 "cold": cold, "warm": warm, "load": loads,
                                 "router": debug.json() if debug.status_code == 200 else None,
-                                "command": " ".join(["python", "bench/router_fresh.py", *sys.argv[1:]])}, out)
+                                "command": command_line()}, out)
     plot(out / "router_fresh.png", cold, warm)
     return 0
 

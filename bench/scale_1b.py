@@ -15,8 +15,8 @@ Rows, interleaved round by round, medians of every round's steps, 2 threads each
   * llama.cpp   llama-batched-bench on the same file, -t 2, a shared --context-token prompt, then
                 --steps generated tokens for 1 and 8 parallel sequences (its t_tg / steps)
 
-    python bench/scale_1b.py --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
-    python bench/scale_1b.py --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
+    python -m bench.scale_1b --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
+    python -m bench.scale_1b --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
         --tensor-type attn_v=q4_k --tensor-type ffn_down=q4_k (no mixed stacks, so packable)
 
 --launch-cost: what running launch by launch (as a file with mixed q|k|v stacks must) costs at
@@ -35,7 +35,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from _common import memory_bandwidth_gbs, progress, stats, table, write_json
+from bench._common import memory_bandwidth_gbs, progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -95,7 +95,7 @@ def exit_reason(returncode: int) -> str:
         return f"exit status {returncode}"
     name = signal.Signals(-returncode).name
     if name == "SIGILL":
-        from llama_server import NO_AMX
+        from bench.llama_server import NO_AMX
 
         return (f"killed by {name}: the build uses an instruction this CPU or VM does not run; AMX faults on "
                 f"the VMs here, so build with {NO_AMX} (bench/llama_server.py)")
@@ -104,7 +104,7 @@ def exit_reason(returncode: int) -> str:
 
 def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATCHES) -> dict[int, float]:
     """llama-batched-bench: seconds per decode step for each batch (its generation phase)."""
-    from llama_server import library_env
+    from bench.llama_server import library_env
 
     n_ctx = context + max(batches) * (steps + 4)
     cmd = [str(binary), "-m", str(path), "-t", str(THREADS), "-tb", str(THREADS), "-c", str(n_ctx), "-pps",
@@ -122,7 +122,7 @@ def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATC
 
 def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
     """Batch-1 paged steps of one engine on `path` as one launch and launch by launch, interleaved."""
-    from paged_step import time_paged_wall
+    from bench.paged_step import time_paged_wall
 
     from services.decode_fpga.one_launch_choice import OneLaunchChoice
 
@@ -148,7 +148,7 @@ def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
 
 
 def main() -> int:
-    from paged_step import time_paged_wall
+    from bench.paged_step import time_paged_wall
     from scale_1b_checkpoint import ensure
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

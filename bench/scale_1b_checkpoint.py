@@ -8,7 +8,7 @@ are N(0, 0.02) (a speed measurement: what matters is the bytes, not the logits),
 file (~2.1 GB) is written tensor by tensor, so the model is never whole in memory, then quantized
 (~0.8 GB). Nothing here is committed: both files go to a cache directory and are reused.
 
-    python bench/scale_1b_checkpoint.py --quantize /path/to/llama-quantize [--dir DIR]
+    python -m bench.scale_1b_checkpoint --quantize /path/to/llama-quantize [--dir DIR]
 """
 from __future__ import annotations
 
@@ -116,9 +116,6 @@ def ensure(quantize: str | Path, out_dir: Path | None = None) -> Path:
 
 
 def main() -> int:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quantize", required=True, help="llama.cpp's llama-quantize")
     ap.add_argument("--dir", type=Path, default=None, help=f"where the files go (default {cache_dir()})")

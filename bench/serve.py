@@ -29,9 +29,9 @@ token ids sent to every target (our gateway and llama-server would each re-token
 interleaved at each concurrency level inside one run, and the servers' RSS and KV gauges sampled
 while the load is on. Both would add a large dependency tree for a loop of ~60 lines.
 
-    python bench/serve.py --start-stack [--llama-server PATH|auto] [--quick] [--repeats 3]
-    python bench/serve.py --start-stack --only-long-prompts --long-prompt-tokens 2000 --rounds 2
-    python bench/serve.py --url http://127.0.0.1:8000 --target llama-server=http://127.0.0.1:8080
+    python -m bench.serve --start-stack [--llama-server PATH|auto] [--quick] [--repeats 3]
+    python -m bench.serve --start-stack --only-long-prompts --long-prompt-tokens 2000 --rounds 2
+    python -m bench.serve --url http://127.0.0.1:8000 --target llama-server=http://127.0.0.1:8080
 """
 from __future__ import annotations
 
@@ -43,18 +43,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import RESULTS, progress, table, write_json
+from bench._common import RESULTS, progress, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from serving.client import Target, closed_loop, loopback_url, served_model, warm_up  # noqa: E402
-from serving.long_prompts import streams_with_arrivals  # noqa: E402
-from serving.probe import Sampler, cpu_seconds, cpu_used  # noqa: E402
-from serving.report import (LATENCY_PANELS, THROUGHPUT_PANELS, command_line, ms,  # noqa: E402
+from bench.serving.client import Target, closed_loop, loopback_url, served_model, warm_up  # noqa: E402
+from bench.serving.long_prompts import streams_with_arrivals  # noqa: E402
+from bench.serving.probe import Sampler, cpu_seconds, cpu_used  # noqa: E402
+from bench.serving.report import (LATENCY_PANELS, THROUGHPUT_PANELS, command_line, ms,  # noqa: E402
                             plot_against_concurrency, serve_table)
-from serving.servers import Servers, resolve_llama_server  # noqa: E402
-from serving.stats import merge_peaks, over_rounds, ratios_to, summarize  # noqa: E402
-from serving.workload import CORPUS_FILES, Salter, corpus_ids, salt_seed, workload  # noqa: E402
+from bench.serving.servers import Servers, resolve_llama_server  # noqa: E402
+from bench.serving.stats import merge_peaks, over_rounds, ratios_to, summarize  # noqa: E402
+from bench.serving.workload import CORPUS_FILES, Salter, corpus_ids, salt_seed, workload  # noqa: E402
 
 MODES = ("gpu", "fpga", "hybrid", "auto")
 

@@ -5,7 +5,7 @@ cell measures each forced mode and `auto` through the OpenAI HTTP API (streamed,
 for TTFT and inter-token latency), `transformers` generate as the baseline, and
 a load run with concurrent clients. Prints a table, writes JSON and PNG plots.
 
-    python bench/suite.py [--quick | --full] [--url URL] [--out DIR]
+    python -m bench.suite [--quick | --full] [--url URL] [--out DIR]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import RESULTS, progress, stats, table, write_json
+from bench._common import RESULTS, progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -279,7 +279,7 @@ def main() -> int:
     if args.url:
         url = args.url.rstrip("/")
     else:
-        from _stack import start_stack
+        from bench._stack import start_stack
 
         stack = start_stack(out / "suite_stack.log")
         url = stack.url

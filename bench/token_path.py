@@ -22,7 +22,7 @@ and, in turn with each mode, the same requests sent to its engine's Generate str
 
 Prints a table of per-hop medians per mode and writes bench/results/token_path.json.
 
-    python bench/token_path.py [--modes fpga,gpu] [--requests 6] [--tokens 128] [--rounds 2] [--name token_path]
+    python -m bench.token_path [--modes fpga,gpu] [--requests 6] [--tokens 128] [--rounds 2] [--name token_path]
 """
 from __future__ import annotations
 
@@ -37,14 +37,14 @@ from pathlib import Path
 
 import httpx
 
-from _common import RESULTS, progress, table, write_json
+from bench._common import RESULTS, progress, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from serving.client import served_model  # noqa: E402
-from serving.report import command_line  # noqa: E402
-from serving.servers import Servers  # noqa: E402
-from serving.workload import Salter, corpus_ids, workload  # noqa: E402
+from bench.serving.client import served_model  # noqa: E402
+from bench.serving.report import command_line  # noqa: E402
+from bench.serving.servers import Servers  # noqa: E402
+from bench.serving.workload import Salter, corpus_ids, workload  # noqa: E402
 
 HOPS = ("got", "sent", "recv", "detok", "sse", "client")  # in order, each after the one before
 PREV = {"got": "step_end", "sent": "got", "recv": "sent", "detok": "recv", "sse": "detok", "client": "sse"}

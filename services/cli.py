@@ -89,14 +89,17 @@ def _service(module: str):
 
 
 def _bench(args) -> int:
+    """`hybridserve bench NAME ...`: bench/cli.py's registry, run as `python -m bench` with the checkout on the path
+    (bench/ is not part of the installed package, so this needs a checkout)."""
     import os
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "suite.py"
-    if not script.is_file():
-        print("hybridserve bench: bench/suite.py is not here; run it from a checkout of the project", file=sys.stderr)
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "cli.py").is_file():
+        print("hybridserve bench: bench/ is not here; run it from a checkout of the project", file=sys.stderr)
         return 2
-    os.execv(sys.executable, [sys.executable, str(script), *args.bench_args])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    os.execve(sys.executable, [sys.executable, "-m", "bench", *args.bench_args], env)
 
 
 def _positive(text: str) -> int:
@@ -114,8 +117,8 @@ def _add_services(sub) -> None:
         p.set_defaults(func=_service(module))
     sub.add_parser("gateway", help="run the OpenAI-compatible gateway").set_defaults(
         func=_service("services.gateway.__main__"))
-    bench = sub.add_parser("bench", help="the end-to-end benchmark suite (bench/suite.py; needs a checkout)",
-                           add_help=False)
+    bench = sub.add_parser("bench", help="run a product benchmark by name (`hybridserve bench --help` lists them; "
+                                         "needs a checkout)", add_help=False)
     bench.set_defaults(func=_bench)
     up = sub.add_parser("up", help="run the whole local stack: prefill_gpu, decode_fpga and the gateway")
     up.add_argument("--pairs", type=_positive, default=None,
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_services(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        args.bench_args = rest  # everything after `bench` belongs to the suite
+        args.bench_args = rest  # everything after `bench` belongs to bench/cli.py
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from services.model.checkpoint import CheckpointError

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from serving.client import Target, async_client, one_request
-from serving.stats import first_distinct, pct
+from bench.serving.client import Target, async_client, one_request
+from bench.serving.stats import first_distinct, pct
 
 SMOOTH_S = 0.150  # a gap longer than this is one a reader of the stream notices
 

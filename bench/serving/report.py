@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _common import ROOT, table
+from bench._common import ROOT, table
 
 # (figure key, title, unit scale, log y axis) per panel
 THROUGHPUT_PANELS = (("output_tok_s", "output tokens/s", 1.0, False), ("req_s", "requests/s", 1.0, False))
@@ -16,9 +16,14 @@ LATENCY_PANELS = (("ttft_p50", "TTFT p50 ms", 1e3, True), ("itl_p50", "ITL p50 m
 
 
 def command_line() -> str:
-    """The exact command, the script named relative to the repository (the interpreter is in `machine`)."""
-    script = Path(sys.argv[0]).resolve()
-    script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    """The exact command as it can be typed again from the repository root (the interpreter is in `machine`):
+    `python -m bench.MODULE ...` for a module run by itself, `python -m bench NAME ...` through the registry."""
+    first = sys.argv[0]
+    if not first.endswith(".py"):  # bench/cli.py set it to "PROG NAME"
+        return shlex.join(["python", "-m", "bench", first.split()[-1], *sys.argv[1:]])
+    script = Path(first).resolve()
+    if script.is_relative_to(ROOT):
+        return shlex.join(["python", "-m", ".".join(script.relative_to(ROOT).with_suffix("").parts), *sys.argv[1:]])
     return shlex.join(["python", str(script), *sys.argv[1:]])
 
 

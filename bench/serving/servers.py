@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 
-from _common import progress
+from bench._common import progress
 from harness.process import free_port
 
-import llama_server
+from bench import llama_server
 
 
 def resolve_llama_server(arg: str | None) -> str | None:
@@ -26,7 +26,7 @@ def resolve_llama_server(arg: str | None) -> str | None:
     found = llama_server.find()
     if found is None:
         progress(f"llama-server {llama_server.VERSION} is not built: measuring WITHOUT llama-server "
-                 "(build it once with `python bench/llama_server.py`)")
+                 "(build it once with `python -m bench.llama_server`)")
         return None
     return str(found)
 
@@ -105,8 +105,8 @@ class Servers:
     def start_stack(self, log: Path, extra_env: dict | None = None, name: str = "") -> str:
         """`hybridserve up` on free ports; its processes' PIDs and engines' metrics endpoints recorded
         (names prefixed with `name` when several stacks run); returns the gateway's URL."""
-        from _stack import start_stack
-        from serving.probe import stack_children
+        from bench._stack import start_stack
+        from bench.serving.probe import stack_children
 
         stack = start_stack(log, extra_env=extra_env)
         self.started.append(stack)

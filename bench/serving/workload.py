@@ -10,7 +10,7 @@ import random
 
 import numpy as np
 
-from _common import ROOT
+from bench._common import ROOT
 
 # real text, shipped with the repo: the front page and every docs page (the README alone is too short since
 # the docs left it), in a fixed order; the corpus' sha256 goes into each result for the record

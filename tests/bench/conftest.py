@@ -19,7 +19,7 @@ def bench_stack(tmp_path_factory, profile_cache):
     test_suite.py, which drive it with --url: a stack's start (model loads, kernel builds, the engines'
     profile sweeps, the router's calibration) took most of each test's minutes. Its profiles are cached
     where the other live stacks' are (tests/conftest.py)."""
-    from serving.servers import Servers
+    from bench.serving.servers import Servers
 
     servers = Servers()
     url = servers.start_stack(tmp_path_factory.mktemp("bench_stack") / "stack.log",

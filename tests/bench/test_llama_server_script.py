@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import llama_server
+from bench import llama_server
 
 
 def test_serve_command_has_a_slot_per_client_continuous_batching_and_loopback():
@@ -80,17 +80,16 @@ def test_a_process_started_for_a_benchmark_ends_when_the_benchmark_is_killed(tmp
 
     from services.lifetime import alive
 
-    bench_dir = str(Path(llama_server.__file__).parent)
+    root = str(Path(llama_server.__file__).parents[1])
     pid_file = tmp_path / "child.pid"
     starter = subprocess.Popen([sys.executable, "-c", f"""
 import subprocess, sys, time
-sys.path[:0] = [{bench_dir!r}, {str(Path(bench_dir).parent)!r}]
 import os
-from serving.servers import ends_with
+from bench.serving.servers import ends_with
 child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=ends_with(os.getpid()))
 open({str(pid_file)!r}, "w").write(str(child.pid))
 time.sleep(300)
-"""])
+"""], cwd=root)
     try:
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:

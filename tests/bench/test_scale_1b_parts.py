@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-import scale_1b
+from bench import scale_1b
 
 
 def fake_bench(tmp_path, body: str):

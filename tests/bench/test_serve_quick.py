@@ -1,4 +1,4 @@
-"""`bench/serve.py --quick --url ... [--llama-server auto]` drives every mode of a running stack (the
+"""`python -m bench.serve --quick --url ... [--llama-server auto]` drives every mode of a running stack (the
 package's, started as --start-stack starts one: conftest.py) and llama-server, when bench/llama_server.py
 has built it, and writes sane JSON and plots."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import llama_server
+from bench import llama_server
 from tests.bench.conftest import stack_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ STACK = {"prefill_gpu", "decode_fpga", "gateway"}
 def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, bench_stack):
     url, servers = bench_stack
     with_llama = llama_server.find() is not None
-    cmd = [sys.executable, str(ROOT / "bench/serve.py"), "--quick", "--url", url, *stack_arguments(servers),
+    cmd = [sys.executable, "-m", "bench.serve", "--quick", "--url", url, *stack_arguments(servers),
            "--out", str(tmp_path), "--name", "serve", "--modes", ",".join(MODES),
            # one round, not the preset's two: the stacks lane's longest test; taking medians over
            # rounds is tests/bench/test_serving_parts.py's (over_rounds)

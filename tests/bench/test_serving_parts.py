@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from serving.long_prompts import summarize_arrivals
-from serving.report import LATENCY_PANELS, plot_against_concurrency, serve_table
-from serving.stats import over_rounds, pct, ratios_to, summarize
-from serving.workload import Salter, chat_workload, salt_seed, workload
+from bench.serving.long_prompts import summarize_arrivals
+from bench.serving.report import LATENCY_PANELS, plot_against_concurrency, serve_table
+from bench.serving.stats import over_rounds, pct, ratios_to, summarize
+from bench.serving.workload import Salter, chat_workload, salt_seed, workload
 
 CORPUS = list(range(10_000, 12_000))  # distinct ids: a window's position is its first id
 
@@ -140,7 +140,7 @@ def test_plot_writes_a_png_with_one_line_per_target(tmp_path):
 
 
 def test_write_json_records_the_machine(tmp_path):
-    from _common import write_json
+    from bench._common import write_json
 
     path = write_json("serve_vs_llama", {"results": {"a": {"1": {"median": {"output_tok_s": 1.0}}}}}, out_dir=tmp_path)
     data = json.loads(path.read_text())
@@ -149,7 +149,7 @@ def test_write_json_records_the_machine(tmp_path):
 
 
 def test_serve_accepts_repeats_for_rounds_and_llama_server_auto():
-    import serve
+    from bench import serve
 
     args = serve.build_args().parse_args(["--start-stack", "--repeats", "5", "--llama-server", "auto"])
     assert args.rounds == 5 and args.llama_server == "auto"
@@ -158,7 +158,7 @@ def test_serve_accepts_repeats_for_rounds_and_llama_server_auto():
 
 
 def test_prefix_cache_env_names_both_engines_and_reads_hit_ratios():
-    import prefix_cache
+    from bench import prefix_cache
 
     assert prefix_cache.caching_env(False) == {"HYBRIDSERVE_PREFILL_ENABLE_PREFIX_CACHING": "false",
                                                "HYBRIDSERVE_DECODE_ENABLE_PREFIX_CACHING": "false"}
@@ -173,7 +173,7 @@ def test_prefix_cache_env_names_both_engines_and_reads_hit_ratios():
 def test_recorded_paths_do_not_carry_this_machines_folders():
     from pathlib import Path
 
-    import serve
+    from bench import serve
 
     assert serve.shown_path(str(Path.home() / ".cache/hybridserve/llama-server/1/llama-server")) == \
         "~/.cache/hybridserve/llama-server/1/llama-server"

@@ -1,4 +1,4 @@
-"""`bench/suite.py --quick --url ...` measures every cell and mode of a running stack (the package's:
+"""`python -m bench.suite --quick --url ...` measures every cell and mode of a running stack (the package's:
 conftest.py) and writes JSON and plots."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quick_suite_writes_every_cell_and_mode_and_valid_pngs(tmp_path, bench_stack):
     url, _ = bench_stack
-    cmd = [sys.executable, str(ROOT / "bench/suite.py"), "--quick", "--url", url, "--inputs", "16,64",
+    cmd = [sys.executable, "-m", "bench.suite", "--quick", "--url", url, "--inputs", "16,64",
            "--outputs", "4,8", "--reps", "2", "--load-clients", "2", "--load-requests", "1", "--out", str(tmp_path)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import guidellm_compare
-import token_path
+from bench import guidellm_compare, token_path
 
 
 def test_hops_are_joined_by_request_and_token_count():

@@ -222,12 +222,11 @@ def test_no_receiver_listening_is_a_clear_error(model_config):
                     reason="network namespaces need root and iproute2 (ip); run as root to cover the cross-namespace path")
 def test_a_handoff_across_two_network_namespaces(model_config, prefilled):
     """The bench's namespaces and veth pair, one small hand-off of random bytes between them, then gone."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from cross_host import Netns
+    from bench.cross_host_net import Netns
 
     with Netns(rate=None) as ns:
-        out = subprocess.run([sys.executable, "bench/cross_host.py", "--selftest", ns.tx, ns.rx],
-                             capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+        out = subprocess.run([sys.executable, "-m", "bench.cross_host", "--selftest", ns.tx, ns.rx],
+                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
         assert out.returncode == 0, out.stderr[-2000:]
         assert "selftest ok" in out.stdout
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
