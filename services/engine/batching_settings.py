@@ -30,6 +30,13 @@ class BatchingSettings(BaseModel):
     # prefix-cache blocks the KV pool evicts, kept in host memory and loaded back on a hit instead of
     # recomputed (services/engine/host_kv_tier.py); 0 = no host tier
     host_kv_cache_mb: int = Field(0, ge=0)
+    # speculative decoding with n-gram drafts (services/engine/speculation.py): up to this many drafts a
+    # decoding sequence checks per step (0 = off), from n-grams of n_min..n_max tokens, only while at most
+    # speculative_max_batch sequences decode (beyond, drafts cost the batch more than they give)
+    speculative_k: int = Field(0, ge=0, le=16)
+    speculative_n_min: int = Field(2, ge=1)
+    speculative_n_max: int = Field(4, ge=1)
+    speculative_max_batch: int = Field(4, ge=1)
 
     def step_rows(self) -> int:
         """The tokens one step computes at most, stretched or not: the rows an engine is built for."""

@@ -56,4 +56,11 @@ STEP_TOKENS = Histogram("hybridserve_engine_step_tokens", "Tokens computed per e
 LOGPROB_ROWS = Counter("hybridserve_engine_logprob_rows", "Positions given logprobs, by where they were computed: "
                        "device (a log-softmax and top-k kernel, 2 + 2k words read back) or host (the fp32 logits "
                        "row read back)", ["where"])
+# speculative decoding (speculation.py), named after vLLM's spec_decode counters
+SPEC_DRAFTS = Counter("hybridserve_spec_decode_num_drafts", "Verify chunks: a sequence's drafts checked in one step")
+SPEC_DRAFT_TOKENS = Counter("hybridserve_spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+SPEC_ACCEPTED_TOKENS = Counter("hybridserve_spec_decode_num_accepted_tokens", "Draft tokens the target accepted")
+SPEC_ACCEPTED_LENGTH = Histogram("hybridserve_spec_decode_acceptance_length", "Tokens a verify chunk emitted "
+                                 "(accepted drafts + the target's own)", buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+SPEC_STEPS = Counter("hybridserve_spec_decode_steps", "Engine steps with at least one verify chunk")
 STEP_SECONDS = Histogram("hybridserve_engine_step_seconds", "Seconds per engine step", buckets=STAGE_BUCKETS)
