@@ -16,8 +16,8 @@ matrices, and unfused with [in, out] matrices (the step before the fusing):
 * transformers on the same GPU: prefill 512 and decode ms/token at batch 1 and 64 (its own cache).
 
 The default GGUF is used when installed; otherwise (a lent GPU machine cannot receive the
-98 MB file) a SmolLM2-shaped checkpoint with random weights, written as safetensors with
-bench/cuda_check.py, which exercises every kernel path at the real sizes.
+98 MB file) a SmolLM2-shaped checkpoint with random weights, written as safetensors, which
+exercises every kernel path at the real sizes.
 
     python -m bench.gpu_engine [--out bench/results] [--name engine_gpu]
 """
@@ -124,6 +124,18 @@ def serve(engine, prompts, n_new, budget) -> tuple[list[list[int]], float]:
     return [s.output_token_ids for s in seqs], time.perf_counter() - t
 
 
+def smollm2_shaped_checkpoint(directory: Path) -> Path:
+    """SmolLM2-135M's shape with random weights (seeded), as a Hugging Face directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def load(tmp: Path):
     try:
         loaded = load_model(os.environ.get("HYBRIDSERVE_MODEL") or None)
@@ -132,8 +144,6 @@ def load(tmp: Path):
             return loaded, dict(pretrained=str(path)), str(path)
         return loaded, dict(pretrained=str(path.parent), gguf_file=path.name), path.name
     except Exception as exc:  # the model package is not installed on the GPU machine
-        from cuda_check import smollm2_shaped_checkpoint
-
         print(f"default model unavailable ({type(exc).__name__}); a SmolLM2-shaped random checkpoint")
         path = smollm2_shaped_checkpoint(tmp)
         return load_model(str(path)), dict(pretrained=str(path)), "SmolLM2-shaped, random weights"
