@@ -45,7 +45,7 @@ SHARED_FIELDS = frozenset({"model", "log_level", "host", "profile_cache", "profi
 # service leaves them alone, so `HYBRIDSERVE_INSTALL_WITH=pip make run` installs with pip and then serves
 OUTSIDE_VARIABLES = frozenset({"HYBRIDSERVE_INSTALL_WITH", "HYBRIDSERVE_LLAMA_SERVER_CACHE", "HYBRIDSERVE_SCALE_CACHE",
                                "HYBRIDSERVE_BASE_IMAGE", "HYBRIDSERVE_GATEWAY_HOST_PORT", "HYBRIDSERVE_TORCH_INDEX",
-                               "HYBRIDSERVE_TEST_COMPOSE"})
+                               "HYBRIDSERVE_TEST_COMPOSE", "HYBRIDSERVE_COMPOSE_KV_TRANSPORT"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
                     "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")

@@ -164,3 +164,23 @@ def test_dependency_minimums_match_the_generated_stubs():
     for name, minimum in deps.items():
         if name in lock:
             assert _version(lock[name][0]) >= minimum, (name, lock[name][0], minimum)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_the_network_kv_overlay_gives_each_engine_settings_it_starts_with(transport):
+    # docker-compose substitutes ${HYBRIDSERVE_COMPOSE_KV_TRANSPORT:-tcp}; each engine then reads its variables
+    from services.decode_fpga.settings import DecodeSettings
+    from services.kv.transports import check_name
+    from services.prefill_gpu.settings import PrefillSettings
+
+    overlay = yaml.safe_load((ROOT / "deploy" / "compose.kv-network.yml").read_text())["services"]
+    assert set(overlay) <= set(_services())
+    env = {name: {k: re.sub(r"\$\{HYBRIDSERVE_COMPOSE_KV_TRANSPORT:-tcp\}", transport, str(v))
+                  for k, v in overlay[name]["environment"].items()} for name in overlay}
+    try:
+        check_name(transport)
+    except ValueError as exc:  # nixl without its extra: the engines would stop at start, saying this
+        pytest.skip(str(exc))
+    decode = DecodeSettings.from_environ(env["decode-fpga"])
+    assert (decode.kv_transport, decode.kv_advertise) == (transport, "decode-fpga:50070")
+    assert PrefillSettings.from_environ(env["prefill-gpu"]).kv_transport == transport
