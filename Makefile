@@ -54,10 +54,11 @@ test-fast: $(STAMP)
 bench: $(STAMP) system-deps
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp (llama-cpp-python) for the comparison: ~20-25 min on 2 cores, once"; \
 	  $(PY) -m pip install -q -e '.[test,llamacpp]' || echo "warning: llama.cpp did not build; engine_opencl.py runs without it"; }
-	$(PY) -m bench.engine_torch
-	@for b in engine_opencl handoff quant_gemv logprobs_cost; do \
-	  if [ -f bench/$$b.py ]; then $(PY) -m bench.$$b || exit $$?; else echo "bench/$$b.py is not here; skipped"; fi; \
-	done
+	$(PY) -m bench.micro.engine_torch
+	$(PY) -m bench.engine_opencl
+	$(PY) -m bench.micro.handoff
+	$(PY) -m bench.quant_gemv
+	$(PY) -m bench.micro.logprobs_cost
 	$(PY) -m bench suite
 	$(PY) -m bench router
 	@$(MAKE) --no-print-directory bench-serve

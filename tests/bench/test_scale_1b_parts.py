@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from bench import scale_1b
+from bench.micro import scale_1b
 
 
 def fake_bench(tmp_path, body: str):

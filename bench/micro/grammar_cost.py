@@ -14,7 +14,7 @@ matchers are timed from inside: per step (all rows), the time the pick waited fo
 filled (`wait`: what the overlap did not hide), the time applying masks (`apply`) and accepting
 tokens (`accept`); apply and accept include the wait.
 
-    python -m bench.grammar_cost [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
+    python -m bench.micro.grammar_cost [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
 """
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ import time
 
 import numpy as np
 from bench._common import machine, progress, table, write_json
-from bench.logprobs_cost import make_engine, run_level
+from bench.micro.logprobs_cost import make_engine, run_level
 
 from services.engine import grammar as grammar_mod
 from services.engine.engine_loop import EngineLoop
 from services.engine.grammar import GrammarTokenizer
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import SchedulerConfig
-from services.gateway.structured import grammar_of
+from services.gateway.protocol.structured import grammar_of
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "scores"],
           "properties": {"id": {"type": "string", "maxLength": 8},

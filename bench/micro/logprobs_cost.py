@@ -16,8 +16,8 @@ Per row: the OpenCL engine's decode step of `c` rows timed alone, plain greedy, 
 device and with the logits read back + logprobs on the host (interleaved, median), and the host's
 own work per sampling row (`--host-only` alone): milliseconds per row for each kind of work.
 
-    python -m bench.logprobs_cost [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
-    python -m bench.logprobs_cost --host-only
+    python -m bench.micro.logprobs_cost [--clients 8] [--tokens 32] [--rounds 3] [--engines torch,opencl]
+    python -m bench.micro.logprobs_cost --host-only
 """
 from __future__ import annotations
 

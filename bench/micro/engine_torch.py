@@ -4,7 +4,7 @@ Prefill tokens/s at 64, 256, 512, 1024 prompt tokens; decode ms/token at batch
 1, 4, 16 (sequences of different lengths). Rounds alternate ours / theirs
 because this machine's speed drifts by +-25% over minutes.
 
-    python -m bench.engine_torch [--rounds N] [--quick] [--out DIR]
+    python -m bench.micro.engine_torch [--rounds N] [--quick] [--out DIR]
 
 Writes engine_torch.json and engine_torch.png under bench/results (or --out);
 the 1-minute load average before and after goes into the JSON, since other

@@ -4,7 +4,7 @@ For prompts of 64, 256, 512 and 1024 tokens, several hybrid requests (one
 output token) through the real services; plus, in the same run, the GB/s of a
 copy into the shared-memory arena against a plain memcpy of the same size.
 
-    python -m bench.handoff [--reps N]
+    python -m bench.micro.handoff [--reps N]
 """
 from __future__ import annotations
 

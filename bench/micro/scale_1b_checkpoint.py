@@ -8,7 +8,7 @@ are N(0, 0.02) (a speed measurement: what matters is the bytes, not the logits),
 file (~2.1 GB) is written tensor by tensor, so the model is never whole in memory, then quantized
 (~0.8 GB). Nothing here is committed: both files go to a cache directory and are reused.
 
-    python -m bench.scale_1b_checkpoint --quantize /path/to/llama-quantize [--dir DIR]
+    python -m bench.micro.scale_1b_checkpoint --quantize /path/to/llama-quantize [--dir DIR]
 """
 from __future__ import annotations
 

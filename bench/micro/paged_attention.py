@@ -18,7 +18,7 @@ and per row, and whether their outputs are the same bits (an md5 of each one's o
 written by the kernel): paged_rope_attention_decode (one work-item per query head, each score computed
 twice) against paged_rope_attention_decode_scores (one per kv head, each score once).
 
-    python -m bench.paged_attention [--steps N] [--quick] [--prefill | --decode [--rounds N]]
+    python -m bench.micro.paged_attention [--steps N] [--quick] [--prefill | --decode [--rounds N]]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ then little: the others evicted it) and prefills the rest again; with it, the ev
 back from host memory. Per run: TTFT (submit to first token, engine loop included) of every return,
 its median, and the prompt tokens found cached. The two configurations alternate round by round.
 
-    python -m bench.host_kv_tier [--conversations 8] [--prompt 256] [--rounds 3]
+    python -m bench.micro.host_kv_tier [--conversations 8] [--prompt 256] [--rounds 3]
 """
 from __future__ import annotations
 

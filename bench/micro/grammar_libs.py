@@ -17,7 +17,7 @@ object; a regex) it times:
 A library that cannot express a grammar says so in the table (outlines-core compiles regular
 languages only: no unbounded nesting, so no "any JSON object").
 
-    python -m bench.grammar_libs [--repeats 5] [--libs xgrammar,llguidance,outlines_core]
+    python -m bench.micro.grammar_libs [--repeats 5] [--libs xgrammar,llguidance,outlines_core]
 """
 from __future__ import annotations
 

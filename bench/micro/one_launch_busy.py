@@ -9,7 +9,7 @@ and a 128-token context, paged steps (the serving path) of three engines on the 
 with 0, 1 and 2 busy processes beside them (one at a 30% duty cycle, as a gateway streaming
 tokens might be; the others always busy), each cell's engines interleaved round by round.
 
-    python bench/one_launch_busy.py [--rounds 3] [--steps 60]
+    python -m bench.micro.one_launch_busy [--rounds 3] [--steps 60]
 
 Prints ms per step (median, p90, max, mean) and writes bench/results/one_launch_busy.{json,png}.
 """
@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from _common import RESULTS, CpuHog, progress, table, write_json
-from paged_step import engines, time_paged_wall
+from bench._common import RESULTS, CpuHog, progress, table, write_json
+from bench.paged_step import engines, time_paged_wall
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -10,7 +10,7 @@ intermediate 1536, vocabulary 49152) in each family, written as GGUF with Q8_0 m
           their own (arch_parts.py), GPT-2's only way
 Interleaved round by round, medians of every round's steps.
 
-    python -m bench.arch_decode [--rounds N] [--steps N]
+    python -m bench.micro.arch_decode [--rounds N] [--steps N]
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ Rows, interleaved round by round, medians of every round's steps, 2 threads each
   * llama.cpp   llama-batched-bench on the same file, -t 2, a shared --context-token prompt, then
                 --steps generated tokens for 1 and 8 parallel sequences (its t_tg / steps)
 
-    python -m bench.scale_1b --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
-    python -m bench.scale_1b --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
+    python -m bench.micro.scale_1b --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
+    python -m bench.micro.scale_1b --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
         --tensor-type attn_v=q4_k --tensor-type ffn_down=q4_k (no mixed stacks, so packable)
 
 --launch-cost: what running launch by launch (as a file with mixed q|k|v stacks must) costs at
@@ -149,7 +149,7 @@ def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
 
 def main() -> int:
     from bench.paged_step import time_paged_wall
-    from scale_1b_checkpoint import ensure
+    from bench.micro.scale_1b_checkpoint import ensure
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bin", type=Path, required=True, help="a llama.cpp build's bin/ (llama-quantize, ...)")

@@ -19,7 +19,7 @@ The default GGUF is used when installed; otherwise (a lent GPU machine cannot re
 98 MB file) a SmolLM2-shaped checkpoint with random weights, written as safetensors, which
 exercises every kernel path at the real sizes.
 
-    python -m bench.gpu_engine [--out bench/results] [--name engine_gpu]
+    python -m bench.micro.gpu_engine [--out bench/results] [--name engine_gpu]
 """
 from __future__ import annotations
 
