@@ -29,7 +29,7 @@ from serving.stats import pct  # noqa: E402
 import numpy as np  # noqa: E402
 
 from services.engine.engine_loop import EngineLoop  # noqa: E402
-from services.engine.requests import Cancelled, ShuttingDown  # noqa: E402
+from services.errors import Cancelled, ShuttingDown  # noqa: E402
 from services.engine.runtime import scheduler_config  # noqa: E402
 from services.engine.sampling import SamplingParams  # noqa: E402
 

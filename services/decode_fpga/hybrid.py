@@ -22,8 +22,8 @@ import numpy as np
 
 from services.engine import metrics as m
 from services.engine.generation import TokenEvent
-from services.engine.requests import (Cancellation, Cancelled, EngineError, EngineRequest, HandoffFailed,
-                                      InvalidRequest, RequestTimings)
+from services.engine.requests import Cancellation, EngineRequest, RequestTimings
+from services.errors import Cancelled, EngineError, HandoffFailed, InvalidRequest
 from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.profile_sweep import fitting_lengths
 from services.engine.engine_loop import RequestStream
@@ -48,7 +48,7 @@ class PrefillPeer(Protocol):
                 skip_tokens: int = 0) -> Iterator[HandoffEvent]:
         """The hand-off's messages, for the prompt's positions from `skip_tokens` on (the ones before
         are in this engine's prefix cache); closing the iterator ends the peer's call (it frees its
-        memory). Raises the typed errors of services/engine/requests.py."""
+        memory). Raises the typed errors of services/errors.py."""
 
     def close(self) -> None: ...
 

@@ -14,7 +14,8 @@ from typing import Iterator
 import grpc
 
 from services.engine.handoff_wire import handoff_from_proto
-from services.engine.requests import Cancellation, EngineRequest, PeerMismatch, PeerUnavailable
+from services.engine.requests import Cancellation, EngineRequest
+from services.errors import PeerMismatch, PeerUnavailable
 from services.engine.service import EngineServicer, sampling_to_proto
 from services.engine.status import error_from_peer
 from services.kv import transports

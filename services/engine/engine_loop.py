@@ -34,8 +34,8 @@ from services.engine.grammar import GrammarMatcher, GrammarTokenizer, prepare_ma
 from services.engine.host_kv_tier import HostKVTier
 from services.engine.logprobs import LogprobsAsked, StepLogprobs, TokenLogprob, token_logprob
 from services.engine.request_state import finish_reason
-from services.engine.requests import (Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull,
-                                      ShuttingDown, check_prompt)
+from services.engine.requests import check_prompt
+from services.errors import Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull, ShuttingDown
 from services.engine.sampling import Sampler, SamplingParams
 from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 

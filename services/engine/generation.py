@@ -12,7 +12,8 @@ from typing import Iterator
 from services.engine.api import Engine
 from services.engine.logprobs import TokenLogprob
 from services.engine.request_state import RequestState, finish_reason, state_after_token
-from services.engine.requests import InvalidRequest, PromptTooLong, RequestTimings
+from services.engine.requests import RequestTimings
+from services.errors import InvalidRequest, PromptTooLong
 from services.engine.sampling import Sampler, SamplingParams
 
 __all__ = ["Generation", "PromptTooLong", "TokenEvent", "Timings"]

@@ -28,7 +28,7 @@ import llguidance
 import llguidance.numpy as llg_np
 import numpy as np
 
-from services.engine.requests import InvalidRequest
+from services.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

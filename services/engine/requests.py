@@ -1,10 +1,9 @@
-"""A request to an engine as plain Python: what comes in, how it is cancelled, how it fails.
+"""A request to an engine as plain Python: what comes in, how it is cancelled, what it reports.
 
 The engine runtime (runtime.py) takes an `EngineRequest` and a `Cancellation` and
 yields token events; it knows nothing of gRPC. The servicers (service.py) build
-these from protos and turn the typed errors below into statuses (status.py).
-Every error here carries a message written by us, safe to show a client; anything
-else that escapes is an internal failure whose text stays in the log.
+these from protos and turn the typed errors (services/errors.py) into statuses
+(status.py).
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from services.engine.sampling import SamplingParams
+from services.errors import InvalidRequest, PromptTooLong
 
 
 @dataclass(frozen=True)
@@ -78,60 +78,6 @@ class Cancellation:
             left = max(0.0, self.deadline - time.monotonic())
             timeout = left if timeout is None else min(timeout, left)
         return self._event.wait(timeout)
-
-
-# ---- typed failures (status.py maps each to a gRPC status) ---------------------------------
-class EngineError(Exception):
-    """A request failed for a reason its caller can act on; the message is safe to show."""
-
-
-class InvalidRequest(EngineError, ValueError):
-    """The request itself is wrong (bad ids, bad sampling parameters, a mode not served here)."""
-
-
-class PromptTooLong(InvalidRequest):
-    """The prompt does not leave room for one generated token in the context window."""
-
-
-class HandoffTooLarge(PromptTooLong):
-    """The prompt's KV is larger than all the memory a hybrid hand-off may hold: it could never be
-    handed over (a retry would not help; the single-device modes may still serve it)."""
-
-
-class Overloaded(EngineError):
-    """No room now (queue full, no slot, no sequence): back-pressure; a retry later may fit."""
-
-
-class QueueFull(Overloaded):
-    """More requests wait than the queue holds."""
-
-
-class Cancelled(EngineError):
-    """The request was cancelled (its client went away) before it finished."""
-
-
-class PeerUnavailable(EngineError):
-    """The other engine (prefill_gpu, for hybrid mode) cannot be reached."""
-
-
-class PeerMismatch(EngineError):
-    """The other engine serves another model, or its KV arena is not on this host: a deployment fault."""
-
-
-class HandoffTimedOut(EngineError):
-    """The KV hand-off did not finish within its deadline."""
-
-
-class HandoffFailed(EngineError):
-    """The other engine failed the KV hand-off. Internal: its details stay in the logs."""
-
-
-class EngineStepFailed(EngineError):
-    """The engine failed a batched step this request was in. Internal: its details stay in the log."""
-
-
-class ShuttingDown(EngineError):
-    """The engine's loop has stopped: the service is going down; another engine may serve it."""
 
 
 def check_prompt(prompt_ids, vocab_size: int, max_context: int) -> None:

@@ -2,7 +2,7 @@
 
 `EngineRuntime.generate(request, cancel)` admits the request (the engine loop's bounded queue), runs it
 in the mode it asks for and yields `TokenEvent`s, the last one with its
-finish_reason and timings. It raises the typed errors of requests.py and knows
+finish_reason and timings. It raises the typed errors of services/errors.py and knows
 nothing of gRPC: the servicer (service.py) is a thin layer over it, and in-process
 callers (the profile sweep's hand-off samples, tests) call it directly.
 
@@ -24,8 +24,8 @@ from services.engine.generation import TokenEvent
 from services.engine.grammar import GrammarTokenizer
 from services.engine.profile_cache import sweep_lock
 from services.engine.profile_sweep import LoopTimer, Profile, code_fingerprint, profile_engine, run_sweep
-from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, QueueFull,
-                                      RequestTimings, check_prompt)
+from services.engine.requests import Cancellation, EngineRequest, RequestTimings, check_prompt
+from services.errors import Cancelled, InvalidRequest, QueueFull
 from services.engine.scheduler import SchedulerConfig
 
 ModeHandler = Callable[[EngineRequest, RequestTimings, Cancellation], Iterator[TokenEvent]]

@@ -30,7 +30,8 @@ from prometheus_client import start_http_server
 from services import token_trace
 from services.engine.generation import TokenEvent
 from services.engine.handoff_wire import logprob_to_proto
-from services.engine.requests import Cancellation, EngineRequest, InvalidRequest, RequestTimings
+from services.engine.requests import Cancellation, EngineRequest, RequestTimings
+from services.errors import InvalidRequest
 from services.engine.runtime import EngineRuntime
 from services.engine.sampling import SamplingParams
 from services.engine.status import abort

@@ -1,6 +1,6 @@
 """Typed engine errors → gRPC statuses, in one table; and a peer engine's statuses back to errors.
 
-A typed error's message is ours (requests.py) and goes to the client as it is.
+A typed error's message is ours (services/errors.py) and goes to the client as it is.
 Anything else, and `HandoffFailed`, is INTERNAL with a fixed message naming the
 request id; the details go to this process's log under that id, never across
 the wire. The gateway then answers its own fixed message for INTERNAL.
@@ -13,9 +13,8 @@ from typing import NoReturn
 import grpc
 
 from services.engine.api import EngineFull
-from services.engine.requests import (Cancelled, EngineError, HandoffFailed, HandoffTimedOut, InvalidRequest,
-                                      Overloaded, PeerMismatch, PeerUnavailable, PromptTooLong,
-                                      ShuttingDown)
+from services.errors import (Cancelled, EngineError, HandoffFailed, HandoffTimedOut, InvalidRequest, Overloaded,
+                             PeerMismatch, PeerUnavailable, PromptTooLong, ShuttingDown)
 from services.kv.arena import ArenaFull
 from services.kv.header import HeaderMismatch
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Union
 
 import numpy as np
 
-from services.engine.requests import HandoffFailed
+from services.errors import HandoffFailed
 from services.kv.header import HeaderMismatch, SlotHeader
 from services.kv.layout import WireLayout, wire_dtype
 

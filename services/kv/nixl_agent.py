@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Iterator
 
-from services.engine.requests import HandoffFailed
+from services.errors import HandoffFailed
 
 EXTRA = "nixl"
 INSTALL_HINT = f"pip install 'hybridserve[{EXTRA}]'"

@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from services.engine.requests import HandoffFailed
+from services.errors import HandoffFailed
 from services.kv.handoff import (HandoffEvent, HandoffState, KVReceiver, KVSender, LayerReady, PrefillDone, SlotGrant,
                                 layout_of)
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader

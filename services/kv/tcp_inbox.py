@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from services.engine.requests import HandoffFailed, InvalidRequest
+from services.errors import HandoffFailed, InvalidRequest
 from services.kv.address import format_address
 from services.kv.handoff import HandoffState, PrefillDone, SlotGrant
 from services.kv.header import HeaderMismatch, SlotHeader

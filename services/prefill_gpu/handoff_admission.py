@@ -31,7 +31,8 @@ from collections import deque
 from typing import Callable, Iterator
 
 from services.engine import metrics as m
-from services.engine.requests import Cancellation, Cancelled, HandoffTimedOut, HandoffTooLarge, QueueFull
+from services.engine.requests import Cancellation
+from services.errors import Cancelled, HandoffTimedOut, HandoffTooLarge, QueueFull
 
 POLL_S = 0.05  # how often a waiter checks its cancellation: a client gone must leave the queue soon
 

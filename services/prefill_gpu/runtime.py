@@ -21,8 +21,8 @@ import time
 from typing import Callable, Iterator
 
 from services.engine import metrics as m
-from services.engine.requests import (Cancellation, Cancelled, EngineRequest, InvalidRequest, PromptTooLong,
-                                      QueueFull)
+from services.engine.requests import Cancellation, EngineRequest
+from services.errors import Cancelled, InvalidRequest, PromptTooLong, QueueFull
 from services.engine.runtime import EngineRuntime
 from services.engine.sampling import SamplingParams
 from services.kv.arena import Arena, ArenaFull

@@ -14,7 +14,8 @@ import logging
 import grpc
 
 from services.engine.handoff_wire import handoff_to_proto
-from services.engine.requests import EngineRequest, InvalidRequest
+from services.engine.requests import EngineRequest
+from services.errors import InvalidRequest
 from services.engine.service import EngineServicer, cancellation_of, request_id_of, sampling_from_proto
 from services.engine.status import abort
 from services.kv import transports

@@ -30,7 +30,7 @@ def test_a_failed_prefills_error_is_found_behind_every_layer_it_sent():
     call's error is still the request's (INTERNAL), behind all the layer messages sent before it (4
     were read once, and a failure at layer 3 of 30 came back FAILED_PRECONDITION)."""
     from services.decode_fpga.hybrid import _why_the_call_ended
-    from services.engine.requests import EngineStepFailed
+    from services.errors import EngineStepFailed
 
     n_layers = 30
 

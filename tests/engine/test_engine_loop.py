@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from services.engine.engine_loop import EngineLoop
-from services.engine.requests import Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull
+from services.errors import Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import SchedulerConfig
 from tests.engine.paged_fake import VOCAB, PagedFakeEngine, reference

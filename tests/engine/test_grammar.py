@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.engine.grammar import GrammarTokenizer, prepare_masks
-from services.engine.requests import InvalidRequest
+from services.errors import InvalidRequest
 from services.engine.sampling import Sampler, SamplingParams
 from services.gateway.structured import grammar_of
 

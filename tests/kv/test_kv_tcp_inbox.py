@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from services.engine.requests import InvalidRequest
+from services.errors import InvalidRequest
 from services.kv.address import parse_address
 from services.kv.header import HeaderMismatch, SlotHeader, request_nonce
 from services.kv.tcp import ERROR, FRAME, PeerGone, TcpSender

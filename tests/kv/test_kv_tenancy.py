@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.engine.requests import HandoffFailed
+from services.errors import HandoffFailed
 from services.kv.arena import Arena, ArenaReader
 from services.kv.handoff import HandoffState, PrefillDone, SlotChanged
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader, request_nonce

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from services.engine.requests import Cancellation, Cancelled, HandoffTimedOut, HandoffTooLarge, QueueFull
+from services.engine.requests import Cancellation
+from services.errors import Cancelled, HandoffTimedOut, HandoffTooLarge, QueueFull
 from services.kv.arena import Arena
 from services.kv.header import SlotHeader
 from services.kv.shm import ShmSender

@@ -20,8 +20,9 @@ from services.decode_fpga.hybrid import DecodeRuntime, PrefillPeers
 from services.decode_fpga.server import GrpcPrefillPeer
 from services.decode_fpga.settings import DecodeSettings
 from services.engine.api import EngineFull
-from services.engine.requests import (Cancellation, Cancelled, EngineRequest, HandoffFailed, HandoffTimedOut,
-                                      InvalidRequest, PeerUnavailable, PromptTooLong, QueueFull, RequestTimings)
+from services.engine.requests import Cancellation, EngineRequest, RequestTimings
+from services.errors import (Cancelled, HandoffFailed, HandoffTimedOut, InvalidRequest, PeerUnavailable, PromptTooLong,
+                             QueueFull)
 from services.engine.sampling import SamplingParams
 from services.engine.service import EngineServicer
 from services.engine.status import status_of

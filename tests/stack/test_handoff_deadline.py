@@ -15,7 +15,8 @@ import pytest
 from services.decode_fpga.hybrid import DecodeRuntime
 from services.decode_fpga.server import GrpcPrefillPeer
 from services.decode_fpga.settings import DecodeSettings
-from services.engine.requests import Cancellation, EngineRequest, HandoffTimedOut
+from services.engine.requests import Cancellation, EngineRequest
+from services.errors import HandoffTimedOut
 from services.engine.sampling import SamplingParams
 from services.kv.arena import Arena
 from services.prefill_gpu.runtime import PrefillRuntime
