@@ -55,7 +55,7 @@ bench: $(STAMP) system-deps
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp (llama-cpp-python) for the comparison: ~20-25 min on 2 cores, once"; \
 	  $(PY) -m pip install -q -e '.[test,llamacpp]' || echo "warning: llama.cpp did not build; engine_opencl.py runs without it"; }
 	$(PY) -m bench.micro.engine_torch
-	$(PY) -m bench.engine_opencl
+	$(PY) -m bench.micro.engine_opencl
 	$(PY) -m bench.micro.handoff
 	$(PY) -m bench.quant_gemv
 	$(PY) -m bench.micro.logprobs_cost

@@ -7,7 +7,7 @@ the torch engine, transformers and llama.cpp (same GGUF file, same threads; inst
 `pip install '.[llamacpp]'`, which builds it from PyPI) at batch 1. Also how
 often fp16 and gguf greedy tokens differ from fp32 over 256 tokens.
 
-    python bench/engine_opencl.py [--rounds N] [--quick]
+    python -m bench.micro.engine_opencl [--rounds N] [--quick]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from _common import RESULTS, memory_bandwidth_gbs, progress, stats, table, write_json
+from bench._common import RESULTS, memory_bandwidth_gbs, progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -12,8 +12,8 @@ Rows, each an OpenCLEngine on that one file, the paged step (the serving path) w
 Batch 1 and 8 at a context of --context tokens (random KV, imported), interleaved round by round,
 medians of every round's steps.
 
-    python bench/kquant_decode.py --quantize PATH/TO/llama-quantize [--rounds N] [--steps N]
-    python bench/kquant_decode.py --gguf PATH/TO/model.Q4_K_M.gguf
+    python -m bench.micro.kquant_decode --quantize PATH/TO/llama-quantize [--rounds N] [--steps N]
+    python -m bench.micro.kquant_decode --gguf PATH/TO/model.Q4_K_M.gguf
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from _common import progress, stats, table, write_json
+from bench._common import progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -83,7 +83,7 @@ def engines(gguf: Path, max_batch: int, max_context: int) -> dict:
 
 
 def main() -> int:
-    from paged_step import time_paged_wall
+    from bench.paged_step import time_paged_wall
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
