@@ -1,7 +1,9 @@
-"""`hybridserve bench NAME` and the bench package's shape: every registered name imports and takes its own
-arguments and an unknown name is refused with the list."""
+"""`hybridserve bench NAME` and the bench package's shape: every registered name imports and shows its own
+help, an unknown name is refused with the list, and no benchmark edits sys.path (but the few named below) or
+passes 400 lines."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +42,18 @@ def test_the_console_script_runs_the_registry_from_outside_the_checkout(tmp_path
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0 and all(name in listing.stdout for name in cli.BENCHMARKS)
 
+
+
+# bench/_common.py's insertion of the repository root stays only while bench/structured_eval.py (being written)
+# imports `_common` and `serving` as a script does; the two A/B scripts put ANOTHER checkout first on purpose, so
+# that its `services` is the one measured
+SYS_PATH_ALLOWED = {"_common.py", "kquant_gemv.py", "kquant_ab_decode.py"}
+
+
+def test_no_benchmark_edits_sys_path_or_passes_400_lines():
+    files = [f for f in (ROOT / "bench").rglob("*.py") if "__pycache__" not in f.parts]
+    assert len(files) > 20 and (ROOT / "bench" / "micro" / "engine_torch.py") in files
+    editing = {f.name for f in files if re.search(r"sys\.path\.(insert|append)|sys\.path\[", f.read_text())}
+    assert editing <= SYS_PATH_ALLOWED, sorted(editing - SYS_PATH_ALLOWED)
+    long = {str(f.relative_to(ROOT)): n for f in files if (n := len(f.read_text().splitlines())) > 400}
+    assert not long, long
