@@ -18,7 +18,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 def family_config(family: str, **shape_overrides):
-    """The tiny config of `family`; shape_overrides replace its sizes (bench/arch_decode.py's larger shape)."""
+    """The tiny config of `family`; shape_overrides replace its sizes (bench/micro/arch_decode.py's larger shape)."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     shape = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
