@@ -46,7 +46,7 @@ PANELS = [
        "expr": "rate(hybridserve_engine_num_preemptions_total[5m])"}], "short"),
     ("Hand-off prefills waiting for an arena slot",
      [{"refId": "A", "legendFormat": "{{job}}", "expr": "hybridserve_engine_queue_depth"}], "short"),
-    # the planner (services/gateway/planner.py): desired = max(capacity model, observed-latency floor)
+    # the planner (services/gateway/fleet/planner.py): desired = max(capacity model, observed-latency floor)
     ("Planner: engines each pool needs for the TTFT and ITL targets (desired = max(model, latency floor))",
      [{"refId": "A", "legendFormat": "{{pool}} desired", "expr": "hybridserve_planner_desired_replicas"},
       {"refId": "B", "legendFormat": "{{pool}} model", "expr": "hybridserve_planner_model_replicas"},

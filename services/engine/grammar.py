@@ -1,6 +1,6 @@
 """Structured outputs in the engines: a grammar's token mask over a sequence's logits.
 
-The gateway turns `response_format` into an llguidance grammar (services/gateway/structured.py) and
+The gateway turns `response_format` into an llguidance grammar (services/gateway/protocol/structured.py) and
 sends its text in `SamplingParams.grammar`. Each sequence that has one keeps a `GrammarMatcher`:
 
 * before its token is picked, the tokens the grammar does not allow next get -inf in its fp32 row

@@ -7,7 +7,7 @@ import sys
 
 
 def main() -> int:
-    from services.gateway.server import server
+    from services.gateway.api.server import server
     from services.gateway.settings import GatewaySettings
     from services.lifetime import exit_with_parent
     from services import token_trace

@@ -17,13 +17,13 @@ ESTIMATE_ERROR = Histogram("hybridserve_router_estimate_error_ratio", "|predicte
                            ["mode"], buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5, 10))
 PROMPT_TOKENS = Counter("hybridserve_prompt_tokens", "Prompt tokens processed")
 GENERATION_TOKENS = Counter("hybridserve_generation_tokens", "Tokens generated")
-# a request whose engine was lost mid-stream, re-submitted to another mode (dispatch.py); by mode
+# a request whose engine was lost mid-stream, re-submitted to another mode (dispatch/dispatcher.py); by mode
 MIGRATIONS = Counter("hybridserve_request_migrations", "Requests moved to another mode after their engine was lost",
                      ["from", "to"])
 # engine calls opened on each pair (pairs.py; the label is the pair's index, so bounded by the pairs
 # at once): a migrated request counts once on each pair it ran on
 PLANNER_DESIRED = Gauge("hybridserve_planner_desired_replicas", "Engines each pool needs for the TTFT and ITL "
-                        "targets at the last window's load (services/gateway/planner.py)", ["pool"])
+                        "targets at the last window's load (services/gateway/fleet/planner.py)", ["pool"])
 PLANNER_DEMAND = Gauge("hybridserve_planner_demand_requests_per_second", "Requests admitted per second over the "
                        "planner's window")
 # the planner's parts (planner.py, planner_latency.py): the capacity model's counts, the floor the observed

@@ -5,9 +5,9 @@ from typing import ClassVar
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from services.gateway.pairs import parse_pairs, parse_pool
-from services.gateway.planner import Targets
-from services.gateway.prefix_routing import PrefixPolicy
+from services.gateway.fleet.pairs import parse_pairs, parse_pool
+from services.gateway.fleet.planner import Targets
+from services.gateway.fleet.prefix_routing import PrefixPolicy
 from services.settings import CommonSettings
 
 

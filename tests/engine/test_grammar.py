@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from services.engine.grammar import GrammarTokenizer, prepare_masks
-from services.errors import InvalidRequest
 from services.engine.sampling import Sampler, SamplingParams
-from services.gateway.structured import grammar_of
+from services.errors import InvalidRequest
+from services.gateway.protocol.structured import grammar_of
 
 
 @pytest.fixture(scope="module")

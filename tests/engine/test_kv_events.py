@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from services.engine.block_manager import BlockManager, hash_block
 from services.engine.kv_events import KVEventLog
-from services.gateway.kv_index import prompt_hashes
+from services.gateway.fleet.kv_index import prompt_hashes
 
 
 def manager(num_blocks=8, log=None) -> tuple[BlockManager, KVEventLog]:

@@ -68,7 +68,7 @@ def test_streamed_chat_choices_carry_their_index(stack):
 
 
 def test_a_choice_run_alone_with_its_first_choice_draws_that_choices_random_stream_in_every_mode(stack, tokenizer):
-    # what a migrated choice's continuation asks of an engine (services/gateway/engine_stream.py): n = 1 and
+    # what a migrated choice's continuation asks of an engine (services/gateway/dispatch/engine_stream.py): n = 1 and
     # first_choice = j; in hybrid mode the first token is prefill_gpu's, the rest decode_fpga's
     want = post(stack, "/v1/completions", {"prompt": PROMPT, "n": 2, **SAMPLED, "mode": "gpu"})["choices"][1]["text"]
     sampling = pb.SamplingParams(max_tokens=SAMPLED["max_tokens"], temperature=1.0, seed=SAMPLED["seed"],

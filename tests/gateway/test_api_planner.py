@@ -1,7 +1,7 @@
 """The planner on a live stack (tests/gateway's shared engine pair and gateway), default targets (TTFT 2 s,
 ITL 0.1 s): a load that meets them keeps the desired replicas at the minimum; a closed loop of many
 clients that misses them raises the desired replicas within the planner's window, through the latency
-floor (services/gateway/planner_latency.py), where the capacity model alone (today's planner before
+floor (services/gateway/fleet/planner_latency.py), where the capacity model alone (today's planner before
 issue 59) judged the load's rate served by one pair.
 
 The fake-clock tests of the same logic are test_planner_latency.py.

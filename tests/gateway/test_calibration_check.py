@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.calibration_check import OUTPUT_TOKENS, PROMPT_TOKENS, check_unconfirmed_stages
-from services.gateway.engine_client import EngineClients
-from services.gateway.pairs import Pairs
-from services.gateway.router import CONFIRMING, Router
+from services.gateway.fleet.engine_client import EngineClients
+from services.gateway.fleet.pairs import Pairs
+from services.gateway.routing.calibration_check import OUTPUT_TOKENS, PROMPT_TOKENS, check_unconfirmed_stages
+from services.gateway.routing.router import CONFIRMING, Router
 from services.modes import MODE_NAMES
 from tests.gateway.test_router import synthetic_samples
 

@@ -39,7 +39,7 @@ def test_a_directorys_own_chat_template_is_applied(tmp_path, tokenizer):
 
 @pytest.fixture
 def gpt2_gateway(tmp_path, tokenizer):
-    from services.gateway.app import create_app
+    from services.gateway.api.app import create_app
     from services.gateway.settings import GatewaySettings
 
     path = tokenizer_dir(tmp_path / "gpt2-tiny", tokenizer, "gpt2", None)

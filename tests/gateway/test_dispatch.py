@@ -12,11 +12,12 @@ import logging
 import grpc
 import pytest
 
-from services.gateway.dispatch import MAX_ATTEMPTS, NEVER_MIGRATE, Dispatcher, EngineRequest
-from services.gateway.errors import APIError
-from services.gateway.router import Router
+from services.gateway.dispatch.dispatcher import MAX_ATTEMPTS, NEVER_MIGRATE, Dispatcher
+from services.gateway.dispatch.request import RoutedRequest
+from services.gateway.protocol.errors import APIError
+from services.gateway.routing.router import Router
 from tests.gateway.test_router import synthetic_samples
-from services.gateway.schemas import CompletionRequest
+from services.gateway.protocol.schemas import CompletionRequest
 from services.modes import MODES
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
@@ -74,17 +75,17 @@ class FakeEngines:
         return call
 
 
-def request(mode="auto", prompt_len=5, max_tokens=4, **extra) -> EngineRequest:
+def request(mode="auto", prompt_len=5, max_tokens=4, **extra) -> RoutedRequest:
     body = CompletionRequest(model="m", prompt=list(range(1, prompt_len + 1)), max_tokens=max_tokens, mode=mode,
                              **extra)
-    return EngineRequest.of(body, "cmpl-test", list(body.prompt), max_tokens, max_timeout_s=600.0)
+    return RoutedRequest.of(body, "cmpl-test", list(body.prompt), max_tokens, max_timeout_s=600.0)
 
 
-def open_stream(engines: FakeEngines, req: EngineRequest):
+def open_stream(engines: FakeEngines, req: RoutedRequest):
     return asyncio.run(Dispatcher(engines, Router()).open(req))
 
 
-def open_error(engines: FakeEngines, req: EngineRequest) -> APIError:
+def open_error(engines: FakeEngines, req: RoutedRequest) -> APIError:
     with pytest.raises(APIError) as err:
         open_stream(engines, req)
     return err.value
@@ -289,7 +290,7 @@ FIXED = [
 def test_engine_failures_reach_the_client_as_fixed_messages_and_the_log_gets_the_details(
         code, status, kind, err_code, message, caplog):
     engines = FakeEngines(scripts={"gpu": [[rpc_error(code)]]})
-    with caplog.at_level(logging.INFO, logger="services.gateway.errors"):
+    with caplog.at_level(logging.INFO, logger="services.gateway.protocol.errors"):
         err = open_error(engines, request("gpu"))
     assert (err.status, err.code, err.message) == (status, err_code, message)
     assert err.body().model_dump() == {"error": {"message": message, "type": kind, "param": None, "code": err_code}}
@@ -316,7 +317,7 @@ def test_a_retry_routes_around_the_mode_that_failed_even_when_health_says_up():
 
 
 # ---- migration: the engine is lost after the first token ----------------------------------
-def read_all(engines: FakeEngines, req: EngineRequest):
+def read_all(engines: FakeEngines, req: RoutedRequest):
     """Open, then read to the finish; (stream, every token id read, the error that ended it or None)."""
     async def run():
         stream = await Dispatcher(engines, Router()).open(req)

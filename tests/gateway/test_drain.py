@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from services.gateway.drain import Drain, DrainGate
-from services.gateway.server import DrainingServer, config
+from services.gateway.api.drain import Drain, DrainGate
+from services.gateway.api.server import DrainingServer, config
 from services.gateway.settings import GatewaySettings
 
 

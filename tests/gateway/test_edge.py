@@ -17,8 +17,8 @@ import httpx
 import pytest
 import uvicorn
 
-from services.gateway.app import create_app
-from services.gateway.server import config
+from services.gateway.api.app import create_app
+from services.gateway.api.server import config
 from services.gateway.settings import GatewaySettings
 from tests.gateway.conftest import API_KEY
 from tests.services_harness import free_port

@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.gateway.engine_client import EngineClients
+from services.gateway.fleet.engine_client import EngineClients
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from tests.services_harness import free_port

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.engine_watch import watch_engines
-from services.gateway.router import Router
+from services.gateway.routing.engine_watch import watch_engines
+from services.gateway.routing.router import Router
 
 
 class SlowProfileEngines:

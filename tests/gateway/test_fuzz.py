@@ -19,7 +19,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_headers_conformance,
                                                response_schema_conformance, status_code_conformance)
 
-from services.gateway.app import create_app
+from services.gateway.api.app import create_app
 from services.gateway.settings import GatewaySettings
 from tests.gateway.conftest import API_KEY, MODEL
 

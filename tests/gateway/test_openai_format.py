@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.errors import APIError, error_response
-from services.gateway.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion, ChunkWriter,
-                                            Completion, CompletionChoice, Hybridserve, ModelCard, ModelList, Timings,
-                                            Usage, sse)
+from services.gateway.protocol.errors import APIError, error_response
+from services.gateway.protocol.openai_format import (SSE_DONE, AssistantMessage, ChatChoice, ChatCompletion,
+                                                     ChunkWriter, Completion, CompletionChoice, Hybridserve, ModelCard,
+                                                     ModelList, Timings, Usage, sse)
 
 TIMINGS = Timings(queue_s=0.0, prefill_s=0.25, handoff_total_s=0.125, handoff_exposed_s=0.0625, decode_s=0.5,
                   decode_tokens=3, handoff_bytes=4096, cached_tokens=16, e2e_s=1.0)

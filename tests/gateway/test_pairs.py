@@ -12,12 +12,12 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from services.gateway.dispatch import Dispatcher
-from services.gateway.engine_watch import report_load
-from services.gateway.pair_discovery import DnsPairs, resolve_addresses
-from services.gateway.pair_load import PairLoads
-from services.gateway.pairs import Pairs, parse_pairs
-from services.gateway.router import Router
+from services.gateway.dispatch.dispatcher import Dispatcher
+from services.gateway.fleet.pair_discovery import DnsPairs, resolve_addresses
+from services.gateway.fleet.pair_load import PairLoads
+from services.gateway.fleet.pairs import Pairs, parse_pairs
+from services.gateway.routing.engine_watch import report_load
+from services.gateway.routing.router import Router
 from services.gateway.settings import GatewaySettings
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from tests.gateway.test_dispatch import FakeEngines, request, rpc_error, token
@@ -117,7 +117,7 @@ def test_a_pair_with_an_engine_down_serves_only_the_modes_it_can():
 
 def test_a_forced_mode_no_pair_serves_is_503():
     pairs, a, b = two_pairs(a={"up": ("gpu",)}, b={"up": ("gpu",)})
-    from services.gateway.errors import APIError
+    from services.gateway.protocol.errors import APIError
     with pytest.raises(APIError) as err:
         asyncio.run(Dispatcher(pairs, Router()).open(request("hybrid")))
     assert err.value.status == 503 and "decode_fpga" in err.value.message
@@ -258,7 +258,7 @@ def test_a_forced_mode_refused_by_a_dead_pair_is_retried_on_another_pair_never_i
     pairs, a, b = two_pairs(a={"scripts": {"gpu": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}},
                             b={"up": ("fpga",)})
     a.alive["gpu"] = False
-    from services.gateway.errors import APIError
+    from services.gateway.protocol.errors import APIError
     with pytest.raises(APIError) as err:
         asyncio.run(Dispatcher(pairs, Router()).open(request("gpu")))
     assert err.value.status == 503 and not b.calls
@@ -296,7 +296,7 @@ def test_calls_waiting_for_their_first_token_count_so_a_burst_spreads_over_the_p
 def test_a_failed_call_leaves_no_count_on_its_pair():
     pairs, a, b = two_pairs(a={"scripts": {"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}},
                             b={"scripts": {"fpga": [[rpc_error(grpc.StatusCode.UNAVAILABLE)]]}})
-    from services.gateway.errors import APIError
+    from services.gateway.protocol.errors import APIError
     with pytest.raises(APIError):
         asyncio.run(Dispatcher(pairs, Router()).open(request("fpga")))
     assert pairs.loads.ours(0, "fpga") == pairs.loads.ours(1, "fpga") == 0

@@ -1,4 +1,4 @@
-"""The SLO planner (services/gateway/planner.py): pool sizes from demand and the router's fitted costs.
+"""The SLO planner (services/gateway/fleet/planner.py): pool sizes from demand and the router's fitted costs.
 
 The live export (the gauges on a running gateway's /metrics, through Prometheus) is covered by the
 dashboard test in test_prometheus.py, whose panel queries hybridserve_planner_desired_replicas."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.planner import Demand, Planner, Targets, decode_replicas, prefill_replicas
-from services.gateway.router import Router
+from services.gateway.fleet.planner import Demand, Planner, Targets, decode_replicas, prefill_replicas
+from services.gateway.routing.router import Router
 
 
 def test_prefill_pool_grows_until_the_queueing_ttft_meets_the_target():

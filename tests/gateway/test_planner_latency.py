@@ -1,4 +1,4 @@
-"""The planner's observed-latency floor (services/gateway/planner_latency.py) through the real Planner and
+"""The planner's observed-latency floor (services/gateway/fleet/planner_latency.py) through the real Planner and
 the router's real fitted costs, on a hand-moved clock: a pool missing its target asks for more engines
 whatever the capacity model says, one meeting it stays at the minimum, evidence from before a size
 change is not counted, and under a steady load the answer does not oscillate (also with the real
@@ -14,8 +14,8 @@ import random
 import pytest
 
 from services.autoscale import Hysteresis, PoolScaler
-from services.gateway.planner import Planner, Targets, plan_json
-from services.gateway.planner_latency import floor_for, pool_of
+from services.gateway.fleet.planner import Planner, Targets, plan_json
+from services.gateway.fleet.planner_latency import floor_for, pool_of
 from tests.gateway.test_planner import calibrated_router
 
 

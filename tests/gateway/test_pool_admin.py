@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from services.gateway.app import create_app
-from services.gateway.dispatch import Dispatcher
-from services.gateway.pairs import Pairs
-from services.gateway.router import Router
+from services.gateway.api.app import create_app
+from services.gateway.dispatch.dispatcher import Dispatcher
+from services.gateway.fleet.pairs import Pairs
+from services.gateway.routing.router import Router
 from services.gateway.settings import GatewaySettings
 from tests.gateway.test_dispatch import FakeEngines, request
 

@@ -1,4 +1,4 @@
-"""Prefix-aware, load-aware pair choice (services/gateway/prefix_routing.py, kv_index.py).
+"""Prefix-aware, load-aware pair choice (services/gateway/fleet/prefix_routing.py, kv_index.py).
 
 The index follows real KVEvents messages; the pair choice reads real load books. The live path,
 with real engines' events, is tests/stack/test_kv_events_live.py and tests/stack/test_up_pairs.py.
@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from services.engine.kv_events import KVEventLog
-from services.gateway.engine_client import EngineClients
-from services.gateway.kv_index import EngineBlocks, prompt_hashes
-from services.gateway.pairs import Pairs
-from services.gateway.prefix_routing import PrefixPolicy, place
+from services.gateway.fleet.engine_client import EngineClients
+from services.gateway.fleet.kv_index import EngineBlocks, prompt_hashes
+from services.gateway.fleet.pairs import Pairs
+from services.gateway.fleet.prefix_routing import PrefixPolicy, place
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
 PROMPT = list(range(100, 164))  # 4 blocks of 16

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from services.gateway.calibration_check import _between_requests
-from services.gateway.pair_load import PairLoads
-from services.gateway.readiness import Readiness
+from services.gateway.api.readiness import Readiness
+from services.gateway.fleet.pair_load import PairLoads
+from services.gateway.routing.calibration_check import _between_requests
 
 BOTH_UP = {0: {"gpu": True, "fpga": True}}
 

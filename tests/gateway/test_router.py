@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from services.gateway.router import Router, samples_from_timings
+from services.gateway.routing.router import Router
+from services.gateway.routing.samples import samples_from_timings
 from services.modes import MODE_NAMES as MODES
 
 # the truth: seconds as functions of prompt and output length
@@ -89,7 +90,7 @@ def test_queueing_adds_to_the_busy_engine():
 def test_cli_prints_mode_and_estimates(tmp_path):
     f = tmp_path / "cal.json"
     f.write_text(json.dumps(synthetic_samples()))
-    out = subprocess.run([sys.executable, "-m", "services.gateway.router", "--calibration", str(f), "--n-in", "1024",
+    out = subprocess.run([sys.executable, "-m", "services.gateway.routing", "--calibration", str(f), "--n-in", "1024",
                           "--n-out", "512"], capture_output=True, text=True, check=True).stdout
     got = json.loads(out)
     assert got["mode"] == min(MODES, key=lambda m: truth(m, 1024, 512))
@@ -99,6 +100,6 @@ def test_cli_prints_mode_and_estimates(tmp_path):
 def test_cli_bad_file_is_a_clear_error(tmp_path):
     f = tmp_path / "cal.json"
     f.write_text("{not json")
-    r = subprocess.run([sys.executable, "-m", "services.gateway.router", "--calibration", str(f), "--n-in", "1",
+    r = subprocess.run([sys.executable, "-m", "services.gateway.routing", "--calibration", str(f), "--n-in", "1",
                         "--n-out", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "router: error" in r.stderr

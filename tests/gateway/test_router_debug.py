@@ -2,8 +2,9 @@
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from services.gateway.router import Router, samples_from_timings
-from services.gateway.router_debug import debug_routes
+from services.gateway.api.router_debug import debug_routes
+from services.gateway.routing.router import Router
+from services.gateway.routing.samples import samples_from_timings
 from tests.gateway.test_router import synthetic_samples
 
 
@@ -25,7 +26,7 @@ def test_debug_router_shows_coefficients_and_learns():
 def test_debug_kv_index_shows_each_engines_blocks_and_forgets_an_engine_found_down():
     from types import SimpleNamespace
 
-    from services.gateway.kv_index import EngineBlocks, prompt_hashes
+    from services.gateway.fleet.kv_index import EngineBlocks, prompt_hashes
     from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
     blocks = {"gpu": EngineBlocks(), "fpga": EngineBlocks()}

@@ -7,8 +7,9 @@ import json
 import numpy as np
 from prometheus_client import REGISTRY
 
-from services.gateway.cost_model import CostModel, fit_stage, nnls
-from services.gateway.router import CONFIRMING, Router, samples_from_timings
+from services.gateway.routing.cost_model import CostModel, fit_stage, nnls
+from services.gateway.routing.router import CONFIRMING, Router
+from services.gateway.routing.samples import samples_from_timings
 from services.modes import MODE_NAMES, MODES
 from tests.gateway.test_router import HANDOFF, PER_TOKEN, PREFILL, synthetic_samples, truth
 
@@ -250,7 +251,7 @@ def test_engines_on_one_processor_share_their_queue():
 
 
 def test_engines_share_the_cpu_when_both_run_on_it():
-    from services.gateway.engine_watch import engines_share_cpu
+    from services.gateway.routing.engine_watch import engines_share_cpu
 
     pocl = "Portable Computing Language / pthread-skylake-avx512-AMD EPYC 7R13"
     assert engines_share_cpu("cpu", pocl)
@@ -508,10 +509,10 @@ def test_a_runs_first_token_teaches_its_mode_as_it_comes(tokenizer):
     request ends), against the Decision it was sent with; a request moved before it teaches nothing."""
     import time
 
-    from services.gateway.choice import Choice
-    from services.gateway.detokenizer import IncrementalDetokenizer
-    from services.gateway.serving import Run
-    from services.gateway.stops import StopMatcher
+    from services.gateway.output.choice import Choice
+    from services.gateway.output.detokenizer import IncrementalDetokenizer
+    from services.gateway.dispatch.serving import Run
+    from services.gateway.output.stops import StopMatcher
     from services.rpc.hybridserve.v1 import engine_pb2 as pb
 
     router = Router(synthetic_samples(), explore_share=0)

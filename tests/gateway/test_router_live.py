@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from services.engine.profile_cache import cache_path
-from services.gateway.router import Router
+from services.gateway.routing.router import Router
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
 from tests.gateway.conftest import API_KEY, DECODE_ENV, MODEL, wait_calibrated

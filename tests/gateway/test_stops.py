@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.stops import StopMatcher
+from services.gateway.output.stops import StopMatcher
 
 
 def fed(matcher: StopMatcher, pieces: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""Tool calls (services/gateway/tools.py): the tools rendered by a chat template that defines them, the
+"""Tool calls (services/gateway/protocol/tools.py): the tools rendered by a chat template that defines them, the
 model's Hermes/Qwen `<tool_call>` blocks parsed into `tool_calls`, and tool_choice required / a named
 function enforced by the grammar on the real model through an engine loop. In process; the 400s for a
 template without tools and a tool_choice naming no tool are in test_edge.py."""
@@ -14,7 +14,7 @@ from services.engine.engine_loop import EngineLoop
 from services.engine.grammar import GrammarTokenizer
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import SchedulerConfig
-from services.gateway.tools import call_grammar, parse_tool_calls, template_takes_tools
+from services.gateway.protocol.tools import call_grammar, parse_tool_calls, template_takes_tools
 from services.model.tokenizer import chat_prompt_ids
 from tests.gateway.test_checkpoint_tokenizer import tokenizer_dir
 
@@ -32,7 +32,7 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 
 
 def test_a_template_that_defines_tools_shows_them_and_the_gateway_takes_them(tmp_path, tokenizer):
-    from services.gateway.app import create_app
+    from services.gateway.api.app import create_app
     from services.gateway.settings import GatewaySettings
     from services.model.checkpoint import locate
     from services.model.tokenizer import load_tokenizer

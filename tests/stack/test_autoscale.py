@@ -15,8 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.autoscale import Hysteresis, PoolScaler
-from services.gateway.app import create_app
-from services.gateway.pairs import Pairs
+from services.gateway.api.app import create_app
+from services.gateway.fleet.pairs import Pairs
 from services.gateway.settings import GatewaySettings
 from services.stack import UpSettings
 from services.stack_autoscale import EngineAutoscaler

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.kv_index import EngineBlocks, prompt_hashes
+from services.gateway.fleet.kv_index import EngineBlocks, prompt_hashes
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from tests.conftest import random_prompt
 from tests.stack.test_hybrid import VOCAB, generate
