@@ -38,6 +38,7 @@ from services.engine.requests import check_prompt
 from services.errors import Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull, ShuttingDown
 from services.engine.sampling import Sampler, SamplingParams
 from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from services.engine.speculation import verify
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +380,8 @@ class EngineLoop:
         # an engine with logprobs_on_device (the OpenCL engine's step(logprobs=...)) computes the logprobs
         # of a step whose sampling rows are all plain greedy; any other step reads every logit row back
         asked = None
-        if (not greedy and getattr(self.engine, "logprobs_on_device", False)
+        verifying = [c for c in out.decodes if c.num_drafts]  # their rows are picked on the host, in turn
+        if (not greedy and not verifying and getattr(self.engine, "logprobs_on_device", False)
                 and all(c.sampling_params.plain_greedy for c in sampling)):
             asked = self._logprobs_asked(out.chunks)
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
@@ -417,13 +419,21 @@ class EngineLoop:
         else:
             sampled = self._take_logits(out, result, logprobs)
         self.scheduler.update(out, sampled)
+        if verifying:
+            _count_verified(verifying, sampled)
         grammars = []  # of the streams that go on: their next masks are computed while the next step runs
         for chunk in sampling:
             stream = self._streams.get(chunk.seq_id)
             if stream is not None and not stream.done:
                 first = stream.timings.tokens == 0
-                self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
-                           stream.prompt_logprobs() if first else None, ended)
+                if chunk.num_drafts:  # the tokens the sequence took of those verified (it may have ended)
+                    taken = stream.seq.num_tokens - chunk.start - 1
+                    for i, token in enumerate(sampled[chunk.seq_id][:taken]):
+                        self._emit(stream, stream.seq, token, logprobs[chunk.seq_id][i], None, ended,
+                                   last=i == taken - 1)
+                else:
+                    self._emit(stream, stream.seq, sampled[chunk.seq_id], logprobs.get(chunk.seq_id),
+                               stream.prompt_logprobs() if first else None, ended)
                 stream.seq.all_logits = False  # a recompute after a preemption needs no prompt logits
                 if stream.sampler.grammar is not None and not stream.done:
                     grammars.append(stream.sampler.grammar)
@@ -490,9 +500,12 @@ class EngineLoop:
             block = result[first:first + n]
             stream = self._streams.get(c.seq_id)
             if stream is None:
-                sampled[c.seq_id] = 0
+                sampled[c.seq_id] = [0] if c.num_drafts else 0
                 continue
             seq = stream.seq
+            if c.num_drafts:
+                sampled[c.seq_id], logprobs[c.seq_id] = self._verify(stream, c, block)
+                continue
             if c.all_logits:
                 kept = stream.keep_prompt_logprobs(c.start, n, lambda i, token, k: token_logprob(block[i], token, k))
                 m.LOGPROB_ROWS.labels("host").inc(kept)
@@ -504,6 +517,26 @@ class EngineLoop:
                 if stream.sampler.grammar is not None:  # a complete grammar ends the sequence at this token
                     seq.stop_requested = stream.sampler.grammar.stopped
         return sampled
+
+    @staticmethod
+    def _verify(stream: RequestStream, c, block) -> tuple[list[int], list]:
+        """A verify chunk's rows picked in turn by the request's sampler, as decoding one token at a time
+        would pick them (speculation.py): the tokens it emits and their logprobs."""
+        seq, sampler, picked, logprobs = stream.seq, stream.sampler, [], []
+
+        def pick(i: int) -> int:
+            token, logprob = sampler.pick(block[i], seq.token_ids + picked, seq.num_prompt_tokens, seq.stop_token_ids)
+            picked.append(token)
+            logprobs.append(logprob)
+            return token
+
+        def ends(token: int) -> bool:
+            return token in seq.stop_token_ids or (sampler.grammar is not None and sampler.grammar.stopped)
+
+        tokens = verify(c.token_ids[1:], pick, ends)
+        if sampler.grammar is not None:  # a complete grammar ends the sequence at its last token
+            seq.stop_requested = sampler.grammar.stopped
+        return tokens, logprobs
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:
         def on_layer(layer: int) -> None:
@@ -520,12 +553,15 @@ class EngineLoop:
         return on_layer
 
     def _emit(self, stream: RequestStream, seq: Sequence, token: int, logprob: TokenLogprob | None = None,
-              prompt_logprobs: tuple[TokenLogprob, ...] | None = None, at: float | None = None) -> None:
+              prompt_logprobs: tuple[TokenLogprob, ...] | None = None, at: float | None = None,
+              last: bool = True) -> None:
+        """`last`: the step's last token of this stream (a verify chunk emits several; only the last
+        can carry the finish)."""
         t = stream.timings
         t.last_token_at = at = at or time.perf_counter()
         t.first_token_at = t.first_token_at or t.last_token_at
         t.tokens += 1
-        if seq.status.finished:
+        if last and seq.status.finished:
             stream.done = True
             self._release(stream)
             self._streams.pop(stream.seq_id, None)
@@ -550,3 +586,14 @@ class EngineLoop:
         m.PREFIX_CACHE_QUERIES.inc(bm.num_queried_tokens - self._counted[0])
         m.PREFIX_CACHE_HITS.inc(bm.num_hit_tokens - self._counted[1])
         self._counted = (bm.num_queried_tokens, bm.num_hit_tokens)
+
+
+def _count_verified(chunks, sampled) -> None:
+    """Speculation's counters for a step's verify chunks (vLLM's spec_decode names)."""
+    m.SPEC_STEPS.inc()
+    for c in chunks:
+        emitted = len(sampled.get(c.seq_id) or ())
+        m.SPEC_DRAFTS.inc()
+        m.SPEC_DRAFT_TOKENS.inc(c.num_drafts)
+        m.SPEC_ACCEPTED_TOKENS.inc(max(0, emitted - 1))
+        m.SPEC_ACCEPTED_LENGTH.observe(emitted)

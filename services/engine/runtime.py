@@ -27,6 +27,7 @@ from services.engine.profile_sweep import LoopTimer, Profile, code_fingerprint, 
 from services.engine.requests import Cancellation, EngineRequest, RequestTimings, check_prompt
 from services.errors import Cancelled, InvalidRequest, QueueFull
 from services.engine.scheduler import SchedulerConfig
+from services.engine.speculation import SpeculationConfig
 
 ModeHandler = Callable[[EngineRequest, RequestTimings, Cancellation], Iterator[TokenEvent]]
 
@@ -42,7 +43,15 @@ def scheduler_config(engine, settings, max_context: int) -> SchedulerConfig:
                            step_target_s=settings.step_target_s, ttft_target_s=settings.ttft_target_s,
                            step_max_s=settings.step_max_s, host_kv_cache_mb=settings.host_kv_cache_mb,
                            # what the engine's head holds beyond one row per sequence (prompt logprobs)
-                           prompt_logit_rows=getattr(engine, "prompt_logit_rows", SchedulerConfig.prompt_logit_rows))
+                           prompt_logit_rows=getattr(engine, "prompt_logit_rows", SchedulerConfig.prompt_logit_rows),
+                           speculation=speculation_config(settings))
+
+
+def speculation_config(settings) -> SpeculationConfig:
+    """Speculative decoding from the service's batching settings (off unless speculative_k > 0)."""
+    return SpeculationConfig(k=settings.speculative_k, n_min=settings.speculative_n_min,
+                             n_max=max(settings.speculative_n_min, settings.speculative_n_max),
+                             max_batch=settings.speculative_max_batch)
 
 
 def grammar_tokenizer(loaded) -> GrammarTokenizer:

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_events import KVEventLog
+from services.engine.speculation import SpeculationConfig, Speculator
 from services.engine.step_pacer import StepPacer
 from services.engine.request_state import RequestState, state_after_token
 
@@ -72,6 +73,9 @@ class SchedulerConfig:
     # logit rows one step may give a prompt's every position (prompt logprobs, `Sequence.all_logits`)
     # beyond the one row each sampling chunk takes: the engine's head holds max_num_seqs + this many
     prompt_logit_rows: int = 64
+    # speculative decoding (speculation.py): a decoding sequence's drafts verified in its chunk; k=0: off.
+    # Drafts take logit rows from prompt_logit_rows and tokens from max_num_batched_tokens
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     @property
     def most_batched_tokens(self) -> int:
@@ -150,6 +154,8 @@ class ScheduledChunk:
     samples: bool  # the chunk ends at the sequence's last token: sample the next one
     sampling_params: Any
     all_logits: bool = False  # the engine gives the logits of every row (the last one samples, if it does)
+    # a decode's draft tokens, after its newest one in token_ids: every row's logits verify them (speculation.py)
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -194,6 +200,8 @@ class Scheduler:
         self.pacer = StepPacer(config.step_target_s, config.block_size, config.most_batched_tokens,
                                config.ttft_target_s, config.step_max_s)
         self._logit_rows = config.prompt_logit_rows  # what the step being scheduled has left of them
+        self.speculator = Speculator(config.speculation)
+        self._draft_room = 0  # tokens the step being scheduled has left for drafts
 
     # ---- metrics ---------------------------------------------------------------------------
     @property
@@ -299,6 +307,7 @@ class Scheduler:
                 self.running.remove(seq)
             self.block_manager.free(seq_id)
         seq.status = RequestState.FINISHED_ABORTED
+        self.speculator.forget(seq_id)
         return seq
 
     # ---- one step --------------------------------------------------------------------------
@@ -306,13 +315,14 @@ class Scheduler:
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the previous step")
         preempted: list[int] = []
+        self._logit_rows = self.config.prompt_logit_rows
         decodes = self._schedule_decodes(preempted)
         waited = self.oldest_queued_wait()
-        budget = self._step_tokens(waited) - len(decodes)
-        cap = self.pacer.cap(waited, len(decodes)) if decodes else None
+        decode_rows = sum(c.num_tokens for c in decodes)  # drafts included
+        budget = max(0, self._step_tokens(waited) - decode_rows)
+        cap = self.pacer.cap(waited, decode_rows) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
-        self._logit_rows = self.config.prompt_logit_rows
         prefills, budget = self._schedule_running_prefills(budget)
         if not preempted:  # blocks ran short this step: admitting more would only thrash
             prefills += self._admit_waiting(budget)
@@ -335,32 +345,76 @@ class Scheduler:
             seq = self._seqs.get(chunk.seq_id)
             if seq is None or seq.status is RequestState.WAITING:
                 continue  # aborted (and maybe added anew) since schedule(); its blocks are already free
-            seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if not chunk.samples:
-                continue
-            if chunk.seq_id not in sampled_tokens:
-                raise ValueError(f"the engine sampled no token for sequence {chunk.seq_id}")
-            self._append_token(seq, sampled_tokens[chunk.seq_id])
+            if chunk.num_drafts:
+                self._take_verified(seq, chunk, sampled_tokens)
+            else:
+                seq.num_computed_tokens += chunk.num_tokens
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                if not chunk.samples:
+                    continue
+                if chunk.seq_id not in sampled_tokens:
+                    raise ValueError(f"the engine sampled no token for sequence {chunk.seq_id}")
+                self._append_token(seq, sampled_tokens[chunk.seq_id])
             if seq.status.finished:
                 self._finish(seq)
                 finished.append(seq)
         return finished
 
+    def _take_verified(self, seq: Sequence, chunk: ScheduledChunk, sampled_tokens: Mapping) -> None:
+        """A verify chunk's tokens (speculation.verify: the accepted drafts, then the target's own): the
+        newest token's and the accepted drafts' KV is kept, the rest of the drafts' positions cut back."""
+        tokens = sampled_tokens.get(chunk.seq_id)
+        if not tokens:
+            raise ValueError(f"the engine verified no token for sequence {chunk.seq_id}")
+        tokens = list(tokens)
+        if tokens[:-1] != list(chunk.token_ids[1:len(tokens)]):
+            raise ValueError(f"sequence {chunk.seq_id}: {tokens} is not an accepted prefix of its drafts")
+        seq.num_computed_tokens += len(tokens)  # the newest token's row, and one per accepted draft
+        grammar_ends = seq.stop_requested  # a grammar completes at the last token verified, not before
+        for i, token in enumerate(tokens):
+            seq.stop_requested = grammar_ends and i == len(tokens) - 1
+            self._append_token(seq, token)
+            if seq.status.finished:
+                break
+        self.speculator.observe(seq.seq_id, chunk.num_drafts, len(tokens) - 1)
+        if not seq.status.finished:
+            self.block_manager.truncate(seq.seq_id, seq.num_tokens)
+        self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """How long the engine took for `output`: what the pacer sizes later steps' prompt chunks by."""
-        self.pacer.observe(len(output.decodes), sum(c.num_tokens for c in output.prefills), seconds)
+        self.pacer.observe(sum(c.num_tokens for c in output.decodes), sum(c.num_tokens for c in output.prefills),
+                           seconds)
 
     # ---- internals -------------------------------------------------------------------------
     def _schedule_decodes(self, preempted: list[int]) -> list[ScheduledChunk]:
         chunks, i = [], 0
+        decoding = sum(1 for seq in self.running if seq.status is RequestState.DECODING)
+        # drafts only in the calm budget's room beside one row per decode
+        self._draft_room = self.config.max_num_batched_tokens - decoding
         while i < len(self.running):  # preemption shortens the list from its end
             seq = self.running[i]
             if seq.status is RequestState.DECODING and self._make_room(seq, preempted):
-                self.block_manager.append_slots(seq.seq_id, seq.num_tokens)
-                chunks.append(self._chunk(seq, 1))
+                drafts = self._drafts(seq, decoding)
+                self.block_manager.append_slots(seq.seq_id, seq.num_tokens + len(drafts))
+                chunks.append(self._chunk(seq, 1, drafts))
             i += 1
         return chunks
+
+    def _drafts(self, seq: Sequence, decoding: int) -> list[int]:
+        """The drafts `seq` verifies this step (speculation.py): within its max_tokens and context, this
+        step's logit rows and token room, and the blocks free now (drafts never preempt anyone)."""
+        if not self.config.speculation.on:
+            return []
+        room = min(seq.max_tokens - seq.num_generated - 1, self.config.max_model_len - seq.num_tokens - 1,
+                   self._logit_rows, self._draft_room)
+        wanted = getattr(seq.sampling_params, "speculative", True)
+        drafts = self.speculator.drafts(seq.seq_id, seq.token_ids, room, decoding, wanted)
+        while drafts and not self.block_manager.can_append(seq.seq_id, seq.num_tokens + len(drafts)):
+            drafts.pop()
+        self._logit_rows -= len(drafts)
+        self._draft_room -= len(drafts)
+        return drafts
 
     def _make_room(self, seq: Sequence, preempted: list[int]) -> bool:
         """Preempt the newest running sequences until `seq` can hold its newest token.
@@ -414,16 +468,17 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _chunk(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, num_tokens: int, drafts: list[int] | tuple = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
             seq_id=seq.seq_id,
             start=start,
-            token_ids=tuple(seq.token_ids[start:start + num_tokens]),
+            token_ids=tuple(seq.token_ids[start:start + num_tokens]) + tuple(drafts),
             block_table=tuple(self.block_manager.block_table(seq.seq_id)),
             samples=start + num_tokens == seq.num_tokens,
             sampling_params=seq.sampling_params,
-            all_logits=seq.all_logits and num_tokens > 0,
+            all_logits=(seq.all_logits and num_tokens > 0) or bool(drafts),
+            num_drafts=len(drafts),
         )
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -442,6 +497,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _finish(self, seq: Sequence) -> None:
+        self.speculator.forget(seq.seq_id)
         self.running.remove(seq)
         self.block_manager.free(seq.seq_id)
         del self._seqs[seq.seq_id]
