@@ -28,9 +28,10 @@ BATCHES = (1, 8)
 
 def measure(tree: Path, gguf: str | None, steps: int, context: int) -> dict:
     """In this process, checkout `tree`'s engine: {batch: [(wall s, CPU s) per step]}."""
-    sys.path.insert(0, str(tree))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from paged_step import time_paged  # this checkout's timing loop, the tree's engine
+    from paged_step import time_paged  # this checkout's timing loop (it imports services only when called)
+
+    sys.path.insert(0, str(tree))  # ahead of this checkout, which the bench modules put first
 
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device

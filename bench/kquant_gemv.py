@@ -13,7 +13,7 @@ quantize to K-quants; speed does not depend on the values). With --baseline, a c
 earlier commit runs in alternate subprocesses, round by round, so both see the same load:
 
     python bench/kquant_gemv.py [--rounds N] [--baseline DIR] [--formats q4_1,q4_k,q5_k,q6_k]
-                                [--rows N] [--name RESULTS_NAME] [--plot]
+                                [--rows N] [--name RESULTS_NAME] [--plot] [--shapes 1024x2048] [--copies 1]
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def cpu_seconds() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1) -> list[dict]:
+def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1, shapes=SHAPES, copies: int = 0) -> list[dict]:
     """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes. n_rows
     > 1: that many rows of x through bind_gemv_rows (the paged step's batched GEMV, each row with the
     one-row arithmetic), timed per launch as at one row."""
@@ -69,11 +69,11 @@ def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1) -> list[
         rows = m.bind_gemv_rows(x, y, count, x_sums=sums)
         return lambda q: rows.enqueue(q, 0, n_rows)
     out = stream_read(dev, runs)
-    for rows, cols in SHAPES:
-        copies = max(3, int(40e6 // (rows * cols * 0.6)))  # ~40 MB of blocks: past the caches
+    for rows, cols in shapes:
+        n_mats = copies or max(3, int(40e6 // (rows * cols * 0.6)))  # ~40 MB of blocks: past the caches
         for fmt in formats:
             mats = [QuantMatrix(dev, synthetic(fmt, rows, cols, i) if fmt in ("q4_0", "q4_1", "q8_0")
-                                else random_blocks(fmt, rows, cols, seed=i)) for i in range(copies)]
+                                else random_blocks(fmt, rows, cols, seed=i)) for i in range(n_mats)]
             launches = [bound(m) for m in mats]
             reps = max(2, int(4e6 // (rows * cols * 0.6 * n_rows)))
             for la in launches:
@@ -85,11 +85,15 @@ def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1) -> list[
                     for la in launches:
                         la(dev.queue)
                 dev.queue.finish()
-                n = reps * copies
+                n = reps * n_mats
                 out.append({"format": fmt, "rows": rows, "cols": cols, "bytes": mats[0].nbytes, "x_rows": n_rows,
                             "wall_us": (time.perf_counter() - t) / n * 1e6, "cpu_us": (cpu_seconds() - c) / n * 1e6})
             del launches, mats
     return out
+
+
+def shapes(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(int(v) for v in s.split("x")) for s in text.split(","))
 
 
 def stream_read(dev, runs: int, rows: int = 8192, row_bytes: int = 4608) -> list[dict]:
@@ -119,7 +123,7 @@ def stream_read(dev, runs: int, rows: int = 8192, row_bytes: int = 4608) -> list
         out.append({"format": "read", "rows": rows, "cols": row_bytes // 4, "bytes": rows * row_bytes, "x_rows": 1,
                     "wall_us": (time.perf_counter() - t) / n * 1e6, "cpu_us": (cpu_seconds() - c) / n * 1e6})
         gbs = memory_bandwidth_gbs(256, 3)
-        out.append({"format": "copy", "rows": 1, "cols": 1, "bytes": int(gbs * 1e3), "x_rows": 1,  # 1 ms's bytes
+        out.append({"format": "copy", "rows": 1, "cols": 1, "bytes": int(gbs * 1e6), "x_rows": 1,  # 1 ms's bytes
                     "wall_us": 1000.0, "cpu_us": 1000.0})
     return out
 
@@ -132,11 +136,12 @@ def plot(lines: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     trees = list(dict.fromkeys(ln["tree"] for ln in lines))
-    read = {t: next((ln["gbs_at_cpu_per_2_threads"] for ln in lines if ln["tree"] == t and ln["format"] == "read"), None)
-            for t in trees}
+    read = {t: next((ln["gbs_at_cpu_per_2_threads"] / ln["of_read"] for ln in lines if ln["tree"] == t
+                     and ln["format"] == "read" and ln["of_read"]), None) for t in trees}
     gemv = [ln for ln in lines if ln["format"] not in ("read", "copy")]
-    fig, axes = plt.subplots(1, len(SHAPES), figsize=(6 * len(SHAPES), 4), sharey=True)
-    for ax, (rows, cols) in zip(axes, SHAPES):
+    shapes = list(dict.fromkeys((ln["rows"], ln["cols"]) for ln in gemv))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), sharey=True, squeeze=False)
+    for ax, (rows, cols) in zip(axes[0], shapes):
         fmts = list(dict.fromkeys(ln["format"] for ln in gemv))
         width = 0.8 / len(trees)
         for i, tree in enumerate(trees):
@@ -148,7 +153,7 @@ def plot(lines: list[dict], path: Path) -> Path:
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(fmts))], fmts)
         ax.set_title(f"{rows}x{cols}, batch 1")
         ax.set_ylabel("GB/s of device blocks (by CPU time, 2 threads)")
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -161,6 +166,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="timed passes per format and shape in a round")
     ap.add_argument("--formats", default=FORMATS)
     ap.add_argument("--plot", action="store_true", help="draw RESULTS_NAME.png beside the JSON")
+    ap.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES), help="ROWSxCOLS,...")
+    ap.add_argument("--copies", type=int, default=0, help="distinct matrices a shape (0: ~40 MB of them; "
+                    "1: one, which the caches hold: the kernels' arithmetic alone)")
     ap.add_argument("--rows", type=int, default=1, help="rows of x a launch (>1: the batched GEMV)")
     ap.add_argument("--name", default="kquant_gemv", help="the results file's name")
     ap.add_argument("--baseline", type=Path, default=None, help="a checkout of an earlier commit to compare")
@@ -169,7 +177,7 @@ def main() -> int:
     args = ap.parse_args()
     formats = args.formats.split(",")
     if args.child:
-        print(json.dumps(measure(args.child, formats, args.runs, args.rows)))
+        print(json.dumps(measure(args.child, formats, args.runs, args.rows, shapes(args.shapes), args.copies)))
         return 0
     trees = {"this": HERE.parent}
     if args.baseline:
@@ -181,7 +189,8 @@ def main() -> int:
             progress(f"round {r + 1}/{args.rounds}: {name}")
             env = {**os.environ, "PYTHONPATH": str(tree)}
             done = subprocess.run([sys.executable, __file__, "--child", str(tree), "--runs", str(args.runs),
-                                   "--formats", args.formats, "--rows", str(args.rows)], env=env, capture_output=True, text=True)
+                                   "--formats", args.formats, "--rows", str(args.rows), "--shapes", args.shapes,
+                                   "--copies", str(args.copies)], env=env, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")
             for s in json.loads(done.stdout.strip().splitlines()[-1]):
@@ -194,9 +203,12 @@ def main() -> int:
                       "cpu_us_median": cpu, "wall_us_median": wall, "wall_us_min": min(s["wall_us"] for s in ss),
                       "gbs_at_cpu_per_2_threads": ss[0]["bytes"] / (cpu / 2 * 1e-6) / 1e9,
                       "gbs_at_wall_min": ss[0]["bytes"] / (min(s["wall_us"] for s in ss) * 1e-6) / 1e9, "n": len(ss)})
-    read = {ln["tree"]: ln["gbs_at_cpu_per_2_threads"] for ln in lines if ln["format"] == "read"}
+    # the yardstick pooled over the trees' rounds (the same machine; its spread is the load's, not the code's)
+    read_cpu = [s["cpu_us"] for (_, f, _, _), ss in samples.items() if f == "read" for s in ss]
+    read_bytes = next((ss[0]["bytes"] for (_, f, _, _), ss in samples.items() if f == "read"), 0)
+    read = read_bytes / (statistics.median(read_cpu) / 2 * 1e-6) / 1e9 if read_cpu else None
     for ln in lines:
-        ln["of_read"] = ln["gbs_at_cpu_per_2_threads"] / read[ln["tree"]] if ln["tree"] in read else None
+        ln["of_read"] = ln["gbs_at_cpu_per_2_threads"] / read if read else None
     print(table(["tree", "shape", "format", "bits/w", "CPU us (median)", "wall us (median)", "wall us (min)",
                  "GB/s at CPU/2", "GB/s at wall min", "of read"],
                 [[ln["tree"], f"{ln['rows']}x{ln['cols']}", ln["format"], f"{ln['bytes'] * 8 / ln['rows'] / ln['cols']:.2f}",
@@ -208,10 +220,12 @@ def main() -> int:
         copy = [s["bytes"] / 1e6 for (t, f, _, _), ss in samples.items() if t == tree and f == "copy" for s in ss]
         if copy:
             print(f"{tree}: numpy copy (one thread, read + write) median {statistics.median(copy):.1f} GB/s")
+    if read:
+        print(f"stream read (both trees' rounds, by CPU time): {read:.1f} GB/s; 'of read' is each line over it")
     print(f"load average before {load_before}, after {os.getloadavg()}")
     write_json(args.name, {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "x_rows": args.rows,
                                "runs": args.runs, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                               "lines": lines}, out_dir=Path(args.out))
+                               "stream_read_gbs_at_cpu_per_2_threads": read, "lines": lines}, out_dir=Path(args.out))
     if args.plot:
         plot(lines, Path(args.out) / f"{args.name}.png")
     return 0
