@@ -49,6 +49,12 @@ def measure(tree: Path, gguf: str | None, steps: int, context: int) -> dict:
             "steps": {b: time_paged(eng, eng.cfg, b, context, steps) for b in BATCHES}}
 
 
+def commit_of(tree: Path) -> str:
+    """The checkout's commit (its path is the machine's, not the result's)."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", type=Path, required=False, help="a checkout of the earlier commit")
@@ -90,7 +96,7 @@ def main() -> int:
                      f"{wall / b:.2f}", f"{cpu:.2f}"])
     print(table(["tree", "batch", "MB/step", "ms/step (median)", "ms/step (min)", "ms/token", "CPU ms/step"], rows))
     print(f"load average before {load_before}, after {os.getloadavg()}; {args.rounds} rounds x {args.steps} steps")
-    write_json(args.name, {"trees": {k: str(v) for k, v in trees.items()}, "gguf": args.gguf or "packaged",
+    write_json(args.name, {"trees": {k: commit_of(v) for k, v in trees.items()}, "gguf": args.gguf or "packaged",
                            "rounds": args.rounds, "steps": args.steps, "context": args.context,
                            "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "lines": lines})
     return 0

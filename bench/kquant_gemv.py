@@ -160,6 +160,12 @@ def plot(lines: list[dict], path: Path) -> Path:
     return path
 
 
+def commit_of(tree: Path) -> str:
+    """The checkout's commit (its path is the machine's, not the result's)."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=4, help="alternating subprocess rounds")
@@ -223,7 +229,7 @@ def main() -> int:
     if read:
         print(f"stream read (both trees' rounds, by CPU time): {read:.1f} GB/s; 'of read' is each line over it")
     print(f"load average before {load_before}, after {os.getloadavg()}")
-    write_json(args.name, {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "x_rows": args.rows,
+    write_json(args.name, {"trees": {k: commit_of(v) for k, v in trees.items()}, "rounds": args.rounds, "x_rows": args.rows,
                                "runs": args.runs, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                                "stream_read_gbs_at_cpu_per_2_threads": read, "lines": lines}, out_dir=Path(args.out))
     if args.plot:
