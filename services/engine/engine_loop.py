@@ -52,6 +52,8 @@ class StreamTimings:
     first_token_at: float | None = None
     last_token_at: float | None = None
     tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
+    accepted_draft_tokens: int = 0
 
     @property
     def queue_s(self) -> float:
@@ -428,6 +430,8 @@ class EngineLoop:
                 first = stream.timings.tokens == 0
                 if chunk.num_drafts:  # the tokens the sequence took of those verified (it may have ended)
                     taken = stream.seq.num_tokens - chunk.start - 1
+                    stream.timings.draft_tokens += chunk.num_drafts
+                    stream.timings.accepted_draft_tokens += len(sampled[chunk.seq_id]) - 1
                     for i, token in enumerate(sampled[chunk.seq_id][:taken]):
                         self._emit(stream, stream.seq, token, logprobs[chunk.seq_id][i], None, ended,
                                    last=i == taken - 1)

@@ -39,6 +39,8 @@ class RequestTimings:
     generated_tokens: int = 0
     handoff_bytes: int = 0
     cached_tokens: int = 0  # prompt positions from the prefix cache: prefill_s covers only the rest
+    draft_tokens: int = 0  # speculative decoding: drafts verified for the request
+    accepted_draft_tokens: int = 0  # ...and accepted
 
 
 class Cancellation:

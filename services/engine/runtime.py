@@ -225,4 +225,6 @@ def stream_tokens(stream: RequestStream, timings: RequestTimings, cancel: Cancel
             timings.prefill_s = timings.prefill_s or t.prefill_s
             timings.decode_s = t.decode_s
             timings.cached_tokens = stream.seq.num_cached_tokens
+            timings.draft_tokens += t.draft_tokens
+            timings.accepted_draft_tokens += t.accepted_draft_tokens
         yield ev

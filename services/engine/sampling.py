@@ -47,6 +47,7 @@ class SamplingParams:
     prior_output_tokens: int = 0  # the prompt's last tokens that are the request's output (a migration's)
     grammar: str = ""  # structured output: an llguidance grammar the tokens must follow (grammar.py); '' = none
     first_choice: int = 0  # the choice index of this request's choice 0 (a migrated choice's): its random stream
+    speculative: bool = True  # drafts may be verified for it when the engine speculates (speculation.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -56,7 +56,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
                               repetition_penalty=s.repetition_penalty or 1.0,
                               logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens,
                               n=s.n or 1, prior_output_tokens=s.prior_output_tokens, grammar=s.grammar,
-                              first_choice=s.first_choice)
+                              first_choice=s.first_choice, speculative=not s.no_speculation)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -69,7 +69,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
                              frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
                              min_tokens=p.min_tokens, n=p.n, prior_output_tokens=p.prior_output_tokens,
-                             grammar=p.grammar, first_choice=p.first_choice, **optional)
+                             grammar=p.grammar, first_choice=p.first_choice, no_speculation=not p.speculative,
+                             **optional)
 
 
 def request_id_of(request) -> str:

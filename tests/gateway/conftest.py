@@ -12,11 +12,16 @@ from tests.services_harness import engine_pair, start_gateway, wait_http_ok
 API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # prefill_gpu batches two gpu-mode requests and queues none, so a burst gets 429s
+# both engines speculate (n-gram drafts, services/engine/speculation.py): every API test on this stack then
+# checks that drafts change no token, with logprobs, stops, grammars and n > 1 (test_api_speculation.py
+# compares the same requests with speculation turned off per request)
+SPECULATIVE_K = "4"
 PREFILL_ENV = {"HYBRIDSERVE_PREFILL_MAX_NUM_SEQS": "2", "HYBRIDSERVE_QUEUE_DEPTH": "0",
-               "HYBRIDSERVE_ARENA_BYTES": str(64 << 20), "HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256"}
+               "HYBRIDSERVE_ARENA_BYTES": str(64 << 20), "HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256",
+               "HYBRIDSERVE_PREFILL_SPECULATIVE_K": SPECULATIVE_K}
 PLANNER_WINDOW_S = 20.0
 DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "2048", "HYBRIDSERVE_MAX_SEQUENCES": "4",
-              "HYBRIDSERVE_DECODE_KV_CACHE_MB": "512"}
+              "HYBRIDSERVE_DECODE_KV_CACHE_MB": "512", "HYBRIDSERVE_DECODE_SPECULATIVE_K": SPECULATIVE_K}
 
 
 def wait_calibrated(url: str, timeout: float = 240.0) -> None:

@@ -28,6 +28,7 @@ class RoutedRequest:
         """From a validated completion or chat body; its own `timeout` may only shorten the gateway's."""
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      top_k=body.top_k, ignore_eos=body.ignore_eos,
+                                     no_speculation=not body.speculative,
                                      frequency_penalty=body.frequency_penalty or 0.0,
                                      presence_penalty=body.presence_penalty or 0.0,
                                      repetition_penalty=body.repetition_penalty or 1.0,

@@ -141,7 +141,8 @@ class Run:
         return Timings(queue_s=t.queue_s, prefill_s=t.prefill_s, handoff_total_s=t.handoff_total_s,
                        handoff_exposed_s=t.handoff_exposed_s, decode_s=t.decode_s,
                        decode_tokens=max(0, t.generated_tokens - 1), handoff_bytes=t.handoff_bytes,
-                       cached_tokens=t.cached_tokens,
+                       cached_tokens=t.cached_tokens, draft_tokens=t.draft_tokens,
+                       accepted_draft_tokens=t.accepted_draft_tokens,
                        e2e_s=time.perf_counter() - self.started)
 
     def extension(self) -> Hybridserve:
@@ -153,7 +154,8 @@ class Run:
                            migrations=moves or None, placement=placed)
 
     def usage(self) -> Usage:
-        return Usage.of(self.n_in, self.n_out)  # every choice's tokens, best_of's unreturned ones too
+        t = self.engine_timings or pb.Timings()  # every choice's tokens, best_of's unreturned ones too
+        return Usage.of(self.n_in, self.n_out, t.draft_tokens, t.accepted_draft_tokens)
 
     def best(self, n: int) -> list[Choice]:
         """The n choices to return: all of them, or (best_of) the n of highest cumulative logprob."""

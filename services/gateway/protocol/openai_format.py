@@ -38,14 +38,27 @@ class _LeavesOutNone(BaseModel):
 
 
 # ---- parts --------------------------------------------------------------------------------
-class Usage(BaseModel):
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's names for what speculation did: drafted tokens the model accepted, and those it did not."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(_LeavesOutNone):
+    _omit_if_none = ("completion_tokens_details",)
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # only when the engine speculated
 
     @classmethod
-    def of(cls, n_in: int, n_out: int) -> "Usage":
-        return cls(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+    def of(cls, n_in: int, n_out: int, drafted: int = 0, accepted: int = 0) -> "Usage":
+        details = CompletionTokensDetails(accepted_prediction_tokens=accepted,
+                                          rejected_prediction_tokens=drafted - accepted) if drafted else None
+        return cls(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out,
+                   completion_tokens_details=details)
 
 
 class Timings(BaseModel):
@@ -59,6 +72,8 @@ class Timings(BaseModel):
     decode_tokens: int  # tokens after the first (the first comes out of prefill)
     handoff_bytes: int
     cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    accepted_draft_tokens: int = 0
     e2e_s: float  # as the gateway saw it
 
 

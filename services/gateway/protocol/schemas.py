@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
 
-(Past 300 lines on purpose: every request body with its validation, the OpenAPI document's one
-source; the response_format and tool models are validated together with the bodies that carry them.)
+The field types they share are in fields.py, `response_format` and vLLM's spellings of it in
+response_format.py, a chat's messages and tools in chat_messages.py.
 
 Unknown fields are ignored, as OpenAI-compatible servers do, and named (`ignored_fields`: the
 response's x-hybridserve-ignored-fields header). Known fields that this stack cannot
@@ -26,143 +26,10 @@ from services.engine.sampling import MAX_CHOICES
 from services.gateway.protocol.structured import GrammarError, grammar_of
 from services.modes import AUTO, MODE_NAMES
 
-ModeName = Literal[(AUTO, *MODE_NAMES)]  # "auto", "gpu", "fpga", "hybrid": services/modes.py is the list
-
-UINT32_MAX = (1 << 32) - 1  # max_tokens, top_k and token ids are uint32 on the wire
-UINT64_MAX = (1 << 64) - 1  # the seed is uint64
-
-
-def _valid_unicode(text: str) -> str:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise PydanticCustomError("invalid_text", "text must be valid Unicode; it holds a lone surrogate") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
-TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
-TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
-TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]  # alternatives per position
-
-
-def _unsupported(field: str, what: str = "is not supported by this server") -> PydanticCustomError:
-    return PydanticCustomError("unsupported_parameter", "{field} {what}", {"field": field, "what": what})
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Text = Field("response", max_length=64)
-    description: Text | None = None
-    schema_: dict[str, Any] = Field(alias="schema", description="the JSON schema the output must validate against")
-    strict: bool | None = Field(None, description="the schema is enforced either way")
-
-
-class ResponseFormat(BaseModel):
-    """What the output must be (services/gateway/protocol/structured.py): plain text, any JSON object, JSON valid
-    against a schema, or (extensions) text matching a regex or a Lark grammar. Compiled here: one that
-    cannot be is a 400 with `param: response_format` and the reason."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema", "regex", "grammar"]
-    json_schema: JsonSchemaFormat | None = None
-    regex: Text | None = Field(None, description="extension: with type `regex`, the regex the whole output matches")
-    grammar: Text | None = Field(None, description=(
-        "extension: with type `grammar`, a Lark grammar (llguidance's dialect) the output follows"))
-    _compiled: str | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _compile(self):
-        needs = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}
-        if self.type in needs and needs[self.type] is None:
-            raise PydanticCustomError("invalid_value", "type {kind} needs its `{kind}` field", {"kind": self.type})
-        try:
-            self._compiled = grammar_of(self.type, self.json_schema.schema_ if self.json_schema else None,
-                                        self.regex, self.grammar)
-        except GrammarError as exc:
-            raise PydanticCustomError("invalid_value", "cannot be compiled: {reason}", {"reason": str(exc)}) from None
-        return self
-
-    @property
-    def compiled(self) -> str | None:
-        """The llguidance grammar the engines mask with; None for plain text."""
-        return self._compiled
-
-
-# Rust regex's meta characters (llguidance's regexes): escaped, a choice is matched as written
-_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
-
-
-def _literal_regex(text: str) -> str:
-    return "".join("\\" + c if c in _REGEX_META else c for c in text)
-
-
-def vllm_format(kind: str, value: Any) -> dict:
-    """vLLM's structured-output request (`guided_<kind>`, or `structured_outputs: {kind: value}`) as the
-    `response_format` that means the same: json (a schema, or its JSON text), regex, choice (one of
-    these strings), grammar (read as Lark), json_object."""
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ValueError("the schema is not valid JSON") from None
-        if not isinstance(value, dict):
-            raise ValueError("the schema must be a JSON object")
-        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": value}}
-    if kind == "regex":
-        return {"type": "regex", "regex": value}
-    if kind == "choice":
-        return {"type": "regex", "regex": "|".join(_literal_regex(c) for c in value)}
-    if kind == "grammar":
-        return {"type": "grammar", "grammar": value}
-    if kind == "json_object":
-        return {"type": "json_object" if value else "text"}
-    raise ValueError(f"unknown structured output {kind!r}")
-
-
-def _compiled_format(kind: str, value: Any) -> ResponseFormat:
-    """vllm_format's ResponseFormat, compiled; its error a ValueError (the field's own 400). Read-only
-    and cached by value: the field's check and the body's use compile it once, and a client that
-    sends the same schema with every request has it compiled once."""
-    return _compiled_cached(kind, json.dumps(value, sort_keys=True))
-
-
-@lru_cache(maxsize=64)
-def _compiled_cached(kind: str, value_json: str) -> ResponseFormat:
-    try:
-        return ResponseFormat.model_validate(vllm_format(kind, json.loads(value_json)))
-    except ValidationError as exc:
-        raise ValueError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
-
-
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of these."""
-
-    model_config = ConfigDict(extra="ignore")
-    json_: dict[str, Any] | Text | None = Field(None, alias="json")
-    regex: Text | None = None
-    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
-    grammar: Text | None = None
-    json_object: bool | None = None
-    _format: ResponseFormat | None = PrivateAttr(None)
-
-    @model_validator(mode="after")
-    def _one(self):
-        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
-                                   ("grammar", self.grammar), ("json_object", self.json_object)) if v is not None}
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {sorted(given)})")
-        self._format = _compiled_format(*next(iter(given.items())))
-        return self
-
-
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _PLAIN_FIELD = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # a field name a header may carry as sent
 
 
@@ -213,6 +80,9 @@ class _Common(BaseModel):
     user: Text | None = None
     mode: ModeName = AUTO  # extension: force a mode
     ignore_eos: bool = False  # extension, for benchmarks
+    speculative: bool = Field(True, description=(
+        "extension: false keeps the engine from verifying draft tokens for this request (speculative decoding, "
+        "when the engines have it on); the tokens are the same either way"))
     timeout: float | None = Field(None, gt=0)  # extension: seconds before 504
     # sampling controls (services/engine/logits_processing.py), applied the same in every mode
     # (None, as some clients send for "unset", is the default)
@@ -245,7 +115,7 @@ class _Common(BaseModel):
     @classmethod
     def _guided_compiles(cls, v, info):
         if v is not None:
-            _compiled_format(info.field_name.removeprefix("guided_"), v)  # its 400 names the field
+            compiled_format(info.field_name.removeprefix("guided_"), v)  # its 400 names the field
         return v
 
     @model_validator(mode="after")
@@ -261,7 +131,7 @@ class _Common(BaseModel):
         if field == "structured_outputs":
             self.response_format = self.structured_outputs._format
         else:
-            self.response_format = _compiled_format(field.removeprefix("guided_"), getattr(self, field))
+            self.response_format = compiled_format(field.removeprefix("guided_"), getattr(self, field))
         return self
 
     @field_validator("n")
@@ -391,78 +261,8 @@ class CompletionRequest(_Common):
     @classmethod
     def _no_suffix(cls, v):
         if v:
-            raise _unsupported("suffix")
+            raise unsupported("suffix")
         return v
-
-
-class TextPart(BaseModel):
-    """The one kind of content part accepted: text."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: Text
-
-
-class ChatMessage(BaseModel):
-    """One message. Content may be null (or absent) only on an assistant message that carries tool
-    calls, as in OpenAI's API: any other null message used to reach the model as an empty turn."""
-
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    tool_calls: list[dict[str, Any]] | None = None  # before content: its validator reads them
-    tool_call_id: Text | None = None  # a tool message: the call it answers
-    content: Text | list[TextPart] | None = Field(None, validate_default=True)
-
-    @field_validator("content")
-    @classmethod
-    def _content_unless_tool_calls(cls, v, info):
-        role = info.data.get("role")
-        if v is None and role is not None and not (role == "assistant" and info.data.get("tool_calls")):
-            raise PydanticCustomError("missing_content", "a {role} message needs content; only an assistant "
-                                      "message with tool_calls may leave it null", {"role": role})
-        return v
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
-    function: NamedFunction
-
-
-def check_continue(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
-    """continue_final_message's rules (a chat's, and /tokenize's): vLLM's, that the template cannot both
-    continue a message and open a new turn, and that the message continued is an assistant's."""
-    if continue_final_message:
-        if add_generation_prompt:
-            raise PydanticCustomError("invalid_value", "continue_final_message needs add_generation_prompt false "
-                                      "(the template cannot both continue a message and open a new turn)")
-        if messages[-1].role != "assistant":
-            raise PydanticCustomError("invalid_value", "continue_final_message needs the last message to be an "
-                                      "assistant's")
 
 
 class ChatCompletionRequest(_Common):
@@ -507,7 +307,7 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _no_functions(cls, v, info):
         if v:
-            raise _unsupported(info.field_name, "(the deprecated form of tools) is not supported by this server; "
+            raise unsupported(info.field_name, "(the deprecated form of tools) is not supported by this server; "
                                "send tools")
         return v
 
@@ -515,7 +315,7 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _no_function_call(cls, v, info):
         if v is not None and v != "none":
-            raise _unsupported(info.field_name, "(the deprecated form of tool_choice) is not supported by this "
+            raise unsupported(info.field_name, "(the deprecated form of tool_choice) is not supported by this "
                                "server; send tool_choice")
         return v
 

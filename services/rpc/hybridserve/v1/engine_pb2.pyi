@@ -19,7 +19,7 @@ MODE_FPGA: Mode
 MODE_HYBRID: Mode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n", "prior_output_tokens", "grammar", "first_choice")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "n", "prior_output_tokens", "grammar", "first_choice", "no_speculation")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class SamplingParams(_message.Message):
     PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -63,7 +64,8 @@ class SamplingParams(_message.Message):
     prior_output_tokens: int
     grammar: str
     first_choice: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., n: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., first_choice: _Optional[int] = ...) -> None: ...
+    no_speculation: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., n: _Optional[int] = ..., prior_output_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., first_choice: _Optional[int] = ..., no_speculation: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -90,7 +92,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[Mode, str]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "handoff_total_s", "handoff_exposed_s", "decode_s", "prompt_tokens", "generated_tokens", "handoff_bytes", "cached_tokens")
+    __slots__ = ("queue_s", "prefill_s", "handoff_total_s", "handoff_exposed_s", "decode_s", "prompt_tokens", "generated_tokens", "handoff_bytes", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_TOTAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,8 @@ class Timings(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     handoff_total_s: float
@@ -109,7 +113,9 @@ class Timings(_message.Message):
     generated_tokens: int
     handoff_bytes: int
     cached_tokens: int
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_total_s: _Optional[float] = ..., handoff_exposed_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., handoff_total_s: _Optional[float] = ..., handoff_exposed_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "timings", "logprobs", "prompt_logprobs", "index")
