@@ -57,7 +57,7 @@ bench: $(STAMP) system-deps
 	$(PY) -m bench.micro.engine_torch
 	$(PY) -m bench.micro.engine_opencl
 	$(PY) -m bench.micro.handoff
-	$(PY) bench/quant_gemv.py
+	$(PY) -m bench.micro.quant_gemv
 	$(PY) -m bench.micro.logprobs_cost
 	$(PY) -m bench suite
 	$(PY) -m bench router

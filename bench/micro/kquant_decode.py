@@ -83,7 +83,7 @@ def engines(gguf: Path, max_batch: int, max_context: int) -> dict:
 
 
 def main() -> int:
-    from bench.paged_step import time_paged_wall
+    from bench.micro.paged_step import time_paged_wall
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from bench._common import RESULTS, CpuHog, progress, table, write_json
-from bench.paged_step import engines, time_paged_wall
+from bench.micro.paged_step import engines, time_paged_wall
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -122,7 +122,7 @@ def llama_steps(binary: Path, path: Path, context: int, steps: int, batches=BATC
 
 def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
     """Batch-1 paged steps of one engine on `path` as one launch and launch by launch, interleaved."""
-    from bench.paged_step import time_paged_wall
+    from bench.micro.paged_step import time_paged_wall
 
     from services.decode_fpga.one_launch_choice import OneLaunchChoice
 
@@ -148,7 +148,7 @@ def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
 
 
 def main() -> int:
-    from bench.paged_step import time_paged_wall
+    from bench.micro.paged_step import time_paged_wall
     from bench.micro.scale_1b_checkpoint import ensure
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -9,7 +9,7 @@ one. Medians of several runs, with numpy memory bandwidth measured in the same r
 The checkpoint's own tensors where it has the format (Q4_1 layers, Q8_0 head),
 gguf-quantized random weights otherwise (speed does not depend on the values).
 
-    python bench/quant_gemv.py [--runs N] [--quick]
+    python -m bench.micro.quant_gemv [--runs N] [--quick]
 
 --rows: the paged step's batched GEMVs instead (bind_gemv_rows: one output row a work-item, or tiles of
 them past the rows whose x fills L1), per row of x at --batches, for each --gemv-tiles value side by
@@ -17,7 +17,7 @@ side (interleaved run by run), on the checkpoint's own matrices (--model: anothe
 layers: microseconds per row and matrix (the fastest run's wall time and its CPU time, both cores'
 work: on a shared machine the steadier figure), and their sum over a step's matrices per row.
 
-    python bench/quant_gemv.py --rows [--batches 1,2,4,8,16,32,64] [--gemv-tiles 0,2] [--model F]
+    python -m bench.micro.quant_gemv --rows [--batches 1,2,4,8,16,32,64] [--gemv-tiles 0,2] [--model F]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import RESULTS, memory_bandwidth_gbs, progress, stats, table, write_json
+from bench._common import RESULTS, memory_bandwidth_gbs, progress, stats, table, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

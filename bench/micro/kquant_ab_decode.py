@@ -6,7 +6,7 @@ greedy paged steps at batch 1 and 8 (random KV at --context tokens, imported), s
 load on a shared machine. Medians over every round's steps of the wall time and of the process's CPU
 time per step (both PoCL threads' work: the steadier figure when other processes share the cores).
 
-    python bench/kquant_ab_decode.py --baseline DIR [--gguf FILE] [--rounds N] [--steps N] [--name NAME]
+    python -m bench.micro.kquant_ab_decode --baseline DIR [--gguf FILE] [--rounds N] [--steps N] [--name NAME]
 
 DIR: a checkout of the earlier commit (`git worktree add DIR COMMIT`); FILE: default the packaged model.
 """
@@ -20,18 +20,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import progress, table, write_json
+from bench._common import ROOT, progress, table, write_json
 
-HERE = Path(__file__).resolve().parent
 BATCHES = (1, 8)
 
 
 def measure(tree: Path, gguf: str | None, steps: int, context: int) -> dict:
     """In this process, checkout `tree`'s engine: {batch: [(wall s, CPU s) per step]}."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from paged_step import time_paged  # this checkout's timing loop (it imports services only when called)
+    from bench.micro.paged_step import time_paged  # this checkout's timing loop (it imports services only when called)
 
-    sys.path.insert(0, str(tree))  # ahead of this checkout, which the bench modules put first
+    sys.path.insert(0, str(tree))  # ahead of this checkout (the root python -m runs from)
 
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
@@ -68,7 +67,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(measure(args.child, args.gguf, args.steps, args.context)))
         return 0
-    trees = {"this": HERE.parent}
+    trees = {"this": ROOT}
     if args.baseline:
         trees = {"baseline": args.baseline.resolve(), **trees}
     load_before = os.getloadavg()
@@ -77,9 +76,10 @@ def main() -> int:
     for r in range(args.rounds):
         for name, tree in trees.items():
             progress(f"round {r + 1}/{args.rounds}: {name}")
-            cmd = [sys.executable, __file__, "--child", str(tree), "--steps", str(args.steps), "--context",
-                   str(args.context)] + (["--gguf", args.gguf] if args.gguf else [])
-            done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+            cmd = [sys.executable, "-m", "bench.micro.kquant_ab_decode", "--child", str(tree),
+                   "--steps", str(args.steps), "--context", str(args.context)] + (["--gguf", args.gguf] if args.gguf else [])
+            done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=ROOT, capture_output=True,
+                                  text=True)
             if done.returncode:
                 raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")
             got = json.loads(done.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ bytes of weights a step reads (as the device stores them) / the machine's memory
 (_common.memory_bandwidth_gbs: a numpy copy, read + write; the better of a measure before and after).
 Also the process's CPU seconds per step (both cores' work; on a shared machine the steadier figure).
 
-    python -m bench.paged_step [--rounds N] [--steps N] [--batches 1,2,4,...] [--gemv-tiles 0,2]
+    python -m bench.micro.paged_step [--rounds N] [--steps N] [--batches 1,2,4,...] [--gemv-tiles 0,2]
                                [--contexts 128] [--model PATH.gguf] [--slots] [--name paged_step]
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ launched in turn (one alone would sit in the caches); random blocks of each form
 quantize to K-quants; speed does not depend on the values). With --baseline, a checkout of an
 earlier commit runs in alternate subprocesses, round by round, so both see the same load:
 
-    python bench/kquant_gemv.py [--rounds N] [--baseline DIR] [--formats q4_1,q4_k,q5_k,q6_k]
+    python -m bench.micro.kquant_gemv [--rounds N] [--baseline DIR] [--formats q4_1,q4_k,q5_k,q6_k]
                                 [--rows N] [--name RESULTS_NAME] [--plot] [--shapes 1024x2048] [--copies 1]
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, progress, table, write_json
+from bench._common import RESULTS, ROOT, progress, table, write_json
 
 SHAPES = ((8192, 2048), (2048, 8192))
 FORMATS = "q4_0,q4_1,q8_0,q5_0,q5_1,q4_k,q5_k,q6_k"
@@ -43,13 +43,13 @@ def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1, shapes=S
     """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes. n_rows
     > 1: that many rows of x through bind_gemv_rows (the paged step's batched GEMV, each row with the
     one-row arithmetic), timed per launch as at one row."""
-    sys.path.insert(0, str(tree))  # ahead of this checkout, which _common put first
+    sys.path.insert(0, str(tree))  # ahead of this checkout (the root python -m runs from)
     import numpy as np
     import pyopencl as cl
 
     from services.decode_fpga.device import select_device
     from services.decode_fpga.quant_gemv import QuantMatrix
-    from quant_gemv import synthetic  # gguf-py quantizes the legacy formats
+    from bench.micro.quant_gemv import synthetic  # this checkout's; gguf-py quantizes the legacy formats
     from tests.decode_fpga.kquant_checkpoint import random_blocks
 
     assert Path(sys.modules["services"].__file__).resolve().is_relative_to(tree.resolve())
@@ -102,7 +102,7 @@ def stream_read(dev, runs: int, rows: int = 8192, row_bytes: int = 4608) -> list
     import numpy as np
     import pyopencl as cl
 
-    from _common import memory_bandwidth_gbs
+    from bench._common import memory_bandwidth_gbs
 
     kernel = cl.Program(dev.context, (HERE / "stream_read.cl").read_text()).build().stream_read
     bufs = [cl.Buffer(dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
@@ -185,7 +185,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(measure(args.child, formats, args.runs, args.rows, shapes(args.shapes), args.copies)))
         return 0
-    trees = {"this": HERE.parent}
+    trees = {"this": ROOT}
     if args.baseline:
         trees = {"baseline": args.baseline.resolve(), **trees}
     load_before = os.getloadavg()
@@ -194,9 +194,10 @@ def main() -> int:
         for name, tree in trees.items():
             progress(f"round {r + 1}/{args.rounds}: {name}")
             env = {**os.environ, "PYTHONPATH": str(tree)}
-            done = subprocess.run([sys.executable, __file__, "--child", str(tree), "--runs", str(args.runs),
-                                   "--formats", args.formats, "--rows", str(args.rows), "--shapes", args.shapes,
-                                   "--copies", str(args.copies)], env=env, capture_output=True, text=True)
+            done = subprocess.run([sys.executable, "-m", "bench.micro.kquant_gemv", "--child", str(tree),
+                                   "--runs", str(args.runs), "--formats", args.formats, "--rows", str(args.rows),
+                                   "--shapes", args.shapes, "--copies", str(args.copies)],
+                                  env=env, cwd=ROOT, capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")
             for s in json.loads(done.stdout.strip().splitlines()[-1]):
