@@ -32,7 +32,7 @@ from bench.serving.stats import summarize  # noqa: E402
 from bench.serving.workload import Salter, corpus_ids, salt_seed, workload  # noqa: E402
 
 from services.gateway.settings import GatewaySettings  # noqa: E402
-from services.stack import UpSettings  # noqa: E402
+from services.launcher.stack import UpSettings  # noqa: E402
 
 POOLS = ("prefill", "decode")
 

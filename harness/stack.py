@@ -57,7 +57,7 @@ def launch_stack(log_path: Path, extra_env: dict | None = None, pairs: int = 1, 
     from services.decode_fpga.settings import DecodeSettings
     from services.gateway.settings import GatewaySettings
     from services.prefill_gpu.settings import PrefillSettings
-    from services.stack import UpSettings
+    from services.launcher.stack import UpSettings
 
     # engines_per_kind: the most engines of one kind (pools, `up --prefill N --decode M`: M), each a stride apart
     strided = engines_per_kind or pairs
@@ -72,7 +72,7 @@ def launch_stack(log_path: Path, extra_env: dict | None = None, pairs: int = 1, 
            UpSettings.env_name("port_stride"): port_stride}
     env = {**{k: str(v) for k, v in env.items()}, **(extra_env or {})}
     args = ("up",) if pairs == 1 else ("up", "--pairs", str(pairs))
-    return Stack(Process("services.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
+    return Stack(Process("services.launcher.cli", env, log_path, args=args).start(), ports, pairs, port_stride)
 
 
 def start_stack(log_path: Path, extra_env: dict | None = None, timeout: float = 900,

@@ -48,7 +48,7 @@ OUTSIDE_VARIABLES = frozenset({"HYBRIDSERVE_INSTALL_WITH", "HYBRIDSERVE_LLAMA_SE
                                "HYBRIDSERVE_TEST_COMPOSE", "HYBRIDSERVE_COMPOSE_KV_TRANSPORT"})
 # every process's settings class, so each knows the others' names and leaves them alone
 SETTINGS_CLASSES = ("services.prefill_gpu.settings:PrefillSettings", "services.decode_fpga.settings:DecodeSettings",
-                    "services.gateway.settings:GatewaySettings", "services.stack:UpSettings")
+                    "services.gateway.settings:GatewaySettings", "services.launcher.stack:UpSettings")
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # old names already logged by this process

@@ -30,8 +30,7 @@ LAYERS = [
     ("services.gateway.api", 12), ("services.gateway.settings", 12),
     ("services.gateway.__main__", 13),
     # what starts the processes
-    ("services.launcher", 14), ("services.cli", 14), ("services.stack", 14), ("services.stack_autoscale", 14),
-    ("services.autoscale", 14), ("services.supervisor", 14),
+    ("services.launcher", 14),
 ]
 # layers side by side that must not import each other (the engines)
 APART = [("services.prefill_gpu", "services.decode_fpga")]

@@ -33,12 +33,12 @@ def test_an_unknown_name_is_refused_with_the_list(capsys):
 
 
 def test_the_console_script_runs_the_registry_from_outside_the_checkout(tmp_path):
-    """services/cli.py execs `python -m bench` with the checkout on PYTHONPATH: it works from any folder."""
-    done = subprocess.run([sys.executable, "-m", "services.cli", "bench", "serve", "--help"], cwd=tmp_path,
+    """services/launcher/cli.py execs `python -m bench` with the checkout on PYTHONPATH: it works from any folder."""
+    done = subprocess.run([sys.executable, "-m", "services.launcher.cli", "bench", "serve", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--start-stack" in done.stdout
-    listing = subprocess.run([sys.executable, "-m", "services.cli", "bench", "--help"], cwd=tmp_path,
+    listing = subprocess.run([sys.executable, "-m", "services.launcher.cli", "bench", "--help"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert listing.returncode == 0 and all(name in listing.stdout for name in cli.BENCHMARKS)
 

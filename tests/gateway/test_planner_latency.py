@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from services.autoscale import Hysteresis, PoolScaler
+from services.launcher.autoscale import Hysteresis, PoolScaler
 from services.gateway.fleet.planner import Planner, Targets, plan_json
 from services.gateway.fleet.planner_latency import floor_for, pool_of
 from tests.gateway.test_planner import calibrated_router

@@ -15,7 +15,7 @@ from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
 from services.prefill_gpu.settings import PrefillSettings
 from services.settings import CommonSettings, UnknownSettingError
-from services.stack import UpSettings, _children_environment
+from services.launcher.stack import UpSettings, _children_environment
 
 SERVICES = (PrefillSettings, DecodeSettings, GatewaySettings, UpSettings)
 

@@ -1,4 +1,4 @@
-"""`up --autoscale` without engines: the decision for one pool (services/autoscale.py) on a hand-moved
+"""`up --autoscale` without engines: the decision for one pool (services/launcher/autoscale.py) on a hand-moved
 clock (bounds, the holds before a step, the cooldown after one, one engine per step, no flapping on a
 jumpy planner), and acting on it (stack_autoscale.py) with a real supervisor of small child processes
 and the gateway's real pool routes over fake engines, the planner's wish set by the test: an engine
@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from services.autoscale import Hysteresis, PoolScaler
+from services.launcher.autoscale import Hysteresis, PoolScaler
 from services.gateway.api.app import create_app
 from services.gateway.fleet.pairs import Pairs
 from services.gateway.settings import GatewaySettings
-from services.stack import UpSettings
-from services.stack_autoscale import EngineAutoscaler
-from services.supervisor import ChildSpec, Supervisor
+from services.launcher.stack import UpSettings
+from services.launcher.stack_autoscale import EngineAutoscaler
+from services.launcher.supervisor import ChildSpec, Supervisor
 from tests.gateway.test_dispatch import FakeEngines
 
 H = Hysteresis(up_hold_s=10, down_hold_s=30, cooldown_s=20)

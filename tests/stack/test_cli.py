@@ -9,7 +9,7 @@ import pytest
 
 
 def _run(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "services.cli", "generate", *args],
+    return subprocess.run([sys.executable, "-m", "services.launcher.cli", "generate", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,10 +1,10 @@
 """`up --pairs N`'s children, without starting them: names, ports a stride apart, who follows whom."""
 from __future__ import annotations
 
-from services.cli import main
+from services.launcher.cli import main
 from services.decode_fpga.settings import DecodeSettings
 from services.prefill_gpu.settings import PrefillSettings
-from services.stack import UpSettings, _pair_specs
+from services.launcher.stack import UpSettings, _pair_specs
 
 
 def specs(i: int, pairs: int, **prefill):
@@ -45,7 +45,7 @@ def test_up_refuses_zero_pairs(capsys):
 
 
 def test_pools_of_one_prefill_and_two_decodes_share_the_prefill_engine():
-    from services.stack import _layout_specs
+    from services.launcher.stack import _layout_specs
 
     s = UpSettings(prefill_engines=1, decode_engines=2, port_stride=10)
     specs, pairs, gateway = _layout_specs(s, PrefillSettings(port=50061, metrics_port=9101),
@@ -58,7 +58,7 @@ def test_pools_of_one_prefill_and_two_decodes_share_the_prefill_engine():
 
 
 def test_pools_of_two_and_four_pull_from_prefill_j_mod_n_and_may_pull_from_any():
-    from services.stack import _layout_specs
+    from services.launcher.stack import _layout_specs
 
     s = UpSettings(prefill_engines=2, decode_engines=4)
     specs, pairs, gateway = _layout_specs(s, PrefillSettings(port=50061), DecodeSettings(port=50062), {})
@@ -73,7 +73,7 @@ def test_more_prefill_than_decode_engines_is_a_layout_and_pools_with_pairs_are_r
     import pytest
     from pydantic import ValidationError
 
-    from services.stack import _layout_specs
+    from services.launcher.stack import _layout_specs
 
     specs, pairs, gateway = _layout_specs(UpSettings(prefill_engines=2, decode_engines=1), PrefillSettings(port=50061),
                                           DecodeSettings(port=50062), {})
@@ -85,7 +85,7 @@ def test_more_prefill_than_decode_engines_is_a_layout_and_pools_with_pairs_are_r
 
 
 def test_autoscaled_pools_start_at_their_minimum_and_every_decode_engine_may_pull_from_the_most():
-    from services.stack import _layout_specs, _scaled_spec
+    from services.launcher.stack import _layout_specs, _scaled_spec
 
     s = UpSettings(prefill_engines=1, decode_engines=1, autoscale=True, max_prefill_engines=2, max_decode_engines=3)
     prefill, decode = PrefillSettings(port=50061), DecodeSettings(port=50062)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.supervisor import RESTARTS, ChildSpec, Supervisor
+from services.launcher.supervisor import RESTARTS, ChildSpec, Supervisor
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
 FAIL = [sys.executable, "-c", "import sys; sys.exit(3)"]

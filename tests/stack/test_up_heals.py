@@ -25,7 +25,7 @@ from services.prefill_gpu.settings import PrefillSettings
 from services.rpc.engine_token import engine_channel
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
 from services.rpc.hybridserve.v1 import engine_pb2_grpc as pb_grpc
-from services.stack import UpSettings
+from services.launcher.stack import UpSettings
 
 TOKEN = "stack-engine-token"
 

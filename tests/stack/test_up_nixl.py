@@ -18,7 +18,7 @@ import pytest
 from harness.stack import start_stack
 from services.decode_fpga.settings import DecodeSettings
 from services.prefill_gpu.settings import PrefillSettings
-from services.stack import UpSettings
+from services.launcher.stack import UpSettings
 from tests.stack.test_up_heals import healthy, http_json, wait_for
 from tests.stack.test_up_pairs import _decode_pid
 

@@ -30,7 +30,7 @@ from harness.stack import start_stack
 from services.decode_fpga.settings import DecodeSettings
 from services.kv.arena import SHM_DIR
 from services.prefill_gpu.settings import PrefillSettings
-from services.stack import UpSettings
+from services.launcher.stack import UpSettings
 from tests.stack.test_up_heals import alive, http_json, module_children, wait_for
 
 CLIENTS = 16

@@ -29,7 +29,7 @@ from harness.stack import start_stack
 from services.decode_fpga.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings
 from services.prefill_gpu.settings import PrefillSettings
-from services.stack import UpSettings
+from services.launcher.stack import UpSettings
 from tests.stack.test_up_heals import alive, http_json, module_children
 
 PROMPT = "The capital of France is"

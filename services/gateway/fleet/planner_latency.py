@@ -24,7 +24,7 @@ from below, pool by pool:
   too thin to judge) and it lapses; no traffic in the window: no floor.
 
 The planner's desired count is the larger of the model's and this floor. Acting on it keeps the
-autoscaler's own holds and cooldown (services/autoscale.py).
+autoscaler's own holds and cooldown (services/launcher/autoscale.py).
 """
 from __future__ import annotations
 

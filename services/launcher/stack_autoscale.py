@@ -28,8 +28,8 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge
 
-from services.autoscale import Hysteresis, PoolScaler
-from services.supervisor import ChildSpec, Supervisor
+from services.launcher.autoscale import Hysteresis, PoolScaler
+from services.launcher.supervisor import ChildSpec, Supervisor
 
 POOLS = ("prefill", "decode")
 

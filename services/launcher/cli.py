@@ -94,7 +94,7 @@ def _bench(args) -> int:
     import os
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / "bench" / "cli.py").is_file():
         print("hybridserve bench: bench/ is not here; run it from a checkout of the project", file=sys.stderr)
         return 2
@@ -136,7 +136,7 @@ def _add_services(sub) -> None:
                     help="with --autoscale: at most this many prefill_gpu engines (default: --prefill's)")
     up.add_argument("--max-decode", type=_positive, default=None, dest="max_decode",
                     help="with --autoscale: at most this many decode_fpga engines (default: --decode's)")
-    up.set_defaults(func=lambda args: __import__("services.stack", fromlist=["up"]).up(
+    up.set_defaults(func=lambda args: __import__("services.launcher.stack", fromlist=["up"]).up(
         args.pairs, args.prefill_engines, args.decode_engines, args.autoscale, args.max_prefill, args.max_decode))
 
 

@@ -58,7 +58,7 @@ from services.gateway.settings import GatewaySettings
 from services.lifetime import exit_with_parent, launch_env
 from services.prefill_gpu.settings import PrefillSettings
 from services.settings import CommonSettings
-from services.supervisor import ChildSpec, Supervisor
+from services.launcher.supervisor import ChildSpec, Supervisor
 
 # the fields `up` always chooses per child itself; their old shared names (HYBRIDSERVE_PORT, ...)
 # never reached a child from `up`, so they do not count here either
@@ -338,8 +338,8 @@ def up(pairs: int | None = None, prefill_engines: int | None = None, decode_engi
 
 def _autoscaler(s: UpSettings, prefill: PrefillSettings, decode: DecodeSettings, gateway: GatewaySettings,
                 base: dict[str, str], sup: Supervisor, url: str, say: Callable[[str], None]):
-    from services.autoscale import Hysteresis
-    from services.stack_autoscale import EngineAutoscaler, GatewayAdmin
+    from services.launcher.autoscale import Hysteresis
+    from services.launcher.stack_autoscale import EngineAutoscaler, GatewayAdmin
 
     key = gateway.api_key.get_secret_value() if gateway.api_key else None
     return EngineAutoscaler(sup, _scaled_spec(s, prefill, decode, base), s.bounds(),
