@@ -1,4 +1,4 @@
-"""bench/scale_1b.py's llama.cpp side without a build: a crashed llama-batched-bench is reported with
+"""bench/micro/scale_1b.py's llama.cpp side without a build: a crashed llama-batched-bench is reported with
 its signal by name (the native build's AMX faulted on this project's VMs as SIGILL, first seen as a bare
 "failed (-4)")."""
 from __future__ import annotations
