@@ -112,7 +112,8 @@ def selftest(tx_ns: str, rx_ns: str) -> None:
     import threading
 
     from services.kv.header import SlotHeader
-    from services.kv.tcp import TcpListener, TcpReceiver, TcpSender
+    from services.kv.tcp import TcpReceiver, TcpSender
+    from services.kv.tcp_frames import TcpListener
     from services.kv.handoff import layout_of
 
     header = SlotHeader("fp32", 4, 2, 8, 33, "selftest", nonce=7)

@@ -54,7 +54,7 @@ class Receivers:
     """The receiving process's ends: a TCP listener on port, a NIXL inbox on port + 1 (when installed)."""
 
     def __init__(self, host: str, port: int):
-        from services.kv.tcp import TcpListener
+        from services.kv.tcp_frames import TcpListener
 
         self.tcp = TcpListener(host, port, timeout_s=TIMEOUT_S)
         self.nixl = None

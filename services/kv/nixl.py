@@ -3,15 +3,15 @@
 otherwise), the way Dynamo, vLLM's NixlConnector, SGLang and llm-d move KV.
 
 The bytes go through NIXL; everything else goes through a small control connection that prefill_gpu
-opens to decode_fpga's KV inbox (tcp_inbox.py, the TCP transport's, unchanged), in tcp.py's framing:
+opens to decode_fpga's KV inbox (tcp_inbox.py, the TCP transport's, unchanged), in tcp_frames.py's framing:
 
     sender → receiver
-    HEADER  the slot header (nonce, generation), with its HMAC tag under the engine token (tcp.auth_tag):
+    HEADER  the slot header (nonce, generation), with its HMAC tag under the engine token (tcp_frames.auth_tag):
             the inbox routes the connection by its nonce and refuses it unless the tag proves the token
     OFFER   where the KV lies: the registered buffer's address and size, and the agent's metadata for
             that buffer only (connection info and its keys)
     READY   layers [l0, l1) × tokens [t0, t1) are written in the buffer (a whole layer, or a token slice)
-    DONE    the PrefillDone (tcp.DONE_PAYLOAD)
+    DONE    the PrefillDone (tcp_frames.DONE_PAYLOAD)
     receiver → sender
     LANDED  layers × tokens of a READY are in the import buffer (after the READ completed)
     OK / ERROR   as on the TCP transport: every byte imported (and when), or why not
@@ -40,8 +40,8 @@ import numpy as np
 from services.kv.handoff import HandoffState, KVSender, LayerReady, PrefillDone, SlotGrant
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
 from services.kv.nixl_agent import NixlAgent, TransferFailed
-from services.kv.tcp import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR, FRAME, HEADER, MAX_ERROR_BYTES, OK,
-                             OK_PAYLOAD, PeerGone, SliceReady, _recv_exact, _recv_frame, _send, auth_tag)
+from services.kv.tcp_frames import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR, FRAME, HEADER, MAX_ERROR_BYTES, OK,
+                                    OK_PAYLOAD, PeerGone, SliceReady, auth_tag, recv_exact, recv_frame, send_parts)
 from services.kv.tcp_inbox import InboxReceiver, KVInbox
 
 OFFER, READY, LANDED = 16, 17, 18
@@ -142,7 +142,7 @@ class NixlSender(KVSender):
             raise self._answer
         try:
             with self._send_lock:
-                _send(self._sock, parts, what)
+                send_parts(self._sock, parts, what)
                 if answered:
                     if not self._unanswered:
                         self._due_since = time.monotonic()  # an answer (LANDED, OK) is due from now on
@@ -166,7 +166,7 @@ class NixlSender(KVSender):
                     raise PeerGone(f"the control connection was closed: {exc}") from None
                 if not readable:
                     continue
-                kind, l0, l1, t0, t1, nbytes = _recv_frame(self._sock, "the receiver's answer")
+                kind, l0, l1, t0, t1, nbytes = recv_frame(self._sock, "the receiver's answer")
                 if kind == LANDED and nbytes == 0:
                     self.landed[(l0, l1, t0, t1)] = time.time()
                     with self._send_lock:
@@ -175,10 +175,10 @@ class NixlSender(KVSender):
                     continue
                 raw = bytearray(min(nbytes, MAX_ERROR_BYTES))
                 if kind == OK and nbytes == OK_PAYLOAD.size:
-                    _recv_exact(self._sock, memoryview(raw), "the receiver's answer")
+                    recv_exact(self._sock, memoryview(raw), "the receiver's answer")
                     self._answer = OK_PAYLOAD.unpack(raw)[0]
                 elif kind == ERROR and nbytes <= MAX_ERROR_BYTES:
-                    _recv_exact(self._sock, memoryview(raw), "the receiver's reason")
+                    recv_exact(self._sock, memoryview(raw), "the receiver's reason")
                     self._answer = HeaderMismatch(f"the receiver refused the KV: {raw.decode(errors='replace')}")
                 else:
                     self._answer = PeerGone(f"the receiver answered a frame of kind {kind} ({nbytes} bytes)")
@@ -245,7 +245,7 @@ class NixlReceiver(InboxReceiver):
         yield self._grant_of(header)
         lay = self.layout
         while True:
-            kind, l0, l1, t0, t1, nbytes = _recv_frame(self.conn, "a frame header")
+            kind, l0, l1, t0, t1, nbytes = recv_frame(self.conn, "a frame header")
             if kind == READY and nbytes == 0:
                 if not (0 <= l0 < l1 <= lay.n_layers and 0 <= t0 < t1 <= lay.n_tokens):
                     raise HeaderMismatch(f"a READY frame for layers [{l0}, {l1}) × tokens [{t0}, {t1}) is outside "
@@ -254,18 +254,18 @@ class NixlReceiver(InboxReceiver):
                 yield SliceReady(l0, l1, t0, t1, (l1 - l0) * (t1 - t0) * per_token, time.time())
             elif kind == DONE and nbytes == DONE_PAYLOAD.size:
                 raw = bytearray(nbytes)
-                _recv_exact(self.conn, memoryview(raw), "the end of the hand-off")
+                recv_exact(self.conn, memoryview(raw), "the end of the hand-off")
                 yield PrefillDone(*DONE_PAYLOAD.unpack(raw))
                 return
             else:
                 raise HeaderMismatch(f"a frame of kind {kind} ({nbytes} bytes) where READY or DONE was due")
 
     def _take_offer(self) -> None:
-        kind, *_, nbytes = _recv_frame(self.conn, "the NIXL offer")
+        kind, *_, nbytes = recv_frame(self.conn, "the NIXL offer")
         if kind != OFFER or not OFFER_HEAD.size < nbytes <= MAX_OFFER_BYTES:
             raise HeaderMismatch(f"a frame of kind {kind} ({nbytes} bytes) where the NIXL offer was due")
         raw = bytearray(nbytes)
-        _recv_exact(self.conn, memoryview(raw), "the NIXL offer")
+        recv_exact(self.conn, memoryview(raw), "the NIXL offer")
         base, size = OFFER_HEAD.unpack_from(raw)
         if size != HEADER_SIZE + self.layout.nbytes:
             raise HeaderMismatch(f"the offered buffer holds {size} bytes; this request's KV takes "
@@ -306,7 +306,7 @@ class NixlReceiver(InboxReceiver):
                           + msg.start * row, (msg.stop - msg.start) * row)
                          for layer in range(msg.layer0, msg.layer1) for kv in (0, 1) for h in range(lay.n_kv_heads)]
             self._read(pairs)
-            _send(self.conn, [FRAME.pack(LANDED, msg.layer0, msg.layer1, msg.start, msg.stop, 0)], "LANDED")
+            send_parts(self.conn, [FRAME.pack(LANDED, msg.layer0, msg.layer1, msg.start, msg.stop, 0)], "LANDED")
             kv = self._buf[kv_at:]
             if msg.start == 0 and msg.stop == lay.n_tokens:
                 self._payload = kv[lay.layer_offset(msg.layer0): lay.layer_offset(msg.layer1 - 1) + lay.layer_nbytes]

@@ -6,7 +6,7 @@ prefill_gpu connects once per hand-off, to the address decode_fpga put in the Pr
 nonce (header.request_nonce). The inbox reads that header and hands the connection to the request
 expecting that nonce; a connection no request expects, or one that does not open with a header,
 is closed with an ERROR frame saying why. With the engine token (HYBRIDSERVE_ENGINE_TOKEN), a
-header must come with its tag (tcp.auth_tag) or the connection is refused before it is routed.
+header must come with its tag (tcp_frames.auth_tag) or the connection is refused before it is routed.
 Nothing is read past the header before a request owns the connection.
 
 Who calls what (decode side only; prefill_gpu's side is a plain `TcpSender`):
@@ -36,8 +36,8 @@ from services.errors import HandoffFailed, InvalidRequest
 from services.kv.address import format_address
 from services.kv.handoff import HandoffState, PrefillDone, SlotGrant
 from services.kv.header import HeaderMismatch, SlotHeader
-from services.kv.tcp import (DEFAULT_TIMEOUT_S, PeerGone, TcpListener, TcpReceiver, read_header_frame,
-                             send_refusal)
+from services.kv.tcp import TcpReceiver
+from services.kv.tcp_frames import DEFAULT_TIMEOUT_S, PeerGone, TcpListener, read_header_frame, send_refusal
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ class Transport:
 
 def _deadline_s(cancel) -> float:
     """How long a network sender's waits may last: the call's remaining deadline, else tcp's default."""
-    from services.kv.tcp import DEFAULT_TIMEOUT_S
+    from services.kv.tcp_frames import DEFAULT_TIMEOUT_S
 
     return DEFAULT_TIMEOUT_S if cancel.deadline is None else max(1.0, cancel.deadline - time.monotonic())
 

@@ -22,15 +22,16 @@ from typing import Callable, Iterator
 
 from services.engine import metrics as m
 from services.engine.requests import Cancellation, EngineRequest
-from services.errors import Cancelled, InvalidRequest, PromptTooLong, QueueFull
 from services.engine.runtime import EngineRuntime
 from services.engine.sampling import SamplingParams
+from services.errors import Cancelled, InvalidRequest, PromptTooLong, QueueFull
 from services.kv.arena import Arena, ArenaFull
 from services.kv.handoff import HandoffEvent, KVSender, PrefillDone, SlotGrant
 from services.kv.header import SlotHeader
 from services.kv.layout import WIRE_DTYPES
 from services.kv.shm import ShmSender
-from services.kv.tcp import DEFAULT_TIMEOUT_S, TcpSender
+from services.kv.tcp import TcpSender
+from services.kv.tcp_frames import DEFAULT_TIMEOUT_S
 from services.prefill_gpu.handoff_admission import HandoffAdmission
 from services.prefill_gpu.kv_export import LayerExporter
 

@@ -23,7 +23,7 @@ from services.kv import transports  # noqa: E402
 from services.kv.address import parse_address  # noqa: E402
 from services.kv.handoff import HandoffState, PrefillDone, SlotGrant  # noqa: E402
 from services.kv.header import HEADER_SIZE, HeaderMismatch, request_nonce  # noqa: E402
-from services.kv.tcp import PeerGone  # noqa: E402
+from services.kv.tcp_frames import PeerGone  # noqa: E402
 from tests.kv.test_kv_tcp import (N_NEW, PROMPT_LEN, SliceImporter, greedy_after, header_for,  # noqa: E402,F401
                                   prefilled, send)
 

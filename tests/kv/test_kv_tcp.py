@@ -19,7 +19,8 @@ import torch
 from services.kv.handoff import HandoffState, PrefillDone
 from services.kv.header import HeaderMismatch, SlotHeader, request_nonce
 from services.kv.inprocess import InProcessLink, InProcessReceiver, InProcessSender
-from services.kv.tcp import FRAME, HEADER, KV, PeerGone, TcpListener, TcpReceiver, TcpSender
+from services.kv.tcp import TcpReceiver, TcpSender
+from services.kv.tcp_frames import FRAME, HEADER, KV, PeerGone, TcpListener
 
 PROMPT_LEN, N_NEW, TIMEOUT_S = 37, 6, 5.0
 

@@ -11,7 +11,8 @@ import pytest
 from services.errors import InvalidRequest
 from services.kv.address import parse_address
 from services.kv.header import HeaderMismatch, SlotHeader, request_nonce
-from services.kv.tcp import ERROR, FRAME, PeerGone, TcpSender
+from services.kv.tcp import TcpSender
+from services.kv.tcp_frames import ERROR, FRAME, PeerGone
 from services.kv.tcp_inbox import KVInbox
 
 TIMEOUT_S = 5.0
