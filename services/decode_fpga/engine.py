@@ -91,7 +91,7 @@ class OpenCLEngine:
         self._lock = threading.RLock()  # one step at a time on the one queue
         self.one_launch_choice = OneLaunchChoice(dev.name)  # both paths' one-sequence decode steps
         # greedy rows' logprobs by the device's kernel (the engine loop asks, step(logprobs=...)); False:
-        # the loop reads their logits rows and computes them on the host (the A/B of bench/logprobs_cost.py)
+        # the loop reads their logits rows and computes them on the host (the A/B of bench/micro/logprobs_cost.py)
         self.logprobs_on_device = config.device_logprobs
         # on a CPU device, cores that halt between kernels wake late for the next one (cpu_wake.py)
         self._wake = CpuWakeLatency() if self.fit.keep_cores_awake else None

@@ -22,13 +22,13 @@ import numpy as np
 
 from services.engine import metrics as m
 from services.engine.generation import TokenEvent
-from services.engine.requests import Cancellation, EngineRequest, RequestTimings
-from services.errors import Cancelled, EngineError, HandoffFailed, InvalidRequest
 from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.profile_sweep import fitting_lengths
-from services.engine.engine_loop import RequestStream
+from services.engine.request_stream import RequestStream
+from services.engine.requests import Cancellation, EngineRequest, RequestTimings
 from services.engine.runtime import EngineRuntime, stream_tokens
 from services.engine.sampling import SamplingParams
+from services.errors import Cancelled, EngineError, HandoffFailed, InvalidRequest
 from services.kv.handoff import HandoffEvent, KVReceiver, PrefillDone, SlotChanged, SlotGrant
 from services.kv.header import HeaderMismatch, SlotHeader
 

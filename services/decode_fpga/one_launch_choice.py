@@ -6,7 +6,7 @@ from one of them, the other spins until it comes back. Measured here (2 cores, b
 128-token context, a give-up limit per barrier as it then was): one busy process made its p90
 step 89 ms where launch by launch stayed at 13; two made it 685 ms. Launch by launch lets PoCL
 hand a descheduled thread's work-groups to the other, so it only slows down by the core it lost.
-bench/one_launch_busy.py measures the three ways (always one, always launches, this choice).
+bench/micro/one_launch_busy.py measures the three ways (always one, always launches, this choice).
 
 So the engine times both ways and runs the one whose recent steps were faster. It tries the
 other way for `probe_steps` steps when the way it runs has got slower than the other way was

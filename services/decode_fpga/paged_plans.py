@@ -16,7 +16,7 @@ bits as the launches here, but are not used: one set of launches serves every st
 
 On a CPU device with packed block weights, a step of one decode row runs every layer in one
 launch (paged_decode_layers, decode_layers.cl built over the pool): the same bits as the layers'
-launches here, ~half the time at batch 1 on PoCL (bench/paged_step.py). The engine picks one launch or
+launches here, ~half the time at batch 1 on PoCL (bench/micro/paged_step.py). The engine picks one launch or
 these launches step by step (one_launch_choice.py).
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ from services.settings import CommonSettings
 
 # output rows per work-item of the paged step's block GEMVs on a CPU or an FPGA (gemv_quant_tiles, each
 # row of x read once for all of them); 0 keeps the kernel before it (gemv_quant_rows: one output row a
-# work-item), for A/B runs (bench/paged_step.py --gemv-tiles)
+# work-item), for A/B runs (bench/micro/paged_step.py --gemv-tiles)
 GEMV_TILES = (0, 1, 2, 4)
 GEMV_TILE = 2
 

@@ -11,7 +11,7 @@ sends its text in `SamplingParams.grammar`. Each sequence that has one keeps a `
   the engine runs the next step (`prepare_masks`); llguidance computes it with the GIL released,
   so the pick at the next step only waits for what is left of it.
 
-llguidance was picked by measurement (bench/grammar_libs.py): it builds its lexer lazily, so a
+llguidance was picked by measurement (bench/micro/grammar_libs.py): it builds its lexer lazily, so a
 schema never seen before costs a request ~1-4 ms in all, where xgrammar and outlines-core compile
 for 10-200 ms first; it has no dependencies of its own; it takes JSON schemas, regexes and Lark.
 Its view of the tokenizer takes ~2 s to build (plus loading the tokenizer): done once per process,

@@ -1,7 +1,6 @@
 """The Prefill RPC's messages ↔ the hand-off seam's plain messages (services/kv/handoff.py).
 
-prefill_gpu's servicer sends with `handoff_to_proto`; decode_fpga (and bench/cuda_handoff.py)
-read with `handoff_from_proto`. The fields match one for one.
+prefill_gpu's servicer sends with `handoff_to_proto`; decode_fpga reads with `handoff_from_proto`. The fields match one for one.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ least that many rows (`min_rows`: zero rows pad the batch); tests check the prop
 (tests/prefill_gpu/test_batched_step.py). MKL in its default mode kept it from 4 rows on an AMD
 EPYC (rows 1..3 take another kernel) and not at all on an Intel Xeon (K 1536: rows changed at
 M = 24-128), so the service puts MKL in strict reproducibility mode first, where the Xeon kept it
-from one row. The padding to 4 was a measured choice (bench/gpu_padding.py, gpu_padding.json):
+from one row. The padding to 4 was a measured choice (a benchmark retired in facdb2a; docs/benchmarks.md):
 no other way of computing one row that torch offers in MKL's default mode gives the bits that row
 gets among 4+ rows (x @ W at M = 1, torch.mv, (W^T @ x^T)^T, MKL's packed linear: all differ), and
 the one invariant alternative, a gemv per row at every batch size, reads every weight once per

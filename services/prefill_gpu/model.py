@@ -59,13 +59,13 @@ class LlamaTorch:
     """The model's parameters on one device and the two forwards: prefill and batched decode.
 
     `out_in`: matrices kept [out, in] and applied as x @ W.T (F.linear), the layout measured faster
-    with cuBLAS at a few rows (bench/gpu_engine.py); the CPU keeps [in, out], MKL's faster one.
+    with cuBLAS at a few rows (bench/micro/gpu_engine.py); the CPU keeps [in, out], MKL's faster one.
 
     `fused`: fewer kernels per layer (torch's fused RMSNorm, the residual adds inside the GEMMs
     of `wo` and `w_down`), for a GPU where a small model's step is bound by how many kernels it
     runs. Not the bits of transformers' separate operations: the norm sums in another order and a
     GEMM's epilogue adds the residual, so logits agree to rounding, not to the bit (measured:
-    bench/gpu_engine.py). Off by default: on the CPU every step keeps transformers' order of
+    bench/micro/gpu_engine.py). Off by default: on the CPU every step keeps transformers' order of
     operations, which its parity and batch-invariance tests check bit for bit.
     """
 

@@ -26,7 +26,7 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = "auto"  # auto = fp32, for parity across modes
     cuda_graphs: bool = True  # on CUDA: decode steps and lone prefill chunks replay captured graphs
     # fused RMSNorm and residual adds in the GEMMs: fewer kernels a step; "auto" = on CUDA only (the CPU
-    # keeps transformers' bits). Greedy tokens and logit differences measured by bench/gpu_engine.py
+    # keeps transformers' bits). Greedy tokens and logit differences measured by bench/micro/gpu_engine.py
     fused_ops: Literal["auto", "on", "off"] = "auto"
     # matrices [in, out] (MKL's fast layout) or [out, in] (F.linear, cuBLAS's); "auto": out_in on CUDA only
     weight_layout: Literal["auto", "in_out", "out_in"] = "auto"

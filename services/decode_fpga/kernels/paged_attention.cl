@@ -197,7 +197,7 @@ inline void group_weigh(__global const float *K, __global const int *table, cons
     }
 }
 
-// paged_attention for a CPU device, the same bits, 1.3-2.1x faster (bench/paged_attention.py --prefill:
+// paged_attention for a CPU device, the same bits, 1.3-2.1x faster (bench/micro/paged_attention.py --prefill:
 // 16 rows at 2000 cached positions, 30 layers, 120 -> 75 ms on 2 Xeon cores). One work-item takes
 // the GROUP query heads of one kv head, so each K and V row is loaded once for all of them, and
 // computes each score once: the first pass keeps the scaled scores in local memory (GROUP x MAX_POS
