@@ -73,14 +73,15 @@ def find() -> Path | None:
 
 
 def serve_command(binary: str | Path, gguf: str | Path, slots: int, ctx_per_slot: int, threads: int,
-                  port: int, host: str = "127.0.0.1") -> list[str]:
+                  port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
     """One slot per client (-np), continuous batching (-cb), `threads` threads for generation and
     prompt processing alike (-t, -tb), a context of slots x ctx_per_slot split evenly between the
     slots, on loopback, with its Prometheus endpoint (/metrics) for the KV and queue gauges."""
     if slots < 1 or ctx_per_slot < 1 or threads < 1:
         raise ValueError(f"slots, ctx_per_slot and threads must be >= 1, got {slots}, {ctx_per_slot}, {threads}")
     return [str(binary), "-m", str(gguf), "-np", str(slots), "-cb", "-t", str(threads), "-tb", str(threads),
-            "-c", str(slots * ctx_per_slot), "--host", host, "--port", str(port), "--metrics", "--no-webui"]
+            "-c", str(slots * ctx_per_slot), "--host", host, "--port", str(port), "--metrics", "--no-webui",
+            *extra]
 
 
 # ---------------------------------------------------------------- building

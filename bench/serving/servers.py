@@ -49,10 +49,12 @@ def ends_with(starter: int):
     return preexec
 
 
-def start_llama_server(binary: str, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path):
-    """llama.cpp's server on a free loopback port, one slot per client, continuous batching; (process, url)."""
+def start_llama_server(binary: str, gguf: Path, slots: int, ctx_per_slot: int, threads: int, log: Path,
+                       extra: tuple[str, ...] = ()):
+    """llama.cpp's server on a free loopback port, one slot per client, continuous batching, `extra` options
+    (e.g. its speculative decoding); (process, url)."""
     port = free_port()
-    cmd = llama_server.serve_command(binary, gguf, slots, ctx_per_slot, threads, port)
+    cmd = llama_server.serve_command(binary, gguf, slots, ctx_per_slot, threads, port, extra=extra)
     progress(f"starting {shlex.join(cmd)} (log: {log})")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -116,12 +118,13 @@ class Servers:
             self.metrics.setdefault(prefix + engine, f"http://127.0.0.1:{stack.ports[port]}/metrics")
         return stack.url
 
-    def start_llama_server(self, binary: str, slots: int, ctx_per_slot: int, threads: int, log: Path) -> str:
-        proc, url = start_llama_server(binary, served_gguf(), slots, ctx_per_slot, threads, log)
+    def start_llama_server(self, binary: str, slots: int, ctx_per_slot: int, threads: int, log: Path,
+                           name: str = "llama-server", extra: tuple[str, ...] = ()) -> str:
+        proc, url = start_llama_server(binary, served_gguf(), slots, ctx_per_slot, threads, log, extra)
         self.started.append(proc)
-        self.externals["llama-server"] = url
-        self.pids["llama-server"] = proc.pid
-        self.metrics.setdefault("llama-server", url + "/metrics")
+        self.externals[name] = url
+        self.pids[name] = proc.pid
+        self.metrics.setdefault(name, url + "/metrics")
         return url
 
     def stop(self) -> None:
