@@ -255,7 +255,7 @@ BAD = [
      "response_format.type", "invalid_value"),
     ("n above 16", "/v1/chat/completions", chat(n=17), "n", "invalid_value"),
     ("n 0", "/v1/completions", completion(n=0), "n", "invalid_value"),
-    # vLLM's structured-output fields (schemas.vllm_format): the 400 names the field the client sent
+    # vLLM's structured-output fields (response_format.vllm_format): the 400 names the field the client sent
     ("guided_regex that does not compile", "/v1/completions", completion(guided_regex="a(b"), "guided_regex",
      "invalid_value"),
     ("guided_json that is not JSON", "/v1/chat/completions", chat(guided_json="{not json"), "guided_json",

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from services.gateway.api import openapi
+from services.gateway.protocol.chat_messages import ChatMessage, check_continue
 from services.gateway.protocol.errors import APIError
-from services.gateway.protocol.schemas import ChatMessage, Text, TokenId, check_continue
+from services.gateway.protocol.fields import Text, TokenId
 from services.gateway.protocol.tools import template_messages
 from services.model.tokenizer import ChatTemplateRefused, NoChatTemplate, chat_prompt_ids, ids_text, text_ids
 

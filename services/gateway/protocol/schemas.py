@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import json
 import re
-from functools import cache, lru_cache
+from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from services.engine.logprobs import MAX_TOP_LOGPROBS
 from services.engine.sampling import MAX_CHOICES
-from services.gateway.protocol.structured import GrammarError, grammar_of
-from services.modes import AUTO, MODE_NAMES
+from services.gateway.protocol.chat_messages import ChatMessage, NamedToolChoice, Tool, check_continue
+from services.gateway.protocol.fields import (UINT32_MAX, UINT64_MAX, ModeName, NonEmptyText, Text, TokenCount, TokenId,
+                                              TopLogprobs, unsupported)
+from services.gateway.protocol.response_format import GUIDED_FIELDS, ResponseFormat, StructuredOutputs, compiled_format
+from services.modes import AUTO
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
