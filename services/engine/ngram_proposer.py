@@ -73,10 +73,11 @@ class NgramIndex:
 class Acceptance:
     """Backs a request's speculation off while its drafts are rejected, and tries again later.
 
-    After `patience` verify steps in a row that accepted nothing the request drafts nothing for `pause`
-    steps, doubling the pause each time it happens again (up to `max_pause`); a step that accepts a
-    draft resets both. A request whose output stops repeating costs at most one wasted verify row in
-    `pause` steps."""
+    How many drafts: after a verify step that accepted all it proposed, up to twice as many next time;
+    after one that rejected some, one more than it accepted (a mostly wrong guesser checks one or two
+    rows a step, not k). Whether to draft at all: after `patience` verify steps in a row that accepted
+    nothing, nothing for `pause` steps, the pause doubling each time it happens again (up to
+    `max_pause`); a step that accepts a draft resets it."""
 
     patience: int = 2
     pause: int = 8
@@ -84,6 +85,11 @@ class Acceptance:
     _misses: int = 0
     _paused_for: int = 0
     _next_pause: int = 0
+    _length: int | None = None  # the drafts the next proposal may have (None: as many as asked)
+
+    def length(self, most: int) -> int:
+        """How many drafts to propose, of at most `most`."""
+        return most if self._length is None else min(most, self._length)
 
     def wants_drafts(self) -> bool:
         if self._paused_for > 0:
@@ -94,6 +100,7 @@ class Acceptance:
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
+        self._length = 2 * proposed if accepted == proposed else accepted + 1
         if accepted > 0:
             self._misses, self._next_pause = 0, 0
             return

@@ -15,8 +15,8 @@ cut back (BlockManager.truncate).
 
 When it pays: at small batches, where a step reads every weight for few rows, k more rows of a
 sequence cost little; in a large batch they cost arithmetic every row pays. So no sequence drafts once
-more than `max_batch` decode together, and a request whose drafts keep failing backs off
-(`Acceptance`).
+more than `max_batch` decode together, and a request proposes fewer drafts after a rejection and backs
+off while they keep failing (`Acceptance`).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Speculator:
         state.index.extend(token_ids[seen:])
         if not state.acceptance.wants_drafts():
             return []
-        return state.index.propose(min(self.config.k, room))
+        return state.index.propose(state.acceptance.length(min(self.config.k, room)))
 
     def observe(self, seq_id: int, proposed: int, accepted: int) -> None:
         state = self._states.get(seq_id)

@@ -81,3 +81,14 @@ def test_rejected_drafts_pause_a_request_longer_each_time_and_an_accepted_one_re
     assert [a.wants_drafts() for _ in range(4)] == [False, False, False, True]
     a.observe(0, 0)  # a step with no drafts says nothing
     assert a.wants_drafts()
+
+
+def test_the_draft_length_follows_what_was_accepted():
+    a = Acceptance()
+    assert a.length(8) == 8  # nothing known: as many as asked
+    a.observe(8, 2)
+    assert a.length(8) == 3  # two accepted: one more than that next time
+    a.observe(3, 3)
+    assert a.length(8) == 6 and a.length(4) == 4  # all accepted: twice as many, within what is asked
+    a.observe(6, 6)
+    assert a.length(8) == 8
