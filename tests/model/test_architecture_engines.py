@@ -183,3 +183,23 @@ def test_one_launch_where_decode_layers_computes_the_layer(case, device, monkeyp
     np.testing.assert_array_equal(decode_logits(e), decode_logits(launches))
     # the decode steps ran as one launch, but for any that gave up on a busy machine (redone by launches)
     assert choice.ran[True] + choice.gave_up == N_NEW - 1
+
+
+@pytest.mark.parametrize("engine_name", ["torch_engine", "ocl_engine"])
+def test_a_verify_chunk_gives_each_row_the_token_decoding_would(case, engine_name):
+    """Speculative decoding's verify chunk (the newest token and its drafts, every row's logits) on every
+    architecture: with the right drafts every row's argmax is transformers' next token; with wrong ones the
+    first row's still is (what follows a rejected draft is never read)."""
+    engine = getattr(case, engine_name)
+    vocab = case.loaded.config.vocab_size
+    for wrong in (False, True):
+        firsts = engine.step([chunk(s, 0, PROMPTS[s], TABLES[s]) for s in range(2)], greedy=True)
+        assert list(firsts) == [r[0] for r in case.reference]
+        verify = []
+        for s, ref in enumerate(case.reference):
+            drafts = [(t + 1) % vocab for t in ref[1:5]] if wrong else ref[1:5]
+            verify.append(ScheduledChunk(s, len(PROMPTS[s]), (ref[0], *drafts), tuple(TABLES[s]), True, None,
+                                         all_logits=True, num_drafts=4))
+        rows = np.asarray(engine.step(verify, greedy=False)).argmax(axis=-1).reshape(2, 5)
+        for s, ref in enumerate(case.reference):
+            assert (rows[s, :1].tolist() if wrong else rows[s].tolist()) == (ref[1:2] if wrong else ref[1:6])
