@@ -1,7 +1,6 @@
 """The engine loop: one thread owns the engine, runs the scheduler's steps and streams each request's tokens.
 
-(Past 300 lines on purpose: the stream a handler reads and the loop that feeds it share one
-lock-free hand-over protocol - events, reservation, release - and are kept side by side.)
+The stream a handler reads is request_stream.py's `RequestStream`.
 
 Request handlers (the gRPC servicers, the hybrid hand-off, the profile sweep's samples)
 never call the engine's step themselves: they `submit` a request and read its
@@ -23,147 +22,23 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 from services import token_trace
 from services.engine import metrics as m
 from services.engine.api import BatchEngine
-from services.engine.generation import TokenEvent
 from services.engine.grammar import GrammarMatcher, GrammarTokenizer, prepare_masks
 from services.engine.host_kv_tier import HostKVTier
-from services.engine.logprobs import LogprobsAsked, StepLogprobs, TokenLogprob, token_logprob
+from services.engine.logprobs import TokenLogprob
 from services.engine.request_state import finish_reason
+from services.engine.request_stream import ExportHook, RequestStream
 from services.engine.requests import check_prompt
-from services.errors import Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull, ShuttingDown
 from services.engine.sampling import Sampler, SamplingParams
 from services.engine.scheduler import RequestTooLarge, Scheduler, SchedulerConfig, SchedulerOutput, Sequence
-from services.engine.speculation import verify
+from services.engine.step_results import logprobs_asked, take_device_logprobs, take_logits
+from services.errors import Cancelled, EngineStepFailed, InvalidRequest, PromptTooLong, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
-
-ExportHook = Callable[[int, tuple[int, ...], int], None]  # (layer, block_table, n_tokens)
-
-
-@dataclass
-class StreamTimings:
-    submitted_at: float
-    scheduled_at: float | None = None  # its first chunk began (queue time ends)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    tokens: int = 0
-    draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
-    accepted_draft_tokens: int = 0
-
-    @property
-    def queue_s(self) -> float:
-        return (self.scheduled_at or self.submitted_at) - self.submitted_at
-
-    @property
-    def prefill_s(self) -> float:
-        """First chunk scheduled → first token (the prompt's prefill, chunked or not)."""
-        if self.first_token_at is None or self.scheduled_at is None:
-            return 0.0
-        return self.first_token_at - self.scheduled_at
-
-    @property
-    def decode_s(self) -> float:
-        if self.first_token_at is None or self.last_token_at is None:
-            return 0.0
-        return self.last_token_at - self.first_token_at
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """One request's tokens as the loop produces them. Iterate for TokenEvents (the last one
-    carries the finish_reason); `cancel()` drops the request from the next step."""
-
-    loop: "EngineLoop"
-    seq: Sequence
-    sampler: Sampler
-    export: ExportHook | None = None
-    timings: StreamTimings = field(default_factory=lambda: StreamTimings(time.perf_counter()))
-    _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    _reserved: threading.Event = field(default_factory=threading.Event)
-    block_table: tuple[int, ...] = ()  # reserve_remote: the blocks to import into
-    max_cached_tokens: int | None = None  # reserve_remote: take at most this much from the prefix cache
-    done: bool = False
-    _counted: bool = False  # holds one of the loop's places (EngineLoop._release gives it back)
-    _prompt_logprobs: dict = field(default_factory=dict)  # prompt position → TokenLogprob (all_logits)
-
-    def keep_prompt_logprobs(self, start: int, n: int, logprob_of: Callable[[int, int, int], TokenLogprob]) -> int:
-        """The loop thread: n rows of positions start.. (each predicts the next position's token);
-        logprob_of(row, token, k): that row's TokenLogprob of `token` with its k best. How many it kept."""
-        seq, k = self.seq, self.seq.sampling_params.prompt_logprobs
-        kept = 0
-        for i in range(n):
-            predicted = start + i + 1
-            if predicted < seq.num_prompt_tokens:
-                self._prompt_logprobs[predicted] = logprob_of(i, seq.token_ids[predicted], k)
-                kept += 1
-        return kept
-
-    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
-        """Positions 1..n-1 of the prompt, when the request asked for them."""
-        if self.seq.sampling_params is None or self.seq.sampling_params.prompt_logprobs is None \
-                or not self.seq.all_logits:
-            return None
-        return tuple(self._prompt_logprobs[p] for p in range(1, self.seq.num_prompt_tokens))
-
-    @property
-    def seq_id(self) -> int:
-        return self.seq.seq_id
-
-    def cancel(self) -> None:
-        if not self.done:
-            self.loop._post(("abort", self))
-
-    def events(self, poll_s: float = 0.05, cancelled: Callable[[], bool] = lambda: False) -> Iterator[TokenEvent]:
-        """The token events; raises the loop's error, or Cancelled once `cancelled()` turns true
-        (the stream is then dropped). Closing the iterator early cancels the request too."""
-        try:
-            while True:
-                if cancelled():
-                    raise Cancelled("cancelled")
-                try:
-                    kind, payload, reason = self._events.get(timeout=poll_s)
-                except queue.Empty:
-                    continue
-                if kind == "error":
-                    raise payload
-                token, logprob, prompt_logprobs, at = payload
-                # `more`: the next event is queued already, so a reader may take it before it sends this one
-                yield TokenEvent(token, reason, logprob=logprob, prompt_logprobs=prompt_logprobs, at=at,
-                                 more=not self._events.empty())
-                if reason is not None:
-                    return
-        finally:
-            if not self.done:
-                self.cancel()
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        return self.events()
-
-    def wait_reserved(self, cancelled: Callable[[], bool], poll_s: float = 0.05) -> tuple[int, ...]:
-        """reserve_remote: block until the blocks are reserved; their table."""
-        while not self._reserved.wait(poll_s):
-            if cancelled():
-                self.cancel()
-                raise Cancelled("cancelled while waiting for KV blocks")
-        if not self.block_table:  # failed or cancelled before it got blocks
-            kind, payload, _ = self._events.get()
-            raise payload if kind == "error" else Cancelled("cancelled")
-        return self.block_table
-
-    # ---- the loop thread's side --------------------------------------------------------
-    def _emit(self, token: int, reason: str | None, logprob=None, prompt_logprobs=None, at: float = 0.0) -> None:
-        self._events.put(("token", (token, logprob, prompt_logprobs, at), reason))
-
-    def _fail(self, exc: Exception) -> None:
-        self.loop._release(self)
-        self.done = True
-        self._reserved.set()
-        self._events.put(("error", exc, None))
 
 
 class EngineLoop:
@@ -385,7 +260,7 @@ class EngineLoop:
         verifying = [c for c in out.decodes if c.num_drafts]  # their rows are picked on the host, in turn
         if (not greedy and not verifying and getattr(self.engine, "logprobs_on_device", False)
                 and all(c.sampling_params.plain_greedy for c in sampling)):
-            asked = self._logprobs_asked(out.chunks)
+            asked = logprobs_asked(out.chunks, self._streams)
         exporting = [(c, self._streams[c.seq_id]) for c in out.prefills
                      if c.samples and c.seq_id in self._streams and self._streams[c.seq_id].export is not None]
         try:
@@ -417,9 +292,9 @@ class EngineLoop:
         if greedy:
             sampled = dict(zip((c.seq_id for c in sampling), (int(t) for t in result)))
         elif asked is not None:
-            sampled = self._take_device_logprobs(out, result, logprobs)
+            sampled = take_device_logprobs(out, result, logprobs, self._streams)
         else:
-            sampled = self._take_logits(out, result, logprobs)
+            sampled = take_logits(out, result, logprobs, self._streams)
         self.scheduler.update(out, sampled)
         if verifying:
             _count_verified(verifying, sampled)
@@ -444,103 +319,6 @@ class EngineLoop:
         if grammars:
             prepare_masks(grammars)
         self._update_gauges()
-
-    def _logit_rows(self, out: SchedulerOutput) -> Iterator[tuple]:
-        """(chunk, its first logit row, its number of logit rows) of every chunk that gives logits, in
-        the step's row order: an all_logits chunk's every row, a sampling chunk's last."""
-        row = 0
-        for c in out.chunks:
-            if c.samples or c.all_logits:
-                n = c.num_tokens if c.all_logits else 1
-                yield c, row, n
-                row += n
-
-    def _logprobs_asked(self, chunks) -> LogprobsAsked:
-        """What the device computes for a step of plain greedy rows that wants logprobs: per logit row the
-        token it predicts (the prompt's next token for prompt logprobs, -1: the row's greedy pick) and
-        the largest k any of them asks for."""
-        targets, k = [], 0
-        for c in chunks:
-            p = c.sampling_params
-            if c.samples and p.logprobs is not None:
-                k = max(k, p.logprobs)
-            if c.all_logits:
-                k = max(k, p.prompt_logprobs or 0)
-                stream = self._streams.get(c.seq_id)
-                for i in range(c.num_tokens):
-                    predicted = c.start + i + 1
-                    in_prompt = stream is not None and predicted < stream.seq.num_prompt_tokens
-                    targets.append(stream.seq.token_ids[predicted] if in_prompt else -1)
-            elif c.samples:
-                targets.append(-1)
-        return LogprobsAsked(k, targets)
-
-    def _take_device_logprobs(self, out: SchedulerOutput, result: StepLogprobs,
-                              logprobs: dict[int, TokenLogprob | None]) -> dict[int, int]:
-        """A step whose logprobs the device computed: each sampling row's pick (its argmax: these rows are
-        plain greedy) and logprob, and the prompt logprobs of all_logits chunks."""
-        sampled = {}
-        for c, first, n in self._logit_rows(out):
-            stream = self._streams.get(c.seq_id)
-            if stream is None:
-                sampled[c.seq_id] = 0
-                continue
-            if c.all_logits:
-                kept = stream.keep_prompt_logprobs(c.start, n, lambda i, _token, k: result.at(first + i, k))
-                m.LOGPROB_ROWS.labels("device").inc(kept)
-            if c.samples:
-                last, p = first + n - 1, stream.seq.sampling_params
-                sampled[c.seq_id] = int(result.picks[last])
-                if p.logprobs is not None:
-                    logprobs[c.seq_id] = result.at(last, p.logprobs)
-                    m.LOGPROB_ROWS.labels("device").inc()
-        return sampled
-
-    def _take_logits(self, out: SchedulerOutput, result, logprobs: dict[int, TokenLogprob | None]) -> dict[int, int]:
-        """A step that read its logit rows back: each sampling row picked by its sampler (controls, grammar,
-        sampling) with its logprob, and the prompt logprobs of all_logits chunks, on the host."""
-        sampled = {}
-        for c, first, n in self._logit_rows(out):
-            block = result[first:first + n]
-            stream = self._streams.get(c.seq_id)
-            if stream is None:
-                sampled[c.seq_id] = [0] if c.num_drafts else 0
-                continue
-            seq = stream.seq
-            if c.num_drafts:
-                sampled[c.seq_id], logprobs[c.seq_id] = self._verify(stream, c, block)
-                continue
-            if c.all_logits:
-                kept = stream.keep_prompt_logprobs(c.start, n, lambda i, token, k: token_logprob(block[i], token, k))
-                m.LOGPROB_ROWS.labels("host").inc(kept)
-            if c.samples:
-                sampled[c.seq_id], logprobs[c.seq_id] = stream.sampler.pick(
-                    block[-1], seq.token_ids, seq.num_prompt_tokens, seq.stop_token_ids)
-                if logprobs[c.seq_id] is not None:
-                    m.LOGPROB_ROWS.labels("host").inc()
-                if stream.sampler.grammar is not None:  # a complete grammar ends the sequence at this token
-                    seq.stop_requested = stream.sampler.grammar.stopped
-        return sampled
-
-    @staticmethod
-    def _verify(stream: RequestStream, c, block) -> tuple[list[int], list]:
-        """A verify chunk's rows picked in turn by the request's sampler, as decoding one token at a time
-        would pick them (speculation.py): the tokens it emits and their logprobs."""
-        seq, sampler, picked, logprobs = stream.seq, stream.sampler, [], []
-
-        def pick(i: int) -> int:
-            token, logprob = sampler.pick(block[i], seq.token_ids + picked, seq.num_prompt_tokens, seq.stop_token_ids)
-            picked.append(token)
-            logprobs.append(logprob)
-            return token
-
-        def ends(token: int) -> bool:
-            return token in seq.stop_token_ids or (sampler.grammar is not None and sampler.grammar.stopped)
-
-        tokens = verify(c.token_ids[1:], pick, ends)
-        if sampler.grammar is not None:  # a complete grammar ends the sequence at its last token
-            seq.stop_requested = sampler.grammar.stopped
-        return tokens, logprobs
 
     def _exporter(self, exporting: list) -> Callable[[int], None]:
         def on_layer(layer: int) -> None:

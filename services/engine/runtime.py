@@ -19,15 +19,16 @@ import threading
 from typing import Callable, Iterator
 
 from services.engine import metrics as m
-from services.engine.engine_loop import EngineLoop, RequestStream
+from services.engine.engine_loop import EngineLoop
 from services.engine.generation import TokenEvent
 from services.engine.grammar import GrammarTokenizer
 from services.engine.profile_cache import sweep_lock
 from services.engine.profile_sweep import LoopTimer, Profile, code_fingerprint, profile_engine, run_sweep
+from services.engine.request_stream import RequestStream
 from services.engine.requests import Cancellation, EngineRequest, RequestTimings, check_prompt
-from services.errors import Cancelled, InvalidRequest, QueueFull
 from services.engine.scheduler import SchedulerConfig
 from services.engine.speculation import SpeculationConfig
+from services.errors import Cancelled, InvalidRequest, QueueFull
 
 ModeHandler = Callable[[EngineRequest, RequestTimings, Cancellation], Iterator[TokenEvent]]
 

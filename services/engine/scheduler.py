@@ -1,9 +1,8 @@
 """Continuous batching: which sequences an engine step computes, how many tokens each, in which blocks.
 
-(Past 300 lines on purpose: about a third is this docstring and the interface contract the
-engines will implement against; the scheduling code itself is one admission, one chunking and one
-preemption rule and the queue's wait the step pacer reads, kept together because they share the
-waiting/running queues.)
+The scheduling code is one admission, one chunking and one preemption rule and the queue's wait the
+step pacer reads, kept together because they share the waiting/running queues; what it is sized by is
+scheduler_config.py, the data it hands out is sequence.py.
 
 Pure Python (no torch, no OpenCL). One engine loop owns the device and runs
 
@@ -40,147 +39,22 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_events import KVEventLog
-from services.engine.speculation import SpeculationConfig, Speculator
-from services.engine.step_pacer import StepPacer
 from services.engine.request_state import RequestState, state_after_token
+# the scheduler's config and data, imported from here too by the engines, tests and benchmarks
+from services.engine.scheduler_config import SchedulerConfig
+from services.engine.sequence import ScheduledChunk, SchedulerOutput, Sequence
+from services.engine.speculation import Speculator
+from services.engine.step_pacer import StepPacer
+
+__all__ = ["RequestTooLarge", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sequence"]
 
 
 class RequestTooLarge(ValueError):
     """The request can never run: no room in the context window, or more KV blocks than exist."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int  # from blocks_for_budget(...) over the KV memory budget
-    block_size: int = 16
-    max_num_seqs: int = 64  # running sequences at most
-    max_num_batched_tokens: int = 512  # tokens computed per step, decodes included
-    max_model_len: int = 2048  # context window: prompt + generated tokens
-    enable_prefix_caching: bool = True
-    step_target_s: float = 0.0  # with decodes running, prompt tokens per step cut to fit it (step_pacer.py)
-    # a prompt queued behind another longer than this stretches that target, up to step_max_s
-    ttft_target_s: float = 0.0  # 0: it never stretches
-    step_max_s: float = 0.0
-    # ...and the tokens a step may compute grow with it, from max_num_batched_tokens to this (0: they
-    # do not grow): decode_fpga's 64 kept a queue of 32 clients' prompts to ~34 tokens a step
-    stretched_batched_tokens: int = 0
-    host_kv_cache_mb: int = 0  # evicted prefix blocks kept in host memory (host_kv_tier.py); 0 = none
-    # logit rows one step may give a prompt's every position (prompt logprobs, `Sequence.all_logits`)
-    # beyond the one row each sampling chunk takes: the engine's head holds max_num_seqs + this many
-    prompt_logit_rows: int = 64
-    # speculative decoding (speculation.py): a decoding sequence's drafts verified in its chunk; k=0: off.
-    # Drafts take logit rows from prompt_logit_rows and tokens from max_num_batched_tokens
-    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-
-    @property
-    def most_batched_tokens(self) -> int:
-        """The tokens one step computes at most, stretched or not: what the engine's rows must hold."""
-        return max(self.max_num_batched_tokens, self.stretched_batched_tokens)
-
-    def __post_init__(self) -> None:
-        checks = {
-            "num_blocks >= 1": self.num_blocks >= 1,
-            "block_size >= 1": self.block_size >= 1,
-            "max_num_seqs >= 1": self.max_num_seqs >= 1,
-            "max_num_batched_tokens >= block_size": self.max_num_batched_tokens >= self.block_size,
-            # every running decode fits in one step
-            "max_num_batched_tokens >= max_num_seqs": self.max_num_batched_tokens >= self.max_num_seqs,
-            "max_model_len >= 2": self.max_model_len >= 2,
-            "prompt_logit_rows >= 1": self.prompt_logit_rows >= 1,
-        }
-        failed = [rule for rule, ok in checks.items() if not ok]
-        if failed:
-            raise ValueError(f"invalid scheduler config {self}: need {', '.join(failed)}")
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request as the scheduler sees it: token_ids = prompt + generated tokens."""
-
-    seq_id: int
-    token_ids: list[int]
-    max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()  # EOS included unless the request ignores it
-    sampling_params: Any = None  # opaque here; travels to the engine with each chunk
-    num_prompt_tokens: int = field(init=False)
-    num_computed_tokens: int = 0  # positions whose KV is in the blocks
-    num_cached_tokens: int = 0  # of those, how many the prefix cache gave at the last admission
-    status: RequestState = RequestState.WAITING
-    # every prompt position's logits are wanted (prompt logprobs): the prompt is computed whole, never
-    # taken from the prefix cache, in chunks of at most config.prompt_logit_rows; off once it has its first token
-    all_logits: bool = False
-    # the token about to be appended ends the sequence (its grammar is complete: engine_loop.py sets it)
-    stop_requested: bool = False
-    arrived_s: float = 0.0  # the scheduler's clock when it was added: how long its first token is waited for
-
-    def __post_init__(self) -> None:
-        self.token_ids = list(self.token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
-        if not self.token_ids:
-            raise ValueError("the prompt must contain at least one token")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_generated(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Positions [start, start + num_tokens) of one sequence, computed this step."""
-
-    seq_id: int
-    start: int  # the sequence's num_computed_tokens when scheduled
-    token_ids: tuple[int, ...]  # the tokens at those positions; a decode has one
-    block_table: tuple[int, ...]  # block ids; position p is in block_table[p // block_size]
-    samples: bool  # the chunk ends at the sequence's last token: sample the next one
-    sampling_params: Any
-    all_logits: bool = False  # the engine gives the logits of every row (the last one samples, if it does)
-    # a decode's draft tokens, after its newest one in token_ids: every row's logits verify them (speculation.py)
-    num_drafts: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One engine step. Decodes come first, oldest sequence first."""
-
-    decodes: tuple[ScheduledChunk, ...]
-    prefills: tuple[ScheduledChunk, ...]  # prompt chunks, or a preempted sequence's recompute
-    preempted: tuple[int, ...]  # seq ids whose blocks were freed this step
-
-    @property
-    def chunks(self) -> tuple[ScheduledChunk, ...]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 class Scheduler:
