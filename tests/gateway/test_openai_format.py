@@ -17,7 +17,7 @@ TIMINGS = Timings(queue_s=0.0, prefill_s=0.25, handoff_total_s=0.125, handoff_ex
 EXT = Hybridserve(mode="hybrid", reason="auto", estimates={"gpu": 1.5, "fpga": 2.0, "hybrid": 1.25}, timings=TIMINGS)
 EXT_JSON = ('{"mode":"hybrid","reason":"auto","estimates":{"gpu":1.5,"fpga":2.0,"hybrid":1.25},'
             '"timings":{"queue_s":0.0,"prefill_s":0.25,"handoff_total_s":0.125,"handoff_exposed_s":0.0625,'
-            '"decode_s":0.5,"decode_tokens":3,"handoff_bytes":4096,"cached_tokens":16,"e2e_s":1.0}}')
+            '"decode_s":0.5,"decode_tokens":3,"handoff_bytes":4096,"cached_tokens":16,"draft_tokens":0,"accepted_draft_tokens":0,"e2e_s":1.0}}')
 HEAD = '"id":"cmpl-7","object":"text_completion","created":1700000000,"model":"smol"'
 CHAT_HEAD = '"id":"chatcmpl-7","object":"chat.completion.chunk","created":1700000000,"model":"smol"'
 
@@ -93,3 +93,10 @@ def test_an_error_type_follows_its_status():
     assert kinds == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                      429: "rate_limit_error", 500: "server_error", 502: "server_error",
                      503: "service_unavailable_error", 418: "api_error"}
+
+
+def test_usage_names_drafted_tokens_only_when_the_engine_drafted():
+    assert Usage.of(5, 7).model_dump_json() == '{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}'
+    assert Usage.of(5, 7, drafted=9, accepted=4).model_dump_json() == (
+        '{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12,'
+        '"completion_tokens_details":{"accepted_prediction_tokens":4,"rejected_prediction_tokens":5}}')
