@@ -29,7 +29,7 @@ import json
 import os
 from pathlib import Path
 
-from _common import RESULTS, progress, write_json
+from _common import RESULTS, ROOT, progress, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,6 +64,12 @@ def build_args() -> argparse.ArgumentParser:
     ap.add_argument("--name", default="structured_eval")
     ap.add_argument("--out", default=str(RESULTS))
     return ap
+
+
+def relative(path: Path) -> str:
+    """A path as the JSON records it: relative to the repository when inside it (no machine's folders)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def bring_up(args, servers: Servers, out: Path) -> list[Target]:
@@ -121,7 +127,7 @@ def main() -> None:
     for c in results:
         print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['value']}")
     write_json(args.name, {
-        "commands": commands, "args": vars(args), "system": SYSTEM, "sampled": SAMPLED,
+        "commands": commands, "args": {**vars(args), "out": relative(out)}, "system": SYSTEM, "sampled": SAMPLED,
         "prompts": [p.__dict__ for p in prompts], "summary": summaries, "checks": results,
         "schema_valid_by_shape": {name: by_shape(rows, prompts) for name, rows in per_target.items()},
         "requests": per_target}, out)
