@@ -18,8 +18,8 @@ checks of issue 53: schema-valid whenever finish_reason is "stop", and schema-va
 as llama-server. Prints the table and the checks, writes bench/results/structured_eval.json (every
 reply's text) and structured_eval.png.
 
-    python bench/structured_eval.py --start-stack --llama-server auto
-    python bench/structured_eval.py --url http://127.0.0.1:8000 --modes auto --limit 8
+    python -m bench.structured_eval --start-stack --llama-server auto
+    python -m bench.structured_eval --url http://127.0.0.1:8000 --modes auto --limit 8
 """
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ import json
 import os
 from pathlib import Path
 
-from _common import RESULTS, ROOT, progress, write_json
+from bench._common import RESULTS, ROOT, progress, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from serving.client import Target, loopback_url, served_model, warm_up  # noqa: E402
-from serving.report import command_line  # noqa: E402
-from serving.servers import Servers, resolve_llama_server  # noqa: E402
-from structured.report import by_shape, checks, eval_table, plot, scored, summary  # noqa: E402
-from structured.requests import SAMPLED, SYSTEM, VARIANTS, load_prompts, run_phase  # noqa: E402
+from bench.serving.client import Target, loopback_url, served_model, warm_up  # noqa: E402
+from bench.serving.report import command_line  # noqa: E402
+from bench.serving.servers import Servers, resolve_llama_server  # noqa: E402
+from bench.structured.report import by_shape, checks, eval_table, plot, scored, summary  # noqa: E402
+from bench.structured.requests import SAMPLED, SYSTEM, VARIANTS, load_prompts, run_phase  # noqa: E402
 
 MODES = ("gpu", "fpga", "hybrid", "auto")
 

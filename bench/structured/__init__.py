@@ -1,3 +1,2 @@
 """The structured-outputs evaluation's parts (bench/structured_eval.py): the prompts (prompts.jsonl),
-the requests and their streamed client, the scoring, the report. Imported with bench/ on sys.path, as
-the scripts run."""
+the requests and their streamed client, the scoring, the report (as `bench.structured.*`)."""

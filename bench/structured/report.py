@@ -6,9 +6,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from _common import table
-from serving.stats import pct
-from structured.score import schema_errors, score, same_as_free, json_in_reply
+from bench._common import table
+from bench.serving.stats import pct
+from bench.structured.score import schema_errors, score, same_as_free, json_in_reply
 
 
 def scored(prompts, phases: dict[str, list[dict]]) -> list[dict]:

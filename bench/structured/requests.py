@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from serving.client import Target, async_client
+from bench.serving.client import Target, async_client
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 SYSTEM = "You are a helpful assistant. Answer with JSON."

@@ -1,15 +1,7 @@
-"""The benchmark scripts import their parts as bench/ does when run (`python bench/serve.py`): put
-bench/ on sys.path for the tests of those parts. And one stack for the benchmark scripts' tests."""
+"""One stack for the benchmark scripts' tests (they import bench.* as the package it is)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
 
 
 @pytest.fixture(scope="package")

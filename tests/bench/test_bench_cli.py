@@ -15,8 +15,7 @@ from bench import cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# structured-eval is left out while bench/structured_eval.py still imports as a script (`from _common ...`)
-@pytest.mark.parametrize("name", sorted(set(cli.BENCHMARKS) - {"structured-eval"}))
+@pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
 def test_every_registered_benchmark_shows_its_own_help(name, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # cli.main sets it for the benchmark's argparse
     with pytest.raises(SystemExit) as done:
@@ -44,10 +43,8 @@ def test_the_console_script_runs_the_registry_from_outside_the_checkout(tmp_path
 
 
 
-# bench/_common.py's insertion of the repository root stays only while bench/structured_eval.py (being written)
-# imports `_common` and `serving` as a script does; the two A/B scripts put ANOTHER checkout first on purpose, so
-# that its `services` is the one measured
-SYS_PATH_ALLOWED = {"_common.py", "kquant_gemv.py", "kquant_ab_decode.py"}
+# the two A/B scripts put ANOTHER checkout first on purpose, so that its `services` is the one measured
+SYS_PATH_ALLOWED = {"kquant_gemv.py", "kquant_ab_decode.py"}
 
 
 def test_no_benchmark_edits_sys_path_or_passes_400_lines():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from structured.report import checks, scored, summary
-from structured.requests import VARIANTS, Prompt, load_prompts, request_body, response_format
-from structured.score import json_in_reply, parse_object, same_as_free, schema_errors, score, strip_fence
+from bench.structured.report import checks, scored, summary
+from bench.structured.requests import VARIANTS, Prompt, load_prompts, request_body, response_format
+from bench.structured.score import json_in_reply, parse_object, same_as_free, schema_errors, score, strip_fence
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}}}
