@@ -42,10 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LANES = {
     "stack_lane": ("tests/stack/test_up_", "tests/stack/test_lifetime_live.py", "tests/bench/test_serve_quick.py",
                    "tests/bench/test_suite.py", "tests/kv/test_prefill_restart_live.py",
-                   "tests/gateway/test_batching_live.py",
                    "tests/gateway/test_engine_failure.py",
                    "tests/engine/test_grpc_edge.py", "tests/harness/test_process.py",
-                   "tests/gateway/test_engine_reconnect.py",
                    # the users of tests/stack's shared engine pair: it then starts in this lane only (the
                    # in-process lane was the long pole by ~110 s in a fresh clone's 15 min 17 s)
                    "tests/stack/test_hybrid.py", "tests/stack/test_kv_events_live.py",
@@ -77,7 +75,12 @@ LANES = {
     # other lanes' 597 and 613 where they had 592 and 476 (fresh clones, 2026-11-28). (test_hybrid_tcp.py
     # and test_cli.py, ~27 s with their own engines, then left the stacks lane for the in-process rest.)
     "engine_lane": ("tests/decode_fpga/", "tests/kv/", "tests/engine/", "tests/stack/test_up_pools.py",
-                    "tests/stack/test_up_pairs.py"),
+                    "tests/stack/test_up_pairs.py",
+                    # round 4 added three stack tests (readiness from a cold start, NIXL, the planner on the
+                    # shared stack) and the stacks lane ended at 1002 s against 659 and 651 (a fresh clone,
+                    # 2026-11-29, serve_quick also running a built llama-server): two move here, and the
+                    # batching and reconnect tests (~80 s, their own engines) to the in-process rest
+                    "tests/stack/test_up_ready.py", "tests/stack/test_up_nixl.py"),
 }
 
 

@@ -25,7 +25,9 @@ STACK = {"prefill_gpu", "decode_fpga", "gateway"}
 @pytest.mark.timeout(900)
 def test_quick_serve_bench_measures_every_target_without_errors(tmp_path, bench_stack):
     url, servers = bench_stack
-    with_llama = llama_server.find() is not None
+    # llama-server only when asked: built on this machine, it ran beside the suite's other lanes at ~2 tokens/s
+    # (its two threads wait at every barrier for a core another lane holds) and took 200 of this test's 320 s
+    with_llama = os.environ.get("HYBRIDSERVE_TEST_LLAMA_SERVER") == "1" and llama_server.find() is not None
     cmd = [sys.executable, "-m", "bench.serve", "--quick", "--url", url, *stack_arguments(servers),
            "--out", str(tmp_path), "--name", "serve", "--modes", ",".join(MODES),
            # one round, not the preset's two: the stacks lane's longest test; taking medians over

@@ -53,7 +53,7 @@ def engine(request, torch_engine, ocl_gguf_engine):
 
 def test_greedy_tokens_are_the_same_with_drafts_and_the_drafts_are_taken(engine, tokenizer, model_config):
     eos = model_config.eos_token_ids
-    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
     prompt = copy_prompt(tokenizer)
     (off,), steps_off, _ = run(engine, eos, [(prompt, greedy)], k=0)
     accepted = m.SPEC_ACCEPTED_TOKENS._value.get()
@@ -66,8 +66,8 @@ def test_greedy_tokens_are_the_same_with_drafts_and_the_drafts_are_taken(engine,
 
 def test_a_batch_with_drafts_gives_each_row_its_own_run_seeded_too(engine, tokenizer, model_config):
     eos = model_config.eos_token_ids
-    seeded = SamplingParams(max_tokens=32, temperature=0.8, seed=5, ignore_eos=True)
-    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     work = [(copy_prompt(tokenizer), greedy), (copy_prompt(tokenizer, 2), seeded),
             (tokenizer("Write a short poem about tea.", add_special_tokens=False).input_ids, greedy)]
     alone = [run(engine, eos, [w], k=0)[0][0] for w in work]

@@ -26,7 +26,7 @@ def accepted_total(service) -> float:
 
 def test_drafts_change_no_token_in_any_mode_and_usage_counts_the_accepted_ones(stack):
     before = accepted_total(stack["decode"]) + accepted_total(stack["prefill"])
-    body = {"messages": COPY, "max_tokens": 96, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    body = {"messages": COPY, "max_tokens": 64, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     texts = {}
     for mode in MODE_NAMES:
         on = post(stack, "/v1/chat/completions", {**body, "mode": mode})
@@ -50,7 +50,7 @@ def test_drafts_change_no_token_in_any_mode_and_usage_counts_the_accepted_ones(s
 
 def test_a_streamed_stop_string_and_a_schema_end_where_they_do_without_drafts(stack):
     for mode in ("fpga", "hybrid"):
-        body = {"messages": COPY, "max_tokens": 96, "temperature": 0, "stop": ["bridge"], "mode": mode}
+        body = {"messages": COPY, "max_tokens": 64, "temperature": 0, "stop": ["bridge"], "mode": mode}
         events = [stream(stack, "/v1/chat/completions", {**body, "speculative": s}) for s in (True, False)]
         texts = ["".join(ch["delta"].get("content") or "" for e in ev for ch in e["choices"]) for ev in events]
         assert texts[0] == texts[1] and "bridge" not in texts[0] and texts[0], (mode, texts)
