@@ -152,6 +152,15 @@ class KVSender(ABC):
         return LayerReady(layer, self._layer_location(layer), self.layout.layer_nbytes,
                           time.time() if written_at is None else written_at)
 
+    def _check_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
+        """A network sender's `send_slice` precondition: transferring, and the slice inside the layout."""
+        if self.state is not HandoffState.TRANSFERRING:
+            raise RuntimeError(f"send_slice() on a {self.state.value} sender")
+        lay = self.layout
+        if not (0 <= layer0 < layer1 <= lay.n_layers and 0 <= start < stop <= lay.n_tokens):
+            raise ValueError(f"slice layers [{layer0}, {layer1}) × tokens [{start}, {stop}) is outside "
+                             f"{lay.n_layers} layers × {lay.n_tokens} tokens")
+
     def finish(self) -> None:
         self.state = HandoffState.DONE
 

@@ -111,12 +111,7 @@ class NixlSender(KVSender):
 
     def send_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
         """Tell the receiver layers [layer0, layer1) × positions [start, stop) are in the buffer."""
-        if self.state is not HandoffState.TRANSFERRING:
-            raise RuntimeError(f"send_slice() on a {self.state.value} sender")
-        lay = self.layout
-        if not (0 <= layer0 < layer1 <= lay.n_layers and 0 <= start < stop <= lay.n_tokens):
-            raise ValueError(f"slice layers [{layer0}, {layer1}) × tokens [{start}, {stop}) is outside "
-                             f"{lay.n_layers} layers × {lay.n_tokens} tokens")
+        self._check_slice(layer0, layer1, start, stop)
         self._frame([FRAME.pack(READY, layer0, layer1, start, stop, 0)], "a READY frame")
 
     def finish(self, done: PrefillDone | None = None) -> float:

@@ -79,12 +79,8 @@ class TcpSender(KVSender):
 
     def send_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
         """Queue layers [layer0, layer1) × positions [start, stop) of `layer_buffer` for the wire."""
-        if self.state is not HandoffState.TRANSFERRING:
-            raise RuntimeError(f"send_slice() on a {self.state.value} sender")
+        self._check_slice(layer0, layer1, start, stop)
         lay = self.layout
-        if not (0 <= layer0 < layer1 <= lay.n_layers and 0 <= start < stop <= lay.n_tokens):
-            raise ValueError(f"slice layers [{layer0}, {layer1}) × tokens [{start}, {stop}) is outside "
-                             f"{lay.n_layers} layers × {lay.n_tokens} tokens")
         if start == 0 and stop == lay.n_tokens:  # whole layers are contiguous on the wire: no copy
             parts = [self._buf[lay.layer_offset(layer0): lay.layer_offset(layer1 - 1) + lay.layer_nbytes]]
         else:  # [2, kv_heads, stop - start, dim] per layer, copied out of the strided view
