@@ -277,14 +277,17 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, decoding: int) -> list[int]:
         """The drafts `seq` verifies this step (speculation.py): within its max_tokens and context, this
-        step's logit rows and token room, and the blocks free now (drafts never preempt anyone)."""
+        step's logit rows and token room, and the blocks free now less one for every decode's next token
+        (drafts never preempt anyone, this step or by leaving a later decode short)."""
         if not self.config.speculation.on:
             return []
         room = min(seq.max_tokens - seq.num_generated - 1, self.config.max_model_len - seq.num_tokens - 1,
                    self._logit_rows, self._draft_room)
         wanted = getattr(seq.sampling_params, "speculative", True)
         drafts = self.speculator.drafts(seq.seq_id, seq.token_ids, room, decoding, wanted)
-        while drafts and not self.block_manager.can_append(seq.seq_id, seq.num_tokens + len(drafts)):
+        bm = self.block_manager
+        spare = bm.num_free_blocks - decoding
+        while drafts and bm.blocks_needed(seq.num_tokens + len(drafts)) - len(bm.block_table(seq.seq_id)) > spare:
             drafts.pop()
         self._logit_rows -= len(drafts)
         self._draft_room -= len(drafts)

@@ -365,3 +365,24 @@ def test_a_prompt_wanting_every_rows_logits_is_recomputed_in_chunks_of_the_logit
     assert by_seq[3].start == 8 and not by_seq[3].all_logits  # two cached blocks
     out, _ = step(s)
     assert [(c.seq_id, c.start, c.num_tokens, c.samples) for c in out.prefills] == [(2, 6, 6, True)]
+
+
+def test_drafts_never_leave_a_later_decode_short_of_a_block():
+    from services.engine.speculation import SpeculationConfig
+
+    # 4 blocks of 4: two 4-token prompts fill one each; each decode's newest token then needs a second block,
+    # and the two free blocks are exactly those: the first sequence's drafts (it repeats itself) must not take them
+    s = make_scheduler(num_blocks=4, speculation=SpeculationConfig(k=4, n_min=2, n_max=2, max_batch=4))
+    s.add(Sequence(1, [1, 2, 1, 2], 8))
+    s.add(Sequence(2, [5, 6, 5, 6], 8))
+    step(s, {1: 1, 2: 5})
+    out, _ = step(s, {1: 2, 2: 6})
+    assert out.preempted == () and [c.seq_id for c in out.decodes] == [1, 2]
+    assert all(c.num_drafts == 0 for c in out.decodes)
+    # with a block to spare the repeating sequence drafts, the other still decodes
+    s = make_scheduler(num_blocks=6, speculation=SpeculationConfig(k=4, n_min=2, n_max=2, max_batch=4))
+    s.add(Sequence(1, [1, 2, 1, 2], 8))
+    s.add(Sequence(2, [5, 6, 5, 6], 8))
+    step(s, {1: 1, 2: 5})
+    out = s.schedule()
+    assert out.preempted == () and out.decodes[0].num_drafts > 0 and out.decodes[1].seq_id == 2
