@@ -152,15 +152,6 @@ class KVSender(ABC):
         return LayerReady(layer, self._layer_location(layer), self.layout.layer_nbytes,
                           time.time() if written_at is None else written_at)
 
-    def _check_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
-        """A network sender's `send_slice` precondition: transferring, and the slice inside the layout."""
-        if self.state is not HandoffState.TRANSFERRING:
-            raise RuntimeError(f"send_slice() on a {self.state.value} sender")
-        lay = self.layout
-        if not (0 <= layer0 < layer1 <= lay.n_layers and 0 <= start < stop <= lay.n_tokens):
-            raise ValueError(f"slice layers [{layer0}, {layer1}) × tokens [{start}, {stop}) is outside "
-                             f"{lay.n_layers} layers × {lay.n_tokens} tokens")
-
     def finish(self) -> None:
         self.state = HandoffState.DONE
 
@@ -317,3 +308,30 @@ class KVReceiver(ABC):
     def _layer_bytes(self, msg: LayerReady) -> memoryview | np.ndarray:
         """The `msg.nbytes` bytes of layer `msg.layer`; HeaderMismatch if `msg.offset` is not where
         that layer of the granted slot lies."""
+
+
+class NetworkSender(KVSender):
+    """What the network transports' senders (tcp.py, nixl.py) share: the KV at its wire offsets in a buffer of
+    their own, a whole layer sent as a slice of every position once written, and `send_slice`'s precondition.
+    A subclass implements `send_slice` (and `_open`, `_data`, `_close`)."""
+
+    def _layer_location(self, layer: int) -> int:
+        return self.layout.layer_offset(layer)
+
+    def layer_written(self, layer: int, written_at: float | None = None) -> LayerReady:
+        """Layer `layer` is complete: send it (returns at once), then say so."""
+        self.send_slice(layer, layer + 1, 0, self.layout.n_tokens)
+        return super().layer_written(layer, written_at)
+
+    @abstractmethod
+    def send_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
+        """Layers [layer0, layer1) × positions [start, stop) are in the buffer: on to the receiver."""
+
+    def _check_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
+        """`send_slice`'s precondition: transferring, and the slice inside the layout."""
+        if self.state is not HandoffState.TRANSFERRING:
+            raise RuntimeError(f"send_slice() on a {self.state.value} sender")
+        lay = self.layout
+        if not (0 <= layer0 < layer1 <= lay.n_layers and 0 <= start < stop <= lay.n_tokens):
+            raise ValueError(f"slice layers [{layer0}, {layer1}) × tokens [{start}, {stop}) is outside "
+                             f"{lay.n_layers} layers × {lay.n_tokens} tokens")

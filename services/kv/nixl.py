@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from services.kv.handoff import HandoffState, KVSender, LayerReady, PrefillDone, SlotGrant
+from services.kv.handoff import HandoffState, NetworkSender, PrefillDone, SlotGrant
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
 from services.kv.nixl_agent import NixlAgent, TransferFailed
 from services.kv.tcp_frames import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR, FRAME, HEADER, MAX_ERROR_BYTES, OK,
@@ -51,7 +51,7 @@ SCHEME = "nixl://"  # decode's kv_address for this transport: nixl://host:port (
 _generations = itertools.count(1)  # this process's hand-offs: a header's generation, never 0
 
 
-class NixlSender(KVSender):
+class NixlSender(NetworkSender):
     """prefill_gpu's side: its KV in host memory registered with the agent, offered to the receiver.
 
     Used like the TCP sender: write layer l's positions [a, b) into `layer_buffer(l)[:, :, a:b]`, then
@@ -101,13 +101,6 @@ class NixlSender(KVSender):
 
     def _data(self) -> np.ndarray:
         return self._buf[HEADER_SIZE:]
-
-    def _layer_location(self, layer: int) -> int:
-        return self.layout.layer_offset(layer)
-
-    def layer_written(self, layer: int, written_at: float | None = None) -> LayerReady:
-        self.send_slice(layer, layer + 1, 0, self.layout.n_tokens)
-        return super().layer_written(layer, written_at)
 
     def send_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
         """Tell the receiver layers [layer0, layer1) × positions [start, stop) are in the buffer."""

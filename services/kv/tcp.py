@@ -22,15 +22,15 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from services.kv.handoff import (HandoffEvent, HandoffState, KVReceiver, KVSender, LayerReady, PrefillDone, SlotGrant,
-                                layout_of)
+from services.kv.handoff import (HandoffEvent, HandoffState, KVReceiver, LayerReady, NetworkSender, PrefillDone,
+                                SlotGrant, layout_of)
 from services.kv.header import HeaderMismatch, SlotHeader
 from services.kv.tcp_frames import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR, FRAME, HEADER, KV, MAX_ERROR_BYTES, OK,
                                     OK_PAYLOAD, PeerGone, SliceReady, auth_tag, read_header_payload, recv_exact,
                                     recv_frame, send_parts, send_refusal)
 from services.kv.layout import WIRE_DTYPES
 
-class TcpSender(KVSender):
+class TcpSender(NetworkSender):
     """The prefilling host's side: connects, streams the header then KV frames from a writer thread.
 
     The caller writes layer l's positions [a, b) into `layer_buffer(l)[:, :, a:b]`, then
@@ -68,14 +68,6 @@ class TcpSender(KVSender):
 
     def _data(self) -> np.ndarray:
         return self._buf
-
-    def _layer_location(self, layer: int) -> int:
-        return self.layout.layer_offset(layer)
-
-    def layer_written(self, layer: int, written_at: float | None = None) -> LayerReady:
-        """Layer `layer` is complete: queue it for the wire (returns at once)."""
-        self.send_slice(layer, layer + 1, 0, self.layout.n_tokens)
-        return super().layer_written(layer, written_at)
 
     def send_slice(self, layer0: int, layer1: int, start: int, stop: int) -> None:
         """Queue layers [layer0, layer1) × positions [start, stop) of `layer_buffer` for the wire."""
