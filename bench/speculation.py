@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from bench._common import RESULTS, progress, table, write_json
-from bench.serving.client import async_client, served_model
+from bench.serving.client import Target, async_client, one_request, served_model
 from bench.serving.servers import Servers, resolve_llama_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,26 +48,14 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 async def one(client, url: str, model: str, prompt: list[int], tokens: int, extra: dict) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, **extra}
-    t0, first, last, text, usage = time.perf_counter(), None, None, [], {}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code} {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            piece = chunk["choices"][0].get("text") if chunk.get("choices") else None
-            if piece:
-                last = time.perf_counter()
-                first = first or last
-                text.append(piece)
-    n = usage.get("completion_tokens") or len(text)
-    return {"text": "".join(text), "tokens": n, "ttft": first - t0,
-            "decode_tok_s": (n - 1) / (last - first) if last > first else None,
-            "accepted": (usage.get("completion_tokens_details") or {}).get("accepted_prediction_tokens")}
+    """One streamed greedy request (bench.serving.client's): its text, decode tokens/s and accepted drafts."""
+    r = await one_request(client, Target("speculation", url, extra, model), prompt, tokens)
+    if r["error"]:
+        raise RuntimeError(f"{url}: {r['error']}")
+    n, decoding = r["tokens"], r["last_token"] - r["ttft"]
+    return {"text": r["text"], "tokens": n, "ttft": r["ttft"],
+            "decode_tok_s": (n - 1) / decoding if decoding > 0 else None,
+            "accepted": (r["usage"].get("completion_tokens_details") or {}).get("accepted_prediction_tokens")}
 
 
 def run(targets: dict[str, tuple[str, dict]], work: dict[str, list[list[int]]], tokens: int, rounds: int) -> dict:

@@ -46,7 +46,7 @@ async def one_request(client: httpx.AsyncClient, target: Target, prompt: list[in
     """A streamed completion: wall-clock TTFT, gaps between text chunks, e2e, tokens, or the error."""
     t0 = time.perf_counter()
     first = last = None
-    gaps, chunks, usage = [], 0, None
+    gaps, chunks, usage, text = [], 0, None, []
     try:
         async with client.stream("POST", target.url + "/v1/completions", json=request_body(target, prompt, n_out)) as r:
             if r.status_code != 200:
@@ -61,6 +61,7 @@ async def one_request(client: httpx.AsyncClient, target: Target, prompt: list[in
                 usage = chunk.get("usage") or usage
                 # only chunks carrying text time tokens: the closing chunk follows the last token at once
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    text.append(chunk["choices"][0]["text"])
                     chunks += 1
                     if first is None:
                         first = now - t0
@@ -75,7 +76,7 @@ async def one_request(client: httpx.AsyncClient, target: Target, prompt: list[in
     if first is None:
         return {"error": "the stream carried no text"}
     return {"error": None, "ttft": first, "itl": gaps, "e2e": time.perf_counter() - t0, "tokens": tokens,
-            "short": tokens < n_out}
+            "short": tokens < n_out, "last_token": last - t0, "text": "".join(text), "usage": usage or {}}
 
 
 def async_client(connections: int) -> httpx.AsyncClient:
