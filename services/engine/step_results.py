@@ -98,11 +98,12 @@ def take_logits(out: SchedulerOutput, result, logprobs: dict[int, TokenLogprob |
 def verify_drafts(stream: RequestStream, c, block) -> tuple[list[int], list]:
     """A verify chunk's rows picked in turn by the request's sampler, as decoding one token at a time
     would pick them (speculation.py): the tokens it emits and their logprobs."""
-    seq, sampler, picked, logprobs = stream.seq, stream.sampler, [], []
+    seq, sampler, logprobs = stream.seq, stream.sampler, []
+    history = list(seq.token_ids)  # one copy per chunk, the picks appended: what each row's pick sees
 
     def pick(i: int) -> int:
-        token, logprob = sampler.pick(block[i], seq.token_ids + picked, seq.num_prompt_tokens, seq.stop_token_ids)
-        picked.append(token)
+        token, logprob = sampler.pick(block[i], history, seq.num_prompt_tokens, seq.stop_token_ids)
+        history.append(token)
         logprobs.append(logprob)
         return token
 
