@@ -1,4 +1,6 @@
 """Paged KV bookkeeping: fixed-size blocks, a free list, block tables, reference counts, prefix caching.
+(Just past 300 lines on purpose: allocation, reference counts, the prefix cache's hashes and eviction
+and the cut-back of a sequence's drafts all change the same tables, and their invariants are checked together.)
 
 Pure Python (no torch, no OpenCL): it hands out block ids; the engines own the
 memory those ids index. A sequence's block table lists the blocks holding its

@@ -1,4 +1,6 @@
 """The engine loop: one thread owns the engine, runs the scheduler's steps and streams each request's tokens.
+(Past 300 lines on purpose: the loop's one step - schedule, the device call, picks, emits - reads best whole;
+what a handler reads and how logit rows become picks are request_stream.py and step_results.py.)
 
 The stream a handler reads is request_stream.py's `RequestStream`.
 

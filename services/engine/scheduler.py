@@ -1,4 +1,5 @@
 """Continuous batching: which sequences an engine step computes, how many tokens each, in which blocks.
+(Past 300 lines on purpose: see the next paragraph.)
 
 The scheduling code is one admission, one chunking and one preemption rule and the queue's wait the
 step pacer reads, kept together because they share the waiting/running queues; what it is sized by is

@@ -1,4 +1,6 @@
 """The `nixl` hand-off transport: decode READs the KV out of prefill's registered host memory with NIXL
+(Past 300 lines on purpose: the sender, the inbox and the receiver speak one control protocol over one
+frame format, and its checks - nonce, token, header re-read - must be read together.)
 (UCX underneath: RDMA between hosts that have it, the kernel's cross-memory copy on one host, TCP
 otherwise), the way Dynamo, vLLM's NixlConnector, SGLang and llm-d move KV.
 

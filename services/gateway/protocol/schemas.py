@@ -1,4 +1,6 @@
 """Request bodies of the OpenAI-compatible API (what we accept, validated).
+(Past 300 lines on purpose: the completion and chat bodies and their validators, every field OpenAI and vLLM
+clients send; the shared parts are already in the modules named below.)
 
 The field types they share are in fields.py, `response_format` and vLLM's spellings of it in
 response_format.py, a chat's messages and tools in chat_messages.py.

@@ -1,4 +1,6 @@
 """The router, the `auto` mode policy (policy.py): pick gpu, fpga or hybrid per request from a cost model
+(Past 300 lines on purpose: the choice and the corrections it learns share one lock; every part that can
+stand alone - queues, first-token waits, exploration, samples - already does, beside it.)
 that learns online.
 
 Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds. The estimate and the
