@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from services.engine import metrics as m
-from services.engine.generation import TokenEvent
+from services.engine.token_event import TokenEvent
 from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.profile_sweep import fitting_lengths
 from services.engine.request_stream import RequestStream

@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from services.engine.api import Engine
-from services.engine.logprobs import TokenLogprob
 from services.engine.request_state import RequestState, finish_reason, state_after_token
-from services.engine.requests import RequestTimings
 from services.errors import InvalidRequest, PromptTooLong
 from services.engine.sampling import Sampler, SamplingParams
+from services.engine.token_event import TokenEvent
 
 __all__ = ["Generation", "PromptTooLong", "TokenEvent", "Timings"]
 
@@ -24,20 +23,6 @@ class Timings:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token: int
-    finish_reason: str | None  # set on the last token only
-    timings: RequestTimings | None = None  # the runtime sets it on the last token only
-    logprob: TokenLogprob | None = None  # when the request asked for logprobs
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # on the first token, when asked for
-    index: int = 0  # the choice (a request with n > 1)
-    at: float = 0.0  # time.perf_counter() when the engine loop's step that made it ended (token_trace.py)
-    # another event was already waiting behind this one when it was read: the servicer may put both in
-    # one message instead of sending this one alone (a hint: the next read does not block)
-    more: bool = False
 
 
 @dataclass

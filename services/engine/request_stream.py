@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
-from services.engine.generation import TokenEvent
+from services.engine.token_event import TokenEvent
 from services.engine.logprobs import TokenLogprob
 from services.engine.sampling import Sampler
 from services.engine.sequence import Sequence

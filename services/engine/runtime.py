@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from services.engine import metrics as m
 from services.engine.engine_loop import EngineLoop
-from services.engine.generation import TokenEvent
+from services.engine.token_event import TokenEvent
 from services.engine.grammar import GrammarTokenizer
 from services.engine.profile_cache import sweep_lock
 from services.engine.profile_sweep import LoopTimer, Profile, code_fingerprint, profile_engine, run_sweep

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from services import token_trace
-from services.engine.generation import TokenEvent
+from services.engine.token_event import TokenEvent
 from services.engine.handoff_wire import logprob_to_proto
 from services.engine.requests import Cancellation, EngineRequest, RequestTimings
 from services.errors import InvalidRequest

@@ -55,7 +55,7 @@ def test_a_reader_that_keeps_up_gets_one_token_per_message():
 
 
 def test_tokens_held_for_one_message_are_sent_before_a_failure_ends_the_call():
-    from services.engine.generation import TokenEvent
+    from services.engine.token_event import TokenEvent
     from services.errors import EngineStepFailed
 
     def events():
