@@ -89,6 +89,9 @@ class DeviceFit:
         return cls(max_context=min(config.max_context, cfg.max_context),
                    max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),
                    keep_cores_awake=config.keep_cores_awake and cpu,
+                   # (not with int8 activations: decode_layers.cl computes fp32 ones, and a row's result must
+                   # not depend on whether its step had one row)
                    one_launch_layers=(config.layer_kernels and cpu and dev.lanes_per_row == 1
-                                      and config.kv_channels == 1 and whole_blocks and one_launch_takes(cfg.arch)),
+                                      and config.kv_channels == 1 and whole_blocks and one_launch_takes(cfg.arch)
+                                      and dev.activations == "fp32"),
                    layer_groups=dev.device.max_compute_units)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyopencl as cl
 
+from services.decode_fpga.int8_gemv import check_activations
 from services.decode_fpga.settings import GEMV_TILE, check_lanes
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class DeviceContext:
     binary_dir: Path | None = None
     lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row, lanes_per_head)
     gemv_tile: int = GEMV_TILE  # output rows per work-item of the batched block GEMV (settings.GEMV_TILES)
+    # the paged step's block GEMVs: "fp32" (exact) or "int8" activations (int8_gemv.py, opt-in)
+    activations: str = "fp32"
     _programs: dict = field(default_factory=dict)
 
     @property
@@ -98,7 +101,9 @@ def _probe(device: cl.Device) -> str | None:
 
 
 def select_device(platform: str | None = None, device: str | None = None,
-                  binary_dir: str | None = None, lanes: int = 0, gemv_tile: int = GEMV_TILE) -> DeviceContext:
+                  binary_dir: str | None = None, lanes: int = 0, gemv_tile: int = GEMV_TILE,
+                  activations: str = "fp32") -> DeviceContext:
+    check_activations(activations)
     try:
         platforms = cl.get_platforms()
     except cl.Error as exc:
@@ -122,6 +127,6 @@ def select_device(platform: str | None = None, device: str | None = None,
             ctx = cl.Context([dev])
             log.info("OpenCL device: %s", label)
             return DeviceContext(dev, ctx, cl.CommandQueue(ctx), Path(binary_dir) if binary_dir else None,
-                                 lanes, gemv_tile)
+                                 lanes, gemv_tile, activations)
     wanted = f"platform~{platform!r} device~{device!r}"
     raise DeviceSelectionError(f"no usable OpenCL device matches {wanted}; present: {seen or 'none'}")

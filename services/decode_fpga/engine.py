@@ -116,7 +116,7 @@ class OpenCLEngine:
     @classmethod
     def from_settings(cls, loaded: LoadedModel, settings: DecodeSettings) -> "OpenCLEngine":
         dev = select_device(settings.opencl_platform, settings.opencl_device, settings.opencl_binary_dir,
-                            settings.opencl_lanes, settings.opencl_gemv_tile)
+                            settings.opencl_lanes, settings.opencl_gemv_tile, settings.activations)
         config = EngineConfig.from_settings(settings, loaded.checkpoint.kind)
         blocks = (read_block_tensors(loaded.checkpoint, loaded.config, config.allow_dense_fallback)
                   if config.weights_dtype == "gguf" else None)

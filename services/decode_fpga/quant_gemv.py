@@ -33,6 +33,7 @@ import pyopencl as cl
 
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.gemv import EnqueueOnce, upload_dense_matrix
+from services.decode_fpga.int8_gemv import bind_int8_gemv_rows, takes_int8
 from services.decode_fpga.launch import ByRowCount, Launch, RowLaunch, balanced_groups, bind, bind_rows, row_groups
 from services.decode_fpga.settings import GEMV_TILE
 from services.model.formats import FORMATS, kernel_defines
@@ -234,7 +235,10 @@ class QuantMatrix(EnqueueOnce):
         CPU gemv_quant_tiles1 (one output row a work-item) up to `tile_above` rows and gemv_quant_tiles
         (`tile` output rows a work-item) past them, or gemv_quant_rows (the kernel before them) when
         tile is 0, all reading the row count from n_rows[0]; on a GPU gemv_quant_wg, whose work-groups
-        already compute each row alone, over the RowLaunch's rows."""
+        already compute each row alone, over the RowLaunch's rows. With int8 activations on a CPU
+        (int8_gemv.py, the formats it takes): quantize_x8 and gemv_int8_rows instead."""
+        if takes_int8(self._dev, self.fmt, self.lanes):  # the opt-in int8 activations (int8_gemv.py)
+            return bind_int8_gemv_rows(self, x, y, n_rows, accumulate, x_sums)
         if self.lanes > 1:
             return bind_rows(self._wg_program(), "gemv_quant_wg", (self.rows * self.lanes, 1), self._d, self._m,
                              self._q, x, y, np.int32(self.cols), np.int32(self.rows), np.int32(bool(accumulate)),

@@ -45,6 +45,11 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # on a CPU device with block-format weights: a one-sequence decode step's layers in one launch,
     # its phases separated by barriers across work-groups (decode_layers.cl); false: five per layer
     opencl_layer_kernels: bool = True
+    # the paged step's block GEMVs: fp32 activations (exact) or int8, x quantized per block of 32 and
+    # integer dot products (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K on a CPU device: int8_gemv.py). int8 changes
+    # logits and sometimes tokens (docs/decode-kernels.md has its divergence), and turns the one-launch
+    # decode step off
+    activations: Literal["fp32", "int8"] = "fp32"
     # logprobs of plain greedy rows (and echo's prompt logprobs) by a log-softmax + top-k kernel on the
     # device, 2 + 2k words a row read back (kernels/logprobs.cl); false: the row's logits are read back
     # and the host computes them (rows with penalties, logit_bias, a grammar or sampling always are)

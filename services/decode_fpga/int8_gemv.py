@@ -1,0 +1,89 @@
+"""The opt-in 8-bit-activation GEMVs of the paged step (HYBRIDSERVE_DECODE_ACTIVATIONS=int8).
+
+With `int8` activations a block matrix's paged-step GEMV (QuantMatrix.bind_gemv_rows) becomes two
+launches: quantize_x8 turns the step's rows of x into int8 per block of 32 with one fp32 scale a
+block (once per row, shared by every output row), and gemv_int8_rows takes integer dot products of
+the weights' quants with them (kernels/gemv_quant_int8.cl: AVX2's vpmaddubsw on a CPU,
+cl_khr_integer_dot_product where a device offers it, else an int loop). It changes logits, and
+sometimes tokens, so it is opt-in; docs/decode-kernels.md has its divergence from the exact path.
+
+Formats with an int8 kernel: INT8_FORMATS. The others (Q5_0, Q5_1, Q5_K), dense matrices, GPUs
+(several lanes a row), the per-sequence slot path and the one-launch decode step keep the exact
+fp32 arithmetic; config.DeviceFit turns the one launch off with int8 so that a row's result never
+depends on whether its step had one row or several.
+
+The int8 copy of x lives in buffers shared by every matrix that reads the same x buffer (one pair
+per x on the device, sized from it), so it costs a fourth of x's memory once, not per matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyopencl as cl
+
+from services.decode_fpga.launch import bind_rows
+
+ACTIVATIONS = ("fp32", "int8")  # the setting's values: the exact path, or int8 activations
+INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")  # block formats with an int8 GEMV
+
+
+def check_activations(value: str) -> str:
+    """value when it is one of ACTIVATIONS; else ValueError naming them."""
+    if value not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {value!r}")
+    return value
+
+
+def takes_int8(dev, fmt: str, lanes: int) -> bool:
+    """Whether a block matrix of `fmt` runs its paged-step GEMV on int8 activations on this device."""
+    return getattr(dev, "activations", "fp32") == "int8" and fmt in INT8_FORMATS and lanes == 1
+
+
+@dataclass(frozen=True)
+class RowLaunches:
+    """RowLaunches (or ByRowCounts) enqueued one after another over the same rows, as one."""
+
+    parts: tuple
+
+    def enqueue(self, queue: cl.CommandQueue, start: int, count: int) -> None:
+        for launch in self.parts:
+            launch.enqueue(queue, start, count)
+
+
+def int8_rows(dev, x: cl.Buffer, cols: int) -> tuple[cl.Buffer, cl.Buffer]:
+    """The int8 copy of x [n, cols] (xq, n * cols bytes) and its block scales (dx, float [n, cols / 32])
+    for every n the buffer x holds, made once per x buffer and device."""
+    cache = dev.__dict__.setdefault("_int8_rows", {})
+    key = (x.int_ptr, x.size, cols)
+    if key not in cache:
+        rows = max(1, x.size // (4 * cols))
+        cache[key] = (cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, rows * cols),
+                      cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, rows * (cols // 32) * 4))
+    return cache[key]
+
+
+def bind_int8_gemv_rows(matrix, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool,
+                        x_sums: cl.Buffer | None, build=None) -> RowLaunches:
+    """QuantMatrix.bind_gemv_rows with int8 activations: quantize the step's rows of x, then the GEMV
+    (rows read from n_rows[0]); x_sums: x's fp32 block sums, read by formats with minimums. build:
+    in place of the device's (tests build the portable integer loop with it)."""
+    from services.model.formats import kernel_defines
+
+    if matrix.cols % 32:
+        raise ValueError(f"{matrix.name}: int8 activations need whole 32-column blocks, got {matrix.cols} columns")
+    if x_sums is None:
+        if matrix.needs_block_sums:
+            raise ValueError(f"{matrix.name}: a {matrix.fmt} GEMV needs the block sums of x (x_sums)")
+        x_sums = x  # unread
+    dev = matrix._dev
+    program = (build or dev.build)("gemv_quant_int8.cl", kernel_defines(matrix.fmt))
+    xq, dx = int8_rows(dev, x, matrix.cols)
+    nb = matrix.cols // 32
+    quantize = bind_rows(program, "quantize_x8", (1, nb), x, xq, dx, np.int32(matrix.cols), rows_dim=0, by_row=True)
+    d, m, q = matrix.device_arrays
+    gemv = bind_rows(program, "gemv_int8_rows", (matrix.rows,), d, m, q, xq, dx, x_sums, y, np.int32(matrix.cols),
+                     np.int32(matrix.rows), n_rows, np.int32(bool(accumulate)), matrix._y_offset,
+                     matrix._y_stride, rows_dim=None, by_row=True)
+    return RowLaunches((quantize, gemv))
+

@@ -1,0 +1,150 @@
+"""The int8-activation block GEMVs (int8_gemv.py, kernels/gemv_quant_int8.cl) against a numpy model of
+their arithmetic: x quantized per block of 32 (scale = largest |x| / 127, round half to even), the
+weights' integers times those int8 values, the scales after, the minimums through x's fp32 block sums.
+Also: each row's result is the same bits in any batch, the AVX2 builtins give the portable int loop's
+bits, and a bad setting value fails when the device is chosen."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyopencl as cl
+import pytest
+
+from services.decode_fpga.int8_gemv import INT8_FORMATS, bind_int8_gemv_rows
+from services.decode_fpga.quant_gemv import QuantMatrix, split_blocks
+from services.model.gguf_blocks import BlockTensor
+from tests.decode_fpga.kquant_checkpoint import random_blocks
+from tests.decode_fpga.test_kquant_gemv import numpy_factors
+from tests.decode_fpga.test_quant_gemv import synthetic
+
+MF = cl.mem_flags
+
+
+@pytest.fixture(scope="module")
+def int8_dev(cl_dev):
+    """The session's device with int8 activations (its context, queue and programs shared)."""
+    return dataclasses.replace(cl_dev, activations="int8")
+
+
+def block_tensor(fmt: str, rows: int, cols: int, seed: int) -> BlockTensor:
+    # gguf-py quantizes the 32-blocks; K-quants are random blocks made as bytes
+    return random_blocks(fmt, rows, cols, seed) if fmt.endswith("_k") else synthetic(fmt, rows, cols, seed)
+
+
+def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_x8 in numpy: int8 [n, cols] and scales float32 [n, nb]."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127)
+    return q.reshape(x.shape).astype(np.int8), (amax / np.float32(127)).astype(np.float32)
+
+
+def minimums(t: BlockTensor) -> np.ndarray | None:
+    """Each block's minimum, float64 [rows, nb] (None for formats without)."""
+    if t.qtype == "q4_1":
+        return split_blocks(t)[1][:, :t.cols // 32].astype(np.float64)
+    if t.qtype == "q4_k":
+        return numpy_factors(t)[2].astype(np.float64)
+    return None
+
+
+def int8_reference(t: BlockTensor, x: np.ndarray) -> np.ndarray:
+    """float64 of what the int8 path computes: W's (scale * integer) part times x's int8 values times
+    their scales, plus the minimums times the fp32 block sums of x."""
+    xq, dx = quantized(x)
+    xdeq = (xq.reshape(x.shape[0], -1, 32).astype(np.float64) * dx[..., None]).reshape(x.shape)
+    w = t.dequantize().astype(np.float64)  # scale * integer (+ minimum)
+    y = xdeq @ w.T
+    mins = minimums(t)
+    if mins is not None:  # the minimums met xdeq's block sums above; the kernel uses x's own
+        sums = x.reshape(x.shape[0], -1, 32).sum(axis=-1, dtype=np.float64)
+        y += (sums - xdeq.reshape(x.shape[0], -1, 32).sum(axis=-1)) @ mins.T
+    return y
+
+
+def run_rows(dev, t: BlockTensor, x: np.ndarray, defines: dict | None = None) -> np.ndarray:
+    """The paged step's GEMV (bind_gemv_rows) over the rows of x on dev; defines: extra build flags
+    for gemv_quant_int8.cl (bound directly)."""
+    ctx, q = dev.context, dev.queue
+    mat = QuantMatrix(dev, t)
+    n = x.shape[0]
+    xb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(x))
+    sums = x.reshape(n, -1, 32).sum(axis=-1, dtype=np.float32)
+    sb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=sums)
+    yb = cl.Buffer(ctx, MF.READ_WRITE, n * t.rows * 4)
+    nb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.array([n], np.int32))
+    if defines:
+        program_build = dev.build
+
+        def build(name, d=None):
+            return program_build(name, {**(d or {}), **defines})
+
+        launch = bind_int8_gemv_rows(mat, xb, yb, nb, False, sb, build=build)
+    else:
+        launch = mat.bind_gemv_rows(xb, yb, nb, x_sums=sb)
+    launch.enqueue(q, 0, n)
+    out = np.empty((n, t.rows), np.float32)
+    cl.enqueue_copy(q, out, yb, is_blocking=True)
+    return out
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+def test_int8_gemv_is_the_int8_arithmetic(int8_dev, cl_dev, fmt):
+    """Rows of 9 (passes of 4 and one alone) over 23 outputs: within 2e-6 of the float64 model of the
+    int8 arithmetic, and measurably apart from the exact fp32 path (so the int8 kernel ran)."""
+    cols = 512 if fmt.endswith("_k") else 32 * 13  # K: whole super-blocks; else an odd block count
+    t = block_tensor(fmt, 23, cols, seed=3)
+    x = np.random.default_rng(4).normal(size=(9, cols)).astype(np.float32)
+    x[2, 64:96] = 0.0  # a block of zeros: scale 0
+    got = run_rows(int8_dev, t, x)
+    ref = int8_reference(t, x)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 2e-6 * scale
+    exact = run_rows(cl_dev, t, x)
+    apart = np.abs(exact - got).max() / scale
+    assert 1e-5 < apart < 3e-2, apart
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+def test_a_rows_result_does_not_depend_on_its_batch(int8_dev, fmt):
+    """Each of 7 rows computed alone gives the bits it gets in the batch of 7 (passes of 4, then alone)."""
+    cols = 256 if fmt.endswith("_k") else 32 * 7
+    t = block_tensor(fmt, 17, cols, seed=5)
+    x = np.random.default_rng(6).normal(size=(7, cols)).astype(np.float32)
+    together = run_rows(int8_dev, t, x)
+    for r in range(7):
+        np.testing.assert_array_equal(run_rows(int8_dev, t, x[r:r + 1])[0], together[r])
+
+
+@pytest.mark.parametrize("fmt", INT8_FORMATS)
+def test_avx2_builtins_give_the_portable_bits(int8_dev, fmt):
+    """The integer lanes are exact either way: the AVX2 build and the int16-loop build agree bit for bit."""
+    cols = 256 if fmt.endswith("_k") else 32 * 9
+    t = block_tensor(fmt, 11, cols, seed=7)
+    x = np.random.default_rng(8).normal(size=(5, cols)).astype(np.float32) * 3
+    np.testing.assert_array_equal(run_rows(int8_dev, t, x), run_rows(int8_dev, t, x, {"I8_PORTABLE": 1}))
+
+
+def test_formats_without_an_int8_kernel_keep_the_exact_path(int8_dev, cl_dev):
+    t = random_blocks("q5_0", 9, 256, seed=9)
+    x = np.random.default_rng(10).normal(size=(3, 256)).astype(np.float32)
+    np.testing.assert_array_equal(run_rows(int8_dev, t, x), run_rows(cl_dev, t, x))
+
+
+def test_a_bad_activations_value_fails_at_start(monkeypatch):
+    import pydantic
+
+    from services.decode_fpga.device import select_device
+    from services.decode_fpga.settings import DecodeSettings
+
+    monkeypatch.delenv("HYBRIDSERVE_DECODE_ACTIVATIONS", raising=False)
+    assert DecodeSettings().activations == "fp32"
+    monkeypatch.setenv("HYBRIDSERVE_DECODE_ACTIVATIONS", "int8")
+    assert DecodeSettings().activations == "int8"
+    monkeypatch.setenv("HYBRIDSERVE_DECODE_ACTIVATIONS", "int4")
+    with pytest.raises(pydantic.ValidationError, match="'fp32' or 'int8'"):
+        DecodeSettings()
+    with pytest.raises(ValueError, match="activations must be one of fp32, int8, got 'fp16'"):
+        select_device(activations="fp16")
