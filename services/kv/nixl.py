@@ -15,6 +15,7 @@ opens to decode_fpga's KV inbox (tcp_inbox.py, the TCP transport's, unchanged), 
     READY   layers [l0, l1) × tokens [t0, t1) are written in the buffer (a whole layer, or a token slice)
     DONE    the PrefillDone (tcp_frames.DONE_PAYLOAD)
     receiver → sender
+    ACCEPTED  the offer is taken: connected to the agent, the header READ and checked
     LANDED  layers × tokens of a READY are in the import buffer (after the READ completed)
     OK / ERROR   as on the TCP transport: every byte imported (and when), or why not
 
@@ -22,6 +23,9 @@ The buffer the sender registers is [64-byte slot header][KV in wire layout]. The
 header out of it when it accepts the slot and again once every layer is on its device: it must equal
 the header the connection announced (nonce and generation included). The sender zeroes it before it
 deregisters the buffer, so a READ that raced the buffer's end cannot pass as this request's KV.
+The sender's agent progresses (nixl_agent.py's loop) only while the receiver may be READing: from each
+OFFER, READY or DONE it sends until its answer (ACCEPTED, LANDED, OK) comes. Between slices, while the
+prefill computes, nothing of the transport runs on prefill's cores.
 Both sides use bounded waits: a READ not done in `read_timeout_s`, a peer that closes the control
 connection or goes silent past its timeout, is PeerGone (a HandoffFailed) on whichever side notices.
 Nothing outlives `close()`: the registration, the transfer handles, the peer's metadata (and with the
@@ -46,7 +50,7 @@ from services.kv.tcp_frames import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR
                                     OK_PAYLOAD, PeerGone, SliceReady, auth_tag, recv_exact, recv_frame, send_parts)
 from services.kv.tcp_inbox import InboxReceiver, KVInbox
 
-OFFER, READY, LANDED = 16, 17, 18
+OFFER, READY, LANDED, ACCEPTED = 16, 17, 18, 19
 OFFER_HEAD = struct.Struct("<QQ")  # the buffer's address, its size; the agent metadata follows
 MAX_OFFER_BYTES = 1 << 20
 SCHEME = "nixl://"  # decode's kv_address for this transport: nixl://host:port (the control inbox)
@@ -69,13 +73,13 @@ class NixlSender(NetworkSender):
         self._send_lock = threading.Lock()
         self._buf: np.ndarray | None = None
         self._reg = None
-        self._serving = None
         self._reader: threading.Thread | None = None
         self._answered = threading.Event()
         self._answer: float | BaseException | None = None
         self._due_since: float | None = None  # monotonic time since which an answer is due
-        self._unanswered = 0  # READY and DONE frames sent, not answered yet
+        self._unanswered = 0  # OFFER, READY and DONE frames sent, not answered yet; > 0: the agent progresses
         self.landed: dict[tuple[int, int, int, int], float] = {}
+        self.accepted_at: float | None = None  # unix time the receiver said it took the offer
         self.imported_at: float | None = None
 
     def _open(self) -> SlotGrant:
@@ -89,16 +93,13 @@ class NixlSender(NetworkSender):
         self._buf = np.zeros(HEADER_SIZE + self.layout.nbytes, np.uint8)
         self._buf[:HEADER_SIZE] = np.frombuffer(raw, np.uint8)
         self._reg = self.agent.register(self._buf.ctypes.data, self._buf.nbytes)
-        self._serving = self.agent.serving()
-        self._serving.__enter__()  # the peer's READs complete only while this agent progresses
         meta = self.agent.metadata(self._reg)
         tag = auth_tag(self._token, raw) if self._token else b""
         offer = OFFER_HEAD.pack(self._buf.ctypes.data, self._buf.nbytes) + meta
         self._reader = threading.Thread(target=self._read_answers, name="kv-nixl-sender", daemon=True)
         self._reader.start()  # first: a refusal of the header (sent before the offer is read) is heard
         self._frame([FRAME.pack(HEADER, 0, 0, 0, 0, len(raw) + len(tag)), raw + tag,
-                     FRAME.pack(OFFER, 0, 0, 0, 0, len(offer)), offer], "the slot header and offer",
-                    answered=False)
+                     FRAME.pack(OFFER, 0, 0, 0, 0, len(offer)), offer], "the slot header and offer")
         return SlotGrant(0, self.layout.nbytes, self.header.n_tokens, self.header.dtype)
 
     def _data(self) -> np.ndarray:
@@ -125,25 +126,34 @@ class NixlSender(NetworkSender):
         self.state = HandoffState.DONE
         return self.imported_at
 
-    def _frame(self, parts: list, what: str, answered: bool = True) -> None:
-        """Send control frames (`answered`: one the receiver answers, READY or DONE); what the receiver
-        said (a refusal, its going away) wins over a send error."""
+    def _frame(self, parts: list, what: str) -> None:
+        """Send control frames ending in one the receiver answers (OFFER, READY or DONE); what the
+        receiver said (a refusal, its going away) wins over a send error."""
         if isinstance(self._answer, BaseException):
             raise self._answer
         try:
             with self._send_lock:
+                if not self._unanswered:  # before the frame: the READ it starts finds this agent progressing
+                    self._due_since = time.monotonic()  # an answer (ACCEPTED, LANDED, OK) is due from now on
+                    self.agent.want_progress()
+                self._unanswered += 1
                 send_parts(self._sock, parts, what)
-                if answered:
-                    if not self._unanswered:
-                        self._due_since = time.monotonic()  # an answer (LANDED, OK) is due from now on
-                    self._unanswered += 1
         except PeerGone:
             if self._answered.wait(1.0) and isinstance(self._answer, BaseException):
                 raise self._answer from None
             raise
 
+    def _answered_one(self) -> None:
+        with self._send_lock:
+            if not self._unanswered:
+                return
+            self._unanswered -= 1
+            self._due_since = time.monotonic() if self._unanswered else None
+            if not self._unanswered:  # no READ of ours can be in flight: the agent rests
+                self.agent.drop_progress()
+
     def _read_answers(self) -> None:
-        """LANDED frames until OK or ERROR; a closed connection, or silence for `timeout_s` while an
+        """ACCEPTED and LANDED frames until OK or ERROR; a closed connection, or silence for `timeout_s` while an
         answer is due, is PeerGone. (Silence while prefill computes is not: nothing is due then.)"""
         try:
             while True:
@@ -157,11 +167,12 @@ class NixlSender(NetworkSender):
                 if not readable:
                     continue
                 kind, l0, l1, t0, t1, nbytes = recv_frame(self._sock, "the receiver's answer")
-                if kind == LANDED and nbytes == 0:
-                    self.landed[(l0, l1, t0, t1)] = time.time()
-                    with self._send_lock:
-                        self._unanswered -= 1
-                        self._due_since = time.monotonic() if self._unanswered else None
+                if kind in (LANDED, ACCEPTED) and nbytes == 0:
+                    if kind == LANDED:
+                        self.landed[(l0, l1, t0, t1)] = time.time()
+                    else:
+                        self.accepted_at = time.time()
+                    self._answered_one()
                     continue
                 raw = bytearray(min(nbytes, MAX_ERROR_BYTES))
                 if kind == OK and nbytes == OK_PAYLOAD.size:
@@ -172,6 +183,7 @@ class NixlSender(NetworkSender):
                     self._answer = HeaderMismatch(f"the receiver refused the KV: {raw.decode(errors='replace')}")
                 else:
                     self._answer = PeerGone(f"the receiver answered a frame of kind {kind} ({nbytes} bytes)")
+                self._answered_one()  # DONE's
                 return
         except PeerGone as exc:
             self._answer = exc
@@ -191,9 +203,10 @@ class NixlSender(NetworkSender):
                 self._reader = None
             self._sock.close()
             self._sock = None
-        if self._serving is not None:
-            self._serving.__exit__(None, None, None)
-            self._serving = None
+        with self._send_lock:
+            if self._unanswered:  # ended with an answer due (a refusal, a peer gone): the agent rests
+                self._unanswered = 0
+                self.agent.drop_progress()
         if self._reg is not None:
             self.agent.deregister(self._reg)
             self._reg = None
@@ -264,6 +277,11 @@ class NixlReceiver(InboxReceiver):
         self._reg = self.agent.register(self._buf.ctypes.data, self._buf.nbytes)
         self._remote = self.agent.add_remote(bytes(raw[OFFER_HEAD.size:]))
         self._remote_base = base
+
+    def accept(self, grant: SlotGrant) -> None:
+        """Check the header READ out of the sender's memory, then tell the sender (its agent may rest)."""
+        super().accept(grant)
+        send_parts(self.conn, [FRAME.pack(ACCEPTED, 0, 0, 0, 0, 0)], "ACCEPTED")
 
     def _read(self, pairs: list[tuple[int, int]]) -> None:
         """READ each (offset, nbytes) of the buffer from the sender into the same offset here."""

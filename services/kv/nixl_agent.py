@@ -10,8 +10,12 @@ Why the agent is wrapped:
 * Its own progress thread spins a whole core (its delay is fixed at 0 in nixl 1.5.1), so it is created
   without one. A READ only completes while *both* agents make progress (measured: with the target not
   progressing, a 256 MiB READ stayed "in progress" for 15 s on UCX's cma and tcp transports alike), so
-  the reading side polls its own transfer, and `serving()` runs a light progress loop on the side
-  being read, only while it has memory out (a sleep of `poll_s` between calls; idle it blocks).
+  the reading side polls its own transfer, and the side being read runs a light progress loop (a sleep
+  of `poll_s` between calls) only while a READ of its memory may be in flight: `want_progress()` /
+  `drop_progress()` (nixl.py calls them around each control frame the receiver answers once its READ
+  is done), else the loop blocks. Not for the whole hand-off: on a 2-core host a loop waking every
+  100 µs for a prefill's ~10 s slowed that prefill by 20-40 % (bench/micro/nixl_probe.py), which was
+  the 4.2 s of "exposed" hand-off the first one-host bench run charged to nixl.
 * The agent is created with no locking (thread-sync NONE: no listener thread), and hand-offs run on
   several threads: every call goes through one lock here.
 * Remote agents are counted: the first hand-off from a peer loads its metadata (which connects), every
@@ -78,7 +82,8 @@ class NixlAgent:
         if "UCX" not in self._agent.backends:
             raise NixlUnavailable("NIXL has no UCX backend plugin here (its wheel is incomplete)")
         self._remotes: dict[str, int] = {}  # remote agent -> hand-offs using it
-        self._serving = 0  # hand-offs whose memory a peer may be reading
+        self._serving = 0  # transfers of our memory a peer may be running now
+        self.progress_calls = 0  # the progress loop's calls, for tests and probes
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
@@ -99,17 +104,24 @@ class NixlAgent:
         with self._lock:
             return bytes(self._agent.get_partial_agent_metadata(reg, inc_conn_info=True))
 
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """While inside, the progress loop runs: a peer reads memory of ours."""
+    def want_progress(self) -> None:
+        """A peer may READ our memory from now on: the progress loop runs until the matching drop."""
         with self._lock:
             self._serving += 1
             self._wake.notify()
+
+    def drop_progress(self) -> None:
+        with self._lock:
+            self._serving -= 1
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """While inside, the progress loop runs (want_progress / drop_progress around a block)."""
+        self.want_progress()
         try:
             yield
         finally:
-            with self._lock:
-                self._serving -= 1
+            self.drop_progress()
 
     # ---- peers -----------------------------------------------------------------------------------
     def add_remote(self, metadata: bytes) -> str:
@@ -183,6 +195,7 @@ class NixlAgent:
                     return
                 with contextlib.suppress(Exception):
                     self._agent.get_new_notifs()  # progresses the worker: the peer's READs complete
+                self.progress_calls += 1
             time.sleep(self.poll_s)
 
     def close(self) -> None:

@@ -124,6 +124,44 @@ def test_greedy_tokens_after_a_nixl_handoff_equal_the_in_process_ones(mode, agen
     nothing_left(inbox, agents, tx)
 
 
+def wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {TIMEOUT_S} s: {what}"
+        time.sleep(0.005)
+
+
+def test_the_senders_agent_progresses_only_while_a_read_of_its_memory_is_due(agents, inbox, torch_engine,
+                                                                            model_config, prefilled):
+    """While prefill computes (between slices) the sender's progress loop sleeps: a loop waking every
+    100 µs through a whole prefill slowed it by a third on this 2-core host. It runs from each frame the
+    receiver answers after a READ (OFFER, READY, DONE) until that answer, and the KV still lands."""
+    _, kv, first = prefilled
+    prefill_agent = agents[0]
+    seq = torch_engine.new_sequence(PROMPT_LEN + 1)
+    th, result = receive_in_thread(inbox, SliceImporter(torch_engine), seq, header_for(model_config))
+    with sender(inbox, agents, header_for(model_config)) as tx:
+        tx.open()
+        assert prefill_agent._serving == 1  # the offer is out: the receiver connects and READs the header
+        wait_for(lambda: tx.accepted_at is not None, "the receiver accepted the offer")
+        for layer in range(model_config.n_layers):
+            wait_for(lambda: prefill_agent._serving == 0, "the agent at rest once the last answer came")
+            calls = prefill_agent.progress_calls
+            time.sleep(0.02)  # "computing the layer": no progress call meanwhile
+            assert prefill_agent.progress_calls == calls
+            tx.layer_buffer(layer)[...] = kv[layer]
+            tx.layer_written(layer)
+            assert prefill_agent._serving == 1 or len(tx.landed) == layer + 1  # on until LANDED
+            wait_for(lambda: len(tx.landed) == layer + 1, f"layer {layer} landed")
+        tx.finish(PrefillDone(first_token=first, prefill_s=0.5, queue_s=0.0, compute_done_at=1.0))
+        assert prefill_agent._serving == 0
+    th.join(TIMEOUT_S)
+    assert "error" not in result, result.get("error")
+    assert result["receiver"].state is HandoffState.DONE and result["receiver"].bytes == kv.nbytes
+    torch_engine.release(seq)
+    nothing_left(inbox, agents, tx)
+
+
 def test_kv_for_another_request_is_refused_on_both_ends(agents, inbox, model_config):
     with inbox.expecting(request_nonce("req-1")) as waiting:
         with sender(inbox, agents, header_for(model_config, request="req-2")) as tx:  # the wrong nonce
