@@ -14,7 +14,9 @@ A sweep that cannot be fooled by the first calls or by a busy machine:
 * a cached profile is checked at every start by `probe_verdict` (one prefill and one decode point).
 
 A service times its engine through its engine loop (`LoopTimer`): the same path, batching
-machinery and kernels as a request it serves. Tests may time an engine directly (`SlotTimer`).
+machinery and kernels as a request it serves. A tool without a service times an engine through a
+loop of its own (one_request.local_loop). The sweep takes any timer: a `time_point(prompt, n_out)`
+and the model's `cfg`.
 """
 from __future__ import annotations
 
@@ -61,15 +63,15 @@ class Sweep(list):
                f"{self.foreign_load:.2f} (max {MAX_FOREIGN_LOAD})"
 
 
-def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_contexts=DECODE_CONTEXTS,
+def run_sweep(timer, device: str, prefill_lengths=PREFILL_LENGTHS, decode_contexts=DECODE_CONTEXTS,
               decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Sweep:
     """Warm up, then time every point `repeats` times; one sample (the median) per point. A length
     past the model's context (a small model's) is timed at the longest prompt that fits instead."""
-    prefill_lengths, decode_contexts = _fitting(engine, prefill_lengths, decode_tokens), \
-        _fitting(engine, decode_contexts, decode_tokens)
-    _timed_pass(engine, _prompts(engine, prefill_lengths), decode_contexts, decode_tokens)  # warm-up, discarded
+    prefill_lengths, decode_contexts = _fitting(timer, prefill_lengths, decode_tokens), \
+        _fitting(timer, decode_contexts, decode_tokens)
+    _timed_pass(timer, _prompts(timer, prefill_lengths), decode_contexts, decode_tokens)  # warm-up, discarded
     load = ForeignLoad()
-    runs = [_timed_pass(engine, _prompts(engine, prefill_lengths), decode_contexts, decode_tokens)
+    runs = [_timed_pass(timer, _prompts(timer, prefill_lengths), decode_contexts, decode_tokens)
             for _ in range(repeats)]
     out = Sweep()
     for point in runs[0]:
@@ -87,11 +89,11 @@ def run_sweep(engine, device: str, prefill_lengths=PREFILL_LENGTHS, decode_conte
     return out
 
 
-def _fitting(engine, lengths, decode_tokens: int) -> tuple[int, ...]:
-    """`lengths` capped for the timer's context (a LoopTimer's loop's max_model_len, or an engine's
+def _fitting(timer, lengths, decode_tokens: int) -> tuple[int, ...]:
+    """`lengths` capped for the timer's context (a LoopTimer's loop's max_model_len, or the timer's
     max_context; no cap when neither is known)."""
-    loop = getattr(engine, "loop", None)
-    context = loop.config.max_model_len if loop is not None else getattr(engine, "max_context", None)
+    loop = getattr(timer, "loop", None)
+    context = loop.config.max_model_len if loop is not None else getattr(timer, "max_context", None)
     return fitting_lengths(lengths, context, decode_tokens) if context else tuple(lengths)
 
 
@@ -104,16 +106,15 @@ def fitting_lengths(lengths, context: int, decode_tokens: int) -> tuple[int, ...
 _PASSES = itertools.count()  # every pass of this process gets prompts of its own
 
 
-def _prompts(engine, lengths) -> dict[int, list[int]]:
+def _prompts(timer, lengths) -> dict[int, list[int]]:
     """Prompts no earlier pass used: a repeat of the same prompt would be timed as a prefix-cache
     hit (the prefill of its last block only), and the router would believe prefill ~10x cheaper."""
     rng = np.random.default_rng(next(_PASSES))
-    return {n: rng.integers(3, engine.cfg.vocab_size, n).tolist() for n in lengths}
+    return {n: rng.integers(3, timer.cfg.vocab_size, n).tolist() for n in lengths}
 
 
-def _timed_pass(engine, prompts: dict[int, list[int]], decode_contexts, decode_tokens: int) -> dict:
+def _timed_pass(timer, prompts: dict[int, list[int]], decode_contexts, decode_tokens: int) -> dict:
     """{(n_in, 0): prefill seconds, (n_in, n_out): decode seconds for n_out tokens}."""
-    timer = engine if hasattr(engine, "time_point") else SlotTimer(engine)
     times = {}
     for n_in, prompt in prompts.items():
         n_out = decode_tokens if n_in in decode_contexts else 0
@@ -121,27 +122,6 @@ def _timed_pass(engine, prompts: dict[int, list[int]], decode_contexts, decode_t
         if n_out:
             times[(n_in, n_out)] = decode_s
     return times
-
-
-class SlotTimer:
-    """Times a point on an engine's own per-sequence API (new_sequence / prefill / decode_greedy)."""
-
-    def __init__(self, engine):
-        self.engine, self.cfg = engine, engine.cfg
-
-    def time_point(self, prompt: list[int], n_out: int) -> tuple[float, float]:
-        """(prefill seconds, seconds of n_out greedy decode steps after it)."""
-        engine = self.engine
-        seq = engine.new_sequence(len(prompt) + n_out + 1)
-        try:
-            t = time.perf_counter()
-            token = int(np.argmax(engine.prefill(seq, prompt)))
-            prefill_s, t = time.perf_counter() - t, time.perf_counter()
-            for _ in range(n_out):
-                token = engine.decode_greedy([seq], [token])[0]
-            return prefill_s, time.perf_counter() - t
-        finally:
-            engine.release(seq)
 
 
 class LoopTimer:
@@ -185,13 +165,13 @@ class ForeignLoad:
         return max(0.0, busy - own) / (wall * (os.cpu_count() or 1))
 
 
-def probe_verdict(engine, device: str, cached: list[dict]) -> str:
+def probe_verdict(timer, device: str, cached: list[dict]) -> str:
     """"agrees" when a quick quiet measurement of two points is within PROBE_TOLERANCE of the cached
     profile, "disagrees" when it is not, "busy" when the machine was too busy to tell (the cache is
     kept then: it passed the quiet-machine check when written, but this start did not confirm it)."""
     lengths = tuple(n for n, _ in PROBE_POINTS)
     decode_contexts = tuple(n for n, m in PROBE_POINTS if m)
-    now = run_sweep(engine, device, lengths, decode_contexts, DECODE_TOKENS, repeats=REPEATS)
+    now = run_sweep(timer, device, lengths, decode_contexts, DECODE_TOKENS, repeats=REPEATS)
     if now.busy:
         log.info("profile probe %s: machine busy (%s); keeping the cache", device, now.verdict)
         return "busy"
@@ -219,12 +199,12 @@ def _per_unit(s: dict, cached: list[dict]) -> float | None:
     return float(np.median(same)) if same else None
 
 
-def profile_engine(engine, device: str, cache_dir: str, key: str, attempts: int = 2,
+def profile_engine(timer, device: str, cache_dir: str, key: str, attempts: int = 2,
                    keep_busy: bool = False) -> Profile:
-    """The engine's profile: cached and probed, or measured (in turn with the other engine), a busy
-    sweep retried until `attempts` ran (and kept apart with `keep_busy`)."""
-    return cached_sweep(cache_dir, key, lambda: run_sweep(engine, device),
-                        probe=lambda cached: probe_verdict(engine, device, cached), attempts=attempts,
+    """The profile of the engine `timer` times: cached and probed, or measured (in turn with the other
+    engine), a busy sweep retried until `attempts` ran (and kept apart with `keep_busy`)."""
+    return cached_sweep(cache_dir, key, lambda: run_sweep(timer, device),
+                        probe=lambda cached: probe_verdict(timer, device, cached), attempts=attempts,
                         keep_busy=keep_busy)
 
 

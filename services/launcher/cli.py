@@ -41,7 +41,7 @@ def _build_engine(args, loaded):
 
 
 def _generate(args) -> int:
-    from services.engine.generation import Generation
+    from services.engine.one_request import OneRequest
     from services.model.loading import load_model
     from services.engine.sampling import SamplingParams
     from services.model.tokenizer import chat_prompt_ids, load_tokenizer
@@ -55,7 +55,7 @@ def _generate(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     engine = _build_engine(args, loaded)
-    gen = Generation(engine, prompt_ids, params, loaded.config.max_context)
+    gen = OneRequest(engine, prompt_ids, params)  # the engine's paged step, through an engine loop of its own
     ids: list[int] = []
     finish = None
     printed = ""
@@ -74,7 +74,7 @@ def _generate(args) -> int:
         t = gen.timings
         print(json.dumps({"text": text, "token_ids": ids, "finish_reason": finish,
                           "timings": {"prefill_s": t.prefill_s, "decode_s": t.decode_s,
-                                      "decode_tokens": t.decode_tokens}}))
+                                      "decode_tokens": max(0, len(ids) - 1)}}))
     else:
         sys.stdout.write(text[len(printed):] + "\n")
     return 0

@@ -1,7 +1,7 @@
 """The start-up sweep under real load: a CPU hog makes it uncacheable, the engines take turns
 (a real cross-process lock), a probe catches a cached profile that is 50x off.
 
-The "engine" is a real numpy workload with the sweep's interface (its cost grows with the
+The timer is a real numpy workload with the sweep's interface (its cost grows with the
 prompt and the context), so a hog process really slows it; no model is loaded."""
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from services.engine.profile_sweep import ForeignLoad, Sweep, probe_verdict, pro
 W = 384
 
 
-class MatmulEngine:
-    """prefill: a (n x W) @ (W x W) product per layer; decode: a few rows per layer, plus the context.
-    Sized so that a whole sweep takes about a second: long enough for a hog to disturb it."""
+class MatmulTimer:
+    """The sweep's timer over a numpy "model": prefill a (n x W) @ (W x W) product per layer; decode a
+    few rows per layer, plus the context. Sized so that a whole sweep takes about a second: long
+    enough for a hog to disturb it."""
 
     cfg = SimpleNamespace(vocab_size=1000)
 
@@ -33,26 +34,20 @@ class MatmulEngine:
         rng = np.random.default_rng(0)
         self.w = [rng.standard_normal((width, width)).astype(np.float32) / np.sqrt(width) for _ in range(layers)]
 
-    def new_sequence(self, capacity: int):
-        return {"kv": np.zeros((capacity, W), np.float32), "n": 0}
-
-    def prefill(self, seq, ids):
-        x = np.ones((len(ids), W), np.float32) * np.asarray(ids, np.float32)[:, None] * 1e-3
+    def time_point(self, prompt: list[int], n_out: int) -> tuple[float, float]:
+        t = time.perf_counter()
+        x = np.ones((len(prompt), W), np.float32) * np.asarray(prompt, np.float32)[:, None] * 1e-3
         for w in self.w:
             x = np.tanh(x @ w)
-        seq["kv"][: len(ids)], seq["n"] = x, len(ids)
-        return x[-1, :64]
-
-    def decode_greedy(self, seqs, tokens):
-        seq = seqs[0]
-        x = np.full((16, W), tokens[0] * 1e-3, np.float32)
-        for w in self.w:
-            x = np.tanh(x @ w + (seq["kv"][: seq["n"]].sum(0) * 1e-4))
-        seq["n"] += 1
-        return [int(np.argmax(x[0, :64]))]
-
-    def release(self, seq):
-        seq["kv"] = None
+        kv = np.zeros((len(prompt) + n_out, W), np.float32)
+        kv[:len(prompt)], n, token = x, len(prompt), int(np.argmax(x[-1, :64]))
+        prefill_s, t = time.perf_counter() - t, time.perf_counter()
+        for _ in range(n_out):
+            y = np.full((16, W), token * 1e-3, np.float32)
+            for w in self.w:
+                y = np.tanh(y @ w + (kv[:n].sum(0) * 1e-4))
+            n, token = n + 1, int(np.argmax(y[0, :64]))
+        return prefill_s, time.perf_counter() - t
 
 
 # bursts of 20-80 ms with pauses of at most 5 ms: uneven enough that repeats disagree, busy enough
@@ -81,7 +76,7 @@ def test_foreign_load_sees_other_processes(hog):
 
 
 def test_a_sweep_under_a_cpu_hog_is_not_cached(tmp_path, hog):
-    engine = MatmulEngine()
+    engine = MatmulTimer()
     runs = []
 
     def run():
@@ -129,7 +124,7 @@ def test_busy_verdict_thresholds():
 
 
 def test_the_sweep_keeps_the_median_of_its_repeats():
-    engine = MatmulEngine(layers=2, width=W)
+    engine = MatmulTimer(layers=2, width=W)
     sweep = run_sweep(engine, "gpu", prefill_lengths=(8, 32), decode_contexts=(8,), decode_tokens=2, repeats=3)
     assert [(s["stage"], s["n_in"], s.get("n_out")) for s in sweep] == [("prefill", 8, None), ("decode", 8, 2),
                                                                         ("prefill", 32, None)]
@@ -142,7 +137,7 @@ def test_the_probe_catches_a_profile_50x_off(tmp_path, monkeypatch):
     monkeypatch.setattr(profile_sweep, "MAX_SPREAD", float("inf"))
     monkeypatch.setattr(profile_sweep, "MAX_FOREIGN_LOAD", float("inf"))
     monkeypatch.setattr(profile_sweep, "PROBE_TOLERANCE", 10.0)
-    engine = MatmulEngine()
+    engine = MatmulTimer()
     true = run_sweep(engine, "fpga")
     wrong = [dict(s, seconds=s["seconds"] * 50) if s["stage"] == "decode" else s for s in true]
     assert probe_verdict(engine, "fpga", true) != "disagrees"
