@@ -148,3 +148,25 @@ def test_a_bad_activations_value_fails_at_start(monkeypatch):
         DecodeSettings()
     with pytest.raises(ValueError, match="activations must be one of fp32, int8, got 'fp16'"):
         select_device(activations="fp16")
+
+
+def test_stacked_parts_accumulate_into_their_rows(int8_dev):
+    """A q|k|v-like stack of two formats, added onto y (the residual's accumulate): each part's rows
+    land at its offset of the shared output, the int8 arithmetic's values plus what y held."""
+    from services.decode_fpga.stacked_matrix import StackedMatrix
+
+    cols, n = 256, 5
+    parts = [block_tensor("q4_k", 12, cols, seed=11), block_tensor("q6_k", 7, cols, seed=12)]
+    x = np.random.default_rng(13).normal(size=(n, cols)).astype(np.float32)
+    y0 = np.random.default_rng(14).normal(size=(n, 19)).astype(np.float32)
+    ctx, q = int8_dev.context, int8_dev.queue
+    xb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=x)
+    sb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=x.reshape(n, -1, 32).sum(axis=-1, dtype=np.float32))
+    yb = cl.Buffer(ctx, MF.READ_WRITE | MF.COPY_HOST_PTR, hostbuf=y0)
+    nb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.array([n], np.int32))
+    stack = StackedMatrix(int8_dev, parts)  # held: a bound kernel does not keep its buffers alive
+    stack.bind_gemv_rows(xb, yb, nb, accumulate=True, x_sums=sb).enqueue(q, 0, n)
+    got = np.empty_like(y0)
+    cl.enqueue_copy(q, got, yb, is_blocking=True)
+    ref = np.concatenate([int8_reference(t, x) for t in parts], axis=1) + y0
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
