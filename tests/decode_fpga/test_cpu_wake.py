@@ -8,10 +8,10 @@ import struct
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from services.decode_fpga.cpu_wake import PM_QOS_DEVICE, CpuWakeLatency
+from tests.engine.step_calls import chunk
 
 
 def current_limit() -> int:
@@ -98,13 +98,11 @@ def test_a_decode_step_holds_it_on_a_cpu_device(ocl_gguf_engine, pm_qos):
     # idle release after a minute, not half a second: a first step that builds its kernels can take
     # longer than that on a busy machine, and the request would be let go before the assert
     idle_s, eng._wake.release_after_s = eng._wake.release_after_s, 60.0
-    seq = eng.new_sequence(16)
     try:
-        tok = int(np.argmax(eng.prefill(seq, [1, 2, 3])))
-        eng.decode_greedy([seq], [tok])
+        tok = eng.step([chunk(0, 0, [1, 2, 3], [0])], greedy=True)[0]
+        eng.step([chunk(0, 3, [tok], [0])], greedy=True)
         assert eng._wake.held and current_limit() == 0
     finally:
-        eng.release(seq)
         eng._wake.release()
         eng._wake.release_after_s = idle_s
     assert let_go(pm_qos)

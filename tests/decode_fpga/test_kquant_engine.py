@@ -16,8 +16,8 @@ from services.model.checkpoint import CheckpointError
 from services.model.loading import load_model
 from tests.conftest import random_prompt
 from tests.decode_fpga.kquant_checkpoint import write_tiny_llama
-from tests.decode_fpga.test_decode_layers import steps
 from tests.decode_fpga.test_paged_step import decode_logits, scattered_tables
+from tests.engine.step_calls import prompt_logits
 
 KTYPES = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 # what a Q4_K_M-like file of rows not all multiples of 256 holds: K-quants on the 256-wide rows
@@ -78,7 +78,7 @@ def test_three_modes_give_transformers_tokens(mixed_model, mixed_engine, mixed_h
 @pytest.mark.parametrize("qtype", [*KTYPES, "mixed"])
 def test_one_launch_layers_bit_for_bit_per_type(tmp_path, cl_dev, qtype):
     """Every layer matrix in one format (or, "mixed", MIXED's five formats across matrices and layers),
-    packed for decode_layers.cl: its one launch (slot path and paged step) gives the launch-by-launch
+    packed for decode_layers.cl: its one launch of a paged decode step gives the launch-by-launch
     step's logits bit for bit (each launch is held to gguf's values by test_kquant_gemv.py)."""
     from services.model.gguf_blocks import read_block_tensors
     from tests.decode_fpga.conftest import make_engine
@@ -91,26 +91,21 @@ def test_one_launch_layers_bit_for_bit_per_type(tmp_path, cl_dev, qtype):
         want = (qtype,)
     model = load_model(str(path))
     engine = make_engine(model, cl_dev, blocks=read_block_tensors(model.checkpoint, model.config),
-                         weights_dtype="gguf", max_context=64, max_sequences=1, kv_cache_mb=2)
+                         weights_dtype="gguf", max_context=64, kv_cache_mb=2)
     assert engine.weights.packed is not None and engine.weights.packed.qfmts == want
     # one work-group: its barriers never wait for another, so the one launch runs even beside busy
     # processes (with several, it gives up and the step is redone launch by launch); the rows each
     # computes are the same
-    engine.plans.layer_groups = 1
     engine.paged_plans.one_launch = engine.paged_plans._bind_one_launch(1)
     prompt = random_prompt(9, model.config.vocab_size, seed=8)
     table = scattered_tables(engine, [len(prompt) + 8], seed=9)[0]
     out = {}
     for one_launch in (True, False):
         choice = engine.one_launch_choice = OneLaunchChoice(fixed=one_launch)
-        out[one_launch] = (steps(engine, prompt, 6), decode_logits(engine, prompt, table, 6))
+        out[one_launch] = decode_logits(engine, prompt, table, 6)
         if one_launch:
-            assert choice.ran[True] == 7 + 6 and not choice.gave_up
-    (tokens, logits), paged = out[True]
-    (ref_tokens, ref_logits), ref_paged = out[False]
-    assert tokens == ref_tokens
-    np.testing.assert_array_equal(logits, ref_logits)
-    np.testing.assert_array_equal(paged, ref_paged)
+            assert choice.ran[True] == 6 and not choice.gave_up
+    np.testing.assert_array_equal(out[True], out[False])
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +132,7 @@ def test_the_dense_fallback_when_allowed(unsupported_file, monkeypatch, caplog):
         engine = OpenCLEngine.from_settings(model, settings())
     assert engine.stored_weight_types == {"q4_k": 6, "f32": 1, "q6_k": 1}
     assert any("Q2_K→f32 x1" in r.getMessage() for r in caplog.records)
-    seq = engine.new_sequence(4)
-    try:
-        assert np.isfinite(engine.prefill(seq, [5, 6, 7])).all()
-    finally:
-        engine.release(seq)
+    assert np.isfinite(prompt_logits(engine, [5, 6, 7])).all()
 
 
 def test_the_service_refuses_it_in_one_line(unsupported_file):

@@ -1,5 +1,5 @@
 """The OpenCL engine's paged step (BatchEngine, services/engine/api.py) on the real model: batch
-invariance bit for bit, the slot path's and transformers' tokens, chunked prefill, KV import and
+invariance bit for bit, an engine loop's and transformers' tokens, chunked prefill, KV import and
 export through scattered blocks, and refusals of bad input."""
 from __future__ import annotations
 
@@ -99,26 +99,19 @@ def test_eight_prompts_alone_and_together_are_bit_identical(engine_name, request
     assert [t for t, _ in greedy] == [t for t, _ in alone]  # the device's argmax, other blocks, other chunks
 
 
-def slot_greedy(engine, prompt, n_new):
-    seq = engine.new_sequence(len(prompt) + n_new)
-    try:
-        out = [int(np.argmax(engine.prefill(seq, prompt)))]
-        for _ in range(n_new - 1):
-            out += engine.decode_greedy([seq], [out[-1]])
-        return out
-    finally:
-        engine.release(seq)
-
-
 @pytest.mark.parametrize("n_prompt", [1, 17, 129])
-def test_step_gives_the_slot_paths_tokens(ocl_gguf_engine, model_config, n_prompt):
+def test_steps_over_scattered_blocks_give_an_engine_loops_tokens(ocl_gguf_engine, model_config, n_prompt):
+    """The step called directly over a scattered table, and a request through an engine loop (its blocks
+    from the loop's allocator, services/engine/one_request.py): the same tokens."""
+    from services.engine.one_request import greedy_tokens
+
     e = ocl_gguf_engine
     prompt = random_prompt(n_prompt, model_config.vocab_size, seed=21)
     table = scattered_tables(e, [n_prompt + 12], seed=n_prompt)[0]
     out = e.step([chunk(7, 0, prompt, table)], greedy=True)
     for i in range(11):
         out += e.step([chunk(7, n_prompt + i, [out[-1]], table)], greedy=True)
-    assert out == slot_greedy(e, prompt, 12)
+    assert out == greedy_tokens(e, prompt, 12)
 
 
 @pytest.mark.slow
@@ -264,7 +257,9 @@ def decode_logits(engine, prompt, table, n_new):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("n_prompt", [9, 31])  # 31: decodes cross position 31, where attention tiles end
+# 1: a first decode over one cached position; 31: decodes cross position 31, where attention tiles end; 70: a
+# prompt of several blocks
+@pytest.mark.parametrize("n_prompt", [1, 9, 31, 70])
 def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
                                                        n_prompt, monkeypatch):
     one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
@@ -293,7 +288,7 @@ def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl
     from services.model.gguf_blocks import read_block_tensors
     from tests.decode_fpga.conftest import make_engine
 
-    engine = make_engine(loaded_model, cl_dev, weights_dtype="gguf", max_context=64, max_sequences=1,
+    engine = make_engine(loaded_model, cl_dev, weights_dtype="gguf", max_context=64, kv_cache_mb=4,
                          blocks=read_block_tensors(loaded_model.checkpoint, model_config))
     plans = engine.paged_plans
     plans.one_launch = plans._bind_one_launch(2 * cl_dev.device.max_compute_units + 1)

@@ -38,7 +38,7 @@ def test_an_engine_on_them_gives_the_same_tokens(in_file, cl_dev, ocl_gguf_engin
     from tests.decode_fpga.conftest import make_engine
     from tests.decode_fpga.test_opencl_engine import greedy
 
-    engine = make_engine(in_file, cl_dev, weights_dtype="gguf", max_context=256, max_sequences=1,
+    engine = make_engine(in_file, cl_dev, weights_dtype="gguf", max_context=256, kv_cache_mb=8,
                          blocks=read_block_tensors(in_file.checkpoint, in_file.config))
     prompt = random_prompt(40, model_config.vocab_size, seed=5)
     assert greedy(engine, prompt, 12) == greedy(ocl_gguf_engine, prompt, 12)

@@ -1,8 +1,8 @@
 """The torch engine's batched step over its paged KV pool (BatchEngine in services/engine/api.py).
 
 Driven by the real scheduler (services/engine/scheduler.py) where a test needs continuous
-batching, and by hand-built chunks where it needs exact block ids. The references are the
-engine's own slot path (prefill + decode_greedy) and transformers.
+batching, and by hand-built chunks where it needs exact block ids. The reference is transformers
+(its tokens and its KV cache).
 """
 from __future__ import annotations
 
@@ -55,15 +55,6 @@ def serve(engine, prompts, n_new, budget, arrivals_per_step=None) -> list[list[i
     return [s.output_token_ids for s in seqs]
 
 
-def slot_greedy(engine, prompt, n_new) -> list[int]:
-    seq = engine.new_sequence(len(prompt) + n_new)
-    out = [int(np.argmax(engine.prefill(seq, prompt)))]
-    while len(out) < n_new:
-        out += engine.decode_greedy([seq], [out[-1]])
-    engine.release(seq)
-    return out
-
-
 def chunk(start, tokens, table, samples=True, seq_id=0) -> ScheduledChunk:
     return ScheduledChunk(seq_id, start, tuple(tokens), tuple(table), samples, None)
 
@@ -85,13 +76,13 @@ def test_cpu_matmul_row_bits_do_not_depend_on_row_count(engine):
         assert torch.equal(product(moved)[-1], base[0])
 
 
-def test_eight_prompts_alone_and_together_token_identical_and_equal_to_slot_path(engine, prompts):
+def test_eight_prompts_alone_and_together_token_identical_and_equal_to_transformers(engine, prompts, hf_model):
     alone = [serve(engine, [p], N_NEW, budget=64)[0] for p in prompts]
     # two arrivals a step and a 64-token budget: decodes share steps with other prompts' prefill chunks
     together = serve(engine, prompts, N_NEW, budget=64, arrivals_per_step=2)
     assert together == alone
     assert serve(engine, prompts, N_NEW, budget=512) == alone
-    assert alone == [slot_greedy(engine, p, N_NEW) for p in prompts]
+    assert alone == [hf_greedy(hf_model, p, N_NEW) for p in prompts]
 
 
 def test_decode_logits_bit_identical_whatever_else_is_in_the_step(engine, prompts):
@@ -112,17 +103,17 @@ def test_decode_logits_bit_identical_whatever_else_is_in_the_step(engine, prompt
         np.testing.assert_array_equal(row, ref)
 
 
-def test_scattered_blocks_hold_the_slot_paths_kv_and_next_token(engine, model_config):
+def test_scattered_blocks_hold_transformers_kv_and_next_token(engine, model_config, hf_model):
     prompt = random_prompt(75, model_config.vocab_size, seed=3)
     table = np.random.default_rng(0).permutation(engine.num_blocks)[:5].tolist()  # 80 slots, out of order
     token = engine.step([chunk(0, prompt, table)], greedy=True)
-    seq = engine.new_sequence(len(prompt))
-    expected = int(np.argmax(engine.prefill(seq, prompt)))
-    assert token == [expected]
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt]), use_cache=True)
+    assert token == [int(out.logits[0, -1].argmax())]
     kv = engine.read_kv_blocks(table, len(prompt))  # [layers, 2, kvh, n, dim]
-    np.testing.assert_allclose(kv[:, 0], seq.k[:, :, :len(prompt)].numpy(), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(kv[:, 1], seq.v[:, :, :len(prompt)].numpy(), atol=1e-5, rtol=0)
-    engine.release(seq)
+    for li, cached in enumerate(out.past_key_values.layers):  # K after RoPE, and V: [1, kvh, n, dim]
+        np.testing.assert_allclose(kv[li, 0], cached.keys[0].numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(kv[li, 1], cached.values[0].numpy(), atol=1e-4, rtol=0)
 
 
 def test_300_token_prompt_in_chunks_of_64_gives_the_one_chunk_token(engine, model_config):

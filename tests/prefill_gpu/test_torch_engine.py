@@ -1,4 +1,4 @@
-"""The PyTorch engine's logits against transformers', at prefill and decode steps.
+"""The PyTorch engine's logits against transformers', at a prompt's paged step and the decode steps after it.
 
 What every engine must do (greedy tokens, batching, sampling, finish reasons, KV import)
 is checked on both engines in tests/stack/test_engine_contract.py.
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import random_prompt
+from tests.engine.step_calls import StepSequence
 
 ATOL = 1e-3
 
@@ -18,15 +19,15 @@ ATOL = 1e-3
 @pytest.mark.parametrize("n", [1, 17, 128, 512])
 def test_logits_match_transformers_at_prefill_and_16_decode_steps(torch_engine, hf_model, model_config, n):
     prompt = random_prompt(n, model_config.vocab_size)
-    seq = torch_engine.new_sequence(n + 16)
-    ours = torch_engine.prefill(seq, prompt)
+    seq = StepSequence(torch_engine, n + 16)
+    ours = seq.prefill(prompt)
     with torch.no_grad():
         out = hf_model(torch.tensor([prompt]), use_cache=True)
     np.testing.assert_allclose(ours, out.logits[0, -1].numpy(), atol=ATOL, rtol=0)
     past = out.past_key_values
     for _ in range(16):
         token = int(np.argmax(ours))
-        ours = torch_engine.decode([seq], [token])[0]
+        ours = seq.decode(token)
         with torch.no_grad():
             out = hf_model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
@@ -42,8 +43,8 @@ def test_the_cuda_configuration_on_the_cpu_keeps_transformers_logits_and_greedy_
     eng = TorchEngine(loaded_model.config, loaded_model.weights, device="cpu", fused_ops="on", weight_layout="out_in")
     assert eng.model.fused and eng.model.out_in
     prompt = random_prompt(60, model_config.vocab_size, seed=4)
-    seq = eng.new_sequence(60 + 12)
-    ours = eng.prefill(seq, prompt)
+    seq = StepSequence(eng, 60 + 12)
+    ours = seq.prefill(prompt)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         np.testing.assert_allclose(ours, hf_model(ids).logits[0, -1].numpy(), atol=ATOL, rtol=0)
@@ -51,7 +52,7 @@ def test_the_cuda_configuration_on_the_cpu_keeps_transformers_logits_and_greedy_
     tokens = []
     for _ in range(12):
         tokens.append(int(np.argmax(ours)))
-        ours = eng.decode([seq], [tokens[-1]])[0]
+        ours = seq.decode(tokens[-1])
     assert tokens == theirs
 
 
