@@ -11,6 +11,7 @@ import torch
 from services.model.checkpoint import CheckpointError, locate
 from services.model.config import read_config
 from services.model.loading import load_model
+from tests.engine.step_calls import prompt_logits
 
 
 def test_default_checkpoint_is_smollm2(model_config):
@@ -90,8 +91,7 @@ def test_hf_directory_untied_head_matches_transformers(tmp_path):
     assert not loaded.config.tie_embeddings and loaded.config.rope_theta == 5000.0
     engine = TorchEngine(loaded.config, loaded.weights, device="cpu")
     ids = [5, 17, 99, 3, 42, 7]
-    seq = engine.new_sequence(16)
-    ours = engine.prefill(seq, ids)
+    ours = prompt_logits(engine, ids)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0, -1].numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
