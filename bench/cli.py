@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cross-host": ("bench.cross_host", "the KV hand-off between two network namespaces over a shaped link (root)"),
     "planner-slo": ("bench.planner_slo", "up --autoscale under rising load: engines wanted and serving, SLOs met"),
     "cold-start": ("bench.cold_start", "the first exchange after a cold start"),
+    "long-prompt-gaps": ("bench.long_prompt_gaps", "a stream's largest gaps while long prompts arrive, and the "
+                         "engine steps under them"),
     "speculation": ("bench.speculation", "one client, n-gram drafts on and off, against llama-server's n-gram drafts"),
     "structured-eval": ("bench.structured_eval", "structured outputs: valid, schema-valid and agreeing JSON replies"),
     "llama-server": ("bench.llama_server", "build the llama-server baseline once (used by serve, guidellm, ...)"),

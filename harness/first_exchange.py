@@ -64,8 +64,10 @@ def calibration_checks_ran(url: str) -> float:
 class Exchange:
     arrivals: list[float]  # the stream's event times
     long_sent: float
-    long_done: float
-    long_body: dict
+    long_done: float  # the last long prompt's answer
+    long_body: dict  # the first long prompt's answer
+    long_seconds: list[float] = field(default_factory=list)  # each long prompt's time in the stack
+    long_bodies: list[dict] = field(default_factory=list)
 
     @property
     def gaps_during_long(self) -> list[float]:
@@ -90,9 +92,9 @@ def _stream(url: str, body: dict, arrivals: list[float], timeout_s: float) -> No
 
 
 def first_exchange(url: str, model: str, long_tokens: int, stream_tokens: int, mode: str | None = None,
-                   seed: int = 58, timeout_s: float = 600) -> Exchange:
-    """The stream (`stream_tokens`, ignore_eos) and, once it has 10 events, a `long_tokens` prompt of random
-    token ids (8 tokens out); both in `mode` (None: auto). Returns once both are done."""
+                   seed: int = 58, timeout_s: float = 600, at_once: int = 1) -> Exchange:
+    """The stream (`stream_tokens`, ignore_eos) and, once it has 10 events, `at_once` prompts of `long_tokens`
+    random token ids each (8 tokens out), sent together; all in `mode` (None: auto). Returns once all are done."""
     forced = {"mode": mode} if mode else {}
     arrivals: list[float] = []
     streamer = threading.Thread(target=_stream, args=(url, {
@@ -102,10 +104,24 @@ def first_exchange(url: str, model: str, long_tokens: int, stream_tokens: int, m
     while len(arrivals) < 10 and streamer.is_alive():
         time.sleep(0.01)
     rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 40000) for _ in range(long_tokens)] for _ in range(at_once)]
+    bodies: list[dict] = [{} for _ in prompts]
+    seconds = [0.0] * len(prompts)
+
+    def send(i: int) -> None:
+        t = time.monotonic()
+        bodies[i] = _post(url + "/v1/completions", {"model": model, "max_tokens": 8, "temperature": 0, **forced,
+                                                    "prompt": prompts[i]}, timeout_s)
+        seconds[i] = time.monotonic() - t
+
     sent = time.monotonic()
-    body = _post(url + "/v1/completions", {"model": model, "max_tokens": 8, "temperature": 0, **forced,
-                                           "prompt": [rng.randrange(3, 40000) for _ in range(long_tokens)]},
-                 timeout_s)
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(timeout_s)
     done = time.monotonic()
     streamer.join(timeout_s)
-    return Exchange(arrivals, sent, done, body)
+    if not all(bodies):
+        raise RuntimeError("a long prompt got no answer")
+    return Exchange(arrivals, sent, done, bodies[0], seconds, bodies)
