@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from services.engine import metrics as m
+from services.engine.block_import import BlockImport
 from services.engine.token_event import TokenEvent
 from services.engine.profile_cache import Profile, sweep_lock
 from services.engine.profile_sweep import fitting_lengths
@@ -228,37 +229,6 @@ def _calling_on_grant(events: Iterator[HandoffEvent], on_grant: Callable[[], Non
         if isinstance(msg, SlotGrant):
             on_grant()
         yield msg
-
-
-class BlockImport:
-    """The receiving half's view of an engine (import_kv_layer / finish_import) over the blocks the
-    loop reserved for one request: the hand-off seam stays the same for slots and blocks. The
-    table is set once the blocks are reserved, before the first layer arrives."""
-
-    def __init__(self, engine, block_table: tuple[int, ...] | None = None):
-        self.engine, self.block_table = engine, block_table
-        self.pending = False  # layers enqueued and not yet waited for
-
-    def import_kv_layer(self, seq, layer: int, kv: np.ndarray) -> None:
-        if self.block_table is None:
-            raise HandoffFailed("a KV layer arrived before this engine reserved its blocks")
-        self.pending = True
-        self.engine.import_kv_blocks(self.block_table, layer, kv)
-
-    def finish_import(self, seq, n_tokens: int) -> None:
-        self.engine.finish_import_blocks()
-        self.pending = False
-
-    def settle(self) -> None:
-        """Wait for the layers enqueued so far, before a failed hand-off's blocks are freed. The uploads
-        run on a queue of their own (paged_kv_store.py), not ahead of the steps on the engine's: freed
-        with a write still pending, a block could be given to a prompt whose step writes it first."""
-        if not self.pending:
-            return
-        try:
-            self.finish_import(None, 0)
-        except Exception:  # the hand-off is failing already; its blocks are freed either way
-            log.exception("waiting for a failed hand-off's KV uploads")
 
 
 def _why_the_call_ended(events: Iterator[HandoffEvent], most: int) -> EngineError | None:

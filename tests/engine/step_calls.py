@@ -25,6 +25,13 @@ class StepSequence:
         self.engine, self.seq_id, self.length = engine, seq_id, 0
         self.table = tuple(range(first_block, first_block + -(-capacity // engine.block_size)))
 
+    @classmethod
+    def over(cls, engine, table: tuple[int, ...], length: int, seq_id: int = 0) -> "StepSequence":
+        """A sequence whose first `length` positions are in the blocks of `table` already (imported)."""
+        seq = cls.__new__(cls)
+        seq.engine, seq.seq_id, seq.length, seq.table = engine, seq_id, length, tuple(table)
+        return seq
+
     def prefill(self, prompt: list[int]) -> np.ndarray:
         """The prompt's logits after its last position [vocab]."""
         return self._step(prompt)

@@ -1,5 +1,6 @@
 """The hand-off seam over both transports: real shared memory and real in-process memory,
-a real torch sequence receiving. What arrives must be what the request expects."""
+a real torch engine's KV blocks receiving (tests/kv/block_sink.py). What arrives must be what the
+request expects."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ from services.kv.header import HeaderMismatch, SlotHeader
 from services.kv.inprocess import InProcessLink, InProcessReceiver, InProcessSender
 from services.kv.layout import WIRE_DTYPES
 from services.kv.shm import ShmReceiver, ShmSender
+from tests.kv.block_sink import BlockSink
 
 N_TOKENS = 17
 
@@ -78,17 +80,16 @@ def test_every_layer_arrives_in_the_receiving_sequence(transport, dtype, arena, 
     header = header_for(model_config, dtype=dtype)
     shape = (model_config.n_layers, 2, model_config.n_kv_heads, N_TOKENS, model_config.head_dim)
     kv = np.random.default_rng(0).normal(size=shape).astype(WIRE_DTYPES[dtype].numpy)
-    seq = torch_engine.new_sequence(N_TOKENS + 1)
+    seq = BlockSink(torch_engine, N_TOKENS + 1)
     with t.sender(header) as sender:
         msgs = send_all(sender, kv)
         assert t.in_use == 1 and sender.state is HandoffState.DONE
-        receiver = t.receiver(torch_engine, seq, header)
+        receiver = t.receiver(seq, None, header)
         done = receiver.consume(iter(msgs))
     assert t.in_use == 0  # closing the sender freed its memory
     assert done.first_token == 7 and receiver.state is HandoffState.DONE and seq.length == N_TOKENS
     assert receiver.bytes == kv.nbytes
-    np.testing.assert_array_equal(seq.k[:, :, :N_TOKENS].numpy(), kv[:, 0].astype(np.float32))
-    np.testing.assert_array_equal(seq.v[:, :, :N_TOKENS].numpy(), kv[:, 1].astype(np.float32))
+    np.testing.assert_array_equal(seq.kv(N_TOKENS), kv.astype(np.float32))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -124,16 +125,16 @@ def test_layers_out_of_place_or_missing_are_refused(transport, arena, torch_engi
     with t.sender(header) as sender:
         grant = sender.open()
         ready = sender.layer_written(2)
-        seq = torch_engine.new_sequence(N_TOKENS + 1)
-        receiver = t.receiver(torch_engine, seq, header)
+        seq = BlockSink(torch_engine, N_TOKENS + 1)
+        receiver = t.receiver(seq, None, header)
         with pytest.raises(HeaderMismatch, match="before its slot was granted"):
             receiver.import_layer(ready)
-        receiver = t.receiver(torch_engine, seq, header)
+        receiver = t.receiver(seq, None, header)
         receiver.accept(grant)
         with pytest.raises(HeaderMismatch, match="not where"):
             receiver.import_layer(dataclasses.replace(ready, offset=ready.offset + 4))
         assert receiver.state is HandoffState.FAILED
-        receiver = t.receiver(torch_engine, seq, header)
+        receiver = t.receiver(seq, None, header)
         receiver.accept(grant)
         receiver.import_layer(ready)
         with pytest.raises(HeaderMismatch, match="after 1 of 30 layers"):

@@ -19,9 +19,12 @@ def test_layer_views_round_trip(model_config):
 
 
 def test_torch_export_is_wire_layout(torch_engine, model_config):
-    seq = torch_engine.new_sequence(9)
-    torch_engine.prefill(seq, [4, 8, 15, 16, 23])
-    kv = torch_engine.export_kv_layer(seq, 3, 5).numpy()
+    """A layer exported from the torch engine's blocks (what the hand-off sends) is its pool's KV in the
+    wire layout, whatever blocks hold it."""
+    from tests.engine.step_calls import chunk
+
+    table = (7, 2)
+    torch_engine.step([chunk(0, 0, [4, 8, 15, 16, 23], table)], greedy=True)
+    kv = torch_engine.export_kv_blocks(table, 3, 5).numpy()
     assert kv.shape == WireLayout.for_model(model_config, 5).layer_shape
-    np.testing.assert_array_equal(kv[0], seq.k[3, :, :5].numpy())
-    np.testing.assert_array_equal(kv[1], seq.v[3, :, :5].numpy())
+    np.testing.assert_array_equal(kv, torch_engine.read_kv_blocks(table, 5)[3])

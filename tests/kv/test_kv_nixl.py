@@ -24,8 +24,8 @@ from services.kv.address import parse_address  # noqa: E402
 from services.kv.handoff import HandoffState, PrefillDone, SlotGrant  # noqa: E402
 from services.kv.header import HEADER_SIZE, HeaderMismatch, request_nonce  # noqa: E402
 from services.kv.tcp_frames import PeerGone  # noqa: E402
-from tests.kv.test_kv_tcp import (N_NEW, PROMPT_LEN, SliceImporter, greedy_after, header_for,  # noqa: E402,F401
-                                  prefilled, send)
+from tests.kv.block_sink import BlockSink  # noqa: E402
+from tests.kv.test_kv_tcp import N_NEW, PROMPT_LEN, header_for, prefilled, send  # noqa: E402,F401
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None,
                                 reason="the nixl extra is not installed (pip install 'hybridserve[nixl]')")
@@ -102,13 +102,11 @@ def nothing_left(inbox, agents, tx=None) -> None:
 def test_greedy_tokens_after_a_nixl_handoff_equal_the_in_process_ones(mode, agents, inbox, torch_engine,
                                                                        model_config, prefilled):
     prompt, kv, first = prefilled
-    ref = torch_engine.new_sequence(PROMPT_LEN + N_NEW)
-    torch_engine.prefill(ref, prompt)
-    want = greedy_after(torch_engine, ref, first, N_NEW)
-    torch_engine.release(ref)
+    from services.engine.one_request import greedy_tokens
 
-    seq = torch_engine.new_sequence(PROMPT_LEN + N_NEW)
-    th, result = receive_in_thread(inbox, SliceImporter(torch_engine), seq, header_for(model_config))
+    want = greedy_tokens(torch_engine, prompt, N_NEW)  # the torch engine's own tokens after the prompt
+    sink = BlockSink(torch_engine, PROMPT_LEN + N_NEW)
+    th, result = receive_in_thread(inbox, sink, None, header_for(model_config))
     with sender(inbox, agents, header_for(model_config)) as tx:
         imported_at = send(tx, kv, mode, first)
         th.join(TIMEOUT_S)
@@ -119,8 +117,7 @@ def test_greedy_tokens_after_a_nixl_handoff_equal_the_in_process_ones(mode, agen
         slices = {"whole": 1, "layers": model_config.n_layers, 16: -(-PROMPT_LEN // 16)}[mode]
         assert len(tx.landed) == slices and max(tx.landed.values()) <= time.time()
     assert tx.state is HandoffState.DONE
-    assert greedy_after(torch_engine, seq, first, N_NEW) == want
-    torch_engine.release(seq)
+    assert sink.greedy_after(first, N_NEW) == want
     nothing_left(inbox, agents, tx)
 
 
@@ -138,8 +135,7 @@ def test_the_senders_agent_progresses_only_while_a_read_of_its_memory_is_due(age
     receiver answers after a READ (OFFER, READY, DONE) until that answer, and the KV still lands."""
     _, kv, first = prefilled
     prefill_agent = agents[0]
-    seq = torch_engine.new_sequence(PROMPT_LEN + 1)
-    th, result = receive_in_thread(inbox, SliceImporter(torch_engine), seq, header_for(model_config))
+    th, result = receive_in_thread(inbox, BlockSink(torch_engine, PROMPT_LEN + 1), None, header_for(model_config))
     with sender(inbox, agents, header_for(model_config)) as tx:
         tx.open()
         assert prefill_agent._serving == 1  # the offer is out: the receiver connects and READs the header
@@ -158,7 +154,6 @@ def test_the_senders_agent_progresses_only_while_a_read_of_its_memory_is_due(age
     th.join(TIMEOUT_S)
     assert "error" not in result, result.get("error")
     assert result["receiver"].state is HandoffState.DONE and result["receiver"].bytes == kv.nbytes
-    torch_engine.release(seq)
     nothing_left(inbox, agents, tx)
 
 
@@ -223,8 +218,7 @@ time.sleep(60)
 def test_a_sender_killed_mid_transfer_fails_the_receiver_within_bounded_time(agents, inbox, torch_engine,
                                                                              model_config):
     cfg = model_config
-    seq = torch_engine.new_sequence(PROMPT_LEN + 1)
-    th, result = receive_in_thread(inbox, SliceImporter(torch_engine), seq, header_for(cfg))
+    th, result = receive_in_thread(inbox, BlockSink(torch_engine, PROMPT_LEN + 1), None, header_for(cfg))
     host, port = control_address(inbox)
     proc = subprocess.Popen([sys.executable, "-c", SENDER_SCRIPT, host, str(port), str(cfg.n_layers),
                              str(PROMPT_LEN), str(cfg.n_kv_heads), str(cfg.head_dim), cfg.model_id, TOKEN],
@@ -243,7 +237,6 @@ def test_a_sender_killed_mid_transfer_fails_the_receiver_within_bounded_time(age
     assert not th.is_alive()
     assert isinstance(result["error"], PeerGone) and result["ended_at"] - killed_at < 2.0
     assert result["receiver"].state is HandoffState.FAILED
-    torch_engine.release(seq)
     nothing_left(inbox, agents)
 
 
@@ -255,11 +248,10 @@ def test_a_receiver_gone_mid_transfer_fails_the_sender_within_bounded_time(agent
 
     _, kv, _ = prefilled
     nonce, result = request_nonce("req-1"), {}
-    seq = torch_engine.new_sequence(PROMPT_LEN + 1)
 
     def run():
         with inbox.expecting(nonce):
-            rx = NixlReceiver(inbox, SliceImporter(torch_engine), seq, header_for(model_config), TIMEOUT_S)
+            rx = NixlReceiver(inbox, BlockSink(torch_engine, PROMPT_LEN + 1), None, header_for(model_config), TIMEOUT_S)
             result["receiver"] = rx
             try:
                 rx.consume([SlotGrant(0, 0, PROMPT_LEN, "fp32", nonce=nonce)], keep_going=lambda: len(rx.layers) < 2)
@@ -281,7 +273,6 @@ def test_a_receiver_gone_mid_transfer_fails_the_sender_within_bounded_time(agent
     tx.close()
     th.join(TIMEOUT_S)
     assert result["receiver"].state is HandoffState.FAILED
-    torch_engine.release(seq)
     nothing_left(inbox, agents, tx)
 
 

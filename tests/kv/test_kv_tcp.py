@@ -1,4 +1,5 @@
-"""The TCP hand-off on loopback with real sockets and the real torch engine on both ends: greedy tokens
+"""The TCP hand-off on loopback with real sockets and the real torch engine on both ends (its KV blocks
+receiving, tests/kv/block_sink.py): greedy tokens
 after a TCP hand-off (whole, by layer, by token slice) equal the in-process hand-off's; a header that
 does not match is refused on both ends; a peer that goes away mid-transfer fails the other end cleanly."""
 from __future__ import annotations
@@ -14,60 +15,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from services.kv.handoff import HandoffState, PrefillDone
 from services.kv.header import HeaderMismatch, SlotHeader, request_nonce
 from services.kv.inprocess import InProcessLink, InProcessReceiver, InProcessSender
 from services.kv.tcp import TcpReceiver, TcpSender
 from services.kv.tcp_frames import FRAME, HEADER, KV, PeerGone, TcpListener
+from tests.engine.local_handoff import prefilled_kv
+from tests.kv.block_sink import BlockSink
 
 PROMPT_LEN, N_NEW, TIMEOUT_S = 37, 6, 5.0
-
-
-class SliceImporter:
-    """The torch engine's slot path plus the one call token slices need (`import_kv_slice`), which the
-    engine does not have yet: positions [start, start + n) of one layer of a TorchSequence."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    def import_kv_layer(self, seq, layer, kv):
-        self.engine.import_kv_layer(seq, layer, kv)
-
-    def import_kv_slice(self, seq, layer, start, kv):  # kv [2, kv_heads, n, dim]
-        n = kv.shape[2]
-        src = torch.from_numpy(np.ascontiguousarray(kv)).to(self.engine.device, self.engine.kv_dtype)
-        seq.k[layer, :, start:start + n] = src[0]
-        seq.v[layer, :, start:start + n] = src[1]
-
-    def finish_import(self, seq, n_tokens):
-        self.engine.finish_import(seq, n_tokens)
 
 
 @pytest.fixture(scope="module")
 def prefilled(torch_engine, model_config):
     """One real prefill: the prompt, its KV in wire layout [layers, 2, kv_heads, n, dim] and first token."""
     prompt = np.random.default_rng(5).integers(3, model_config.vocab_size, PROMPT_LEN).tolist()
-    seq = torch_engine.new_sequence(PROMPT_LEN + 1)
-    first = int(torch_engine.prefill(seq, prompt)[-1].argmax())
-    kv = np.stack([torch_engine.export_kv_layer(seq, layer, PROMPT_LEN).cpu().numpy()
-                   for layer in range(model_config.n_layers)])
-    torch_engine.release(seq)
+    first, kv = prefilled_kv(torch_engine, prompt)
     return prompt, kv, first
 
 
 def header_for(cfg, n_tokens=PROMPT_LEN, dtype="fp32", request="req-1"):
     return SlotHeader(dtype, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_tokens, cfg.model_id,
                       nonce=request_nonce(request))
-
-
-def greedy_after(engine, seq, first, n_new):
-    out, tok = [first], first
-    for _ in range(n_new - 1):
-        tok = engine.decode_greedy([seq], [tok])[0]
-        out.append(tok)
-    return out
 
 
 def send(sender, kv, mode, first):
@@ -111,24 +81,22 @@ def receive_in_thread(listener, make_receiver):
 @pytest.mark.parametrize("mode", ["whole", "layers", 16, 5])
 def test_greedy_tokens_after_a_tcp_handoff_equal_the_in_process_ones(mode, torch_engine, model_config, prefilled):
     prompt, kv, first = prefilled
-    importer = SliceImporter(torch_engine)
     # the in-process hand-off: the reference
     link = InProcessLink()
-    ref_seq = torch_engine.new_sequence(PROMPT_LEN + N_NEW)
+    ref = BlockSink(torch_engine, PROMPT_LEN + N_NEW)
     with InProcessSender(link, header_for(model_config)) as tx:
         msgs = [tx.open()]
         for layer in range(model_config.n_layers):
             tx.layer_buffer(layer)[...] = kv[layer]
             msgs.append(tx.layer_written(layer))
         tx.finish()
-        InProcessReceiver(link, torch_engine, ref_seq, header_for(model_config)).consume(
+        InProcessReceiver(link, ref, None, header_for(model_config)).consume(
             msgs + [PrefillDone(first, 0.5, 0.0, 1.0)])
-    want = greedy_after(torch_engine, ref_seq, first, N_NEW)
-    torch_engine.release(ref_seq)
-    # the same KV over TCP on loopback
-    seq = torch_engine.new_sequence(PROMPT_LEN + N_NEW)
+    want = ref.greedy_after(first, N_NEW)
+    # the same KV over TCP on loopback, into other blocks
+    sink = BlockSink(torch_engine, PROMPT_LEN + N_NEW, first_block=len(ref.block_table))
     with TcpListener(timeout_s=TIMEOUT_S) as listener:
-        th, result = receive_in_thread(listener, lambda c: TcpReceiver(c, importer, seq, header_for(model_config)))
+        th, result = receive_in_thread(listener, lambda c: TcpReceiver(c, sink, None, header_for(model_config)))
         with TcpSender(listener.address, header_for(model_config), timeout_s=TIMEOUT_S) as tx:
             imported_at = send(tx, kv, mode, first)
         th.join(TIMEOUT_S)
@@ -137,9 +105,7 @@ def test_greedy_tokens_after_a_tcp_handoff_equal_the_in_process_ones(mode, torch
     assert rx.state is HandoffState.DONE and rx.on_device_at == imported_at
     assert rx.bytes == kv.nbytes and result["done"].first_token == first
     assert tx.state is HandoffState.DONE
-    got = greedy_after(torch_engine, seq, result["done"].first_token, N_NEW)
-    torch_engine.release(seq)
-    assert got == want
+    assert sink.greedy_after(result["done"].first_token, N_NEW) == want
 
 
 @pytest.mark.parametrize("field, value, named", [("n_tokens", PROMPT_LEN + 1, f"{PROMPT_LEN + 1} tokens"),
@@ -174,10 +140,9 @@ def test_another_requests_kv_is_refused(model_config, prefilled):
 
 def test_a_sender_that_goes_away_mid_transfer_fails_the_receiver_cleanly(torch_engine, model_config, prefilled):
     _, kv, _ = prefilled
-    seq = torch_engine.new_sequence(PROMPT_LEN + 1)
+    sink = BlockSink(torch_engine, PROMPT_LEN + 1)
     with TcpListener(timeout_s=TIMEOUT_S) as listener:
-        th, result = receive_in_thread(listener, lambda c: TcpReceiver(c, SliceImporter(torch_engine), seq,
-                                                                       header_for(model_config)))
+        th, result = receive_in_thread(listener, lambda c: TcpReceiver(c, sink, None, header_for(model_config)))
         raw = socket.create_connection(listener.address, timeout=TIMEOUT_S)
         raw.sendall(FRAME.pack(HEADER, 0, 0, 0, 0, 64) + header_for(model_config).pack())
         layer0 = kv[0].tobytes()
@@ -187,7 +152,6 @@ def test_a_sender_that_goes_away_mid_transfer_fails_the_receiver_cleanly(torch_e
     assert not th.is_alive()
     assert isinstance(result["error"], PeerGone) and "closed" in str(result["error"])
     assert result["receiver"].state is HandoffState.FAILED and result["receiver"].conn.fileno() == -1
-    torch_engine.release(seq)
 
 
 def test_a_receiver_that_goes_away_mid_transfer_fails_the_sender_cleanly(model_config, prefilled):

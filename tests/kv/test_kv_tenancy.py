@@ -16,6 +16,7 @@ from services.kv.arena import Arena, ArenaReader
 from services.kv.handoff import HandoffState, PrefillDone, SlotChanged
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader, request_nonce
 from services.kv.shm import ShmReceiver, ShmSender
+from tests.kv.block_sink import BlockSink
 
 N_TOKENS = 9
 
@@ -49,7 +50,8 @@ def write_all(sender: ShmSender, kv: np.ndarray) -> list:
 
 
 class HookedEngine:
-    """The torch engine, with `hooks[layer]()` run just before layer `layer`'s import (a slow reader)
+    """A receiving engine (a BlockSink over the torch engine's blocks), with `hooks[layer]()` run just
+    before layer `layer`'s import (a slow reader)
     and, `deferred`, the imports run only in finish_import, as an engine that enqueues its copies
     (the OpenCL one) reads the shared memory only when it waits for them."""
 
@@ -73,19 +75,19 @@ class HookedEngine:
         self.engine.finish_import(seq, n_tokens)
 
 
-def seq_kv(seq) -> np.ndarray:
-    return np.stack([seq.k[:, :, :N_TOKENS].numpy(), seq.v[:, :, :N_TOKENS].numpy()], axis=1)
+def seq_kv(sink) -> np.ndarray:
+    return sink.kv(N_TOKENS)
 
 
 def test_undisturbed_reader_gets_exactly_its_request_kv(arena, torch_engine, model_config):
     """The control for the tests below: with nothing in the way, the hooks change nothing."""
     kv = kv_of(model_config, 1)
     header = header_for(model_config, "request-a")
-    seq = torch_engine.new_sequence(N_TOKENS + 1)
+    seq = BlockSink(torch_engine, N_TOKENS + 1)
     with ShmSender(arena, header, wait_s=0) as sender:
         msgs = write_all(sender, kv)
-        engine = HookedEngine(torch_engine, {3: lambda: None}, deferred=True)
-        receiver = ShmReceiver(ArenaReader(arena.name), engine, seq, header)
+        engine = HookedEngine(seq, {3: lambda: None}, deferred=True)
+        receiver = ShmReceiver(ArenaReader(arena.name), engine, None, header)
         assert receiver.consume(iter(msgs)) is not None
     assert receiver.state is HandoffState.DONE
     np.testing.assert_array_equal(seq_kv(seq), kv)
@@ -107,10 +109,9 @@ def test_slow_reader_never_sees_the_next_requests_kv(deferred, arena, torch_engi
         assert sender_b.slot.offset == slot_a.offset  # b's KV is where a's reader reads
 
     hooks = {} if deferred else {5: free_a_and_give_the_slot_to_b}
-    engine = HookedEngine(torch_engine, hooks, deferred, before_finish=free_a_and_give_the_slot_to_b if deferred
-                          else None)
-    seq = torch_engine.new_sequence(N_TOKENS + 1)
-    receiver = ShmReceiver(ArenaReader(arena.name), engine, seq, header_for(model_config, "request-a"))
+    engine = HookedEngine(BlockSink(torch_engine, N_TOKENS + 1), hooks, deferred,
+                          before_finish=free_a_and_give_the_slot_to_b if deferred else None)
+    receiver = ShmReceiver(ArenaReader(arena.name), engine, None, header_for(model_config, "request-a"))
     with pytest.raises(SlotChanged, match="freed or given to another request"):
         receiver.consume(iter(msgs))
     assert receiver.state is HandoffState.FAILED
@@ -122,8 +123,8 @@ def test_a_slot_freed_under_a_reader_fails_it_even_unused(arena, torch_engine, m
     header = header_for(model_config, "request-a")
     sender = ShmSender(arena, header, wait_s=0)
     msgs = write_all(sender, kv_of(model_config, 1))
-    seq = torch_engine.new_sequence(N_TOKENS + 1)
-    receiver = ShmReceiver(ArenaReader(arena.name), HookedEngine(torch_engine, {2: sender.close}), seq, header)
+    receiver = ShmReceiver(ArenaReader(arena.name), HookedEngine(BlockSink(torch_engine, N_TOKENS + 1),
+                                                                 {2: sender.close}), None, header)
     with pytest.raises(SlotChanged, match="while layer 2 was copied"):
         receiver.consume(iter(msgs))
 
@@ -187,12 +188,12 @@ def test_a_reader_of_a_replaced_arena_maps_the_new_one(arena, torch_engine, mode
     new_arena = Arena(8 << 20)
     try:
         header = header_for(model_config, "after-restart")
-        seq = torch_engine.new_sequence(N_TOKENS + 1)
+        seq = BlockSink(torch_engine, N_TOKENS + 1)
         with ShmSender(new_arena, header, wait_s=0) as sender:
             msgs = write_all(sender, kv_new)
             assert msgs[0].offset == old_sender.slot.offset
             remapped = []
-            receiver = ShmReceiver(old_reader, torch_engine, seq, header,
+            receiver = ShmReceiver(old_reader, seq, None, header,
                                    remap=lambda seen: remapped.append(seen) or ArenaReader(new_arena.name))
             assert receiver.consume(iter(msgs)) is not None
         assert remapped == [old_reader] and receiver.reader.name == new_arena.name
@@ -201,7 +202,7 @@ def test_a_reader_of_a_replaced_arena_maps_the_new_one(arena, torch_engine, mode
         with ShmSender(new_arena, header, wait_s=0) as sender:
             msgs = write_all(sender, kv_new)
             with pytest.raises(HeaderMismatch, match="another request"):
-                ShmReceiver(old_reader, torch_engine, seq, header).consume(iter(msgs))
+                ShmReceiver(old_reader, seq, None, header).consume(iter(msgs))
     finally:
         new_arena.close()
 
