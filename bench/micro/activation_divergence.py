@@ -14,8 +14,12 @@ bench/micro/paged_step.py), batch 1 and 8, the engines in turn round by round: `
 at batch 1 the one-launch step when the engine's choice takes it), `fp32-LbL` (launch by launch, as
 int8 always runs) and `int8`. Wall and process CPU ms per step, medians; the load average beside.
 
+With --only NAMES (comma-separated substrings of GGUF tensor names, e.g. attn_q,ffn_down,token_embd)
+the divergence is measured again for each, int8 on the matrices so named alone: which inputs cost what.
+
     python -m bench.micro.activation_divergence [--model PATH.gguf] [--ctx 512] [--chunk 64]
-        [--rounds 5] [--steps 12] [--context 128] [--skip-speed] [--name activation_divergence]
+        [--rounds 5] [--steps 12] [--context 128] [--skip-speed | --skip-divergence] [--only NAMES]
+        [--name activation_divergence]
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ def build_engines(model: str | None, speed: bool, max_batch: int, context: int):
     blocks = read_block_tensors(loaded.checkpoint, cfg)
     per_seq = -(-max(context + 64, 1024) // 16) + 1
     kv_mb = int(max(max_batch, 2) * per_seq * 16 * cfg.n_layers * 2 * cfg.kv_dim * 4 / 2**20 * 1.2) + 16
-    common = dict(weights_dtype="gguf", max_context=max(1024, context + 64), max_num_seqs=64, max_sequences=1,
+    common = dict(weights_dtype="gguf", max_context=max(1024, context + 64), max_num_seqs=64,
                   kv_cache_mb=kv_mb)
     dev = select_device()
     engines = {"fp32": OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(**common), blocks),
@@ -59,6 +63,42 @@ def build_engines(model: str | None, speed: bool, max_batch: int, context: int):
         engines["fp32-LbL"] = OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(**common, layer_kernels=False),
                                                   blocks)
     return cfg, loaded.checkpoint, load_tokenizer(loaded.checkpoint), engines
+
+
+def only_named(name: str):
+    """A context in which the int8 engines built take int8 only on matrices whose name holds `name`
+    (QuantMatrix.bind_gemv_rows wrapped for the measurement; nothing in the engine changes)."""
+    import contextlib
+
+    from services.decode_fpga import int8_gemv, quant_gemv
+
+    @contextlib.contextmanager
+    def ctx():
+        real = quant_gemv.QuantMatrix.bind_gemv_rows
+
+        def bind(self, x, y, n_rows, accumulate=False, x_sums=None):
+            if name in self.name and int8_gemv.takes_int8(self._dev, self.fmt, self.lanes):
+                return int8_gemv.bind_int8_gemv_rows(self, x, y, n_rows, accumulate, x_sums)
+            saved, self._dev = self._dev, dataclasses.replace(self._dev, activations="fp32")
+            try:
+                return real(self, x, y, n_rows, accumulate, x_sums)
+            finally:
+                self._dev = saved
+
+        quant_gemv.QuantMatrix.bind_gemv_rows = bind
+        try:
+            yield
+        finally:
+            quant_gemv.QuantMatrix.bind_gemv_rows = real
+
+    return ctx()
+
+
+def int8_engine_like(engine):
+    """Another int8 engine on engine's model, device and config (for --only)."""
+    from services.decode_fpga.engine import OpenCLEngine
+
+    return OpenCLEngine(engine.cfg, engine.dev, engine.config, engine.weights)
 
 
 def teacher_forced(engine, tokens: list[int], ctx: int, chunk: int) -> np.ndarray:
@@ -127,20 +167,10 @@ def speed(engines: dict, cfg, rounds: int, steps: int, context: int, batches=(1,
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
-    ap.add_argument("--ctx", type=int, default=512, help="tokens a teacher-forced window")
-    ap.add_argument("--chunk", type=int, default=64, help="rows a paged step")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--context", type=int, default=128, help="context of the timed decode steps")
-    ap.add_argument("--skip-speed", action="store_true")
-    ap.add_argument("--name", default="activation_divergence")
-    args = ap.parse_args()
+def measure_divergence(args, ckpt, tok, engines) -> tuple[dict, dict]:
+    """The divergence table (and --only's): {metrics}, {name: metrics}."""
     from services.model.tokenizer import text_ids
 
-    cfg, ckpt, tok, engines = build_engines(args.model, not args.skip_speed, 8, args.context)
     tokens = text_ids(tok, TEXT.read_text())
     progress(f"{ckpt.path.name}: {len(tokens)} tokens; teacher-forced, windows of {args.ctx}")
     t0 = time.perf_counter()
@@ -152,14 +182,47 @@ def main() -> int:
                 [[div["model"], div["positions"], f"{div['kl_mean']:.5f}", f"{div['kl_p99']:.5f}",
                   f"{div['kl_max']:.4f}", f"{100 * div['same_top1']:.2f}%", f"{div['ppl_exact']:.3f}",
                   f"{div['ppl_int8']:.3f}"]]))
+    targets = targets_of(tokens, args.ctx)
+    only = {}
+    for name in filter(None, args.only.split(",")):
+        with only_named(name):
+            engine = int8_engine_like(engines["int8"])  # its launches bound under the wrapper
+        only[name] = divergence(logits["fp32"], teacher_forced(engine, tokens, args.ctx, args.chunk), targets)
+        del engine
+        progress(f"int8 on {name} alone: KL mean {only[name]['kl_mean']:.5f}, "
+                 f"same top-1 {100 * only[name]['same_top1']:.2f}%")
+    if only:
+        print(table(["int8 on", "KL mean", "KL p99", "same top-1", "PPL int8"],
+                    [[k, f"{v['kl_mean']:.5f}", f"{v['kl_p99']:.5f}", f"{100 * v['same_top1']:.2f}%",
+                      f"{v['ppl_int8']:.3f}"] for k, v in only.items()]))
+    return div, only
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens a teacher-forced window")
+    ap.add_argument("--chunk", type=int, default=64, help="rows a paged step")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--context", type=int, default=128, help="context of the timed decode steps")
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-divergence", action="store_true", help="the decode speed alone")
+    ap.add_argument("--only", default="", help="comma-separated tensor-name parts: int8 on those alone, each")
+    ap.add_argument("--name", default="activation_divergence")
+    args = ap.parse_args()
+    cfg, ckpt, tok, engines = build_engines(args.model, not args.skip_speed, 8, args.context)
+    div, only = {}, {}
+    if not args.skip_divergence:
+        div, only = measure_divergence(args, ckpt, tok, engines)
     rows = [] if args.skip_speed else speed(engines, cfg, args.rounds, args.steps, args.context)
     if rows:
         print(table(["path", "batch", "ms/step", "CPU ms/step", "ms/token", "tokens/s"],
                     [[r["path"], r["batch"], f"{r['ms_per_step']:.1f}", f"{r['cpu_ms_per_step']:.1f}",
                       f"{r['ms_per_token']:.1f}", f"{r['tokens_per_s']:.1f}"] for r in rows]))
     dev = engines["fp32"].dev.device
-    write_json(args.name, {"divergence": div, "speed": rows, "context": args.context, "rounds": args.rounds,
-                           "device": dev.name,
+    write_json(args.name, {"divergence": div, "only": only, "speed": rows, "context": args.context,
+                           "rounds": args.rounds, "device": dev.name,
                            "integer_dot_product_extension": "cl_khr_integer_dot_product" in dev.extensions,
                            "loadavg_end": os.getloadavg()})
     return 0

@@ -24,7 +24,7 @@ def int8_engine(loaded_model, cl_dev):
 
     blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
     return make_engine(loaded_model, dataclasses.replace(cl_dev, activations="int8"), weights_dtype="gguf",
-                       blocks=blocks, max_context=1024, max_sequences=1)
+                       blocks=blocks, max_context=1024)
 
 
 def teacher_forced(engine, tokens, table):

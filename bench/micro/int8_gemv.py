@@ -1,0 +1,93 @@
+"""The paged step's block GEMVs with int8 activations against the exact fp32 ones, on a model's own
+matrices (default: the default model's), interleaved run by run in one process.
+
+Per matrix kind (o, qkv, gate_up, down, lm_head; four layers' copies of each layer matrix) and rows of
+x (1 and 8 by default): the process's CPU us per matrix per step (both PoCL threads' work; the
+steadier figure on a shared machine) and wall us, for `fp32` (bind_gemv_rows on the exact device:
+gemv_quant_tiles1/tiles) and `int8` (quantize_x8 + gemv_int8_rows, the quantization counted).
+
+    python -m bench.micro.int8_gemv [--model PATH.gguf] [--rows 1,8] [--runs 7] [--name int8_gemv]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+
+from bench._common import progress, table, write_json
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pyopencl as cl  # noqa: E402
+
+MF = cl.mem_flags
+
+
+def main() -> int:
+    from bench.micro.quant_gemv import shapes, time_rows
+    from services.decode_fpga.device import select_device
+    from services.decode_fpga.quant_gemv import QuantMatrix
+    from services.model.checkpoint import locate
+    from services.model.config import read_config
+    from services.model.gguf_blocks import read_block_tensors
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--name", default="int8_gemv")
+    args = ap.parse_args()
+    rows_list = [int(v) for v in args.rows.split(",")]
+    ckpt = locate(args.model)
+    cfg = read_config(ckpt)
+    src = read_block_tensors(ckpt, cfg)
+    base = select_device()
+    devs = {"fp32": base, "int8": dataclasses.replace(base, activations="int8")}
+    top, width = max(rows_list), max(cfg.intermediate, cfg.hidden)
+    x = cl.Buffer(base.context, MF.READ_WRITE, top * width * 4)
+    sums = cl.Buffer(base.context, MF.READ_WRITE, top * width // 32 * 4)
+    y = cl.Buffer(base.context, MF.READ_WRITE, top * cfg.vocab_size * 4)
+    rng = np.random.default_rng(0)
+    cl.enqueue_copy(base.queue, x, rng.normal(size=top * width).astype(np.float32), is_blocking=True)
+    cl.enqueue_copy(base.queue, sums, rng.normal(size=top * width // 32).astype(np.float32), is_blocking=True)
+    n_rows = cl.Buffer(base.context, MF.READ_WRITE, 4)
+    lines = []
+    for shape, (rows, cols, copies, real) in shapes(src, cfg, True).items():
+        tensors = [real(i) for i in range(copies)]
+        if not hasattr(tensors[0], "qtype"):
+            progress(f"{shape}: mixed formats, skipped")
+            continue
+        held = {name: [QuantMatrix(dev, t) for t in tensors] for name, dev in devs.items()}  # kept alive
+        launches = {name: [m.bind_gemv_rows(x, y, n_rows, x_sums=sums) for m in mats] for name, mats in held.items()}
+        reps = max(2, int(3e7 // (rows * cols * copies)))
+        for n in rows_list:
+            cl.enqueue_copy(base.queue, n_rows, np.array([n], np.int32), is_blocking=True)
+            got: dict[str, list] = {name: [] for name in devs}
+            for _ in range(args.runs):
+                for name in devs:
+                    got[name].append(time_rows(base, launches[name], n, reps))
+            for name, runs in got.items():
+                wall = statistics.median(w for w, _ in runs) / copies * 1e6
+                cpu = statistics.median(c for _, c in runs) / copies * 1e6
+                lines.append({"shape": shape, "rows": rows, "cols": cols, "fmt": tensors[0].qtype, "n": n,
+                              "path": name, "wall_us": wall, "cpu_us": cpu, "runs": args.runs})
+        progress(f"{shape} done, load {os.getloadavg()[0]:.1f}")
+    by = {(ln["shape"], ln["n"], ln["path"]): ln for ln in lines}
+    out = []
+    for (shape, n, path), ln in by.items():
+        if path != "int8":
+            continue
+        f = by[(shape, n, "fp32")]
+        out.append([shape, f"{ln['rows']}x{ln['cols']}", ln["fmt"], n, f"{f['cpu_us']:.0f}", f"{ln['cpu_us']:.0f}",
+                    f"{f['cpu_us'] / ln['cpu_us']:.2f}", f"{f['wall_us']:.0f}", f"{ln['wall_us']:.0f}"])
+    print(table(["matrix", "shape", "format", "rows of x", "fp32 CPU us", "int8 CPU us", "fp32/int8",
+                 "fp32 wall us", "int8 wall us"], out))
+    print(f"load average {os.getloadavg()}")
+    write_json(args.name, {"model": ckpt.path.name, "lines": lines, "loadavg_end": os.getloadavg()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
