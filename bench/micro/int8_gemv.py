@@ -4,7 +4,8 @@ matrices (default: the default model's), interleaved run by run in one process.
 Per matrix kind (o, qkv, gate_up, down, lm_head; four layers' copies of each layer matrix) and rows of
 x (1 and 8 by default): the process's CPU us per matrix per step (both PoCL threads' work; the
 steadier figure on a shared machine) and wall us, for `fp32` (bind_gemv_rows on the exact device:
-gemv_quant_tiles1/tiles) and `int8` (quantize_x8 + gemv_int8_rows, the quantization counted).
+gemv_quant_tiles1/tiles) and `int8` (quantize_x8 + gemv_int8_rows, the quantization counted; the
+quantize_x8 launch alone beside it).
 
     python -m bench.micro.int8_gemv [--model PATH.gguf] [--rows 1,8] [--runs 7] [--name int8_gemv]
 """
@@ -61,12 +62,13 @@ def main() -> int:
             continue
         held = {name: [QuantMatrix(dev, t) for t in tensors] for name, dev in devs.items()}  # kept alive
         launches = {name: [m.bind_gemv_rows(x, y, n_rows, x_sums=sums) for m in mats] for name, mats in held.items()}
+        launches["quantize"] = [la.parts[0] for la in launches["int8"]]  # quantize_x8 alone, of the int8 figure
         reps = max(2, int(3e7 // (rows * cols * copies)))
         for n in rows_list:
             cl.enqueue_copy(base.queue, n_rows, np.array([n], np.int32), is_blocking=True)
-            got: dict[str, list] = {name: [] for name in devs}
+            got: dict[str, list] = {name: [] for name in launches}
             for _ in range(args.runs):
-                for name in devs:
+                for name in launches:
                     got[name].append(time_rows(base, launches[name], n, reps))
             for name, runs in got.items():
                 wall = statistics.median(w for w, _ in runs) / copies * 1e6
@@ -79,11 +81,12 @@ def main() -> int:
     for (shape, n, path), ln in by.items():
         if path != "int8":
             continue
-        f = by[(shape, n, "fp32")]
+        f, qz = by[(shape, n, "fp32")], by[(shape, n, "quantize")]
         out.append([shape, f"{ln['rows']}x{ln['cols']}", ln["fmt"], n, f"{f['cpu_us']:.0f}", f"{ln['cpu_us']:.0f}",
-                    f"{f['cpu_us'] / ln['cpu_us']:.2f}", f"{f['wall_us']:.0f}", f"{ln['wall_us']:.0f}"])
-    print(table(["matrix", "shape", "format", "rows of x", "fp32 CPU us", "int8 CPU us", "fp32/int8",
-                 "fp32 wall us", "int8 wall us"], out))
+                    f"{qz['cpu_us']:.0f}", f"{f['cpu_us'] / ln['cpu_us']:.2f}", f"{f['wall_us']:.0f}",
+                    f"{ln['wall_us']:.0f}"])
+    print(table(["matrix", "shape", "format", "rows of x", "fp32 CPU us", "int8 CPU us", "of it quantize",
+                 "fp32/int8", "fp32 wall us", "int8 wall us"], out))
     print(f"load average {os.getloadavg()}")
     write_json(args.name, {"model": ckpt.path.name, "lines": lines, "loadavg_end": os.getloadavg()})
     return 0
