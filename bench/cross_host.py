@@ -3,10 +3,11 @@
 Two network namespaces made here (`hs-tx-<pid>`, `hs-rx-<pid>`) joined by a veth pair with addresses in
 10.231.0.0/30; both ends get a tbf at R (1 and 10 Gbit/s) under netem's 0.5 ms delay; a kernel without
 sch_netem (this machine's: CONFIG_NET_SCH_NETEM is not set) gets the tbf alone, and the JSON's `delay`
-says so. A receiving process in `hs-rx` listens on 10.231.0.2 and imports each request's KV into host
-memory the way decode does (a [layers, 2, kv_heads, n, dim] buffer, layer and token slice at a time,
-services/kv/tcp.py). In `hs-tx` the torch engine (the real model, paged pool, `step`) prefills each
-prompt and streams its KV:
+says so. The bench goes on as a process of `hs-tx` (`ip netns exec`: UCX, which lists /sys/class/net,
+sees that namespace's veth), and a receiving process in `hs-rx` listens on 10.231.0.2 and imports each
+request's KV into host memory the way decode does (a [layers, 2, kv_heads, n, dim] buffer, layer and
+token slice at a time, services/kv/tcp.py). In `hs-tx` the torch engine (the real model, paged pool,
+`step`) prefills each prompt and streams its KV:
 
     local   prefill in one step, nothing sent (the reference: KV already where decode is)
     whole   prefill in one step, then every layer in one frame
@@ -31,7 +32,8 @@ order rotated from round to round. Two figures per mode, medians over the rounds
 DP vs the best uniform slicing (lowest median exposed) per cell: "yes" when the DP's median is not
 above it, "within spread" when the difference is inside the larger of the two spreads, else "no".
 Both namespaces share the host's clock. Traffic stays on the veth pair inside the two namespaces.
-
+`--transports tcp,nixl` adds nixl's layers and uniform slicings beside tcp's (nixl:layers, nixl:u256);
+`--one-host` (no namespaces: loopback, unshaped, no root) also takes `shm`, layer by layer (shm:layers).
 Needs root (ip netns, tc); exits with a clear message otherwise. The namespaces are deleted on any exit.
 
     sudo python -m bench.cross_host --fit-only --sizes 4096 --out cross_host_costs   # the cost model
@@ -54,50 +56,15 @@ import numpy as np
 import torch
 
 from bench._common import RESULTS, ROOT, progress, write_json
-from bench.cross_host_net import RX_ADDR, HostImporter, Netns, _enter, selftest  # noqa: F401
+from bench.cross_host_net import RX_ADDR, HostImporter, Netns, _enter, run_in_tx, selftest  # noqa: F401
 from bench.cross_host_report import merge, plot, report, verdict  # noqa: F401
-from bench.cross_host_transports import OneHost, Receivers, make_sender, port_of, ucx_env
+from bench.cross_host_transports import OneHost, close_arena, make_sender, port_of, receive, ucx_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TIMEOUT_S = 60.0
 GRANULE = 64  # DP slice lengths are multiples of this (four 16-token blocks)
-
-
-# ---- the receiving host ---------------------------------------------------------------------------
-def receive(host: str, port: int) -> None:
-    """Serve hand-offs until the control connection ends: per request, a JSON line {n_tokens, request,
-    dtype, transport} on the control connection, 'ready', the hand-off, then a JSON line with the outcome."""
-    from services.kv.header import SlotHeader, request_nonce
-    from services.kv.handoff import layout_of
-    from services.model.config import read_config
-    from services.model.checkpoint import locate
-
-    cfg = read_config(locate(None))
-    ends = Receivers(host, port + 1)
-    with socket.create_server((host, port)) as control_server:
-        control_server.settimeout(TIMEOUT_S)
-        print("listening", flush=True)
-        control, _ = control_server.accept()
-        control.settimeout(None)
-        lines = control.makefile("rw")
-        for line in lines:
-            req = json.loads(line)
-            expected = SlotHeader(req["dtype"], cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, req["n_tokens"],
-                                  cfg.model_id, nonce=request_nonce(req["request"]))
-            importer = HostImporter(layout_of(expected))
-            importer.kv.fill(0)  # touch the pages now, as a decode engine's preallocated pool would be
-            lines.write("ready\n")
-            lines.flush()
-            try:
-                imported_at, nbytes = ends.receive(req.get("transport", "tcp"), importer, expected)
-                out = {"ok": True, "imported_at": imported_at, "bytes": nbytes,
-                       "checksum": float(importer.kv[:, :, :, :: max(1, req["n_tokens"] // 7)].sum(dtype=np.float64))}
-            except Exception as exc:  # reported to the sending side, which fails the bench
-                out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            lines.write(json.dumps(out) + "\n")
-            lines.flush()
 
 
 # ---- the prefilling host ----------------------------------------------------------------------------
@@ -197,7 +164,7 @@ def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None, trans
     L = cfg.n_layers
     with make_sender(transport, (address[0], port_of(transport, address[1])), header) as tx:
         tx.open()
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         if mode in ("whole", "layers"):
             def send_layer(layer):
                 tx.layer_buffer(layer)[...] = p.export(layer, 0, n).cpu().numpy()
@@ -220,23 +187,24 @@ def run_handoff(p: Prefiller, control, address, tokens, mode, slices=None, trans
             p.sync()
             compute_end = time.time()
         imported_at = tx.finish(PrefillDone(first, compute_end - t0, 0.0, compute_end))
+        cpu = time.process_time() - cpu0  # every thread of this process: the prefill and the transport's
     out = json.loads(control.readline())
     if not out.get("ok"):
         raise RuntimeError(f"the receiver failed: {out.get('error')}")
     return {"mode": mode, "transport": transport, "n_tokens": n, "slices": list(slices) if slices else None,
-            "first_token": first,
+            "first_token": first, "cpu_s": cpu, "rx_cpu_s": out["cpu_s"],
             "start": t0, "compute_s": compute_end - t0, "imported_after_s": imported_at - t0,
             "tail_s": imported_at - compute_end, "bytes": out["bytes"], "checksum": out["checksum"]}
 
 
 def run_local(p: Prefiller, tokens) -> dict:
     """The prompt prefilled in one step, nothing sent: the KV is where decode would be when it ends."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     first = p.step(tokens, 0, len(tokens))
     p.sync()
-    e2e = time.perf_counter() - t0
+    e2e, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {"mode": "local", "n_tokens": len(tokens), "slices": None, "first_token": first, "compute_s": e2e,
-            "imported_after_s": e2e, "tail_s": 0.0, "bytes": 0}
+            "imported_after_s": e2e, "tail_s": 0.0, "bytes": 0, "cpu_s": cpu, "rx_cpu_s": 0.0}
 
 
 def load_or_fit_costs(args, p: Prefiller | None) -> dict:
@@ -250,7 +218,11 @@ def load_or_fit_costs(args, p: Prefiller | None) -> dict:
 
 
 def _command() -> str:
-    return "python -m bench.cross_host " + " ".join(sys.argv[1:])
+    argv = sys.argv[1:]
+    if "--in-netns" in argv:  # run_in_tx's own addition: not part of the command that was typed
+        i = argv.index("--in-netns")
+        argv = argv[:i] + argv[i + 2:]
+    return "python -m bench.cross_host " + " ".join(argv)
 
 
 def bench(args) -> None:
@@ -274,7 +246,7 @@ def bench(args) -> None:
     prompts = {n: rng.integers(3, p.cfg.vocab_size, n).tolist() for n in sizes}
     p.step(prompts[sizes[0]], 0, min(sizes[0], GRANULE))  # warm-up
     rx_addr, extra = ("127.0.0.1", [t for t in args.transports.split(",") if t != "tcp"])
-    with OneHost() if args.one_host else Netns(rate=None) as ns:
+    with OneHost() if args.one_host else Netns(rate=None, names=args.in_netns) as ns:
         rx_addr = rx_addr if args.one_host else RX_ADDR
         port = 47000 + os.getpid() % 1000
         rx = subprocess.Popen([*ns.exec_in(ns.rx), sys.executable, "-m", "bench.cross_host", "--receive",
@@ -283,9 +255,7 @@ def bench(args) -> None:
         try:
             if rx.stdout.readline().strip() != "listening":
                 raise RuntimeError("the receiving process did not start")
-            # the sending side joins the tx namespace for its sockets only: setns on this thread
-            if not args.one_host:
-                _enter(ns.tx)
+            # this process runs in the tx namespace already (run_in_tx): UCX sees the veth, not the host's devices
             os.environ.update(ucx_env(getattr(ns, "veth_tx", None)))  # before this process's NIXL agent exists
             control = socket.create_connection((rx_addr, port), timeout=TIMEOUT_S).makefile("rw")
             for gbit in [0.0] if args.one_host else links:  # 0: one host, loopback, unshaped
@@ -301,7 +271,8 @@ def bench(args) -> None:
                                  "layers": pipeline_time([n], model, link, bpt, L),
                                  **{m: pipeline_time(sl, model, link, bpt, L) for m, sl in plans[3:]}}
                     # the other transports: layer by layer and the uniform slicings ("nixl:u256"), the same plans
-                    plans += [(f"{t}:{m}", sl) for t in extra for m, sl in plans[2:] if m != "dp"]
+                    plans += [(f"{t}:{m}", sl) for t in extra for m, sl in plans[2:]
+                              if m != "dp" and (t != "shm" or m == "layers")]  # the arena: whole layers only
                     predicted.update({m: predicted[m.split(":")[1]] for m, _ in plans if ":" in m})
                     dp_plans[f"{gbit:g}/{n}"] = {"slices": dp, "predicted_s": dp_t}
                     progress(f"{gbit:g} Gbit/s, {n} tokens: DP slices {dp} (predicted {dp_t:.3f} s; "
@@ -317,9 +288,10 @@ def bench(args) -> None:
                                 r = run_handoff(p, control, (rx_addr, port + 1), prompts[n],
                                                 base if slices is None else "slices", slices, t)
                             runs[mode].append(r)
-                        local_s = runs["local"][-1]["imported_after_s"]
+                        local_s, local_cpu = runs["local"][-1]["imported_after_s"], runs["local"][-1]["cpu_s"]
                         for mode, _ in plans:
                             runs[mode][-1]["exposed_s"] = runs[mode][-1]["imported_after_s"] - local_s
+                            runs[mode][-1]["cpu_over_local_s"] = runs[mode][-1]["cpu_s"] - local_cpu
                         progress(f"{gbit:g} Gbit/s, {n} tokens, round {rep + 1}/{args.reps}: local {local_s:.3f} s, "
                                  + ", ".join(f"{m} {runs[m][-1]['exposed_s'] * 1e3:+.0f} ms" for m, _ in plans[1:]))
                     firsts = {r["first_token"] for rs in runs.values() for r in rs}
@@ -331,7 +303,8 @@ def bench(args) -> None:
                         rec = {"gbit": gbit, "n_tokens": n, "mode": mode, "slices": slices,
                                "predicted_s": predicted[mode], "reps": len(runs[mode]), "local_prefill_s": local_med,
                                "first_token": runs[mode][0]["first_token"], "runs": runs[mode]}
-                        for key in ("imported_after_s", "exposed_s", "compute_s", "tail_s"):
+                        for key in ("imported_after_s", "exposed_s", "compute_s", "tail_s", "cpu_over_local_s",
+                                    "rx_cpu_s"):
                             xs = [r[key] for r in runs[mode]]
                             rec[key] = statistics.median(xs)
                             rec[key.removesuffix("_s") + "_spread_s"] = max(xs) - min(xs)
@@ -343,6 +316,7 @@ def bench(args) -> None:
                     progress(f"{gbit:g} Gbit/s, {n} tokens: DP vs best uniform: {verdicts[f'{gbit:g}/{n}']}")
             control.close()
         finally:
+            close_arena()
             rx.terminate()
             rx.wait(timeout=10)
     report(records, verdicts)
@@ -365,11 +339,12 @@ def main() -> None:
     ap.add_argument("--costs", help="a result name (--fit-only's --out) to take the cost model from")
     ap.add_argument("--fit-only", action="store_true", help="measure and fit the cost model, write it, stop")
     ap.add_argument("--out", default="cross_host")
-    ap.add_argument("--transports", default="tcp", help="tcp and/or nixl (nixl: layers and uniform slices)")
+    ap.add_argument("--transports", default="tcp", help="tcp, nixl (layers and uniform slices), shm (layers; one host)")
     ap.add_argument("--one-host", action="store_true", help="no namespaces: both ends on loopback, unshaped")
     ap.add_argument("--merge", help="comma-separated result names to join into --out (no measuring)")
     ap.add_argument("--receive", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--selftest", nargs=2, metavar=("TX_NS", "RX_NS"), help=argparse.SUPPRESS)
+    ap.add_argument("--in-netns", help=argparse.SUPPRESS)  # run_in_tx's child: the namespaces' names
     args = ap.parse_args()
     if args.receive:
         receive(args.receive[0], int(args.receive[1]))
@@ -383,7 +358,11 @@ def main() -> None:
     if os.geteuid() != 0 and not args.fit_only and not args.one_host:
         raise SystemExit("cross_host needs root to make network namespaces and shape them with tc; "
                          "run it as root (e.g. sudo python -m bench.cross_host). Nothing was measured.")
+    if "shm" in args.transports.split(",") and not args.one_host:
+        raise SystemExit("the shm transport shares memory on one host: choose it with --one-host")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces' cleanup runs
+    if not args.one_host and not args.fit_only and not args.in_netns:
+        sys.exit(run_in_tx(sys.argv[1:]))  # the bench goes on as a process of the sending namespace
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))  # a core for the sender's thread and the receiver
     bench(args)
 

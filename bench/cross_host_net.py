@@ -1,11 +1,15 @@
-"""cross_host.py's two "hosts" on one machine: network namespaces joined by a veth pair, shaped with tc,
-entered per thread (`_enter`), and the selftest the KV tests run through them (one TCP hand-off of random
-bytes across the pair). Split from cross_host.py to keep each module under 400 lines."""
+"""cross_host.py's two "hosts" on one machine: network namespaces joined by a veth pair, shaped with tc;
+the bench's own run as a process of the sending namespace (`run_in_tx`: under `ip netns exec`, so a
+library that lists /sys/class/net, as UCX does, sees that namespace's veth and not the host's); a thread
+entered into one (`_enter`, for sockets only); and the selftest the KV tests run through them (one TCP
+hand-off of random bytes across the pair). Split from cross_host.py to keep each module under 400 lines."""
 from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
+import sys
 
 import numpy as np
 
@@ -21,19 +25,28 @@ class Netns:
     """Two namespaces and a veth pair, `rate` (e.g. '1gbit', None: unshaped) and 0.5 ms each way.
     A context manager; deleted on exit, on SIGTERM and at interpreter exit, whatever happened."""
 
-    def __init__(self, rate: str | None):
+    def __init__(self, rate: str | None, names: str | None = None):
         pid = os.getpid()
         self.tx, self.rx = f"hs-tx-{pid}", f"hs-rx-{pid}"
         self.veth_tx, self.veth_rx = f"hst{pid % 100000}", f"hsr{pid % 100000}"
+        self.owner = names is None  # False: another process made them (`names`), and deletes them
+        if names:
+            self.tx, self.rx, self.veth_tx, self.veth_rx = names.split(",")
         self.rate = rate
         self.delay: str | None = None
         self.no_delay_reason: str | None = None
+
+    @property
+    def names(self) -> str:
+        return ",".join((self.tx, self.rx, self.veth_tx, self.veth_rx))
 
     @staticmethod
     def exec_in(ns: str) -> list[str]:
         return ["ip", "netns", "exec", ns]
 
     def __enter__(self) -> "Netns":
+        if not self.owner:
+            return self
         atexit.register(self.cleanup)
         try:
             _ip("netns", "add", self.tx)
@@ -72,12 +85,30 @@ class Netns:
                                 "latency", "50ms"], capture_output=True, text=True, check=True)
 
     def cleanup(self) -> None:
+        if not self.owner:
+            return
         for ns in (self.tx, self.rx):  # deleting a namespace deletes its end of the veth, and so the pair
             _ip("netns", "del", ns, check=False)
 
     def __exit__(self, *exc) -> None:
         self.cleanup()
         atexit.unregister(self.cleanup)
+
+
+def run_in_tx(argv: list[str]) -> int:
+    """Make the namespaces, run `python -m bench.cross_host argv --in-netns NAMES` as a process of the
+    sending namespace (it shapes the link and starts the receiving process in the other), delete them."""
+    from bench._common import ROOT
+
+    with Netns(rate=None) as ns:
+        child = subprocess.Popen([*ns.exec_in(ns.tx), sys.executable, "-m", "bench.cross_host", *argv,
+                                  "--in-netns", ns.names], cwd=ROOT)
+        try:
+            return child.wait()
+        finally:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+                child.wait(timeout=30)
 
 
 class HostImporter:

@@ -24,12 +24,13 @@ def verdict(cell: list[dict]) -> dict:
 
 
 ROW_HEADERS = ["Gbit/s", "tokens", "mode", "slices", "predicted s", "e2e s", "exposed s", "spread s", "% prefill",
-               "tail ms"]
+               "tail ms", "tx CPU over local s", "rx CPU s"]
 
 
 def row_of(r: dict) -> list:
     return [f"{r['gbit']:g}", r["n_tokens"], r["mode"], len(r["slices"]) if r["slices"] else 1, r["predicted_s"],
-            r["e2e_s"], r["exposed_s"], r["exposed_spread_s"], r["exposed_pct"], r["tail_s"] * 1e3]
+            r["e2e_s"], r["exposed_s"], r["exposed_spread_s"], r["exposed_pct"], r["tail_s"] * 1e3,
+            r.get("cpu_over_local_s", ""), r.get("rx_cpu_s", "")]  # runs before 2026-11-29 13:00 lack the CPU
 
 
 def report(records: list[dict], verdicts: dict) -> None:

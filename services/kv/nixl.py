@@ -45,7 +45,7 @@ import numpy as np
 
 from services.kv.handoff import HandoffState, NetworkSender, PrefillDone, SlotGrant
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
-from services.kv.nixl_agent import NixlAgent, TransferFailed
+from services.kv.nixl_agent import ImportBuffers, NixlAgent, TransferFailed
 from services.kv.tcp_frames import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR, FRAME, HEADER, MAX_ERROR_BYTES, OK,
                                     OK_PAYLOAD, PeerGone, SliceReady, auth_tag, recv_exact, recv_frame, send_parts)
 from services.kv.tcp_inbox import InboxReceiver, KVInbox
@@ -215,13 +215,18 @@ class NixlSender(NetworkSender):
 
 class NixlInbox(KVInbox):
     """decode_fpga's side of the service: the TCP inbox for the control connections, the agent that
-    READs, and the address prefill_gpu is told (`nixl://host:port`)."""
+    READs, the import buffers its receivers READ into, and the address prefill_gpu is told (`nixl://host:port`)."""
 
     def __init__(self, agent: NixlAgent, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
                  token: str | None = None, read_timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(host, port, advertise, token=token)
         self.agent, self.read_timeout_s = agent, read_timeout_s
+        self.buffers = ImportBuffers(agent)
         self.advertised = SCHEME + self.advertised
+
+    def close(self) -> None:
+        super().close()
+        self.buffers.close()
 
 
 class NixlReceiver(InboxReceiver):
@@ -235,7 +240,7 @@ class NixlReceiver(InboxReceiver):
         self._remote: str | None = None
         self._remote_base = 0
         self._buf: np.ndarray | None = None  # [header][KV]: the READs' destination, the import's source
-        self._reg = None
+        self._lease = None  # the inbox's import buffer `_buf` lies in
 
     def events(self):
         """The control connection's frames as hand-off messages (the header was read where it was routed)."""
@@ -273,8 +278,7 @@ class NixlReceiver(InboxReceiver):
         if size != HEADER_SIZE + self.layout.nbytes:
             raise HeaderMismatch(f"the offered buffer holds {size} bytes; this request's KV takes "
                                  f"{HEADER_SIZE + self.layout.nbytes}")
-        self._buf = np.empty(size, np.uint8)
-        self._reg = self.agent.register(self._buf.ctypes.data, self._buf.nbytes)
+        self._buf, self._lease = self.inbox.buffers.take(size)
         self._remote = self.agent.add_remote(bytes(raw[OFFER_HEAD.size:]))
         self._remote_base = base
 
@@ -329,8 +333,8 @@ class NixlReceiver(InboxReceiver):
         if self._remote is not None:
             self.agent.release_remote(self._remote)
             self._remote = None
-        if self._reg is not None:
-            self.agent.deregister(self._reg)
-            self._reg = None
-        # the buffer itself stays referenced until the receiver goes: the engine's enqueued uploads read
-        # it up to finish_import, which run() has passed (or failed) by now
+        if self._lease is not None:
+            # the engine's enqueued uploads read it up to finish_import, which a clean end has passed: the
+            # next hand-off may READ into it; a failed one's may still be read (or landing): dropped
+            self.inbox.buffers.give(self._lease, reuse=self.state is HandoffState.DONE)
+            self._lease = None

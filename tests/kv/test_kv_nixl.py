@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX would use eth0 as well; keep its tcp transport (see docs)
@@ -157,6 +158,26 @@ def test_the_senders_agent_progresses_only_while_a_read_of_its_memory_is_due(age
     nothing_left(inbox, agents, tx)
 
 
+def test_a_clean_handoffs_import_buffer_serves_the_next_one(agents, inbox, torch_engine, model_config, prefilled):
+    """The receiver READs into a registered buffer the inbox keeps: the next hand-off of the same size READs
+    into the same memory (no fresh pages, no registration) and still imports this request's KV."""
+    _, kv, first = prefilled
+    addresses = []
+    for _ in range(2):
+        th, result = receive_in_thread(inbox, BlockSink(torch_engine, PROMPT_LEN + 1), None, header_for(model_config))
+        with sender(inbox, agents, header_for(model_config)) as tx:
+            send(tx, kv * (len(addresses) + 1), "layers", first)  # other bytes the second time
+        th.join(TIMEOUT_S)
+        assert "error" not in result, result.get("error")
+        rx = result["receiver"]
+        addresses.append(rx._buf.ctypes.data)
+        assert np.array_equal(rx._buf[HEADER_SIZE:].view(np.float32).reshape(kv.shape), kv * len(addresses))
+        assert any(buf.ctypes.data == addresses[-1] for buf, _ in inbox.buffers._idle)  # back, for the next
+    assert addresses[0] == addresses[1]
+    assert inbox.buffers.idle_bytes <= inbox.buffers.keep_bytes
+    nothing_left(inbox, agents, tx)
+
+
 def test_kv_for_another_request_is_refused_on_both_ends(agents, inbox, model_config):
     with inbox.expecting(request_nonce("req-1")) as waiting:
         with sender(inbox, agents, header_for(model_config, request="req-2")) as tx:  # the wrong nonce
@@ -193,6 +214,8 @@ def test_memory_whose_header_is_not_the_announced_one_is_refused(agents, inbox, 
             tx.finish()
     th.join(TIMEOUT_S)
     assert isinstance(result["error"], HeaderMismatch) and result["receiver"].state is HandoffState.FAILED
+    # a failed hand-off's buffer is not handed to the next one
+    assert all(buf.ctypes.data != result["receiver"]._buf.ctypes.data for buf, _ in inbox.buffers._idle)
     nothing_left(inbox, agents, tx)
 
 
