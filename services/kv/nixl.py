@@ -22,14 +22,16 @@ opens to decode_fpga's KV inbox (tcp_inbox.py, the TCP transport's, unchanged), 
 The buffer the sender registers is [64-byte slot header][KV in wire layout]. The receiver READs the
 header out of it when it accepts the slot and again once every layer is on its device: it must equal
 the header the connection announced (nonce and generation included). The sender zeroes it before it
-deregisters the buffer, so a READ that raced the buffer's end cannot pass as this request's KV.
+lets the buffer go, so a READ that raced the buffer's end cannot pass as this request's KV.
 The sender's agent progresses (nixl_agent.py's loop) only while the receiver may be READing: from each
 OFFER, READY or DONE it sends until its answer (ACCEPTED, LANDED, OK) comes. Between slices, while the
 prefill computes, nothing of the transport runs on prefill's cores.
 Both sides use bounded waits: a READ not done in `read_timeout_s`, a peer that closes the control
 connection or goes silent past its timeout, is PeerGone (a HandoffFailed) on whichever side notices.
-Nothing outlives `close()`: the registration, the transfer handles, the peer's metadata (and with the
-last hand-off from it, its connection: nixl_agent.py), the control connection, the buffers.
+Nothing of a hand-off outlives `close()`: its transfer handles, the peer's metadata (and with the last
+hand-off from it, its connection: nixl_agent.py), the control connection. Its registered buffer (either
+side's) goes back to the agent, kept for the next hand-off when this one ended cleanly (at most 256 MiB
+idle: nixl_agent.Buffers), else deregistered.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import numpy as np
 
 from services.kv.handoff import HandoffState, NetworkSender, PrefillDone, SlotGrant
 from services.kv.header import HEADER_SIZE, HeaderMismatch, SlotHeader
-from services.kv.nixl_agent import ImportBuffers, NixlAgent, TransferFailed
+from services.kv.nixl_agent import NixlAgent, TransferFailed
 from services.kv.tcp_frames import (DEFAULT_TIMEOUT_S, DONE, DONE_PAYLOAD, ERROR, FRAME, HEADER, MAX_ERROR_BYTES, OK,
                                     OK_PAYLOAD, PeerGone, SliceReady, auth_tag, recv_exact, recv_frame, send_parts)
 from services.kv.tcp_inbox import InboxReceiver, KVInbox
@@ -72,7 +74,7 @@ class NixlSender(NetworkSender):
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._buf: np.ndarray | None = None
-        self._reg = None
+        self._lease = None  # the agent's kept buffer `_buf` lies in (registered)
         self._reader: threading.Thread | None = None
         self._answered = threading.Event()
         self._answer: float | BaseException | None = None
@@ -90,10 +92,9 @@ class NixlSender(NetworkSender):
                            f"{exc.strerror or exc}") from exc
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw = self.header.pack()
-        self._buf = np.zeros(HEADER_SIZE + self.layout.nbytes, np.uint8)
+        self._buf, self._lease = self.agent.buffers.take(HEADER_SIZE + self.layout.nbytes)
         self._buf[:HEADER_SIZE] = np.frombuffer(raw, np.uint8)
-        self._reg = self.agent.register(self._buf.ctypes.data, self._buf.nbytes)
-        meta = self.agent.metadata(self._reg)
+        meta = self.agent.metadata(self._lease[1])
         tag = auth_tag(self._token, raw) if self._token else b""
         offer = OFFER_HEAD.pack(self._buf.ctypes.data, self._buf.nbytes) + meta
         self._reader = threading.Thread(target=self._read_answers, name="kv-nixl-sender", daemon=True)
@@ -207,9 +208,9 @@ class NixlSender(NetworkSender):
             if self._unanswered:  # ended with an answer due (a refusal, a peer gone): the agent rests
                 self._unanswered = 0
                 self.agent.drop_progress()
-        if self._reg is not None:
-            self.agent.deregister(self._reg)
-            self._reg = None
+        if self._lease is not None:  # after the receiver's OK its READs are over: the next hand-off may reuse it
+            self.agent.buffers.give(self._lease, reuse=self.state is HandoffState.DONE)
+            self._lease = None
         self._buf = None
 
 
@@ -221,12 +222,8 @@ class NixlInbox(KVInbox):
                  token: str | None = None, read_timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(host, port, advertise, token=token)
         self.agent, self.read_timeout_s = agent, read_timeout_s
-        self.buffers = ImportBuffers(agent)
+        self.buffers = agent.buffers  # the import buffers its receivers READ into
         self.advertised = SCHEME + self.advertised
-
-    def close(self) -> None:
-        super().close()
-        self.buffers.close()
 
 
 class NixlReceiver(InboxReceiver):

@@ -39,7 +39,7 @@ EXTRA = "nixl"
 INSTALL_HINT = f"pip install 'hybridserve[{EXTRA}]'"
 DEFAULT_POLL_S = 100e-6  # between two progress calls while memory is out (and between two polls of a READ)
 SPIN_S = 200e-6  # a READ is polled without sleeping this long first: most layers land within it on one host
-KEEP_BYTES = 256 << 20  # import buffers kept registered between hand-offs (ImportBuffers), at most
+KEEP_BYTES = 256 << 20  # buffers kept registered between hand-offs (Buffers), at most, per agent
 
 
 class NixlUnavailable(RuntimeError):
@@ -87,6 +87,7 @@ class NixlAgent:
         self.progress_calls = 0  # the progress loop's calls, for tests and probes
         self._wake = threading.Condition(self._lock)
         self._closed = False
+        self.buffers = Buffers(self)  # the hand-offs' registered memory, kept for the next ones
         self._progress = threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True)
         self._progress.start()
 
@@ -200,7 +201,8 @@ class NixlAgent:
             time.sleep(self.poll_s)
 
     def close(self) -> None:
-        """Stop the progress loop and forget every peer (the agent itself goes with the process)."""
+        """Stop the progress loop, forget every peer, let the kept buffers go (the agent goes with the process)."""
+        self.buffers.close()
         with self._lock:
             self._closed = True
             self._wake.notify_all()
@@ -211,12 +213,14 @@ class NixlAgent:
         self._progress.join(timeout=5)
 
 
-class ImportBuffers:
-    """Registered host buffers the receiver READs into, kept for the next hand-off. A fresh buffer per hand-off
-    paid a page fault per 4 KiB page in its first READs (a 2,000-token layer, 3 MB: 8.6 ms against 0.3 ms
-    warm, ~0.25 s of decode's CPU per hand-off: bench/micro/nixl_probe.py) and a registration each time
-    (page pinning, where UCX has RDMA). At most `keep_bytes` stay idle, the newest first; a buffer comes
-    back only from a hand-off that ended cleanly (a failed one's READ may still be landing in it)."""
+class Buffers:
+    """Registered host buffers, kept for the next hand-off: the sender's KV (what the peer READs) and the
+    receiver's import buffer (what it READs into). A fresh buffer per hand-off paid a page fault per 4 KiB
+    page at its first touch (a receiver's READ of a 2,000-token layer, 3 MB: 8.6 ms against 0.3 ms warm,
+    ~0.25 s of decode's CPU per hand-off: bench/micro/nixl_probe.py; on the sender, in the prefill's own
+    copies) and a registration each time (page pinning, where UCX has RDMA). At most `keep_bytes` stay
+    idle, the newest first; a buffer comes back only from a hand-off that ended cleanly (a failed one's
+    peer may still be READing it, or a READ still landing in it)."""
 
     def __init__(self, agent: NixlAgent, keep_bytes: int = KEEP_BYTES):
         self.agent, self.keep_bytes = agent, keep_bytes

@@ -96,7 +96,7 @@ def nothing_left(inbox, agents, tx=None) -> None:
     assert agents[0]._serving == 0
     assert inbox._expected == {}
     if tx is not None:
-        assert tx._reg is None and tx._sock is None and tx._buf is None and tx._reader is None
+        assert tx._lease is None and tx._sock is None and tx._buf is None and tx._reader is None
 
 
 @pytest.mark.parametrize("mode", ["whole", "layers", 16])
@@ -158,22 +158,24 @@ def test_the_senders_agent_progresses_only_while_a_read_of_its_memory_is_due(age
     nothing_left(inbox, agents, tx)
 
 
-def test_a_clean_handoffs_import_buffer_serves_the_next_one(agents, inbox, torch_engine, model_config, prefilled):
-    """The receiver READs into a registered buffer the inbox keeps: the next hand-off of the same size READs
-    into the same memory (no fresh pages, no registration) and still imports this request's KV."""
+def test_a_clean_handoffs_buffers_serve_the_next_one(agents, inbox, torch_engine, model_config, prefilled):
+    """Each side's registered buffer goes back to its agent: the next hand-off of the same size is offered
+    from, and READ into, the same memory (no fresh pages, no registration), and still carries its own KV."""
     _, kv, first = prefilled
-    addresses = []
+    addresses, offered = [], []
     for _ in range(2):
         th, result = receive_in_thread(inbox, BlockSink(torch_engine, PROMPT_LEN + 1), None, header_for(model_config))
         with sender(inbox, agents, header_for(model_config)) as tx:
             send(tx, kv * (len(addresses) + 1), "layers", first)  # other bytes the second time
+            offered.append(tx._buf.ctypes.data)
         th.join(TIMEOUT_S)
         assert "error" not in result, result.get("error")
         rx = result["receiver"]
         addresses.append(rx._buf.ctypes.data)
         assert np.array_equal(rx._buf[HEADER_SIZE:].view(np.float32).reshape(kv.shape), kv * len(addresses))
         assert any(buf.ctypes.data == addresses[-1] for buf, _ in inbox.buffers._idle)  # back, for the next
-    assert addresses[0] == addresses[1]
+    assert addresses[0] == addresses[1] and offered[0] == offered[1]
+    assert any(buf.ctypes.data == offered[0] for buf, _ in agents[0].buffers._idle)
     assert inbox.buffers.idle_bytes <= inbox.buffers.keep_bytes
     nothing_left(inbox, agents, tx)
 
