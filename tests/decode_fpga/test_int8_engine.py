@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from tests.conftest import random_prompt
-from tests.decode_fpga.conftest import make_engine
 from tests.decode_fpga.test_paged_step import chunk, run_alone, run_together, scattered_tables
 
 TEXT = Path(__file__).resolve().parents[2] / "bench" / "data" / "public_domain_us.txt"
@@ -19,12 +18,20 @@ N_TEXT = 96  # teacher-forced tokens: rows of two 48-row steps
 
 
 @pytest.fixture(scope="module")
-def int8_engine(loaded_model, cl_dev):
-    from services.model.gguf_blocks import read_block_tensors
+def int8_engine(loaded_model, monkeypatch_module):
+    """Started as the service starts it: from HYBRIDSERVE_DECODE_* settings (ACTIVATIONS=int8)."""
+    from services.decode_fpga.engine import OpenCLEngine
+    from services.decode_fpga.settings import DecodeSettings
 
-    blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
-    return make_engine(loaded_model, dataclasses.replace(cl_dev, activations="int8"), weights_dtype="gguf",
-                       blocks=blocks, max_context=1024)
+    monkeypatch_module.setenv("HYBRIDSERVE_DECODE_ACTIVATIONS", "int8")
+    settings = DecodeSettings(kv_cache_mb=64, max_context=1024, max_num_batched_tokens=128)
+    return OpenCLEngine.from_settings(loaded_model, settings)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 def teacher_forced(engine, tokens, table):
@@ -43,6 +50,7 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
 def test_int8_picks_mostly_agree_with_the_exact_path(int8_engine, ocl_gguf_engine, loaded_model):
     from services.model.tokenizer import load_tokenizer, text_ids
 
+    assert int8_engine.dev.activations == "int8" and int8_engine.weights_dtype == "gguf"
     assert not int8_engine.fit.one_launch_layers  # decode_layers.cl is fp32: off with int8
     tokens = text_ids(load_tokenizer(loaded_model.checkpoint), TEXT.read_text())[:N_TEXT]
     table = scattered_tables(int8_engine, [N_TEXT], seed=1)[0]
