@@ -57,6 +57,8 @@ def one_exchange(url: str, model: str, mode: str, size: int, at_once: int, seed:
                     reverse=True)
     gaps = [b - p for p, b in zip(a, a[1:])]
     return {"mode": mode, "size": size, "at_once": at_once, "largest": during[:3],
+            # where in the long prompts' time each of the largest gaps began (s after they were sent)
+            "largest_at_s": [start - x.long_sent for _g, start, _e in during[:3]],
             "max_gap_s": during[0][0] if during else None,
             "over_150ms": sum(g > SMOOTH_S for g in gaps) / len(gaps) if gaps else None,
             "gap_p50_s": statistics.median(gaps) if gaps else None,

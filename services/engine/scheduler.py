@@ -194,7 +194,7 @@ class Scheduler:
         decodes = self._schedule_decodes(preempted)
         waited = self.oldest_queued_wait()
         decode_rows = sum(c.num_tokens for c in decodes)  # drafts included
-        budget = max(0, self._step_tokens(waited) - decode_rows)
+        budget = max(0, self._step_tokens(waited, decode_rows if decodes else None) - decode_rows)
         cap = self.pacer.cap(waited, decode_rows) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
@@ -204,11 +204,11 @@ class Scheduler:
         self._in_flight = SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
         return self._in_flight
 
-    def _step_tokens(self, waited: float) -> int:
+    def _step_tokens(self, waited: float, decode_rows: int | None) -> int:
         """The tokens this step may compute: max_num_batched_tokens, grown toward
         stretched_batched_tokens as far as the queue stretches the step (step_pacer.py)."""
         calm = self.config.max_num_batched_tokens
-        return calm + int(self.pacer.stretch(waited) * (self.config.most_batched_tokens - calm))
+        return calm + int(self.pacer.stretch(waited, decode_rows) * (self.config.most_batched_tokens - calm))
 
     def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
         """Record the step's computed tokens and sampled ones; return the sequences it finished."""

@@ -50,6 +50,13 @@ decodes included, left 34 prompt tokens beside 30 decodes where a stretched step
 and its TTFT p50 at 32 clients stayed at 8.3 s; grown to 512 (with the stretch from 0.5 s of waiting
 to 2 s steps) it was 3.4-3.55 s at 0.93-1.01x the tokens/s (bench/results/serve_32_prefill_first.json,
 serve_stretched_budget_vs_before.json).
+
+The stretch is for prompts the decodes starve, and only for them: it grows with how much of the calm
+target the step's decodes alone fill (`pressure`: none while they take at most half of it, all of it when
+they fill it). Four 2,000-token prompts arriving at once beside one stream queue past the TTFT target too,
+but its decodes took 20 ms of the 100: each step still gave the prompts 80 ms, and stretching it to 2 s
+froze the stream for 2.0-3.0 s (fpga and auto, bench/long_prompt_gaps.py) for a first token a few
+seconds sooner. At 32 clients the decodes fill ~97% of it and the stretch is what it was.
 """
 from __future__ import annotations
 
@@ -60,6 +67,8 @@ GROWTH = 1.5
 # a step at the floor longer than this x its target halves the floor: below GROWTH, so that steps at the
 # floor keep within the 1.5x bound with room for the machine's noise
 FLOOR_OVER = 1.25
+# the share of the calm target a step's decodes may fill before a queue of prompts stretches it at all
+ROOM_FOR_PROMPTS = 0.5
 
 
 class StepPacer:
@@ -76,16 +85,25 @@ class StepPacer:
         self.step_target_s = target_s  # the target of the step last capped (stretched or not)
         self.last_cap = 0  # the prompt tokens that step was allowed (a gauge)
 
-    def stretch(self, oldest_wait_s: float) -> float:
-        """How far the queue stretches a step, 0 (not at all) to 1 (at twice the TTFT target): its
-        target (`target_for`) and the scheduler's token budget grow with it."""
+    def stretch(self, oldest_wait_s: float, n_decodes: int | None = None) -> float:
+        """How far the queue stretches a step, 0 (not at all) to 1 (at twice the TTFT target, decodes filling
+        the calm target): its target (`target_for`) and the scheduler's token budget grow with it."""
         if self.ttft_target_s <= 0 or oldest_wait_s <= self.ttft_target_s:
             return 0.0
-        return min(1.0, oldest_wait_s / self.ttft_target_s - 1.0)
+        return min(1.0, oldest_wait_s / self.ttft_target_s - 1.0) * self.pressure(n_decodes)
 
-    def target_for(self, oldest_wait_s: float) -> float:
+    def pressure(self, n_decodes: int | None) -> float:
+        """How much `n_decodes` decode rows crowd prompts out of a calm step: 0 while their base takes at
+        most ROOM_FOR_PROMPTS of the target, 1 once it fills the target; 1 when nothing says (no rows
+        given, or no decode-only step measured yet: the queue's wait alone decides, as before)."""
+        if n_decodes is None or self.base_s is None:
+            return 1.0
+        share = self.base_for(n_decodes) / self.target_s
+        return min(1.0, max(0.0, (share - ROOM_FOR_PROMPTS) / (1.0 - ROOM_FOR_PROMPTS)))
+
+    def target_for(self, oldest_wait_s: float, n_decodes: int | None = None) -> float:
         """The step target while the oldest prompt queued behind another has waited `oldest_wait_s`."""
-        return self.target_s + self.stretch(oldest_wait_s) * (self.max_s - self.target_s)
+        return self.target_s + self.stretch(oldest_wait_s, n_decodes) * (self.max_s - self.target_s)
 
     def observe(self, n_decodes: int, n_prefill_tokens: int, seconds: float) -> None:
         if n_prefill_tokens == 0:
@@ -124,7 +142,7 @@ class StepPacer:
         `n_decodes`: the step's decode rows."""
         if self.target_s <= 0:
             return None
-        target = self.target_for(oldest_wait_s)
+        target = self.target_for(oldest_wait_s, n_decodes)
         if target < self.step_target_s:  # the queue is served: what fit a stretched step fits less now
             self.fits = int(self.fits * target / self.step_target_s)
         self.step_target_s = target

@@ -255,3 +255,38 @@ def test_a_base_measured_with_fewer_rows_does_not_hold_a_full_batch_below_its_st
         times.append(cost(60, n))
         p.observe(60, n, times[-1])
     assert min(times[-10:]) >= 0.35 and max(times) <= 1.5 * 0.4, times
+
+
+def test_prompts_queued_beside_few_streams_never_stretch_their_steps():
+    """Four 2,000-token prompts arriving at once beside one stream queue past the TTFT target, but the
+    stream's decodes take 20 ms of the 100 ms target: the prompts get 80 ms a step without a stretch,
+    and a stretched 2 s step froze the stream for 2-3 s (bench/long_prompt_gaps.py, fpga and auto).
+    The stretch is only for decodes that crowd prompts out (the 32-client tests above)."""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_blocks=2000, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                                      stretched_batched_tokens=512, max_model_len=4096, step_target_s=0.1,
+                                      ttft_target_s=0.5, step_max_s=2.0), clock=lambda: clock[0])
+    sched.add(Sequence(0, [1], 10_000))
+
+    def step() -> tuple[float, int]:
+        out = sched.schedule()
+        tokens = sum(c.num_tokens for c in out.prefills)
+        seconds = 0.02 * len(out.decodes) + 0.00075 * tokens  # 20 ms a decode row, ~130 prompt tokens a 100 ms
+        clock[0] += seconds
+        sched.observe_step(out, seconds)
+        sched.update(out, {c.seq_id: 9 for c in out.chunks if c.samples})
+        return seconds, tokens
+
+    for _ in range(10):  # the stream decodes alone: the base is measured
+        step()
+    for i in range(4):
+        sched.add(Sequence(100 + i, [1000 * (i + 1) + j for j in range(2000)], 5))
+    steps, tokens = zip(*(step() for _ in range(700)))
+    assert sched.pacer.pressure(1) == 0.0
+    assert max(steps) < 0.15, max(steps)
+    assert sum(tokens) == 4 * 2000, sum(tokens)  # every prompt prefilled: paced, not starved
+    # 30 streams filling 97 ms of the target: the stretch is what it was
+    p = StepPacer(0.1, 16, 512, ttft_target_s=0.5, max_s=2.0)
+    for _ in range(10):
+        p.observe(30, 0, 0.097)
+    assert p.pressure(30) > 0.9 and p.target_for(1.0, 30) > 1.8, (p.pressure(30), p.target_for(1.0, 30))
