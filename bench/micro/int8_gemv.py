@@ -7,7 +7,11 @@ steadier figure on a shared machine) and wall us, for `fp32` (bind_gemv_rows on 
 gemv_quant_tiles1/tiles) and `int8` (quantize_x8 + gemv_int8_rows, the quantization counted; the
 quantize_x8 launch alone beside it).
 
-    python -m bench.micro.int8_gemv [--model PATH.gguf] [--rows 1,8] [--runs 7] [--name int8_gemv]
+With --formats (e.g. q4_0,q5_0,q5_k,q6_k) random matrices of each format at --shape (default a 1B
+model's 2048x8192, four copies) take the model's place.
+
+    python -m bench.micro.int8_gemv [--model PATH.gguf | --formats F,F --shape RxC] [--rows 1,8] [--runs 7]
+        [--name int8_gemv]
 """
 from __future__ import annotations
 
@@ -26,6 +30,19 @@ import pyopencl as cl  # noqa: E402
 MF = cl.mem_flags
 
 
+def synthetic_kinds(formats: str, shape: str) -> dict:
+    """{format: (rows, cols, copies, tensor i)}: random matrices, as kquant_gemv makes them."""
+    from bench.micro.quant_gemv import synthetic  # gguf-py quantizes the legacy formats
+    from tests.decode_fpga.kquant_checkpoint import random_blocks
+
+    rows, cols = (int(v) for v in shape.split("x"))
+
+    def make(fmt):
+        return lambda i: (synthetic(fmt, rows, cols, i) if fmt in ("q4_0", "q4_1", "q8_0")
+                          else random_blocks(fmt, rows, cols, seed=i))
+    return {fmt: (rows, cols, 4, make(fmt)) for fmt in formats.split(",")}
+
+
 def main() -> int:
     from bench.micro.quant_gemv import shapes, time_rows
     from services.decode_fpga.device import select_device
@@ -38,6 +55,8 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--formats", default="", help="random matrices of these formats instead of the model's")
+    ap.add_argument("--shape", default="2048x8192", help="rows x cols of the --formats matrices")
     ap.add_argument("--name", default="int8_gemv")
     args = ap.parse_args()
     rows_list = [int(v) for v in args.rows.split(",")]
@@ -55,7 +74,15 @@ def main() -> int:
     cl.enqueue_copy(base.queue, sums, rng.normal(size=top * width // 32).astype(np.float32), is_blocking=True)
     n_rows = cl.Buffer(base.context, MF.READ_WRITE, 4)
     lines = []
-    for shape, (rows, cols, copies, real) in shapes(src, cfg, True).items():
+    kinds = shapes(src, cfg, True) if not args.formats else synthetic_kinds(args.formats, args.shape)
+    if args.formats:
+        width = max(width, int(args.shape.split("x")[1]))
+        x = cl.Buffer(base.context, MF.READ_WRITE, top * width * 4)
+        sums = cl.Buffer(base.context, MF.READ_WRITE, top * width // 32 * 4)
+        y = cl.Buffer(base.context, MF.READ_WRITE, top * max(cfg.vocab_size, int(args.shape.split("x")[0])) * 4)
+        cl.enqueue_copy(base.queue, x, rng.normal(size=top * width).astype(np.float32), is_blocking=True)
+        cl.enqueue_copy(base.queue, sums, rng.normal(size=top * width // 32).astype(np.float32), is_blocking=True)
+    for shape, (rows, cols, copies, real) in kinds.items():
         tensors = [real(i) for i in range(copies)]
         if not hasattr(tensors[0], "qtype"):
             progress(f"{shape}: mixed formats, skipped")

@@ -7,9 +7,8 @@ the weights' quants with them (kernels/gemv_quant_int8.cl: AVX2's vpmaddubsw on 
 cl_khr_integer_dot_product where a device offers it, else an int loop). It changes logits, and
 sometimes tokens, so it is opt-in; docs/decode-kernels.md has its divergence from the exact path.
 
-Formats with an int8 kernel: INT8_FORMATS. The others (Q5_0, Q5_1, Q5_K), dense matrices, GPUs
-(several lanes a row), the per-sequence slot path and the one-launch decode step keep the exact
-fp32 arithmetic; config.DeviceFit turns the one launch off with int8 so that a row's result never
+Formats with an int8 kernel: INT8_FORMATS, every block format. Dense matrices, GPUs (several lanes
+a row), the embedding lookup and the one-launch decode step keep the exact fp32 arithmetic; config.DeviceFit turns the one launch off with int8 so that a row's result never
 depends on whether its step had one row or several.
 
 The int8 copy of x lives in buffers shared by every matrix that reads the same x buffer (one pair
@@ -25,7 +24,7 @@ import pyopencl as cl
 from services.decode_fpga.launch import bind_rows
 
 ACTIVATIONS = ("fp32", "int8")  # the setting's values: the exact path, or int8 activations
-INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q4_k", "q6_k")  # block formats with an int8 GEMV
+INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # every block format
 
 
 def check_activations(value: str) -> str:

@@ -46,7 +46,7 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # its phases separated by barriers across work-groups (decode_layers.cl); false: five per layer
     opencl_layer_kernels: bool = True
     # the paged step's block GEMVs: fp32 activations (exact) or int8, x quantized per block of 32 and
-    # integer dot products (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K on a CPU device: int8_gemv.py). int8 changes
+    # integer dot products (every block format on a CPU device: int8_gemv.py). int8 changes
     # logits and sometimes tokens (docs/decode-kernels.md has its divergence), and turns the one-launch
     # decode step off
     activations: Literal["fp32", "int8"] = "fp32"
@@ -62,9 +62,11 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # gate|up stack with a part in none, is refused at start; true stores it as f32 instead (the same
     # values, 4 bytes a weight). Stacks of mixed block formats need no fallback (stacked_matrix.py)
     allow_dense_fallback: bool = False
-    kv_channels: int = 1  # memory channels the KV cache is spread over (32 mirrors an HBM FPGA)
-    max_context: int = 4096  # positions per sequence slot (capped by the model's own context)
-    max_sequences: int = 4  # slots of the per-sequence engine API (tests, tools); serving uses the pool
+    max_context: int = 4096  # positions per sequence (capped by the model's own context)
+    # read by nothing since the per-sequence slot path retired (issue 54): the paged pool is one buffer
+    # and its sequences are the scheduler's (max_num_seqs); kept so environments that set them still start
+    kv_channels: int = 1
+    max_sequences: int = 4
     # service
     host: str = "127.0.0.1"
     port: int = 50062

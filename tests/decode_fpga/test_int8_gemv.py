@@ -28,8 +28,8 @@ def int8_dev(cl_dev):
 
 
 def block_tensor(fmt: str, rows: int, cols: int, seed: int) -> BlockTensor:
-    # gguf-py quantizes the 32-blocks; K-quants are random blocks made as bytes
-    return random_blocks(fmt, rows, cols, seed) if fmt.endswith("_k") else synthetic(fmt, rows, cols, seed)
+    # gguf-py quantizes Q4_0, Q4_1 and Q8_0; the 5-bit formats and K-quants are random blocks made as bytes
+    return synthetic(fmt, rows, cols, seed) if fmt in ("q4_0", "q4_1", "q8_0") else random_blocks(fmt, rows, cols, seed)
 
 
 def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,9 +43,9 @@ def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def minimums(t: BlockTensor) -> np.ndarray | None:
     """Each block's minimum, float64 [rows, nb] (None for formats without)."""
-    if t.qtype == "q4_1":
+    if t.qtype in ("q4_1", "q5_1"):
         return split_blocks(t)[1][:, :t.cols // 32].astype(np.float64)
-    if t.qtype == "q4_k":
+    if t.qtype in ("q4_k", "q5_k"):
         return numpy_factors(t)[2].astype(np.float64)
     return None
 
@@ -127,10 +127,12 @@ def test_avx2_builtins_give_the_portable_bits(int8_dev, fmt):
     np.testing.assert_array_equal(run_rows(int8_dev, t, x), run_rows(int8_dev, t, x, {"I8_PORTABLE": 1}))
 
 
-def test_formats_without_an_int8_kernel_keep_the_exact_path(int8_dev, cl_dev):
-    t = random_blocks("q5_0", 9, 256, seed=9)
+def test_several_lanes_a_row_keep_the_exact_path(int8_dev, cl_dev):
+    """A GPU's work-group kernels (here forced to 32 lanes a row) have no int8 form: the exact bits."""
+    t = random_blocks("q4_k", 9, 256, seed=9)
     x = np.random.default_rng(10).normal(size=(3, 256)).astype(np.float32)
-    np.testing.assert_array_equal(run_rows(int8_dev, t, x), run_rows(cl_dev, t, x))
+    wide = dataclasses.replace(int8_dev, lanes=32)
+    np.testing.assert_array_equal(run_rows(wide, t, x), run_rows(dataclasses.replace(cl_dev, lanes=32), t, x))
 
 
 def test_a_bad_activations_value_fails_at_start(monkeypatch):

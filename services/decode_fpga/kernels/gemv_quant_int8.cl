@@ -2,9 +2,10 @@
 // 55 part 2): each row of x is quantized once to int8 per block of 32 (quantize_x8: one scale a
 // block, its largest magnitude to 127, round to nearest even), and every output row takes integer
 // dot products of its block's quants with those int8 values, then one float fma a block for the
-// scales. Built with -DQFMT (quant_blocks.h's codes) for the formats with an int8 form here:
+// scales. Built with -DQFMT (quant_blocks.h's codes), every block format:
 //   40 Q4_0  d (q - 8)      41 Q4_1  d q + m      80 Q8_0  d q
-//   42 Q4_K  d q + m (d = d_super sc_b)           62 Q6_K  d_h (q - 32), two scales a block
+//   50 Q5_0  d (q - 16)     51 Q5_1  d q + m      42 Q4_K, 52 Q5_K  d q + m (d = d_super sc_b)
+//   62 Q6_K  d_h (q - 32), two scales a block
 // The weights are the exact path's device arrays, unchanged (quant_gemv.py's split_blocks); the
 // minimums still multiply x's fp32 block sums (written by x's producer), so only the products
 // q * x move, by the rounding of x (at most half a step of 1/127 of a block's largest value).
@@ -14,7 +15,7 @@
 //     by 32 signed ones and sums pairs to int16, vpmaddwd sums pairs of those to int32, named
 //     through clang's x86 builtins (LLVM 15 made multiplies and shuffles of the same arithmetic in
 //     OpenCL C vectors, slower than the fp32 kernel: bench/micro/int8_probe.cl). Signed weights
-//     (Q4_0, Q8_0, Q6_K) go in as |w| with x's signs flipped where w < 0 (vpsignb), so nothing
+//     (Q4_0, Q5_0, Q8_0, Q6_K) go in as |w| with x's signs flipped where w < 0 (vpsignb), so nothing
 //     saturates: |w| <= 128, |x| <= 127, a pair at most 32512;
 //   - cl_khr_integer_dot_product's dot() on 4 signed bytes, where the device offers it (PoCL 3.1
 //     here does not);
@@ -31,7 +32,7 @@
 #define XAS __global
 #include "quant_blocks.h"
 
-#if QFMT == 40 || QFMT == 80 || QFMT == 62
+#if QFMT == 40 || QFMT == 50 || QFMT == 80 || QFMT == 62
 #define W_SIGNED 1  // weights below zero: the AVX2 path flips x's signs
 #else
 #define W_SIGNED 0
@@ -51,16 +52,35 @@ inline void i8_weights(__global const uchar *q, const int b, char16 *w0, char16 
     *w1 = vload16(2 * b + 1, (__global const char *)q);
 #elif QFMT == 62
     // quant_blocks.h's Q6_K bytes: byte j = weight j (6 bits) | weight 16 + j's low 2 bits << 6; then
-    // weight 16 + j's high 4 bits at bit 4 (j >> 1) of uint (j & 1), taken apart here into j order
+    // weight 16 + j's high 4 bits at bit 4 (j >> 1) of uint (j & 1). The high bits come into place in
+    // 32-bit lanes as block_weights_f does it (one variable shift a lane), then pack to bytes: picking
+    // the 16 nibbles byte by byte measured twice the fp32 kernel's time
     __global const uchar *qb = q + 24 * b;
     const uchar16 lo = vload16(0, qb);
-    const uchar8 hb = vload8(0, qb + 16);
-    const uchar4 e0 = hb.s0123 & (uchar4)(0x0F), e1 = hb.s0123 >> (uchar4)(4);  // j = 4k, 4k + 2
-    const uchar4 o0 = hb.s4567 & (uchar4)(0x0F), o1 = hb.s4567 >> (uchar4)(4);  // j = 4k + 1, 4k + 3
-    const uchar16 h = (uchar16)(e0.s0, o0.s0, e1.s0, o1.s0, e0.s1, o0.s1, e1.s1, o1.s1,
-                                e0.s2, o0.s2, e1.s2, o1.s2, e0.s3, o0.s3, e1.s3, o1.s3);
+    const uint2 h2 = vload2(0, (__global const uint *)(qb + 16));
+    const uint2 u2 = h2 << (uint2)(2);
+    const uint16 h = (uint16)(u2, u2, u2, u2, h2, h2, h2, h2);
+    const uint16 sh = (uint16)(0, 0, 4, 4, 8, 8, 12, 12, 14, 14, 18, 18, 22, 22, 26, 26);
+    const uint16 hi = (convert_uint16(lo) >> (uint16)(6)) | ((h >> sh) & (uint16)(0x3C));
     *w0 = as_char16(lo & (uchar16)(0x3F)) - (char16)(32);
-    *w1 = as_char16((lo >> (uchar16)(6)) | (h << (uchar16)(2))) - (char16)(32);
+    *w1 = as_char16(convert_uchar16(hi)) - (char16)(32);
+#elif QFMT == 50 || QFMT == 51 || QFMT == 52
+    // the Q4 bytes, then the fifth bits as a little-endian uint (bit j: weight j): each lane's bit
+    // picked by a mask and a compare (a byte lane cannot shift by its own count on AVX2)
+    __global const uchar *qb = q + 20 * b;
+    const uchar16 lo = vload16(0, qb);
+    const uchar4 hb = vload4(0, qb + 16);
+    const uchar16 bit = (uchar16)(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    const uchar16 h0 = (uchar16)(hb.s0, hb.s0, hb.s0, hb.s0, hb.s0, hb.s0, hb.s0, hb.s0,
+                                 hb.s1, hb.s1, hb.s1, hb.s1, hb.s1, hb.s1, hb.s1, hb.s1);
+    const uchar16 h1 = (uchar16)(hb.s2, hb.s2, hb.s2, hb.s2, hb.s2, hb.s2, hb.s2, hb.s2,
+                                 hb.s3, hb.s3, hb.s3, hb.s3, hb.s3, hb.s3, hb.s3, hb.s3);
+    *w0 = as_char16((lo & (uchar16)(0x0F)) | (as_uchar16((h0 & bit) == bit) & (uchar16)(0x10)));
+    *w1 = as_char16((lo >> (uchar16)(4)) | (as_uchar16((h1 & bit) == bit) & (uchar16)(0x10)));
+#if QFMT == 50
+    *w0 -= (char16)(16);
+    *w1 -= (char16)(16);
+#endif
 #else  // 40, 41, 42: 16 bytes, byte j = weight j | weight j + 16 << 4
     const uchar16 qb = vload16(b, q);
     *w0 = as_char16(qb & (uchar16)(0x0F));
