@@ -50,7 +50,7 @@ def engine(path: Path, one_launch: bool):
     from services.decode_fpga.settings import DecodeSettings
     from services.model.loading import load_model
 
-    settings = DecodeSettings(kv_cache_mb=64, max_context=512, max_sequences=1, max_num_batched_tokens=256,
+    settings = DecodeSettings(kv_cache_mb=64, max_context=512, max_num_batched_tokens=256,
                               opencl_layer_kernels=one_launch)
     e = OpenCLEngine.from_settings(load_model(str(path)), settings)
     e.one_launch_choice = OneLaunchChoice(fixed=one_launch)

@@ -61,8 +61,8 @@ def block_kernel_lines(dev, cfg, blocks) -> list[dict]:
 def kernel_lines(dev, cfg) -> list[dict]:
     """One line per kernel: bytes it must move per launch / time per launch."""
     from services.decode_fpga.gemv import upload_dense_matrix
-    from services.decode_fpga.kv_channels import ChannelLayout
     from services.decode_fpga.launch import bind
+    from services.decode_fpga.paged_attention import PagedAttention, PagedKVLayout
 
     rng = np.random.default_rng(0)
     buf = lambda n, dt=np.float32: cl.Buffer(dev.context, MF.READ_WRITE | MF.COPY_HOST_PTR,  # noqa: E731
@@ -101,47 +101,47 @@ def kernel_lines(dev, cfg) -> list[dict]:
     la = emb.bind_embed(toks, nx, 1)
     s = time_enqueued(dev, lambda: la.enqueue(q), 200)
     lines.append({"kernel": "embed_rows", "batch": 1, "us": s * 1e6, "gbs": 2 * hidden * 4 / s / 1e9})
-    ctx = 512
+    ctx, block = 512, 16
     group = cfg.n_heads // cfg.n_kv_heads
-    attn = dev.build("attention.cl", {"HEAD_DIM": cfg.head_dim, "GROUP": group, "Q_DIM": cfg.q_dim,
-                                      "KV_DIM": cfg.kv_dim})
-    lay = ChannelLayout(1, cfg.n_kv_heads, cfg.head_dim, ctx + 1, 1, 1)
-    chan = buf(lay.channel_elems(0))
+    # one sequence of ctx + 1 positions in a pool of one layer, its blocks in order (the kernels' cost
+    # does not depend on where they lie)
+    layout = PagedKVLayout(1, cfg.n_kv_heads, cfg.head_dim, block, -(-(ctx + 1) // block))
+    pa = PagedAttention(dev, layout, cfg.n_heads)
+    pool = buf(layout.layer_elems)
+    tables = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
+                       hostbuf=np.arange(layout.num_blocks, dtype=np.int32))
     qkv = buf(cfg.q_dim + 2 * cfg.kv_dim)
-    slots = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.zeros(1, np.int32))
+    seq = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.zeros(1, np.int32))
     pos = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.full(1, ctx, np.int32))
     rope_cs = buf((ctx + 1) * cfg.head_dim)  # the engine's cos|sin table (values do not matter here)
     attn_out = buf(cfg.q_dim)
-    k_base, v_base = lay.locate(0, 0, 0, 0)[1], lay.locate(0, 0, 1, 0)[1]
-    args = (chan, np.int64(k_base), np.int64(0), chan, np.int64(v_base), np.int64(0), np.int64(0))
-    la = bind(attn, "rope_store_kv", (1, group + 1), qkv, slots, pos, rope_cs, np.int32(0), *args)
+    la = pa.bind_rope_store(1, qkv, seq, pos, rope_cs, tables, layout.num_blocks, pool, 0)
     s = time_enqueued(dev, lambda: la.enqueue(q), 200)
-    lines.append({"kernel": "rope_store_kv", "batch": 1, "us": s * 1e6, "gbs": 4 * cfg.head_dim * 4 / s / 1e9})
-    la = bind(attn, "attention", (1, group), qkv, slots, pos, np.int32(0), np.float32(0.125), *args, attn_out,
-              sums, local_size=(1, 1))
-    s = time_enqueued(dev, lambda: la.enqueue(q), 100)
+    lines.append({"kernel": "paged_rope_store_kv", "batch": 1, "us": s * 1e6,
+                  "gbs": cfg.n_kv_heads * 4 * cfg.head_dim * 4 / s / 1e9})
     # each query head reads K twice (max, then sum) and V once over ctx positions
-    lines.append({"kernel": f"attention ctx {ctx} (1 kv head)", "batch": 1, "us": s * 1e6,
-                  "gbs": group * 3 * (ctx + 1) * cfg.head_dim * 4 / s / 1e9})
-    la = bind(attn, "rope_attention_decode", (1, group), qkv, slots, pos, rope_cs, np.int32(0), np.float32(0.125),
-              *args, attn_out, sums, local_size=(1, 1))
-    s = time_enqueued(dev, lambda: la.enqueue(q), 100)
-    lines.append({"kernel": f"rope_attention_decode ctx {ctx} (1 kv head)", "batch": 1, "us": s * 1e6,
-                  "gbs": group * 3 * (ctx + 1) * cfg.head_dim * 4 / s / 1e9})
+    attn_bytes = cfg.n_heads * 3 * (ctx + 1) * cfg.head_dim * 4
+    for name, scores in (("", False), ("_scores", True)):
+        if scores and not pa.scores_fit(layout.num_blocks):
+            continue
+        la = pa.bind_attention(1, qkv, seq, pos, tables, layout.num_blocks, pool, 0, attn_out, sums, scores=scores)
+        s = time_enqueued(dev, lambda: la.enqueue(q), 100)
+        lines.append({"kernel": f"paged_attention{name} ctx {ctx}", "batch": 1, "us": s * 1e6,
+                      "gbs": attn_bytes / s / 1e9})
+        la = pa.bind_decode(1, qkv, seq, pos, rope_cs, tables, layout.num_blocks, pool, 0, attn_out, sums,
+                            scores=scores)
+        s = time_enqueued(dev, lambda: la.enqueue(q), 100)
+        lines.append({"kernel": f"paged_rope_attention_decode{name} ctx {ctx}", "batch": 1, "us": s * 1e6,
+                      "gbs": attn_bytes / s / 1e9})
     return lines
 
 
 def decode_step_s(engine, batch: int, ctx: int, steps: int, rng) -> float:
-    seqs = [engine.new_sequence(ctx + steps + 2) for _ in range(batch)]
-    try:
-        toks = [int(np.argmax(engine.prefill(s, rng.integers(3, 4000, ctx).tolist()))) for s in seqs]
-        t = time.perf_counter()
-        for _ in range(steps):
-            toks = engine.decode_greedy(seqs, toks)
-        return (time.perf_counter() - t) / steps
-    finally:
-        for s in seqs:
-            engine.release(s)
+    """Seconds a paged decode step of `batch` rows takes at a context of ctx (random KV imported into
+    blocks: a step's cost does not depend on its values), the mean of `steps` greedy steps."""
+    from bench.micro.paged_step import time_paged_wall
+
+    return float(np.mean(time_paged_wall(engine, engine.cfg, batch, ctx, steps)))
 
 
 def hf_step_s(model, ctx: int, steps: int, rng) -> float:
@@ -183,12 +183,9 @@ def llama_step_s(llm, ctx: int, steps: int, rng) -> float:
 
 
 def divergence(a, b, prompt, n: int) -> dict:
-    from services.engine.generation import Generation
-    from services.engine.sampling import SamplingParams
+    from services.engine.one_request import greedy_tokens
 
-    p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    ta = [e.token for e in Generation(a, prompt, p, 8192)]
-    tb = [e.token for e in Generation(b, prompt, p, 8192)]
+    ta, tb = greedy_tokens(a, prompt, n), greedy_tokens(b, prompt, n)
     first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
     return {"tokens": n, "first_difference": first, "differing_fraction": float(np.mean(np.array(ta) != np.array(tb)))}
 
@@ -206,6 +203,7 @@ def main() -> int:
     from services.decode_fpga.engine import OpenCLEngine
     from services.model.loading import load_model
     from services.model.reference import load_reference
+    from services.engine.batching_settings import BatchingSettings
     from services.prefill_gpu.engine import TorchEngine
 
     loaded = load_model()
@@ -218,13 +216,13 @@ def main() -> int:
     blocks = read_block_tensors(loaded.checkpoint, cfg)
     kernels += block_kernel_lines(dev, cfg, blocks)
     progress("building the engines (fp32, fp16), the torch engine and transformers")
-    engines = {f: OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(f, max_context=1024, max_sequences=8),
+    engines = {f: OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(f, max_context=1024, kv_cache_mb=64),
                                       blocks) for f in ("fp32", "fp16", "gguf")}
     # the same gguf step launch by launch, without the engine's CPU-device measures: what the one-launch
     # layers (decode_layers.cl) and holding the cores awake (cpu_wake.py) are worth, side by side
     launches = OpenCLEngine.create(cfg, loaded.weights, dev, EngineConfig(
-        "gguf", max_context=1024, max_sequences=8, layer_kernels=False, keep_cores_awake=False), blocks)
-    torch_engine = TorchEngine(cfg, loaded.weights, device="cpu")
+        "gguf", max_context=1024, kv_cache_mb=64, layer_kernels=False, keep_cores_awake=False), blocks)
+    torch_engine = TorchEngine(cfg, loaded.weights, device="cpu", batching=BatchingSettings(kv_cache_mb=64))
     ck = loaded.checkpoint
     hf = load_reference(ck)
     llm = llama_cpp_model(ck.path)

@@ -25,10 +25,27 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
+def chunk(seq_id: int, start: int, tokens, table):
+    from services.engine.sequence import ScheduledChunk
+
+    return ScheduledChunk(seq_id, start, tuple(tokens), tuple(table), True, None)
+
+
+def tables(engine, lengths) -> list[tuple[int, ...]]:
+    """Consecutive blocks of the engine's pool, one table per sequence of each length."""
+    out, first = [], 0
+    for n in lengths:
+        used = -(-n // engine.block_size)
+        out.append(tuple(range(first, first + used)))
+        first += used
+    return out
+
+
 def ours_prefill(engine, ids):
-    seq = engine.new_sequence(len(ids) + 1)
+    """The prompt as one chunk of the paged step (the engine is built for prompts of that many rows)."""
+    table = tables(engine, [len(ids) + 1])[0]
     t = time.perf_counter()
-    engine.prefill(seq, ids)
+    engine.step([chunk(0, 0, ids, table)], greedy=True)
     return time.perf_counter() - t
 
 
@@ -40,11 +57,13 @@ def hf_prefill(model, ids):
 
 
 def ours_decode(engine, prompts, steps):
-    seqs = [engine.new_sequence(len(p) + steps + 1) for p in prompts]
-    tokens = [int(np.argmax(engine.prefill(s, p))) for s, p in zip(seqs, prompts)]
+    """ms of a paged decode step of one row per prompt, after each prompt's own prefill step."""
+    tabs = tables(engine, [len(p) + steps + 1 for p in prompts])
+    tokens = [engine.step([chunk(i, 0, p, tab)], greedy=True)[0] for i, (p, tab) in enumerate(zip(prompts, tabs))]
     t = time.perf_counter()
-    for _ in range(steps):
-        tokens = engine.decode_greedy(seqs, tokens)
+    for k in range(steps):
+        tokens = engine.step([chunk(i, len(p) + k, [tok], tab) for i, (p, tok, tab) in
+                              enumerate(zip(prompts, tokens, tabs))], greedy=True)
     return (time.perf_counter() - t) / steps
 
 
@@ -107,11 +126,14 @@ def main() -> int:
 
     from services.model.loading import load_model
     from services.model.reference import load_reference
+    from services.engine.batching_settings import BatchingSettings
     from services.prefill_gpu.engine import TorchEngine
 
     progress("loading the model twice: ours and transformers'")
     loaded = load_model()
-    ours = TorchEngine(loaded.config, loaded.weights, device="cpu")
+    # one step takes the longest prompt whole (a server would chunk it)
+    ours = TorchEngine(loaded.config, loaded.weights, device="cpu",
+                       batching=BatchingSettings(kv_cache_mb=256, max_num_batched_tokens=max(prefill_sizes)))
     hf = load_reference(loaded.checkpoint)
     rng = np.random.default_rng(0)
     load_before = os.getloadavg()[0]

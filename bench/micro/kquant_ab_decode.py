@@ -41,8 +41,7 @@ def measure(tree: Path, gguf: str | None, steps: int, context: int) -> dict:
     assert Path(sys.modules["services"].__file__).resolve().is_relative_to(tree.resolve())
     model = load_model(gguf) if gguf else load_model()
     eng = OpenCLEngine.create(model.config, model.weights, select_device(),
-                              EngineConfig(weights_dtype="gguf", max_context=context + steps + 8,
-                                           max_sequences=max(BATCHES), kv_cache_mb=256),
+                              EngineConfig(weights_dtype="gguf", max_context=context + steps + 8, kv_cache_mb=256),
                               read_block_tensors(model.checkpoint, model.config))
     return {"bytes": eng.weights_nbytes,
             "steps": {b: time_paged(eng, eng.cfg, b, context, steps) for b in BATCHES}}

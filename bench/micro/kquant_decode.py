@@ -69,7 +69,7 @@ def engines(gguf: Path, max_batch: int, max_context: int) -> dict:
     from services.model.loading import load_model
 
     dev = select_device()
-    common = dict(weights_dtype="gguf", max_context=max_context, max_sequences=max_batch, kv_cache_mb=256)
+    common = dict(weights_dtype="gguf", max_context=max_context, kv_cache_mb=256)
     out = {}
     kq = load_model(str(gguf))
     blocks = read_block_tensors(kq.checkpoint, kq.config)

@@ -1,5 +1,6 @@
-"""Paged decode attention (kernels/paged_attention.cl) against today's contiguous one
-(attention.cl's rope_attention_decode): achieved GB/s on the model's attention shape.
+"""Paged decode attention (kernels/paged_attention.cl): achieved GB/s on the model's attention shape.
+(Its comparison with the slot path's contiguous kernel ended with that kernel, commit history of
+issue 54: the paged one read 16-token blocks shuffled over the pool at the contiguous one's speed.)
 
 SmolLM2-135M's heads (9 query, 3 KV, dim 64), blocks of 16 tokens scattered in random order
 over the pool. One decode step's attention: every sequence of the batch at the same context,
@@ -33,8 +34,6 @@ import numpy as np  # noqa: E402
 import pyopencl as cl  # noqa: E402
 
 from services.decode_fpga.device import select_device  # noqa: E402
-from services.decode_fpga.kv_channels import ChannelLayout  # noqa: E402
-from services.decode_fpga.launch import bind  # noqa: E402
 from services.decode_fpga.paged_attention import PagedAttention, PagedKVLayout, pack_block_tables  # noqa: E402
 
 MF = cl.mem_flags
@@ -61,16 +60,14 @@ def timed(queue, launches, steps: int) -> float:
 VARIANTS = (("paged", 16, True), ("paged_in_order", 16, False), ("paged_bs64", 64, True))
 
 
-def rope_table(dev, ctx: int) -> tuple[cl.Program, cl.Buffer]:
-    """attention.cl built for the model's heads, and the cos | sin table of positions [0, ctx) it wrote."""
-    prog = dev.build("attention.cl", {"HEAD_DIM": HEAD_DIM, "GROUP": N_HEADS // N_KV, "Q_DIM": N_HEADS * HEAD_DIM,
-                                      "KV_DIM": N_KV * HEAD_DIM})
+def rope_table(dev, pa: PagedAttention, ctx: int) -> cl.Buffer:
+    """The cos | sin table of positions [0, ctx) for the model's heads (paged_attention.cl's rope_table)."""
     inv_freq = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR,
                          hostbuf=(1.0 / (1e4 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))).astype(np.float32))
     rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, ctx * HEAD_DIM * 4)
-    bind(prog, "rope_table", (ctx, HEAD_DIM // 2), inv_freq, rope_cs).enqueue(dev.queue)
+    pa.bind_rope_table(ctx, inv_freq, rope_cs).enqueue(dev.queue)
     dev.queue.finish()  # inv_freq is released on return: the table must be written before
-    return prog, rope_cs
+    return rope_cs
 
 
 def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
@@ -83,19 +80,9 @@ def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
     seqs = cl.Buffer(dev.context, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.arange(batch, dtype=np.int32))
     out = cl.Buffer(dev.context, MF.READ_WRITE, batch * q_dim * 4)
     sums = cl.Buffer(dev.context, MF.READ_WRITE, batch * q_dim // 32 * 4)
-    prog, rope_cs = rope_table(dev, ctx)
-
-    # today's: one slot per sequence, planes of max_context = ctx
-    lay = ChannelLayout(layers, N_KV, HEAD_DIM, ctx, batch, 1)
-    chan = cl.Buffer(dev.context, MF.READ_WRITE, lay.channel_elems(0) * 4)
-    cl.enqueue_fill_buffer(dev.queue, chan, np.float32(0.01), 0, lay.channel_elems(0) * 4)
-    slot_stride = lay.planes_per_slot * lay.plane_elems
-    contiguous = [bind(prog, "rope_attention_decode", (batch, N_HEADS), qkv, seqs, pos, rope_cs, np.int32(0),
-                       np.float32(HEAD_DIM ** -0.5), chan, np.int64(lay.locate(0, layer, 0, 0)[1]),
-                       np.int64(slot_stride), chan, np.int64(lay.locate(0, layer, 1, 0)[1]), np.int64(slot_stride),
-                       np.int64(lay.plane_elems), out, sums, local_size=(1, 1)) for layer in range(layers)]
+    rope_cs = None
     row = {"context": ctx, "batch": batch, "layers": layers}
-    kernels = [("contiguous", contiguous, None)]
+    kernels = []
     for name, block, shuffled in VARIANTS:  # the same contexts in blocks
         max_blocks = -(-ctx // block)
         layout = PagedKVLayout(layers, N_KV, HEAD_DIM, block, batch * max_blocks)
@@ -105,6 +92,7 @@ def measure(dev, ctx: int, batch: int, steps: int, rng) -> dict:
         pool = layout.allocate(dev)
         cl.enqueue_fill_buffer(dev.queue, pool, np.float32(0.01), 0, layout.nbytes)
         pa = PagedAttention(dev, layout, N_HEADS)
+        rope_cs = rope_cs or rope_table(dev, pa, ctx)
         kernels.append((name, [pa.bind_decode(batch, qkv, seqs, pos, rope_cs, tables, max_blocks, pool, layer, out,
                                               sums) for layer in range(layers)], (pool, tables)))
     for name, launches, _held in kernels:  # _held: buffers alive until their launches ran
@@ -139,7 +127,7 @@ def measure_pair(dev, kind: str, ctx: int, rows: int, rounds: int, rng) -> dict:
     pool = layout.allocate(dev)
     cl.enqueue_copy(dev.queue, pool, (rng.normal(size=layout.nbytes // 4) * 0.5).astype(np.float32))
     pa = PagedAttention(dev, layout, N_HEADS)
-    rope_cs = rope_table(dev, ctx)[1] if kind == "decode" else None  # the decode kernels rope
+    rope_cs = rope_table(dev, pa, ctx) if kind == "decode" else None  # the decode kernels rope
     runs = {}
     for name, scores in KERNELS[kind].items():
         out = cl.Buffer(dev.context, MF.READ_WRITE, rows * q_dim * 4)
@@ -205,7 +193,7 @@ def main() -> None:
         for batch in (1, 8):
             progress(f"context {ctx}, batch {batch}")
             rows.append(measure(dev, ctx, batch, steps, rng))
-    names = ["contiguous"] + [v[0] for v in VARIANTS]
+    names = [v[0] for v in VARIANTS]
     print(table(["context", "batch", "layers"] + [f"{n} us/layer (GB/s)" for n in names],
                 [[r["context"], r["batch"], r["layers"]]
                  + [f'{r[n]["us_per_layer"]:.1f} ({r[n]["gb_s"]:.1f})' for n in names] for r in rows]))

@@ -7,14 +7,13 @@ step's cost does not depend on its values):
                   opencl_gemv_tile T (0: gemv_quant_rows, one output row a work-item, the kernel
                   before; 2: gemv_quant_tiles past the rows whose x fills L1). At batch 1 the step
                   runs as one launch (paged_decode_layers) when the engine's choice says so.
-  * slot-LbL      (--slots, batch <= 16) decode_greedy on per-sequence slots, launch by launch
 Interleaved round by round, medians of every round's steps. Per row: ms per step / batch. Limit: the
 bytes of weights a step reads (as the device stores them) / the machine's memory bandwidth
 (_common.memory_bandwidth_gbs: a numpy copy, read + write; the better of a measure before and after).
 Also the process's CPU seconds per step (both cores' work; on a shared machine the steadier figure).
 
     python -m bench.micro.paged_step [--rounds N] [--steps N] [--batches 1,2,4,...] [--gemv-tiles 0,2]
-                               [--contexts 128] [--model PATH.gguf] [--slots] [--name paged_step]
+                               [--contexts 128] [--model PATH.gguf] [--name paged_step]
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ def ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
-def engines(model: str | None, tiles: tuple[int, ...], max_batch: int, max_context: int, slots: bool):
-    """The model and one engine per GEMV tile (and a launch-by-launch one for the slot rows)."""
+def engines(model: str | None, tiles: tuple[int, ...], max_batch: int, max_context: int):
+    """The model and one engine per GEMV tile."""
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
@@ -47,39 +46,15 @@ def engines(model: str | None, tiles: tuple[int, ...], max_batch: int, max_conte
     # the pool the largest batch needs (4 bytes a value, K and V, every layer), with room to spare
     blocks_per_seq = -(-max_context // 16) + 1
     kv_mb = int(max_batch * blocks_per_seq * 16 * cfg.n_layers * 2 * cfg.kv_dim * 4 / 2**20 * 1.2) + 16
-    common = dict(weights_dtype="gguf", max_context=max_context, max_num_seqs=max(64, max_batch),
-                  max_sequences=min(max_batch, 16) if slots else 1, kv_cache_mb=kv_mb)
+    common = dict(weights_dtype="gguf", max_context=max_context, max_num_seqs=max(64, max_batch), kv_cache_mb=kv_mb)
     out = {f"paged tile={t}": OpenCLEngine.create(cfg, loaded.weights, select_device(gemv_tile=t),
                                                   EngineConfig(**common), blocks) for t in tiles}
-    if slots:
-        out["slot-LbL"] = OpenCLEngine.create(cfg, loaded.weights, select_device(), EngineConfig(**common,
-                                              layer_kernels=False), blocks)
     return cfg, loaded.checkpoint, out
 
 
 def random_kv(cfg, ctx: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((cfg.n_layers, 2, cfg.n_kv_heads, ctx, cfg.head_dim),
                                                        dtype=np.float32) * 0.5
-
-
-def time_slot(engine, cfg, batch: int, ctx: int, steps: int) -> list[tuple[float, float]]:
-    seqs = [engine.new_sequence(ctx + steps + 4) for _ in range(batch)]
-    try:
-        kv = random_kv(cfg, ctx, batch)
-        for s in seqs:
-            for layer in range(cfg.n_layers):
-                engine.import_kv_layer(s, layer, kv[layer])
-            engine.finish_import(s, ctx)
-        tokens, times = [7] * batch, []
-        for i in range(steps + 2):
-            t, c = time.perf_counter(), time.process_time()
-            tokens = engine.decode_greedy(seqs, tokens)
-            if i >= 2:  # the first steps bind and warm up
-                times.append((time.perf_counter() - t, time.process_time() - c))
-        return times
-    finally:
-        for s in seqs:
-            engine.release(s)
 
 
 def time_paged_wall(engine, cfg, batch: int, ctx: int, steps: int) -> list[float]:
@@ -117,11 +92,10 @@ def main() -> None:
     ap.add_argument("--contexts", type=ints, default=(128,))
     ap.add_argument("--gemv-tiles", type=ints, default=(0, 2), help="opencl_gemv_tile values, side by side")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the packaged model)")
-    ap.add_argument("--slots", action="store_true", help="also the per-sequence slot path (batch <= 16)")
     ap.add_argument("--name", default="paged_step", help="bench/results/NAME.json")
     args = ap.parse_args()
     max_context = max(args.contexts) + args.steps + 8
-    cfg, ckpt, engs = engines(args.model, args.gemv_tiles, max(args.batches), max_context, args.slots)
+    cfg, ckpt, engs = engines(args.model, args.gemv_tiles, max(args.batches), max_context)
     nbytes = next(iter(engs.values())).weights_nbytes
     bandwidth = [memory_bandwidth_gbs(256, 3)]
     cells: dict[tuple, list[tuple[float, float]]] = {}
@@ -130,10 +104,6 @@ def main() -> None:
         for ctx in args.contexts:
             for batch in args.batches:
                 for name, eng in engs.items():
-                    if name == "slot-LbL":
-                        if batch <= 16:
-                            cells.setdefault((name, ctx, batch), []).extend(time_slot(eng, cfg, batch, ctx, args.steps))
-                        continue
                     cells.setdefault((name, ctx, batch), []).extend(time_paged(eng, cfg, batch, ctx, args.steps))
     bandwidth.append(memory_bandwidth_gbs(256, 3))
     gbs = max(bandwidth)

@@ -78,7 +78,7 @@ def our_engine(path: Path, context: int, batches=BATCHES):
 
     ckpt = locate(str(path))
     cfg = read_config(ckpt)
-    config = EngineConfig(weights_dtype="gguf", max_context=context, max_sequences=max(batches), kv_cache_mb=64)
+    config = EngineConfig(weights_dtype="gguf", max_context=context, kv_cache_mb=64)
     return OpenCLEngine.create(cfg, light_weights(path, cfg), select_device(), config, read_block_tensors(ckpt, cfg))
 
 

@@ -19,17 +19,13 @@ from services.decode_fpga.settings import DecodeSettings
 from services.engine.batching_settings import DEFAULT_KV_CACHE_MB
 from services.model.config import ModelConfig
 
-PREFILL_CHUNK = 128  # prompt rows per forward: bounds the scratch buffers
-
 
 @dataclass(frozen=True)
 class EngineConfig:
     """How the OpenCL engine stores weights and KV and how it runs its steps."""
 
     weights_dtype: str = "fp32"  # one of WEIGHT_FORMATS: the layer matrices' storage on the device
-    kv_channels: int = 1  # memory channels the KV cache is spread over (kv_channels.py)
     max_context: int = 4096  # positions per sequence (capped by the model's own context)
-    max_sequences: int = 4  # sequences resident on the device at once
     keep_cores_awake: bool = True  # on a CPU device: hold a 0 µs wake-up latency while steps run (cpu_wake.py)
     layer_kernels: bool = True  # on a CPU device with block weights: a one-sequence step in one launch
     device_logprobs: bool = True  # plain greedy rows' logprobs by kernels/logprobs.cl, not from logits read back
@@ -45,8 +41,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.weights_dtype not in WEIGHT_FORMATS:
             raise ValueError(f"weights_dtype must be one of {WEIGHT_FORMATS}, got {self.weights_dtype!r}")
-        for name in ("kv_channels", "max_context", "max_sequences", "kv_cache_mb", "block_size", "max_num_seqs",
-                     "max_num_batched_tokens"):
+        for name in ("max_context", "kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -58,8 +53,8 @@ class EngineConfig:
         fmt = settings.weights_dtype
         if fmt == "auto":
             fmt = "gguf" if checkpoint_kind == "gguf" else "fp32"
-        return cls(weights_dtype=fmt, kv_channels=settings.kv_channels, max_context=settings.max_context,
-                   max_sequences=settings.max_sequences, keep_cores_awake=settings.opencl_keep_cores_awake,
+        return cls(weights_dtype=fmt, max_context=settings.max_context,
+                   keep_cores_awake=settings.opencl_keep_cores_awake,
                    layer_kernels=settings.opencl_layer_kernels, device_logprobs=settings.opencl_logprobs,
                    allow_dense_fallback=settings.allow_dense_fallback,
                    kv_cache_mb=settings.kv_cache_mb,
@@ -72,7 +67,7 @@ class DeviceFit:
     """What an EngineConfig comes to for one model on one device, decided once at start-up."""
 
     max_context: int  # positions per sequence: the config's, capped by the model's
-    max_rows: int  # rows the scratch buffers hold: a prefill chunk, a decode step's sequences or a paged step
+    max_rows: int  # rows the scratch buffers hold: the most a step computes
     keep_cores_awake: bool  # asked for, and the device is a CPU
     one_launch_layers: bool  # a one-sequence decode step's layers may run as one launch (decode_layers.cl)
     layer_groups: int  # work-groups of that launch: one per compute unit (worker thread)
@@ -87,11 +82,11 @@ class DeviceFit:
         # or position table (an architecture with one of them runs launch by launch, arch_parts.py)
         whole_blocks = not (cfg.hidden % 32 or cfg.intermediate % 32 or cfg.q_dim % 32 or cfg.head_dim % 32)
         return cls(max_context=min(config.max_context, cfg.max_context),
-                   max_rows=max(PREFILL_CHUNK, config.max_sequences, config.max_num_batched_tokens),
+                   max_rows=config.max_num_batched_tokens,
                    keep_cores_awake=config.keep_cores_awake and cpu,
                    # (not with int8 activations: decode_layers.cl computes fp32 ones, and a row's result must
                    # not depend on whether its step had one row)
                    one_launch_layers=(config.layer_kernels and cpu and dev.lanes_per_row == 1
-                                      and config.kv_channels == 1 and whole_blocks and one_launch_takes(cfg.arch)
+                                      and whole_blocks and one_launch_takes(cfg.arch)
                                       and dev.activations == "fp32"),
                    layer_groups=dev.device.max_compute_units)

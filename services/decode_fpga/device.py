@@ -25,7 +25,7 @@ _PROBE = "__kernel void probe(__global float *x) { x[get_global_id(0)] *= 2.0f; 
 # work-items per output row of a block GEMV / per head of decode attention on a GPU (kernels/*_wg.cl);
 # on an H100 the GEMVs were fastest at 32 (64 and 128: the same or slower), attention at 128
 # (30 -> 17 us a layer at 64 positions, 148 -> 64 us at 512)
-GPU_LANES, GPU_ATTENTION_LANES = 32, 128
+GPU_LANES = 32
 
 
 class DeviceSelectionError(RuntimeError):
@@ -40,7 +40,7 @@ class DeviceContext:
     context: cl.Context
     queue: cl.CommandQueue
     binary_dir: Path | None = None
-    lanes: int = 0  # work-items per output row / head; 0: by device type (lanes_per_row, lanes_per_head)
+    lanes: int = 0  # work-items per output row; 0: by device type (lanes_per_row)
     gemv_tile: int = GEMV_TILE  # output rows per work-item of the batched block GEMV (settings.GEMV_TILES)
     # the paged step's block GEMVs: "fp32" (exact) or "int8" activations (int8_gemv.py, opt-in)
     activations: str = "fp32"
@@ -56,12 +56,6 @@ class DeviceContext:
         many threads per row (gemv_quant_wg.cl), and 1 on a CPU or an FPGA, where one work-item walks a
         row through one core's caches."""
         return self._lanes(GPU_LANES)
-
-    @property
-    def lanes_per_head(self) -> int:
-        """Work-items per (row, head) of decode attention (attention_wg.cl when more than 1): the
-        setting, else GPU_ATTENTION_LANES on a GPU and 1 elsewhere."""
-        return self._lanes(GPU_ATTENTION_LANES)
 
     def _lanes(self, gpu_default: int) -> int:
         return check_lanes(self.lanes) or (gpu_default if self.device.type & cl.device_type.GPU else 1)

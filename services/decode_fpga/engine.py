@@ -1,35 +1,25 @@
-"""The OpenCL engine: the Engine protocol (services/engine/api.py) over the parts it composes.
-
-(Past 300 lines on purpose: it holds two ways into one device - the per-sequence slot path
-the tests and tools use and the batched paged step serving uses - over the same parts.)
+"""The OpenCL engine: the paged step (BatchEngine, services/engine/api.py) over the parts it composes.
 
     config.py          EngineConfig (what is asked for) and DeviceFit (what it comes to here)
     device_weights.py  DeviceWeights: the weights on the device, one builder per storage format
-    kv_store.py        KVStore: sequences and their KV on the device, KV handed off by prefill_gpu
-    scratch.py         the forward's working buffers, and the rows a step runs over
-    plans.py           LaunchPlans: the bound launches of a prefill chunk, a decode step, the logits
-    paged_kv_store.py  PagedKVStore: the paged KV pool (continuous batching), KV imported into its blocks
-    paged_step_rows.py a paged step's rows from the scheduler's chunks, checked, and their upload
-    paged_plans.py     PagedStepPlans: the bound launches of a paged step, for any rows
-    device_logprobs.py a paged step's logprobs and top k on the device (kernels/logprobs.cl)
+    scratch.py         the forward's working buffers
+    paged_kv_store.py  PagedKVStore: the paged KV pool, KV handed off by prefill_gpu imported into its blocks
+    paged_step_rows.py a step's rows from the scheduler's chunks, checked, and their upload
+    paged_plans.py     PagedStepPlans: the bound launches of a step, for any rows
+    device_logprobs.py a step's logprobs and top k on the device (kernels/logprobs.cl)
 
-Two paths share the weights and the scratch buffers: sequences in slots (new_sequence,
-prefill, decode: the Engine protocol) and steps over the paged pool (step: the BatchEngine
-protocol, services/engine/api.py, which the engine loop drives). They keep their KV apart.
+Every request reaches the engine as chunks of a step, which the engine loop
+(services/engine/engine_loop.py) schedules: a server's, or a tool's own (services/engine/one_request.py).
+One forward serves prefill and decode: it runs the step's rows (token, sequence, position) through
+every layer, K and V read and written through the sequences' block tables. The whole step is
+enqueued on one in-order queue and the host waits once, when it reads back the sampled tokens or
+logits (on PoCL a waited launch costs ~48 µs, an enqueue ~2.4 µs).
 
-One forward serves prefill and decode: it runs a set of *rows* (token, slot,
-position) through every layer. A prefill is the prompt's rows in chunks; a
-decode step is one row per sequence. The whole step is enqueued on one in-order
-queue and the host waits once, when it reads back the sampled tokens or logits
-(on PoCL a waited launch costs ~48 µs, an enqueue ~2.4 µs). Only the rows' token
-ids, slots and positions are uploaded, and only when the device does not hold
-them already (a greedy step leaves the next step's there).
-
-A one-sequence decode step on a CPU device runs either as one launch (plans.py's
-ONE_LAUNCH, enqueued whole behind a user event before it starts) or launch by
-launch, whichever has been faster lately (one_launch_choice.py: the one launch
-stalls when another process takes one of its cores). If its work-groups fail to
-run at once, the step is redone launch by launch and counts as a failure.
+A step of one decode row on a CPU device runs either as one launch (paged_plans.py's one_launch,
+decode_layers.cl, enqueued whole behind a user event before it starts) or launch by launch,
+whichever has been faster lately (one_launch_choice.py: the one launch stalls when another process
+takes one of its cores). If its work-groups fail to run at once, the step is redone launch by launch
+and counts as a failure.
 """
 from __future__ import annotations
 
@@ -40,17 +30,15 @@ import time
 import numpy as np
 import pyopencl as cl
 
-from services.decode_fpga.config import PREFILL_CHUNK, DeviceFit, EngineConfig
+from services.decode_fpga.config import DeviceFit, EngineConfig
 from services.decode_fpga.cpu_wake import CpuWakeLatency
 from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.device_weights import DeviceWeights, build_device_weights
-from services.decode_fpga.kv_store import KVStore, OpenCLSequence
 from services.decode_fpga.one_launch_choice import OneLaunchChoice
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_plans import PagedStepPlans
 from services.decode_fpga.paged_step_rows import PagedStepInputs
-from services.decode_fpga.plans import LaunchPlans, StepKind
-from services.decode_fpga.scratch import RowInputs, Scratch
+from services.decode_fpga.scratch import Scratch
 from services.decode_fpga.settings import DecodeSettings
 from services.engine.logprobs import LogprobsAsked, StepLogprobs
 from services.model.config import ModelConfig
@@ -64,7 +52,7 @@ PROMPT_LOGIT_ROWS = 64  # a step's logit rows for prompt logprobs (SchedulerConf
 
 
 class OpenCLEngine:
-    """Engine (services/engine/api.py) on an OpenCL device."""
+    """BatchEngine (services/engine/api.py) on an OpenCL device."""
 
     def __init__(self, cfg: ModelConfig, dev: DeviceContext, config: EngineConfig, weights: DeviceWeights):
         if weights.fmt != config.weights_dtype or len(weights.layers) != cfg.n_layers:
@@ -73,12 +61,12 @@ class OpenCLEngine:
         self.cfg, self.dev, self.config, self.weights = cfg, dev, config, weights
         self.device_name = dev.name
         self.fit = DeviceFit.of(config, cfg, dev)
-        self.kv = KVStore(dev, cfg, self.fit.max_context, config.max_sequences, config.kv_channels)
-        self.scratch = Scratch.allocate(dev, cfg, self.fit.max_rows, config.max_sequences, self.fit.max_context)
-        self.rows = RowInputs(dev.queue, self.scratch)
-        self.plans = LaunchPlans(dev, cfg, weights, self.kv, self.scratch, self.fit)
-        # the continuous-batching path: the paged pool, a step's int inputs and its launches
+        self.scratch = Scratch.allocate(dev, cfg, self.fit.max_rows, self.fit.max_context)
+        # the paged pool, a step's int inputs and its launches
         self.paged = PagedKVStore.from_budget(dev, cfg, config.kv_cache_mb, config.block_size, self.fit.max_context)
+        # the RoPE angles' cos | sin of every position, once (paged_attention.cl's rope_table)
+        self.paged.kernels.bind_rope_table(self.fit.max_context, weights.inv_freq, self.scratch.rope_cs).enqueue(
+            dev.queue)
         # logit rows: one per sequence, and PROMPT_LOGIT_ROWS more for prompts that want every row's
         self.prompt_logit_rows = PROMPT_LOGIT_ROWS
         self.max_logit_rows = config.max_num_seqs + PROMPT_LOGIT_ROWS
@@ -89,7 +77,7 @@ class OpenCLEngine:
                                           self.max_logit_rows, self.fit.one_launch_layers, self.fit.layer_groups)
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
-        self.one_launch_choice = OneLaunchChoice(dev.name)  # both paths' one-sequence decode steps
+        self.one_launch_choice = OneLaunchChoice(dev.name)  # one launch or launch by launch, a one-row step
         # greedy rows' logprobs by the device's kernel (the engine loop asks, step(logprobs=...)); False:
         # the loop reads their logits rows and computes them on the host (the A/B of bench/micro/logprobs_cost.py)
         self.logprobs_on_device = config.device_logprobs
@@ -107,9 +95,8 @@ class OpenCLEngine:
                                        allow_dense_fallback=config.allow_dense_fallback)
         engine = cls(cfg, dev, config, weights)
         log.info("OpenCL engine weights by type (in the file → on the device): %s", weights.storage_summary())
-        log.info("OpenCL engine on %s: %.1f MB of %s weights resident, %.1f MB KV over %d channel(s), "
-                 "a paged KV pool of %.1f MB (%d blocks of %d tokens), uploaded in %.2fs", dev.name,
-                 weights.nbytes / 1e6, weights.fmt, engine.kv.nbytes / 1e6, config.kv_channels,
+        log.info("OpenCL engine on %s: %.1f MB of %s weights resident, a paged KV pool of %.1f MB "
+                 "(%d blocks of %d tokens), uploaded in %.2fs", dev.name, weights.nbytes / 1e6, weights.fmt,
                  engine.paged.nbytes / 1e6, engine.num_blocks, engine.block_size, time.perf_counter() - start)
         return engine
 
@@ -207,8 +194,9 @@ class OpenCLEngine:
         one-launch step's failure flag is read into (see _paged_step), else None."""
         q, plans = self.dev.queue, self.paged_plans
         if one_launch:
-            # as in _enqueue_decode: enqueued whole behind a gate, so the spinning work-groups never
-            # wait for this thread to enqueue the rest
+            # decode_layers' work-groups spin at their barriers and hold every core: a host thread
+            # enqueuing while they run waits for a core, and the device for its next command. So the
+            # whole step is enqueued behind a gate first, and only then let go.
             gate = cl.UserEvent(self.dev.context)
             try:
                 cl.enqueue_nd_range_kernel(q, plans.embed.kernel, (1,), None, wait_for=[gate])
@@ -244,140 +232,6 @@ class OpenCLEngine:
         with self._lock:
             return self.paged.read(block_table, n_tokens)
 
-    # ---- Engine API ---------------------------------------------------------
-    def new_sequence(self, capacity: int) -> OpenCLSequence:
-        with self._lock:
-            return self.kv.new_sequence(capacity)
-
-    def release(self, seq: OpenCLSequence) -> None:
-        with self._lock:
-            self.kv.release(seq)
-
-    def prefill(self, seq: OpenCLSequence, token_ids: list[int], on_layer=None) -> np.ndarray:
-        n = len(token_ids)
-        if seq.length != 0 or not 0 < n <= seq.capacity:
-            raise ValueError(f"a prefill of {n} tokens into a sequence of {seq.length}/{seq.capacity} positions")
-        with self._lock:
-            self._keep_awake()
-            q, s, keep = self.dev.queue, self.scratch, []
-            chunks = [(start, min(start + PREFILL_CHUNK, n)) for start in range(0, n, PREFILL_CHUNK)]
-            for ci, (start, end) in enumerate(chunks):
-                rows, last = end - start, ci == len(chunks) - 1
-                self.rows.upload(token_ids[start:end], [seq.slot] * rows, range(start, end), keep)
-                plan = self.plans.prefill_chunk(rows)
-                plan.embed.enqueue(q)
-                for li, launches in enumerate(plan.layers):
-                    _replay(q, launches)
-                    if on_layer is not None and last:
-                        q.finish()  # the layer's KV of the whole prompt is now in the cache
-                        on_layer(li)
-                if last:
-                    row_bytes = self.cfg.hidden * 4
-                    cl.enqueue_copy(q, s.last, s.x, byte_count=row_bytes, src_offset=(rows - 1) * row_bytes)
-                    _replay(q, self.plans.logits("last", 1))
-                else:
-                    q.finish()  # the next chunk reuses the row buffers
-            seq.length = n
-            return self._read_logits(1)[0]
-
-    def decode(self, seqs: list[OpenCLSequence], tokens: list[int]) -> np.ndarray:
-        with self._lock:
-            return self._decode(seqs, tokens, greedy=False)
-
-    def decode_greedy(self, seqs: list[OpenCLSequence], tokens: list[int]) -> list[int]:
-        with self._lock:
-            picks = self._decode(seqs, tokens, greedy=True)
-            self.rows.left_by_argmax(picks, [s.slot for s in seqs], [s.length for s in seqs])
-            return picks
-
-    def _decode(self, seqs: list[OpenCLSequence], tokens: list[int], greedy: bool):
-        if len(seqs) != 1 or not self.plans.one_launch:
-            return self._decode_once(seqs, tokens, greedy, one_launch=False)
-        return self.one_launch_choice.run(lambda one_launch: self._decode_once(seqs, tokens, greedy, one_launch))
-
-    def _decode_once(self, seqs: list[OpenCLSequence], tokens: list[int], greedy: bool, one_launch: bool):
-        """A decode step: the picks (greedy) or the logits; None when its one launch gave up (the
-        sequences are back where they were)."""
-        keep: list = []
-        failed = self._enqueue_decode(seqs, tokens, keep, greedy, one_launch)
-        if greedy:
-            out = np.empty(len(seqs), np.int32)
-            cl.enqueue_copy(self.dev.queue, out, self.scratch.tokens, is_blocking=True)  # the one wait of this step
-        else:
-            out = self._read_logits(len(seqs))
-        if failed is not None and failed[0]:
-            for s in seqs:  # the step is void: it is redone from the same rows
-                s.length -= 1
-            self.rows.forget()
-            return None
-        return out.tolist() if greedy else out
-
-    def import_kv_layer(self, seq: OpenCLSequence, layer: int, kv: np.ndarray) -> None:
-        with self._lock:
-            self.kv.import_layer(seq, layer, kv)
-
-    def finish_import(self, seq: OpenCLSequence, n_tokens: int) -> None:
-        self.kv.finish_import(seq, n_tokens)
-
-    def read_kv(self, seq: OpenCLSequence, n_tokens: int) -> np.ndarray:
-        """The sequence's first n_tokens of KV in wire layout (tests and debugging)."""
-        with self._lock:
-            return self.kv.read(seq, n_tokens)
-
-    # ---- a decode step ------------------------------------------------------------
-    def _enqueue_decode(self, seqs: list[OpenCLSequence], tokens: list[int], keep: list,
-                        greedy: bool, one_launch: bool) -> np.ndarray | None:
-        """Enqueue a decode step (and, greedy, its picks), without waiting; returns the host array a
-        ONE_LAUNCH step's failure flag is read into (see _decode_once), else None."""
-        b = len(seqs)
-        if b != len(tokens) or not 0 < b <= self.config.max_sequences:
-            raise ValueError(f"a decode step of {b} sequences and {len(tokens)} tokens "
-                             f"(at most {self.config.max_sequences} sequences)")
-        if len({s.slot for s in seqs}) != b:
-            raise ValueError("a sequence appears twice in one decode step")
-        if any(s.length >= s.capacity for s in seqs):
-            raise ValueError("sequence is full")
-        self._keep_awake()
-        q = self.dev.queue
-        self.rows.upload(tokens, [s.slot for s in seqs], [s.length for s in seqs], keep)
-        plan = self.plans.decode_step(b, one_launch)
-        gate = None
-        if plan.kind is StepKind.ONE_LAUNCH:
-            # decode_layers' work-groups spin at their barriers and hold every core: a host thread
-            # enqueuing while they run waits for a core, and the device for its next command. So the
-            # whole step is enqueued behind a gate first, and only then let go.
-            gate = cl.UserEvent(self.dev.context)
-        try:
-            embed = plan.embed
-            cl.enqueue_nd_range_kernel(q, embed.kernel, embed.global_size, embed.local_size,
-                                       wait_for=[gate] if gate is not None else None)
-            for launches in plan.layers:
-                _replay(q, launches)
-            _replay(q, self.plans.logits("rows", b))
-            if greedy:
-                self.rows.forget()  # until the picks are read: argmax_rows rewrites the rows
-                self.plans.argmax(b).enqueue(q)
-        finally:  # whatever happened, the queue must not stay held back
-            if gate is not None:
-                gate.set_status(cl.command_execution_status.COMPLETE)
-        failed = None
-        if gate is not None:  # (PoCL's non-blocking read of a buffer waits while a user event holds the queue)
-            failed = np.zeros(1, np.int32)
-            cl.enqueue_copy(q, failed, self.scratch.sync, is_blocking=False)
-        for s in seqs:
-            s.length += 1
-        return failed
-
     def _keep_awake(self) -> None:
         if self._wake is not None:
             self._wake.touch()
-
-    def _read_logits(self, n: int) -> np.ndarray:
-        out = np.empty((n, self.cfg.vocab_size), np.float32)
-        cl.enqueue_copy(self.dev.queue, out, self.scratch.logits, is_blocking=True)
-        return out
-
-
-def _replay(queue: cl.CommandQueue, launches: list) -> None:
-    for launch in launches:
-        launch.enqueue(queue)

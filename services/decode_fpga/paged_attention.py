@@ -13,7 +13,7 @@ table up once per block.
 The reference computes in float64: the kernels' float32 sums run in an order numpy cannot
 reproduce, so no float32 reference would match them bit for bit anyway, and float64 keeps the
 reference's own error far below the tolerance the kernels are held to. Bit-identity is checked
-kernel against kernel instead (a row alone vs in a batch; paged vs the contiguous kernels).
+kernel against kernel instead (a row alone vs in a batch; the CPU's scores kernels vs the portable ones).
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class PagedAttention:
     """Launchers of kernels/paged_attention.cl for one model shape, bound once and replayed.
 
     Buffers: qkv [rows, q_dim + 2 kv_dim] f32, seq_of_row [rows] i32, pos [rows] i32, block_tables
-    [n_seqs, max_blocks] i32, rope_cs [max_pos, head_dim] f32 (attention.cl's rope_table), out
+    [n_seqs, max_blocks] i32, rope_cs [max_pos, head_dim] f32 (bind_rope_table), out
     [rows, q_dim] f32, out_sums [rows, q_dim / 32] f32. The engine rewrites the small int buffers
     between steps and replays the launches of a batch size (launch.py)."""
 
@@ -141,6 +141,11 @@ class PagedAttention:
         self.program = dev.build("paged_attention.cl", {
             "HEAD_DIM": layout.head_dim, "GROUP": self.group, "Q_DIM": self.q_dim, "KV_DIM": self.kv_dim,
             "BLOCK_SIZE": layout.block_size})
+
+    def bind_rope_table(self, max_pos: int, inv_freq: cl.Buffer, rope_cs: cl.Buffer) -> Launch:
+        """cos | sin of the RoPE angles of positions [0, max_pos) into rope_cs [max_pos, head_dim], from
+        inv_freq [head_dim / 2]: run once at start-up."""
+        return bind(self.program, "rope_table", (max_pos, self.layout.head_dim // 2), inv_freq, rope_cs)
 
     def _rows(self, n_rows: int) -> int:
         if n_rows < 1:

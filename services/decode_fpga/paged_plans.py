@@ -32,10 +32,10 @@ from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
 from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_step_rows import PagedStepInputs, StepRows
-from services.decode_fpga.plans import ARGMAX_WG
 from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
 from services.model.config import ModelConfig
 
+ARGMAX_WG = 256  # work-items per row of argmax_rows
 Span = str  # which rows a launch covers: StepRows.span's names, "all", "decodes", "chunks", "samples"
 
 

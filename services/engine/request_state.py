@@ -1,14 +1,14 @@
 """Request lifecycle states, who sets each, and how finished ones map to OpenAI's finish_reason.
 
-    state                  set by (serving: scheduler.py; the slot path: Generation)    when
-    WAITING                Scheduler.add / preemption, Generation                    queued for blocks and a batch place
-    PREFILLING             Scheduler admission, Generation.__iter__                  this engine computes the prompt's KV
+    state                  set by (scheduler.py)                                      when
+    WAITING                Scheduler.add / preemption                                 queued for blocks and a batch place
+    PREFILLING             Scheduler admission                                        this engine computes the prompt's KV
     WAITING_FOR_REMOTE_KV  Scheduler.reserve_remote (hybrid)                          prefill_gpu computes it, the KV arrives
     DECODING               state_after_token                                          generating after the first token
     FINISHED_STOPPED       state_after_token                                          EOS or a stop token
     FINISHED_LENGTH        state_after_token                                          max_tokens or the context window
-    FINISHED_ABORTED       Scheduler.abort, Generation                                cancelled: the client went away
-    FINISHED_ERROR         Generation (the loop fails a stream with a typed error)    failed: an error status ends the call
+    FINISHED_ABORTED       Scheduler.abort                                            cancelled: the client went away
+    FINISHED_ERROR         (none: the loop fails a stream with a typed error)         failed: an error status ends the call
 
 Only STOPPED and LENGTH reach a client as a finish_reason (`OPENAI_FINISH_REASON`, the one
 table); an aborted or failed request ends its call with a status instead.

@@ -110,7 +110,6 @@ class Sampler:
         # `stream`: the choice within this request; a migrated choice's request says which it was
         self.params, self.stream, self.grammar = params, params.first_choice + stream, grammar
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
-        self._next_position = 0  # for callers that do not say the position (the slot path's Generation)
 
     def pick(self, logits: np.ndarray, token_ids: Sequence[int], num_prompt: int,
              stop_ids: frozenset[int]) -> tuple[int, TokenLogprob | None]:
@@ -129,11 +128,8 @@ class Sampler:
             self.grammar.accept(token)
         return token, (token_logprob(logits, token, p.logprobs) if p.logprobs is not None else None)
 
-    def sample(self, logits: np.ndarray, position: int | None = None) -> int:
-        """logits: [vocab] float32; `position`: of the token sampled (default: one more than the last call's)."""
-        if position is None:
-            position = self._next_position
-        self._next_position = position + 1
+    def sample(self, logits: np.ndarray, position: int) -> int:
+        """logits: [vocab] float32; `position`: of the token sampled (it keys the draw)."""
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))

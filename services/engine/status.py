@@ -12,7 +12,6 @@ from typing import NoReturn
 
 import grpc
 
-from services.engine.api import EngineFull
 from services.errors import (Cancelled, EngineError, HandoffFailed, HandoffTimedOut, InvalidRequest, Overloaded,
                              PeerMismatch, PeerUnavailable, PromptTooLong, ShuttingDown)
 from services.kv.arena import ArenaFull
@@ -28,7 +27,6 @@ STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequest, Code.INVALID_ARGUMENT),
     (Overloaded, Code.RESOURCE_EXHAUSTED),  # QueueFull
     (ArenaFull, Code.RESOURCE_EXHAUSTED),  # no KV slot within the bounded wait
-    (EngineFull, Code.RESOURCE_EXHAUSTED),  # no sequence slot on the device
     (HeaderMismatch, Code.FAILED_PRECONDITION),  # the KV that arrived is not what the request expects
     (PeerMismatch, Code.FAILED_PRECONDITION),
     (PeerUnavailable, Code.UNAVAILABLE),

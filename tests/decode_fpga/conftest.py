@@ -23,8 +23,8 @@ def make_engine(loaded_model, cl_dev, blocks=None, **config):
 
 @pytest.fixture(scope="session")
 def ocl_engine(loaded_model, cl_dev):
-    """fp32 weights, one channel: the default configuration."""
-    return make_engine(loaded_model, cl_dev, max_context=1024, max_sequences=4)
+    """fp32 weights: the default configuration."""
+    return make_engine(loaded_model, cl_dev, max_context=1024)
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +33,7 @@ def ocl_gguf_engine(loaded_model, cl_dev):
     from services.model.gguf_blocks import read_block_tensors
 
     blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
-    return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4)
+    return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024)
 
 
 @pytest.fixture(scope="session")
@@ -43,5 +43,5 @@ def ocl_gguf_launches_engine(loaded_model, cl_dev):
     from services.model.gguf_blocks import read_block_tensors
 
     blocks = read_block_tensors(loaded_model.checkpoint, loaded_model.config)
-    return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024, max_sequences=4,
+    return make_engine(loaded_model, cl_dev, weights_dtype="gguf", blocks=blocks, max_context=1024,
                        layer_kernels=False)

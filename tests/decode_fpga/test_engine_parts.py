@@ -1,5 +1,5 @@
 """The parts the OpenCL engine composes, each on its own: the config, the device weights' GGUF
-assembly, and the KV store (real OpenCL on PoCL)."""
+assembly, and the paged KV store's hand-off imports (real OpenCL on PoCL)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,18 +13,18 @@ from gguf.quants import quantize
 from services.decode_fpga.config import DeviceFit, EngineConfig
 from services.decode_fpga.device import DeviceContext
 from services.decode_fpga.device_weights import gguf_layer_tensors, gguf_weights
-from services.decode_fpga.kv_store import KVStore
+from services.decode_fpga.paged_attention import PagedKVLayout
+from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.quant_gemv import split_blocks
 from services.decode_fpga.settings import DecodeSettings
-from services.engine.api import EngineFull
 from services.model.gguf_blocks import BlockTensor
 
 
 # ---- EngineConfig / DeviceFit ----------------------------------------------------------------
-@pytest.mark.parametrize("bad", [{"weights_dtype": "auto"}, {"weights_dtype": "int8"}, {"kv_channels": 0},
-                                 {"max_sequences": -1}, {"max_context": 0}, {"max_context": 2.5},
-                                 {"max_sequences": True}, {"kv_cache_mb": 0}, {"block_size": -16},
-                                 {"max_num_seqs": 0}, {"max_num_batched_tokens": 1.5}])
+@pytest.mark.parametrize("bad", [{"weights_dtype": "auto"}, {"weights_dtype": "int3"}, {"max_num_seqs": -1},
+                                 {"max_context": 0}, {"max_context": 2.5}, {"max_num_seqs": True},
+                                 {"kv_cache_mb": 0}, {"block_size": -16}, {"max_num_seqs": 0},
+                                 {"max_num_batched_tokens": 1.5}])
 def test_config_refuses_bad_values(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
@@ -32,8 +32,8 @@ def test_config_refuses_bad_values(bad):
 
 
 def test_config_is_frozen_and_auto_storage_follows_the_checkpoint():
-    config = EngineConfig.from_settings(DecodeSettings(kv_channels=3, max_sequences=2), "gguf")
-    assert (config.weights_dtype, config.kv_channels, config.max_sequences) == ("gguf", 3, 2)
+    config = EngineConfig.from_settings(DecodeSettings(max_context=512, max_num_seqs=2), "gguf")
+    assert (config.weights_dtype, config.max_context, config.max_num_seqs) == ("gguf", 512, 2)
     batching = EngineConfig.from_settings(DecodeSettings(kv_cache_mb=64, block_size=32, max_num_seqs=8,
                                                          max_num_batched_tokens=256), "gguf")
     assert (batching.kv_cache_mb, batching.block_size, batching.max_num_seqs, batching.max_num_batched_tokens) == \
@@ -49,13 +49,11 @@ def test_config_is_frozen_and_auto_storage_follows_the_checkpoint():
 
 
 def test_device_fit_caps_the_context_and_decides_the_one_launch_step(model_config, cl_dev):
-    fit = DeviceFit.of(EngineConfig(max_context=10 ** 6, max_sequences=200, max_num_batched_tokens=100), model_config,
-                       cl_dev)
-    assert fit.max_context == model_config.max_context and fit.max_rows == 200
-    assert DeviceFit.of(EngineConfig(max_num_batched_tokens=600), model_config, cl_dev).max_rows == 600  # a paged step
+    fit = DeviceFit.of(EngineConfig(max_context=10 ** 6, max_num_batched_tokens=100), model_config, cl_dev)
+    assert fit.max_context == model_config.max_context and fit.max_rows == 100  # a paged step's rows
+    assert DeviceFit.of(EngineConfig(max_num_batched_tokens=600), model_config, cl_dev).max_rows == 600
     assert fit.one_launch_layers and fit.keep_cores_awake  # PoCL's device is a CPU
-    for config in (EngineConfig(kv_channels=2), EngineConfig(layer_kernels=False)):
-        assert not DeviceFit.of(config, model_config, cl_dev).one_launch_layers
+    assert not DeviceFit.of(EngineConfig(layer_kernels=False), model_config, cl_dev).one_launch_layers
     gpu_shaped = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
     assert not DeviceFit.of(EngineConfig(), model_config, gpu_shaped).one_launch_layers
 
@@ -130,44 +128,32 @@ def test_packed_and_separate_gguf_layers_hold_the_same_bytes(ocl_gguf_engine, lo
     assert packed.lm_head.fmt == separate.lm_head.fmt == blocks["token_embd.weight"].qtype
 
 
-# ---- the KV store ---------------------------------------------------------------------------
+# ---- the paged KV store's hand-off imports --------------------------------------------------------
 @pytest.fixture
 def small_store(model_config, cl_dev):
-    """Two sequences of 16 positions over 3 channels (planes spread unevenly)."""
-    return KVStore(cl_dev, model_config, max_context=16, max_sequences=2, n_channels=3)
+    """Six blocks of 4 positions; tables of up to 16 positions."""
+    c = model_config
+    return PagedKVStore(cl_dev, c, PagedKVLayout(c.n_layers, c.n_kv_heads, c.head_dim, 4, 6), max_tokens=16)
 
 
-def test_sequences_run_out_and_come_back(small_store):
-    a, b = small_store.new_sequence(16), small_store.new_sequence(4)
-    assert small_store.free_sequences == 0
-    with pytest.raises(EngineFull):
-        small_store.new_sequence(4)
-    small_store.release(a)
-    small_store.release(a)  # twice: still one sequence back
-    assert small_store.free_sequences == 1 and a.slot == -1
-    with pytest.raises(ValueError, match="exceeds"):
-        small_store.new_sequence(17)
-    small_store.release(b)
-
-
-def test_imported_kv_reads_back_per_sequence(small_store, model_config):
+def test_imported_kv_reads_back_per_table(small_store, model_config):
     c, rng = model_config, np.random.default_rng(7)
-    a, b = small_store.new_sequence(16), small_store.new_sequence(16)
+    tables = {5: [4, 1], 9: [0, 5, 2]}  # out of order; the 5 tokens' table and the 9's share no block
     wire = {}
-    for seq, n in ((a, 5), (b, 9)):
+    for n, table in tables.items():
         wire[n] = rng.normal(size=(c.n_layers, 2, c.n_kv_heads, n, c.head_dim)).astype(np.float16)
         for layer in range(c.n_layers):
-            small_store.import_layer(seq, layer, wire[n][layer])
-        small_store.finish_import(seq, n)
-        assert seq.length == n and not seq._keep_alive
-    np.testing.assert_array_equal(small_store.read(a, 5), wire[5].astype(np.float32))
-    np.testing.assert_array_equal(small_store.read(b, 9), wire[9].astype(np.float32))  # b did not overwrite a
+            small_store.import_layer(table, layer, wire[n][layer])
+        small_store.finish_import()
+    np.testing.assert_array_equal(small_store.read(tables[5], 5), wire[5].astype(np.float32))
+    np.testing.assert_array_equal(small_store.read(tables[9], 9), wire[9].astype(np.float32))  # 9 did not overwrite 5
 
 
 def test_import_refuses_kv_that_does_not_fit(small_store, model_config):
     c = model_config
-    seq = small_store.new_sequence(4)
-    with pytest.raises(ValueError, match="do not fit"):
-        small_store.import_layer(seq, 0, np.zeros((2, c.n_kv_heads, 5, c.head_dim), np.float32))
+    with pytest.raises(ValueError, match="need 2 blocks"):
+        small_store.import_layer([3], 0, np.zeros((2, c.n_kv_heads, 5, c.head_dim), np.float32))
+    with pytest.raises(ValueError, match="outside"):
+        small_store.import_layer([6], 0, np.zeros((2, c.n_kv_heads, 3, c.head_dim), np.float32))
     with pytest.raises(ValueError, match="shape"):
-        small_store.import_layer(seq, 0, np.zeros((2, c.n_kv_heads + 1, 3, c.head_dim), np.float32))
+        small_store.import_layer([3], 0, np.zeros((2, c.n_kv_heads + 1, 3, c.head_dim), np.float32))

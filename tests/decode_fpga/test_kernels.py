@@ -1,4 +1,5 @@
-"""Every OpenCL kernel against its numpy reference, on small random inputs."""
+"""Every OpenCL kernel against its numpy reference, on small random inputs (the attention kernels'
+are in test_paged_attention.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,6 @@ import pyopencl as cl
 import pytest
 
 from services.decode_fpga.gemv import upload_dense_matrix
-from services.decode_fpga.kv_channels import ChannelLayout
 
 MF = cl.mem_flags
 rng = np.random.default_rng(0)
@@ -104,103 +104,7 @@ def test_argmax_takes_first_of_ties(cl_dev, vocab, ties):
     np.testing.assert_array_equal(read(cl_dev, pos, 3, np.int32), [5, 1, 100])  # the next step's positions
 
 
-def _rope_ref(v, pos, inv_freq):
-    half = v.shape[-1] // 2
-    ang = (np.float32(pos) * inv_freq).astype(np.float64)
-    c, s = np.cos(ang), np.sin(ang)
-    a, b = v[:half], v[half:]
-    return np.concatenate([a * c - b * s, b * c + a * s])
-
-
-@pytest.mark.parametrize("fused_decode", [0, 1, 4, 32, 128],
-                         ids=["two-launches", "fused", "fused-wg4", "fused-wg32", "fused-wg128"])
-@pytest.mark.parametrize("n_channels,head_dim", [(1, 16), (3, 16), (1, 12), (1, 32)])
-def test_rope_store_and_attention_match_numpy(cl_dev, n_channels, head_dim, fused_decode):
-    """Two sequences in two slots, rows at different positions, GQA group of 2. One channel:
-    one launch covers every kv head; three: one launch per head, as the engine does.
-    head_dim 16 takes the kernel's 16-wide path, 12 its 4-wide one; 32 also writes block sums.
-    fused_decode: the last two rows (one per sequence, a decode step) go through
-    rope_attention_decode, which must store their K and V and attend as the two launches do: with
-    one work-item per (row, head) (fused_decode 1, attention.cl) or a work-group of that many lanes
-    (4: tiles of 4 positions, several dimensions per lane; 32, 128: idle lanes; attention_wg.cl)."""
-    n_heads, n_kv, ctx = 4, 2, 40
-    group, q_dim, kv_dim = n_heads // n_kv, n_heads * head_dim, n_kv * head_dim
-    lay = ChannelLayout(n_layers=1, n_kv_heads=n_kv, head_dim=head_dim, max_context=ctx, n_slots=2,
-                        n_channels=n_channels)
-    prog = cl_dev.build("attention.cl", {"HEAD_DIM": head_dim, "GROUP": group, "Q_DIM": q_dim, "KV_DIM": kv_dim})
-    chans = [cl.Buffer(cl_dev.context, MF.READ_WRITE, max(4, lay.channel_elems(c) * 4)) for c in range(n_channels)]
-    inv_freq = (1.0 / (1e4 ** (np.arange(0, head_dim, 2) / head_dim))).astype(np.float32)
-    # slot 0 gets a 35-token "prefill" (past two 16-position tiles of the softmax), then slot 1 a
-    # 3-token one; then one decode row each
-    rows = [(0, p) for p in range(35)] + [(1, p) for p in range(3)] + [(0, 35), (1, 3)]
-    qkv = rng.normal(size=(len(rows), q_dim + 2 * kv_dim)).astype(np.float32)
-    out_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * q_dim * 4)
-    sums_b = cl.Buffer(cl_dev.context, MF.READ_WRITE, len(rows) * max(1, q_dim // 32) * 4)
-    # the RoPE table the engine computes once at start-up: cos | sin of every position's angles
-    rope_cs = cl.Buffer(cl_dev.context, MF.READ_WRITE, ctx * head_dim * 4)
-    cl.Kernel(prog, "rope_table")(cl_dev.queue, (ctx, head_dim // 2), None, buf(cl_dev, inv_freq), rope_cs)
-    angles = np.arange(ctx, dtype=np.float32)[:, None] * inv_freq[None, :]
-    np.testing.assert_allclose(read(cl_dev, rope_cs, (ctx, head_dim)), np.concatenate([np.cos(angles), np.sin(angles)], 1),
-                               rtol=1e-6, atol=1e-6)
-    span = n_kv if n_channels == 1 else 1
-    rope_store, attention = cl.Kernel(prog, "rope_store_kv"), cl.Kernel(prog, "attention")
-    fused, lanes = cl.Kernel(prog, "rope_attention_decode"), fused_decode
-    if lanes > 1:
-        prog_wg = cl_dev.build("attention_wg.cl", {"HEAD_DIM": head_dim, "GROUP": group, "Q_DIM": q_dim,
-                                                   "KV_DIM": kv_dim, "WG": lanes})
-        fused = cl.Kernel(prog_wg, "rope_attention_decode_wg")
-    split = len(rows) - 2 if fused_decode else len(rows)
-    phases = [(0, split, False), (split, len(rows), True)] if fused_decode else [(0, len(rows), False)]
-    for start, end, decode in phases:
-        n = end - start
-        qkv_p = buf(cl_dev, qkv[start:end])
-        slots = buf(cl_dev, np.array([r[0] for r in rows[start:end]], np.int32))
-        pos = buf(cl_dev, np.array([r[1] for r in rows[start:end]], np.int32))
-        out_p = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * q_dim * 4)
-        sums_p = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * max(1, q_dim // 32) * 4)
-        for h in range(0, n_kv, span):
-            kc, kb = lay.locate(0, 0, 0, h)
-            vc, vb = lay.locate(0, 0, 1, h)
-            ks, vs = lay.locate(1, 0, 0, h)[1] - kb, lay.locate(1, 0, 1, h)[1] - vb
-            args = (chans[kc], np.int64(kb), np.int64(ks), chans[vc], np.int64(vb), np.int64(vs),
-                    np.int64(lay.plane_elems))
-            if decode:
-                fused(cl_dev.queue, (n * lanes, span * group), (lanes, 1), qkv_p, slots, pos, rope_cs, np.int32(h),
-                      np.float32(head_dim ** -0.5), *args, out_p, sums_p)
-                continue
-            rope_store(cl_dev.queue, (n, span * (group + 1)), None, qkv_p, slots, pos, rope_cs, np.int32(h), *args)
-            attention(cl_dev.queue, (n, span * group), None, qkv_p, slots, pos, np.int32(h),
-                      np.float32(head_dim ** -0.5), *args, out_p, sums_p)
-        cl.enqueue_copy(cl_dev.queue, out_b, out_p, byte_count=n * q_dim * 4, dst_offset=start * q_dim * 4)
-        cl.enqueue_copy(cl_dev.queue, sums_b, sums_p, byte_count=n * max(1, q_dim // 32) * 4,
-                        dst_offset=start * max(1, q_dim // 32) * 4)
-    got = read(cl_dev, out_b, (len(rows), q_dim))
-    # numpy reference: rope q and k, causal attention within each slot
-    cache = {}
-    for i, (slot, p) in enumerate(rows):
-        for h in range(n_kv):
-            k = _rope_ref(qkv[i, q_dim + h * head_dim: q_dim + (h + 1) * head_dim], p, inv_freq)
-            v = qkv[i, q_dim + kv_dim + h * head_dim: q_dim + kv_dim + (h + 1) * head_dim]
-            cache[(slot, h, p)] = (k, v)
-    for i, (slot, p) in enumerate(rows):
-        for h in range(n_heads):
-            q = _rope_ref(qkv[i, h * head_dim:(h + 1) * head_dim], p, inv_freq)
-            ks = np.stack([cache[(slot, h // group, t)][0] for t in range(p + 1)])
-            vs = np.stack([cache[(slot, h // group, t)][1] for t in range(p + 1)])
-            s = ks @ q / np.sqrt(head_dim)
-            w = np.exp(s - s.max())
-            ref = (w / w.sum()) @ vs
-            np.testing.assert_allclose(got[i, h * head_dim:(h + 1) * head_dim], ref, rtol=1e-4, atol=1e-5)
-    for slot, p in rows[-2:]:  # the decode rows' K and V are in the cache, roped K
-        for h in range(n_kv):
-            k_ref, v_ref = cache[(slot, h, p)]
-            for kv, ref in ((0, k_ref), (1, v_ref)):
-                c, off = lay.locate(slot, 0, kv, h)
-                plane = read(cl_dev, chans[c], lay.channel_elems(c))[off + p * head_dim: off + (p + 1) * head_dim]
-                np.testing.assert_allclose(plane, ref, rtol=1e-5, atol=1e-6)
-    if head_dim % 32 == 0:
-        np.testing.assert_allclose(read(cl_dev, sums_b, (len(rows), q_dim // 32)), block_sums_ref(got),
-                                   rtol=1e-5, atol=1e-5)
+# (RoPE, the KV write and attention: tests/decode_fpga/test_paged_attention.py)
 
 
 def test_every_kernel_file_is_shipped_and_every_include_exists():

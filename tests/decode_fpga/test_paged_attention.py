@@ -1,14 +1,13 @@
-"""kernels/paged_attention.cl on real PoCL: against the float64 numpy reference, bit for bit
-against itself in other batches and block placements, bit for bit against the contiguous
-kernels of attention.cl, and the CPU device's scores kernels (prefill chunks, decode rows) bit for
-bit against the portable ones."""
+"""kernels/paged_attention.cl on real PoCL: the RoPE table, every kernel against the float64 numpy
+reference (head sizes that take head_vector.h's 16-wide and 4-wide paths, and block sums), bit for
+bit against itself in other batches and block placements, and the CPU device's scores kernels
+(prefill chunks, decode rows) bit for bit against the portable ones."""
 from __future__ import annotations
 
 import numpy as np
 import pyopencl as cl
 import pytest
 
-from services.decode_fpga.kv_channels import ChannelLayout, wire_to_channels
 from services.decode_fpga.paged_attention import (
     PagedAttention, PagedKVLayout, attention_ref, check_rows, gather_kv, kv_write_ref, pack_block_tables, rope_ref)
 
@@ -17,8 +16,9 @@ POISON = np.float32(-7.25e7)  # what a block nobody wrote holds; any read of it 
 TINY = dict(n_heads=4, n_kv=2, head_dim=16, block_size=4)
 MODEL = dict(n_heads=9, n_kv=3, head_dim=64, block_size=16)  # SmolLM2-135M's attention
 # the tiny checkpoints' attention (tests/model/tiny_checkpoints.py): heads of 32, where PoCL contracted
-# `score * scale - m` into an fma in one kernel and not in its scores twin (attention_decode.h)
+# `score * scale - m` into an fma in one kernel and not in its scores twin (paged_attention.h)
 HEAD32 = dict(n_heads=4, n_kv=2, head_dim=32, block_size=16)
+HEAD12 = dict(n_heads=4, n_kv=2, head_dim=12, block_size=4)  # head_vector.h's 4-wide path (NV float4s)
 
 
 def buf(dev, a):
@@ -42,9 +42,8 @@ class Case:
         self.shape_defs = {"HEAD_DIM": head_dim, "GROUP": self.group, "Q_DIM": self.q_dim, "KV_DIM": self.kv_dim}
         self.inv_freq = (1.0 / (1e4 ** (np.arange(0, head_dim, 2) / head_dim))).astype(np.float32)
         self.rope_cs = cl.Buffer(dev.context, MF.READ_WRITE, max_pos * head_dim * 4)
-        prog = dev.build("attention.cl", self.shape_defs)
         self.inv_freq_b = buf(dev, self.inv_freq)  # held: released under a running command, PoCL crashes
-        cl.Kernel(prog, "rope_table")(dev.queue, (max_pos, head_dim // 2), None, self.inv_freq_b, self.rope_cs)
+        self.pa.bind_rope_table(max_pos, self.inv_freq_b, self.rope_cs).enqueue(dev.queue)
         self.image = np.full(self.layout.shape, POISON, np.float32)
 
     def fill_context(self, rng, layer, tables, lengths):
@@ -154,7 +153,17 @@ def test_kv_write_puts_rows_where_tables_say_and_nowhere_else(cl_dev, shape):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("shape", [TINY, MODEL, dict(MODEL, block_size=8)], ids=["tiny", "model", "model-bs8"])
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_rope_table_holds_cos_and_sin_of_every_angle(cl_dev, head_dim):
+    """The table the engine computes once at start-up: cos | sin of every position's angles."""
+    c = Case(cl_dev, n_heads=4, n_kv=2, head_dim=head_dim, block_size=4, max_pos=40)
+    angles = np.arange(40, dtype=np.float32)[:, None] * c.inv_freq[None, :]
+    np.testing.assert_allclose(read(cl_dev, c.rope_cs, (40, head_dim)),
+                               np.concatenate([np.cos(angles), np.sin(angles)], 1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [TINY, MODEL, dict(MODEL, block_size=8), HEAD12, HEAD32],
+                         ids=["tiny", "model", "model-bs8", "head12", "head32"])
 def test_decode_attention_matches_numpy(cl_dev, shape):
     """A batch of sequences whose contexts differ (1 token, block-size multiples and not, past
     several 16-position tiles), scattered blocks: each row ropes, writes and attends."""
@@ -178,7 +187,7 @@ def test_decode_attention_matches_numpy(cl_dev, shape):
         np.testing.assert_allclose(sums, got.reshape(len(pos), -1, 32).sum(-1), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [TINY, MODEL], ids=["tiny", "model"])
+@pytest.mark.parametrize("shape", [TINY, MODEL, HEAD12, HEAD32], ids=["tiny", "model", "head12", "head32"])
 def test_prefill_chunk_attention_is_causal(cl_dev, shape):
     """Two sequences' chunks in one launch: C tokens at [start, start + C) over start cached ones.
     Matches the reference (which sees only [0, pos]), and changing a chunk's last token leaves
@@ -191,7 +200,7 @@ def test_prefill_chunk_attention_is_causal(cl_dev, shape):
     seq_of_row = np.concatenate([np.full(n, s) for s, n in enumerate(chunks)])
     pos = np.concatenate([np.arange(st, st + n) for st, n in zip(starts, chunks)])
     qkv = c.qkv(rng, len(pos))
-    got, _, pool, qkv_after = c.run("rope_store+attention", qkv, seq_of_row, pos, tables, layer=0)
+    got, sums, pool, qkv_after = c.run("rope_store+attention", qkv, seq_of_row, pos, tables, layer=0)
     q, k, v = c.split(qkv)
     np.testing.assert_allclose(c.split(qkv_after)[0], rope_ref(q, pos, c.inv_freq), rtol=1e-5, atol=1e-6)
     want_pool = c.image.copy()
@@ -199,6 +208,8 @@ def test_prefill_chunk_attention_is_causal(cl_dev, shape):
     np.testing.assert_allclose(pool, want_pool, rtol=1e-5, atol=1e-6)
     ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, want_pool, 0, tables)
     np.testing.assert_allclose(got, ref.reshape(len(pos), -1), rtol=1e-4, atol=1e-5)
+    if c.hd % 32 == 0:
+        np.testing.assert_allclose(sums, got.reshape(len(pos), -1, 32).sum(-1), rtol=1e-5, atol=1e-5)
 
     last = chunks[0] - 1  # sequence 0's last chunk token: no earlier row may see it
     qkv[last] = c.qkv(rng, 1)[0]
@@ -246,60 +257,6 @@ def test_batch_invariance(cl_dev, kernel):
     np.testing.assert_array_equal(sums[rows], alone_sums)
     np.testing.assert_array_equal(gather_kv(pool, 0, tables[me], n_ctx + chunk),
                                   gather_kv(alone_pool, 0, alone_tables[0], n_ctx + chunk))
-
-
-@pytest.mark.parametrize("shape", [TINY, MODEL], ids=["tiny", "model"])
-def test_bit_identical_to_contiguous_kernels(cl_dev, shape):
-    """The same contexts in attention.cl's slot cache and in scattered blocks: the decode step
-    (rope_attention_decode) and prefill rows (rope_store_kv + attention) give the same bits."""
-    rng = np.random.default_rng(5)
-    c = Case(cl_dev, **shape, num_blocks=128)
-    lengths = [0, 1, 16, 17, 40, 63]
-    n_seqs, ctx = len(lengths), 72  # room for a 3-token chunk after 63
-    tables = scattered_tables(rng, c.layout.num_blocks, [ctx] * n_seqs, shape["block_size"])
-    c.fill_context(rng, 0, tables, lengths)
-    lay = ChannelLayout(n_layers=1, n_kv_heads=c.n_kv, head_dim=c.hd, max_context=ctx, n_slots=n_seqs, n_channels=1)
-    chan = np.zeros(lay.channel_elems(0), np.float32)
-    for s, n in enumerate(lengths):
-        wire_to_channels(lay, s, gather_kv(c.image, 0, tables[s], n)[None], [chan])
-    prog = cl_dev.build("attention.cl", c.shape_defs)
-    v_base, slot_stride = lay.locate(0, 0, 1, 0)[1], lay.locate(1, 0, 0, 0)[1]
-    scale = np.float32(1.0 / np.sqrt(c.hd))
-
-    def contiguous(kernel, qkv, slots, pos):
-        chan_b, qkv_b, sb, pb = buf(cl_dev, chan), buf(cl_dev, qkv), buf(cl_dev, slots.astype(np.int32)), buf(
-            cl_dev, pos.astype(np.int32))
-        n = len(pos)
-        out = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * c.q_dim * 4)
-        sums = cl.Buffer(cl_dev.context, MF.READ_WRITE, n * max(1, c.q_dim // 32) * 4)
-        cache = (chan_b, np.int64(0), np.int64(slot_stride), chan_b, np.int64(v_base), np.int64(slot_stride),
-                 np.int64(lay.plane_elems))
-        if kernel == "decode":
-            cl.Kernel(prog, "rope_attention_decode")(cl_dev.queue, (n, c.n_heads), (1, 1), qkv_b, sb, pb, c.rope_cs,
-                                                     np.int32(0), scale, *cache, out, sums)
-        else:
-            cl.Kernel(prog, "rope_store_kv")(cl_dev.queue, (n, c.n_kv * (c.group + 1)), (1, 1), qkv_b, sb, pb,
-                                             c.rope_cs, np.int32(0), *cache)
-            cl.Kernel(prog, "attention")(cl_dev.queue, (n, c.n_heads), (1, 1), qkv_b, sb, pb, np.int32(0), scale,
-                                         *cache, out, sums)
-        return read(cl_dev, out, (n, c.q_dim)), read(cl_dev, sums, (n, max(1, c.q_dim // 32)))
-
-    seq_of_row, pos = np.arange(n_seqs), np.array(lengths)
-    qkv = c.qkv(rng, n_seqs)
-    want, want_sums = contiguous("decode", qkv, seq_of_row, pos)
-    got, got_sums, _, _ = c.run("decode", qkv, seq_of_row, pos, tables, 0)
-    np.testing.assert_array_equal(got, want)
-    if c.hd % 32 == 0:  # block sums are written for whole 32-blocks only
-        np.testing.assert_array_equal(got_sums, want_sums)
-
-    seq_of_row = np.repeat(np.arange(n_seqs), 3)  # a 3-token chunk after each context
-    pos = np.concatenate([np.arange(n, n + 3) for n in lengths])
-    qkv = c.qkv(rng, len(pos))
-    want, want_sums = contiguous("prefill", qkv, seq_of_row, pos)
-    got, got_sums, _, _ = c.run("rope_store+attention", qkv, seq_of_row, pos, tables, 0)
-    np.testing.assert_array_equal(got, want)
-    if c.hd % 32 == 0:  # block sums are written for whole 32-blocks only
-        np.testing.assert_array_equal(got_sums, want_sums)
 
 
 @pytest.mark.parametrize("shape", [MODEL, HEAD32], ids=["model", "head32"])

@@ -36,7 +36,7 @@ if "Portable Computing Language" not in dev.device.platform.name:
     print(json.dumps({"skip": dev.device.platform.name}))
     sys.exit(0)
 engine = OpenCLEngine.create(model.config, model.weights, dev,
-                             EngineConfig(weights_dtype="gguf", max_context=256, max_sequences=4, kv_cache_mb=16),
+                             EngineConfig(weights_dtype="gguf", max_context=256, kv_cache_mb=16),
                              read_block_tensors(model.checkpoint, model.config))
 tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]  # 64 tokens each
 

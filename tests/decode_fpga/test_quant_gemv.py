@@ -148,18 +148,6 @@ def test_fused_silu_is_offered_only_where_it_runs(cl_dev):
         m.bind_gemv_silu(buf, buf)
 
 
-def test_one_row_decode_plan_fuses_silu_into_down(ocl_gguf_launches_engine, loaded_model):
-    """Launch by launch, a gguf decode step of one sequence has no silu_mul launch (5 per layer),
-    batches keep it."""
-    cfg = loaded_model.config
-    layers = ocl_gguf_launches_engine.plans.decode_step(1).layers
-    names = [la.kernel.function_name for layer in layers for la in layer]
-    assert "silu_mul" not in names and names.count("gemv_quant_silu") == cfg.n_layers
-    assert len(names) == 5 * cfg.n_layers
-    layers2 = ocl_gguf_launches_engine.plans.decode_step(2).layers
-    assert sum(la.kernel.function_name == "silu_mul" for layer in layers2 for la in layer) == cfg.n_layers
-
-
 @pytest.mark.parametrize("lanes", [3, 512])
 def test_lanes_must_be_a_power_of_two_up_to_256(cl_dev, lanes):
     from services.decode_fpga.device import DeviceContext
@@ -238,20 +226,18 @@ def test_gguf_storage_greedy_identical_to_transformers(ocl_gguf_engine, ocl_engi
 
 @pytest.mark.slow
 def test_gpu_shaped_kernels_greedy_identical_to_transformers(loaded_model, cl_dev, hf_model, model_config):
-    """The engine on the kernels a GPU gets, 32 lanes per GEMV row and per attention head (here
-    forced onto this device): the same greedy tokens as transformers, a prefill of several rows and
-    one-row decode steps."""
+    """The engine on the kernels a GPU gets, 32 lanes per GEMV row (here forced onto this device): the
+    same greedy tokens as transformers, a prefill of several rows and one-row decode steps."""
     from services.decode_fpga.device import DeviceContext
     from tests.conftest import hf_greedy, random_prompt
     from tests.decode_fpga.conftest import make_engine
     from tests.decode_fpga.test_opencl_engine import greedy
 
     dev = DeviceContext(cl_dev.device, cl_dev.context, cl_dev.queue, lanes=32)
-    engine = make_engine(loaded_model, dev, weights_dtype="gguf", max_context=64, max_sequences=1,
+    engine = make_engine(loaded_model, dev, weights_dtype="gguf", max_context=64, kv_cache_mb=4,
                          blocks=read_block_tensors(loaded_model.checkpoint, model_config))
     layer = engine.weights.layers[0]
     assert layer.gate_up.lanes == 32 and not layer.down.needs_block_sums
-    assert engine.plans.decode_step(1).layers[0][1].kernel.function_name == "rope_attention_decode_wg"
     prompt = random_prompt(17, model_config.vocab_size, seed=12)
     assert greedy(engine, prompt, 12) == hf_greedy(hf_model, prompt, 12)
 

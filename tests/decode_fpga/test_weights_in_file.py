@@ -48,7 +48,7 @@ def test_dense_storage_refuses_weights_without_their_matrices(in_file, cl_dev):
     from tests.decode_fpga.conftest import make_engine
 
     with pytest.raises(ValueError, match="loaded without them"):
-        make_engine(in_file, cl_dev, weights_dtype="fp16", max_context=64, max_sequences=1)
+        make_engine(in_file, cl_dev, weights_dtype="fp16", max_context=64)
 
 
 @pytest.mark.parametrize("storage,matrices", [("auto", False), ("gguf", False), ("fp16", True), ("fp32", True)])

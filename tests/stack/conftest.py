@@ -39,8 +39,8 @@ def stubs(services):
 
 @pytest.fixture(scope="package")
 def ocl_engine(loaded_model):
-    """The OpenCL engine in this process (fp32 weights, one channel), for the in-process tests here."""
+    """The OpenCL engine in this process (fp32 weights), for the in-process tests here."""
     from services.decode_fpga.device import select_device
     from tests.decode_fpga.conftest import make_engine
 
-    return make_engine(loaded_model, select_device(), max_context=1024, max_sequences=4)
+    return make_engine(loaded_model, select_device(), max_context=1024)

@@ -19,7 +19,6 @@ import pytest
 from services.decode_fpga.hybrid import DecodeRuntime, PrefillPeers
 from services.decode_fpga.server import GrpcPrefillPeer
 from services.decode_fpga.settings import DecodeSettings
-from services.engine.api import EngineFull
 from services.engine.requests import Cancellation, EngineRequest, RequestTimings
 from services.errors import (Cancelled, HandoffFailed, HandoffTimedOut, InvalidRequest, PeerUnavailable, PromptTooLong,
                              QueueFull)
@@ -379,7 +378,7 @@ def test_cancellation_runs_callbacks_once_and_late_ones_at_once():
 @pytest.mark.parametrize("exc,code", [
     (PromptTooLong("p"), grpc.StatusCode.OUT_OF_RANGE), (InvalidRequest("p"), grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull("p"), grpc.StatusCode.RESOURCE_EXHAUSTED), (ArenaFull("p"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (EngineFull("p"), grpc.StatusCode.RESOURCE_EXHAUSTED), (HeaderMismatch("p"), grpc.StatusCode.FAILED_PRECONDITION),
+    (HeaderMismatch("p"), grpc.StatusCode.FAILED_PRECONDITION),
     (PeerUnavailable("p"), grpc.StatusCode.UNAVAILABLE), (HandoffTimedOut("p"), grpc.StatusCode.DEADLINE_EXCEEDED),
     (Cancelled("p"), grpc.StatusCode.CANCELLED)])
 def test_typed_errors_keep_their_own_message(exc, code):

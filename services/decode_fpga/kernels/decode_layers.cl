@@ -1,4 +1,5 @@
-// Every layer of a one-sequence decode step in one launch, for a CPU device.
+// Every layer of a paged step of one decode row in one launch, for a CPU device
+// (paged_decode_layers; paged_plans.py binds it over the pool, bit for bit the step's launches).
 //
 // On PoCL every command costs ~15 us beyond its work (the runtime's bookkeeping, both worker
 // threads waking and meeting at its end), and a layer was five commands. Here the launch has as
@@ -16,7 +17,7 @@
 // Each layer's phases, each with the expression of the kernel it replaces, so the outputs are
 // those of the five launches a layer bit for bit:
 //   1. RMSNorm of x (norm_row.h, each work-group its own copy), then rows of q|k|v (ROW_DOT)
-//   2. per query head: RoPE, the KV write, attention (attend_decode, attention_decode.h)
+//   2. per query head: RoPE, the KV write, attention (paged_attend_decode, paged_attention.h)
 //   3. rows of the output projection, added into x
 //   4. RMSNorm of x, then rows of gate|up
 //   5. blocks of silu(gate) * up and their sums (silu.h)
@@ -32,7 +33,7 @@
 // [QKV_ROWS] biases one after the other, added by each work-group to its rows of q|k|v right after
 // its GEMV, as arch_ops.cl's add_bias adds them after the launch-by-launch GEMV: the same bits.
 // With -DQK_NORM (Qwen3's per-head q/k RMSNorm) it takes qk_norm (after qkv_bias when both): every
-// layer's q_norm | k_norm [2 HEAD_DIM], applied in phase 2 by attend_decode to each head before RoPE,
+// layer's q_norm | k_norm [2 HEAD_DIM], applied in phase 2 by paged_attend_decode to each head before RoPE,
 // with head_rms_norm's expression (the launches' bits).
 //
 // Defines: QFMT_SET (a bit per block format the layers hold, quant_gemv.py's QFMT_BITS: the GEMV
@@ -40,18 +41,12 @@
 // KV_DIM, XL = max(HIDDEN, FF, Q_DIM), LINE: ints between two counters of sync, each on a
 // cache line of its own (spinning reads and claims), the host's SYNC_LINE, and SPIN_LIMIT (a
 // long; the host's BARRIER_SPIN_LIMIT).
-// HIDDEN, FF, Q_DIM: multiples of 32.
-//
-// Built with -DBLOCK_SIZE, the kernel is paged_decode_layers: the same phases over the paged KV
-// pool (paged_attention.h's paged_attend_decode in phase 2), one decode row of the paged step
-// (paged_plans.py), bit for bit its launches.
+// HIDDEN, FF, Q_DIM: multiples of 32. BLOCK_SIZE: the pool's tokens per block.
 
 #define XAS __local
 #include "quant_blocks.h"
-#include "attention_decode.h"
-#ifdef BLOCK_SIZE
+#include "head_vector.h"
 #include "paged_attention.h"
-#endif
 #include "norm_row.h"
 #include "silu.h"
 
@@ -120,7 +115,6 @@ inline bool all_arrived(__global int *sync, const int n, long *spun)
 #define QK_W(layer) 0
 #endif
 
-#ifdef BLOCK_SIZE
 // pool: [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM], layer_elems floats a layer;
 // row 0 is sequence seq_of_row[0] (its table: block_tables[seq_of_row[0]][0:max_blocks]) at pos[0]
 __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __global const int *table,
@@ -143,28 +137,6 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
 #define ATTEND_HEAD(h) paged_attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,             \
                                            pool + layer * layer_elems + ((h) / GROUP) * BLOCK_ELEMS,       \
                                            seq_table, attn, attn_sums, QK_W(layer), eps)
-#else
-__kernel void decode_layers(__global float *x, __global const uchar *w, __global const int *table,
-                            __global const long *kv_bases, const int n_layers, const float eps,
-                            __global float *qkv, __global float *attn, __global float *attn_sums,
-                            __global float *gu, __global float *act, __global float *act_sums,
-                            __global const int *slots, __global const int *pos, __global const float *rope_cs,
-                            const float scale, __global float *kv_chan, const long slot_stride,
-                            const long head_stride, __global int *sync
-#ifdef QKV_BIAS
-                            , __global const float *qkv_bias
-#endif
-#ifdef QK_NORM
-                            , __global const float *qk_norm
-#endif
-                            )
-{
-    const int slot = slots[0];
-#define ATTEND_HEAD(h) attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,                    \
-                                     kv_chan + kv_bases[2 * layer] + ((h) / GROUP) * head_stride + slot * slot_stride, \
-                                     kv_chan + kv_bases[2 * layer + 1] + ((h) / GROUP) * head_stride + slot * slot_stride, \
-                                     attn, attn_sums, QK_W(layer), eps)
-#endif
     __local float xl[XL], xsl[XL / 32];  // the current phase's input vector and its block sums
     const int p = pos[0];
     int n = 0;  // barriers passed

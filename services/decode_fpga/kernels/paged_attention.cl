@@ -1,20 +1,32 @@
-// The KV write and attention over a paged KV pool, for a CPU device (one work-item per
-// (row, head)). The paged counterparts of attention.cl's kernels, same arithmetic.
+// RoPE, the KV write and attention over the paged KV pool: the attention kernels of every step.
+// One work-item per (row, head), the portable form; the *_scores kernels are a CPU's (one per
+// (row, kv head)), the same bits.
 //
 // Pool layout (paged_attention.h): layer l, block b, k|v, kv head h, slot i, dim d at
 //   pool[layer_base + b * BLOCK_STRIDE + kv * V_OFFSET + h * BLOCK_ELEMS + i * HEAD_DIM + d]
 // with layer_base = l * num_blocks * BLOCK_STRIDE, i.e. [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM].
-// block_tables: [n_seqs][max_blocks] ints; row r belongs to sequence seq_of_row[r] (the
-// contiguous kernels' `slots`) and sits at position pos[r]: block block_tables[seq][pos / BLOCK_SIZE],
+// block_tables: [n_seqs][max_blocks] ints; row r belongs to sequence seq_of_row[r] and sits at
+// position pos[r]: block block_tables[seq][pos / BLOCK_SIZE],
 // slot pos % BLOCK_SIZE. The host checks every table entry a launch touches (paged_attention.py).
 // qkv: [rows][Q_DIM + 2 KV_DIM] as the q|k|v GEMV writes it; out: [rows][Q_DIM]; out_sums:
-// [rows][Q_DIM / 32] (written when HEAD_DIM % 32 == 0, see attention.cl).
+// [rows][Q_DIM / 32] (written when HEAD_DIM % 32 == 0, see store_head).
 // Defines: HEAD_DIM, GROUP, Q_DIM, KV_DIM, BLOCK_SIZE.
 
-#include "attention_decode.h"
+#include "head_vector.h"
 #include "paged_attention.h"
 
 #define QKV_ROW (Q_DIM + 2 * KV_DIM)
+
+// The RoPE angles' cosines and sines of every position, computed once at start-up:
+// rope_cs[pos][0:HALF] = cos, rope_cs[pos][HALF:HEAD_DIM] = sin. On PoCL cos/sin are
+// software routines (~20 us a launch when each decode step recomputed them).
+__kernel void rope_table(__global const float *inv_freq, __global float *rope_cs)
+{
+    const int pos = get_global_id(0), i = get_global_id(1);
+    const float angle = (float)pos * inv_freq[i];
+    rope_cs[(size_t)pos * HEAD_DIM + i] = cos(angle);
+    rope_cs[(size_t)pos * HEAD_DIM + HALF + i] = sin(angle);
+}
 
 // Rows of already-RoPE'd K and V into the pool (a prefill chunk's, or a hand-off's import).
 // Work-item (r, h) copies kv head h of row r. The source is addressed by strides so that both q|k|v
@@ -38,7 +50,7 @@ __kernel void paged_kv_write(__global const float *src, const long src_base, con
     }
 }
 
-// attention.cl's rope_global: a head vector in global memory, roped in place.
+// A head vector in global memory, roped in place.
 inline void rope_in_place(__global float *v, const int pos, __global const float *rope_cs)
 {
     float t[HEAD_DIM];
@@ -47,7 +59,7 @@ inline void rope_in_place(__global float *v, const int pos, __global const float
     for (int i = 0; i < HEAD_DIM; ++i) v[i] = t[i];
 }
 
-// rope_store_kv (attention.cl) into the pool: work-item (r, g (GROUP + 1) + j) serves kv head g;
+// A prefill chunk's RoPE and KV write: work-item (r, g (GROUP + 1) + j) serves kv head g;
 // j == 0 ropes its K in qkv and stores K and V at pos[r]; j in 1..GROUP ropes query head g GROUP + j-1.
 // Global size (rows, N_KV (GROUP + 1)).
 __kernel void paged_rope_store_kv(__global float *qkv, __global const int *seq_of_row, __global const int *pos,
@@ -71,7 +83,7 @@ __kernel void paged_rope_store_kv(__global float *qkv, __global const int *seq_o
     }
 }
 
-// Prefill-chunk (and general) attention, attention.cl's `attention` through block tables: row r
+// Prefill-chunk (and general) attention through block tables: row r
 // (query already roped in qkv) attends to positions [0, pos[r]] of its sequence, whose K and V
 // must already be in the pool (paged_kv_write / paged_rope_store_kv of the chunk first). A chunk
 // of C tokens at [start, start + C) is C rows at those positions: each sees the cached context
@@ -95,8 +107,10 @@ __kernel void paged_attention(__global const float *qkv, __global const int *seq
     store_head(acc, paged_weigh_values(qv, K, table, n, scale, m, acc), r, h, out, out_sums);
 }
 
-// A decode step's RoPE, KV write and attention in one launch (rope_attention_decode through block
-// tables): row r is one sequence's new token at pos[r] (its block must be in the table). Work-item
+// A decode step's RoPE, KV write and attention in one launch (one command per layer instead of two;
+// PoCL charges ~5 us per command): row r is one sequence's new token at pos[r] (its block must be in
+// the table). Prefill rows of one sequence read each other's K and V, so they keep the two launches
+// above. Work-item
 // (r, g GROUP + j): query head g GROUP + j. Global size (rows, N_KV GROUP).
 __kernel void paged_rope_attention_decode(__global const float *qkv, __global const int *seq_of_row,
                                           __global const int *pos, __global const float *rope_cs,
@@ -110,7 +124,7 @@ __kernel void paged_rope_attention_decode(__global const float *qkv, __global co
 }
 
 #ifdef MAX_POS
-// hsum (attention_decode.h) of 16 head vectors at once: lane k of the result is hsum(a[k]) by the same
+// hsum (head_vector.h) of 16 head vectors at once: lane k of the result is hsum(a[k]) by the same
 // tree of additions (lane i + lane i + 8, then + lane i + 4, then (x + y) + (z + w)), so the same bits,
 // with the additions of 16 positions sharing vector instructions.
 inline float16 hsum16(const float16 *a)

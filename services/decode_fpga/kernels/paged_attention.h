@@ -1,7 +1,7 @@
-// Attention of one query head over a paged KV pool, shared by paged_attention.cl and any
-// all-layers kernel that wants it. Include attention_decode.h BEFORE this file (kernel_source
-// expands the top file's includes only, not a header's): it gives hvec, NV, VLOADH, dot_head,
-// rope and store_head, so the arithmetic here is attention_decode.h's, term for term.
+// Attention of one query head over a paged KV pool, shared by paged_attention.cl and
+// decode_layers.cl (every layer in one launch). Include head_vector.h BEFORE this file
+// (kernel_source expands the top file's includes only, not a header's): it gives hvec, NV, VLOADH,
+// dot_head, rope and store_head.
 // Defines: HEAD_DIM, GROUP, Q_DIM, KV_DIM, BLOCK_SIZE (tokens per block).
 //
 // The pool of one layer: [num_blocks][2 (k|v)][N_KV][BLOCK_SIZE][HEAD_DIM] floats, layers one
@@ -13,9 +13,8 @@
 // block table[t / BLOCK_SIZE].
 //
 // Every function reduces over positions 0, 1, 2, ... in order with the tiles of
-// attention_decode.h's weigh_values (16 positions from position 0, then a scalar tail), so a
-// row's result depends on its own context only: not on the batch, not on where its blocks lie,
-// and equals the contiguous kernels' bit for bit.
+// paged_weigh_values (16 positions from position 0, then a scalar tail), so a row's result depends
+// on its own context only: not on the batch, not on where its blocks lie.
 
 #define N_KV (KV_DIM / HEAD_DIM)
 #define BLOCK_ELEMS ((size_t)BLOCK_SIZE * HEAD_DIM)  // one head's K (or V) in one block
@@ -34,8 +33,8 @@ inline __global const float *paged_row_c(__global const float *X, __global const
     return X + (size_t)table[t / BLOCK_SIZE] * BLOCK_STRIDE + (size_t)(t % BLOCK_SIZE) * HEAD_DIM;
 }
 
-// max_score (attention_decode.h) through a block table: the largest of m and the scaled scores of
-// positions [0, n). One table lookup per block.
+// The softmax's first pass: the largest of m and the scaled scores of positions [0, n). One table
+// lookup per block.
 inline float paged_max_score(const hvec *qv, __global const float *K, __global const int *table, const int n,
                              const float scale, float m)
 {
@@ -47,9 +46,13 @@ inline float paged_max_score(const hvec *qv, __global const float *K, __global c
     return m;
 }
 
-// weigh_values (attention_decode.h) through a block table, same tiles, same order of every sum:
-// acc += exp(s_t - m) * V[t] over positions [0, n); returns the sum of the weights.
-// K: the layer's base + kv_head * BLOCK_ELEMS (V is V_OFFSET further in every block).
+// The second pass over positions [0, n): acc += exp(s_t - m) * V[t]; returns the sum of the weights.
+// K: the layer's base + kv_head * BLOCK_ELEMS (V is V_OFFSET further in every block). 16 positions
+// share one call of exp, a vector routine on PoCL (one scalar call per position was about a third of
+// attention at 1000 positions). A scaled score is rounded before m is taken from it, in a statement of
+// its own: written as one expression, `dot * scale - m` may be contracted into an fma (OpenCL's
+// FP_CONTRACT), and PoCL did so for some head sizes (32) and not others (64), so the kernels that keep
+// the scores in memory (paged_attention.cl's *_scores) gave other bits than these for those heads.
 inline float paged_weigh_values(const hvec *qv, __global const float *K, __global const int *table, const int n,
                                 const float scale, const float m, hvec *acc)
 {
@@ -65,7 +68,7 @@ inline float paged_weigh_values(const hvec *qv, __global const float *K, __globa
 #define TILE_ROW(k) paged_row_c(K, table, t + (k))
 #endif
         for (int k = 0; k < 16; ++k) {
-            const float scaled = dot_head(qv, TILE_ROW(k)) * scale;  // rounded: weigh_values says why
+            const float scaled = dot_head(qv, TILE_ROW(k)) * scale;  // rounded: see above
             s[k] = scaled - m;
         }
         const float16 w16 = exp(vload16(0, s));
@@ -99,10 +102,13 @@ inline void paged_store_new(__global float *K, __global const int *table, const 
     }
 }
 
-// attend_decode (attention_decode.h) through a block table: query head kv_head * GROUP + j of row
-// r at position p (qk_w, qk_eps: attend_decode's). RoPE of the query and the new key in registers; j == 0 stores the new K and V
-// at p (its block must be in the table); positions [0, p) come from the pool, the new one from
-// registers and joins the sums last. K: the layer's base + kv_head * BLOCK_ELEMS.
+// Query head h = kv_head * GROUP + j of row r at position p: RoPE of its query and of the kv head's
+// new key in registers; j == 0 stores the new K and V at p (its block must be in the table).
+// Positions [0, p) come from the pool, the new one from registers, so no work-item reads what another
+// writes; the new position's weight joins the sums last. Writes out[r, h] and its block sums
+// (store_head). K: the layer's base + kv_head * BLOCK_ELEMS. qk_w: when not 0, the layer's
+// q_norm | k_norm weights [2 HEAD_DIM], applied to the query and the key before RoPE (decode_layers.cl;
+// a launch of its own, head_rms_norm, does it in the launch-by-launch step, which passes 0).
 inline void paged_attend_decode(__global const float *qkv, const int r, const int kv_head, const int j, const int p,
                                 __global const float *rope_cs, const float scale, __global float *K,
                                 __global const int *table, __global float *out, __global float *out_sums,
@@ -116,7 +122,7 @@ inline void paged_attend_decode(__global const float *qkv, const int r, const in
         qf[i] = row[h * HEAD_DIM + i];
         kf[i] = row[Q_DIM + kv_head * HEAD_DIM + i];
     }
-    if (qk_w) {  // (attend_decode's, see there)
+    if (qk_w) {
         head_norm_private(qf, qk_w, qk_eps);
         head_norm_private(kf, qk_w + HEAD_DIM, qk_eps);
     }

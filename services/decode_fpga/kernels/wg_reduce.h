@@ -1,5 +1,5 @@
-// Work-group reductions of the GPU-shaped kernels (gemv_quant_wg.cl, attention_wg.cl), which
-// include this file; DeviceContext.build inlines it. WG: the work-group size, a power of two.
+// Work-group reductions of the GPU-shaped kernels (gemv_quant_wg.cl), which include this file;
+// DeviceContext.build inlines it. WG: the work-group size, a power of two.
 // Every lane calls them with its value and gets the work-group's result; red: WG floats of
 // local memory, free again when they return.
 
