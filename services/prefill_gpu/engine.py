@@ -1,8 +1,7 @@
 """The PyTorch engine: CUDA when present, else the CPU, same code.
 
-Two ways in: the per-sequence slot path (new_sequence / prefill / decode, KV in one tensor per
-sequence) and the continuous-batching path (BatchEngine in services/engine/api.py: `step` over
-chunks whose KV lives in a paged pool, batched_step.py and kv_pool.py).
+BatchEngine (services/engine/api.py): `step` over the scheduler's chunks, whose KV lives in a
+paged pool (batched_step.py and kv_pool.py); hand-offs export and import whole layers of blocks.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from services.prefill_gpu.batched_step import MIN_GEMM_ROWS, plan_step, run_step
 from services.prefill_gpu.cpu_matmul import invariant_floor, request_strict_mkl
 from services.prefill_gpu.cuda_graphs import StepGraphs
 from services.prefill_gpu.kv_pool import PagedKVPool
-from services.prefill_gpu.model import LlamaTorch, TorchSequence
+from services.prefill_gpu.model import LlamaTorch
 
 if TYPE_CHECKING:
     from services.engine.scheduler import ScheduledChunk
@@ -68,7 +67,7 @@ def pick_layout(name: str, device: torch.device) -> str:
 
 
 class TorchEngine:
-    """Engine and BatchEngine (services/engine/api.py) over LlamaTorch.
+    """BatchEngine (services/engine/api.py) over LlamaTorch.
 
     `batching` sizes the paged pool (kv_cache_mb, block_size) and the step (max_num_batched_tokens);
     default: BatchingSettings()'s. The pool is allocated with torch.empty, so on the CPU its pages
@@ -126,37 +125,7 @@ class TorchEngine:
     def kv_dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_sequence(self, capacity: int) -> TorchSequence:
-        return self.model.new_sequence(capacity)
-
-    def prefill(self, seq: TorchSequence, token_ids: list[int], on_layer=None) -> np.ndarray:
-        return self.model.prefill(seq, token_ids, on_layer).cpu().numpy()
-
-    def decode(self, seqs: list[TorchSequence], tokens: list[int]) -> np.ndarray:
-        return self.model.decode(seqs, tokens).cpu().numpy()
-
-    def decode_greedy(self, seqs: list[TorchSequence], tokens: list[int]) -> list[int]:
-        return self.model.decode(seqs, tokens).argmax(dim=-1).tolist()
-
-    def import_kv_layer(self, seq: TorchSequence, layer: int, kv: np.ndarray) -> None:
-        n = kv.shape[2]
-        src = torch.from_numpy(np.ascontiguousarray(kv)).to(self.device, self.model.dtype)
-        seq.k[layer, :, :n] = src[0]
-        seq.v[layer, :, :n] = src[1]
-
-    def finish_import(self, seq: TorchSequence, n_tokens: int) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seq.length = n_tokens
-
-    def export_kv_layer(self, seq: TorchSequence, layer: int, n_tokens: int) -> torch.Tensor:
-        """Layer `layer` of the cache in wire layout, [2, n_kv_heads, n_tokens, head_dim], on the device."""
-        return torch.stack([seq.k[layer, :, :n_tokens], seq.v[layer, :, :n_tokens]])
-
-    def release(self, seq: TorchSequence) -> None:
-        seq.k = seq.v = None  # drop the tensors now, not when the last reference goes
-
-    # ---- continuous batching over the paged pool (BatchEngine) -----------------------------
+    # ---- BatchEngine: steps over the paged pool ---------------------------------------------
     def step(self, chunks: Sequence["ScheduledChunk"], greedy: bool,
              on_layer: Callable[[int], None] | None = None) -> list[int] | np.ndarray:
         """Every chunk's rows in one forward; ValueError on rows past max_num_batched_tokens, a
@@ -180,5 +149,5 @@ class TorchEngine:
 
     def export_kv_blocks(self, block_table: Sequence[int], layer: int, n_tokens: int) -> torch.Tensor:
         """Layer `layer` of positions [0, n_tokens) in wire layout, [2, n_kv_heads, n_tokens, head_dim], on the
-        device in the engine's dtype: the paged counterpart of export_kv_layer."""
+        device in the engine's dtype (what a hand-off sends)."""
         return self.kv_pool.export_layer(block_table, layer, n_tokens)

@@ -1,12 +1,10 @@
-"""A decoder-only transformer's forward in PyTorch with an explicit per-sequence KV cache.
+"""A decoder-only transformer's parameters and parts in PyTorch, which the paged step
+(batched_step.py) runs over the rows of a step and the KV pool (kv_pool.py).
 
 The architecture (services/model/architecture.py) switches its parts: RMSNorm or LayerNorm,
 RoPE (its frequencies from the config, scaling applied) or learned positions, the biases, the
 per-head q/k RMSNorm, a gated SiLU or a GELU MLP. Each part computes what transformers' module
 of that family computes, in the same order of operations.
-
-The cache of one sequence is `k, v: [n_layers, n_kv_heads, capacity, head_dim]`,
-so `k[l, :, :n]` is exactly layer l's K in the wire layout (services/kv/layout.py).
 """
 from __future__ import annotations
 
@@ -18,19 +16,6 @@ import torch.nn.functional as F
 
 from services.model.config import ModelConfig
 from services.model.weights import ModelWeights
-
-
-@dataclass
-class TorchSequence:
-    """KV cache of one sequence and how many of its positions are filled."""
-
-    k: torch.Tensor  # [n_layers, n_kv_heads, capacity, head_dim]
-    v: torch.Tensor
-    length: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
 
 
 @dataclass(frozen=True)
@@ -56,7 +41,7 @@ class TorchLayer:
 
 
 class LlamaTorch:
-    """The model's parameters on one device and the two forwards: prefill and batched decode.
+    """The model's parameters on one device and the parts of its forward (batched_step.run_step runs them).
 
     `out_in`: matrices kept [out, in] and applied as x @ W.T (F.linear), the layout measured faster
     with cuBLAS at a few rows (bench/micro/gpu_engine.py); the CPU keeps [in, out], MKL's faster one.
@@ -106,12 +91,6 @@ class LlamaTorch:
             for w in weights.layers
         ]
         self.inv_freq = torch.from_numpy(cfg.inv_freq()).to(device)  # the same table the OpenCL engine uses
-
-    def new_sequence(self, capacity: int) -> TorchSequence:
-        c = self.cfg
-        shape = (c.n_layers, c.n_kv_heads, capacity, c.head_dim)
-        return TorchSequence(torch.empty(shape, device=self.device, dtype=self.dtype),
-                             torch.empty(shape, device=self.device, dtype=self.dtype))
 
     # ---- building blocks -------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -220,63 +199,3 @@ class LlamaTorch:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return (self._norm(x, self.final_norm, self.final_norm_b) @ self.lm_head_t).float()
-
-    # ---- forwards --------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, seq: TorchSequence, token_ids: list[int],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run the prompt through the model into an empty cache; logits of the last position [vocab].
-
-        `on_layer(l)` is called as soon as layer l's K/V are in the cache, so a
-        caller can ship that layer while the next one computes.
-        """
-        if seq.length != 0:
-            raise ValueError("prefill starts from an empty cache")
-        n = len(token_ids)
-        if not 0 < n <= seq.capacity:
-            raise ValueError(f"prompt of {n} tokens does not fit capacity {seq.capacity}")
-        ids = torch.tensor(token_ids, device=self.device)
-        positions = torch.arange(n, device=self.device)
-        rope = self._rope_tables(positions)
-        x = self._embed(ids, positions)  # [T, hidden]
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, rope)
-            seq.k[li, :, :n] = k.transpose(0, 1)
-            seq.v[li, :, :n] = v.transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], seq.k[li, :, :n][None], seq.v[li, :, :n][None],
-                is_causal=True, enable_gqa=True,
-            )  # [1, heads, T, dim]
-            x = self._mlp_residual(layer, x, attn[0].transpose(0, 1).reshape(n, -1))
-            if on_layer is not None:
-                on_layer(li)
-        seq.length = n
-        return self._logits(x[-1])
-
-    @torch.inference_mode()
-    def decode(self, seqs: list[TorchSequence], tokens: list[int]) -> torch.Tensor:
-        """One step for a batch of sequences of any lengths; logits [B, vocab]."""
-        if not seqs or len(seqs) != len(tokens):
-            raise ValueError(f"a decode step of {len(seqs)} sequences and {len(tokens)} tokens")
-        for s in seqs:
-            if s.length >= s.capacity:
-                raise ValueError("sequence is full")
-        positions = torch.tensor([s.length for s in seqs], device=self.device)
-        rope = self._rope_tables(positions)
-        x = self._embed(torch.tensor(tokens, device=self.device), positions)  # [B, hidden]
-        for li, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, x, rope)  # q [B, heads, dim]; k, v [B, kv_heads, dim]
-            outs = []
-            for b, s in enumerate(seqs):
-                n = s.length
-                s.k[li, :, n] = k[b]
-                s.v[li, :, n] = v[b]
-                # one query attends to every cached position: no mask needed
-                o = F.scaled_dot_product_attention(
-                    q[b][None, :, None], s.k[li, :, : n + 1][None], s.v[li, :, : n + 1][None], enable_gqa=True
-                )
-                outs.append(o.reshape(1, -1))
-            x = self._mlp_residual(layer, x, torch.cat(outs))
-        for s in seqs:
-            s.length += 1
-        return self._logits(x)
