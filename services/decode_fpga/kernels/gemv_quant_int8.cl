@@ -105,7 +105,7 @@ inline int8 i8_dot(const char16 w0, const char16 w1, __global const char *xb)
     w = __builtin_ia32_psignb256(w, w);  // |w| (-128 stays 0x80: 128 unsigned)
 #endif
     return as_int8(__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(w, x), (s16v)(1)));
-#elif defined(__opencl_c_integer_dot_product_input_4x8bit)
+#elif defined(__opencl_c_integer_dot_product_input_4x8bit) || defined(cl_khr_integer_dot_product)
     const char16 x0 = vload16(0, xb), x1 = vload16(1, xb);
     return (int8)(dot(w0.s0123, x0.s0123), dot(w0.s4567, x0.s4567), dot(w0.s89ab, x0.s89ab),
                   dot(w0.scdef, x0.scdef), dot(w1.s0123, x1.s0123), dot(w1.s4567, x1.s4567),
