@@ -15,8 +15,8 @@ import torch
 from services.engine.batching_settings import BatchingSettings
 from services.prefill_gpu.batched_step import forward_logits, plan_step
 from services.prefill_gpu.cuda_graphs import CHUNK, DECODE, StepGraphs
-from tests.conftest import random_prompt
-from tests.prefill_gpu.test_batched_step import chunk, serve, slot_greedy
+from tests.conftest import hf_greedy, random_prompt
+from tests.prefill_gpu.test_batched_step import chunk, serve
 
 BATCHING = BatchingSettings(kv_cache_mb=64, max_num_batched_tokens=512)
 
@@ -42,13 +42,13 @@ def with_fixed_shape(engine):
     engine.graphs = None
 
 
-def test_scheduled_run_gives_the_eager_tokens_and_uses_both_kinds(engine, model_config, with_fixed_shape):
+def test_scheduled_run_gives_the_eager_tokens_and_uses_both_kinds(engine, model_config, hf_model, with_fixed_shape):
     prompts = [random_prompt(n, model_config.vocab_size, seed=11) for n in (5, 40)]
     fixed = serve(engine, prompts, 6, budget=32, arrivals_per_step=1)
     assert with_fixed_shape.replays[DECODE] > 0 and with_fixed_shape.replays[CHUNK] > 0, with_fixed_shape.replays
     engine.graphs = None
     assert fixed == serve(engine, prompts, 6, budget=32, arrivals_per_step=1)
-    assert fixed[1] == slot_greedy(engine, prompts[1], 6)
+    assert fixed[1] == hf_greedy(hf_model, prompts[1], 6)
 
 
 def _step_both_ways(engine, chunks):
