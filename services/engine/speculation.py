@@ -31,7 +31,7 @@ class SpeculationConfig:
     k: int = 0  # drafts a sequence proposes a step at most; 0: speculation off
     n_min: int = 2
     n_max: int = 4
-    max_batch: int = 4  # no drafts in a step with more sequences decoding than this
+    max_batch: int = 2  # no drafts in a step with more sequences decoding than this
 
     @property
     def on(self) -> bool:

@@ -15,13 +15,15 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 # both engines speculate (n-gram drafts, services/engine/speculation.py): every API test on this stack then
 # checks that drafts change no token, with logprobs, stops, grammars and n > 1 (test_api_speculation.py
 # compares the same requests with speculation turned off per request)
+# (up to 4 sequences decoding, the served default being 2, so that n > 1 drafts in a batch too)
 SPECULATIVE_K = "4"
 PREFILL_ENV = {"HYBRIDSERVE_PREFILL_MAX_NUM_SEQS": "2", "HYBRIDSERVE_QUEUE_DEPTH": "0",
                "HYBRIDSERVE_ARENA_BYTES": str(64 << 20), "HYBRIDSERVE_PREFILL_KV_CACHE_MB": "256",
-               "HYBRIDSERVE_PREFILL_SPECULATIVE_K": SPECULATIVE_K}
+               "HYBRIDSERVE_PREFILL_SPECULATIVE_K": SPECULATIVE_K, "HYBRIDSERVE_PREFILL_SPECULATIVE_MAX_BATCH": "4"}
 PLANNER_WINDOW_S = 20.0
 DECODE_ENV = {"HYBRIDSERVE_MAX_CONTEXT": "2048", "HYBRIDSERVE_MAX_SEQUENCES": "4",
-              "HYBRIDSERVE_DECODE_KV_CACHE_MB": "512", "HYBRIDSERVE_DECODE_SPECULATIVE_K": SPECULATIVE_K}
+              "HYBRIDSERVE_DECODE_KV_CACHE_MB": "512", "HYBRIDSERVE_DECODE_SPECULATIVE_K": SPECULATIVE_K,
+              "HYBRIDSERVE_DECODE_SPECULATIVE_MAX_BATCH": "4"}
 
 
 def wait_calibrated(url: str, timeout: float = 240.0) -> None:
