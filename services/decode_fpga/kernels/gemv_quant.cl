@@ -156,23 +156,7 @@ __kernel void gemv_quant(__global const float *d, __global const half *m, __glob
     }
 }
 
-// ROW_DOT's ending of one row: its two accumulators' sum, then the minimums over the block sums
-inline float rows_finish(const float8 a0, const float8 a1, __global const float *drow, __global const half *mrow,
-                         __global const float *xsum, const int nb)
-{
-    float acc = hsum8(a0 + a1);
-    if (HAS_MINS) {
-        const int ng = nb / 4;
-        float4 ms = (float4)(0.0f);
-        for (int g = 0; g < ng; ++g) ms = fma(LOAD_MIN4(g, mrow, drow), vload4(g, xsum), ms);
-        acc += (ms.x + ms.y) + (ms.z + ms.w);
-        if (nb > 4 * ng) {
-            const float4 m4 = LOAD_MIN4(ng, mrow, drow);
-            for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
-        }
-    }
-    return acc;
-}
+// rows_finish (quant_blocks.h) ends each row: its two accumulators' sum, then the minimums over the block sums
 
 // y[r, o] (+)= sum_c W[o, c] * x[r, c] for r < n_rows[0], every row with the one-row arithmetic
 // (ROW_DOT, as gemv_quant at one row, gemv_quant_norm/silu and decode_layers.cl compute it, term

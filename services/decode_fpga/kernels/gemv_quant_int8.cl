@@ -134,24 +134,7 @@ inline float8 i8_scales(__global const float *drow, __global const half *mrow, c
 #define I8_ACC(A, W0, W1, S8, XQ, DX, B) \
     A = fma(convert_float8(i8_dot((W0), (W1), (XQ) + 32 * (B))), (S8) * (DX)[B], A)
 
-// a pair's ending: its accumulators added and folded, then the minimums times x's fp32 block sums
-// in the exact kernels' order (gemv_quant.cl's rows_finish)
-inline float i8_finish(const float8 a0, const float8 a1, __global const float *drow, __global const half *mrow,
-                       __global const float *xsum, const int nb)
-{
-    float acc = hsum8(a0 + a1);
-    if (HAS_MINS) {
-        const int ng = nb / 4;
-        float4 ms = (float4)(0.0f);
-        for (int g = 0; g < ng; ++g) ms = fma(LOAD_MIN4(g, mrow, drow), vload4(g, xsum), ms);
-        acc += (ms.x + ms.y) + (ms.z + ms.w);
-        if (nb > 4 * ng) {
-            const float4 m4 = LOAD_MIN4(ng, mrow, drow);
-            for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
-        }
-    }
-    return acc;
-}
+// a pair's ending: rows_finish (quant_blocks.h), in the exact kernels' order
 
 #define I8_STORE(R, V)                                                     \
     {                                                                      \
@@ -198,10 +181,10 @@ __kernel void gemv_int8_rows(__global const float *d, __global const half *m, __
             I8_ACC(a20, w0, w1, s8, x2, d2, b); I8_ACC(a30, w0, w1, s8, x3, d3, b);
         }
         __global const float *xs = xsum + (size_t)r0 * nb;
-        I8_STORE(r0, i8_finish(a00, a01, drow, mrow, xs, nb));
-        I8_STORE(r0 + 1, i8_finish(a10, a11, drow, mrow, xs + nb, nb));
-        I8_STORE(r0 + 2, i8_finish(a20, a21, drow, mrow, xs + 2 * nb, nb));
-        I8_STORE(r0 + 3, i8_finish(a30, a31, drow, mrow, xs + 3 * nb, nb));
+        I8_STORE(r0, rows_finish(a00, a01, drow, mrow, xs, nb));
+        I8_STORE(r0 + 1, rows_finish(a10, a11, drow, mrow, xs + nb, nb));
+        I8_STORE(r0 + 2, rows_finish(a20, a21, drow, mrow, xs + 2 * nb, nb));
+        I8_STORE(r0 + 3, rows_finish(a30, a31, drow, mrow, xs + 3 * nb, nb));
     }
     for (; r0 < n; ++r0) {  // the last n % 4 rows alone, the same expression
         __global const char *x0 = xq + (size_t)r0 * cols;
@@ -218,7 +201,7 @@ __kernel void gemv_int8_rows(__global const float *d, __global const half *m, __
             i8_weights(qrow, b, &w0, &w1);
             I8_ACC(a0, w0, w1, i8_scales(drow, mrow, b), x0, d0, b);
         }
-        I8_STORE(r0, i8_finish(a0, a1, drow, mrow, xsum + (size_t)r0 * nb, nb));
+        I8_STORE(r0, rows_finish(a0, a1, drow, mrow, xsum + (size_t)r0 * nb, nb));
     }
 }
 

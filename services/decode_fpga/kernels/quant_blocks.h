@@ -292,4 +292,23 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
 #define BLOCK_ACC(A, W0, W1, X, B, DROW, MROW) BLOCK_ACC_F(QFMT, A, W0, W1, X, B, DROW, MROW)
 #define ROW_DOT(ACC, DROW, MROW, QROW, X, XSUM, NB) ROW_DOT_F(QFMT, ACC, DROW, MROW, QROW, X, XSUM, NB)
 #define GEMV_ROW(O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE) GEMV_ROW_F(QFMT, O, D, M, Q, X, XSUM, COLS, Y, ACCUMULATE)
+
+// the ending of one row's two accumulators (ROW_DOT's order; the batched GEMVs, fp32 and int8 alike): their sum,
+// then the minimums times x's fp32 block sums
+inline float rows_finish(const float8 a0, const float8 a1, __global const float *drow, __global const half *mrow,
+                         __global const float *xsum, const int nb)
+{
+    float acc = hsum8(a0 + a1);
+    if (HAS_MINS) {
+        const int ng = nb / 4;
+        float4 ms = (float4)(0.0f);
+        for (int g = 0; g < ng; ++g) ms = fma(LOAD_MIN4(g, mrow, drow), vload4(g, xsum), ms);
+        acc += (ms.x + ms.y) + (ms.z + ms.w);
+        if (nb > 4 * ng) {
+            const float4 m4 = LOAD_MIN4(ng, mrow, drow);
+            for (int b = 4 * ng; b < nb; ++b) acc += pick4(m4, b & 3) * xsum[b];
+        }
+    }
+    return acc;
+}
 #endif
