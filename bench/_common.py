@@ -88,3 +88,10 @@ class CpuHog:
         self.stop.set()
         for p in self.procs:
             p.join(10)
+
+
+def checkout_env(tree: Path) -> dict[str, str]:
+    """The environment of a child process that runs checkout `tree`'s code: its directory first on the path
+    and the working directory never prepended (PYTHONSAFEPATH), so `python -m` from this checkout's root
+    imports the other checkout's `services` (the A/B micro-benchmarks of an earlier commit)."""
+    return {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}

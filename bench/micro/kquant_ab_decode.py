@@ -8,7 +8,8 @@ time per step (both PoCL threads' work: the steadier figure when other processes
 
     python -m bench.micro.kquant_ab_decode --baseline DIR [--gguf FILE] [--rounds N] [--steps N] [--name NAME]
 
-DIR: a checkout of the earlier commit (`git worktree add DIR COMMIT`); FILE: default the packaged model.
+DIR: a checkout of the earlier commit (`git worktree add DIR COMMIT`) that has this module; FILE: default the
+packaged model.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench._common import ROOT, progress, table, write_json
+from bench._common import ROOT, checkout_env, progress, table, write_json
 
 BATCHES = (1, 8)
 
@@ -28,9 +29,7 @@ BATCHES = (1, 8)
 def measure(tree: Path, gguf: str | None, steps: int, context: int) -> dict:
     """In this process, checkout `tree`'s engine: {batch: [(wall s, CPU s) per step]}."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from bench.micro.paged_step import time_paged  # this checkout's timing loop (it imports services only when called)
-
-    sys.path.insert(0, str(tree))  # ahead of this checkout (the root python -m runs from)
+    from bench.micro.paged_step import time_paged  # the checkout's own timing loop (bench._common.checkout_env)
 
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
@@ -77,7 +76,7 @@ def main() -> int:
             progress(f"round {r + 1}/{args.rounds}: {name}")
             cmd = [sys.executable, "-m", "bench.micro.kquant_ab_decode", "--child", str(tree),
                    "--steps", str(args.steps), "--context", str(args.context)] + (["--gguf", args.gguf] if args.gguf else [])
-            done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=ROOT, capture_output=True,
+            done = subprocess.run(cmd, env=checkout_env(tree), cwd=ROOT, capture_output=True,
                                   text=True)
             if done.returncode:
                 raise SystemExit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")

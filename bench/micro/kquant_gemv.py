@@ -10,7 +10,8 @@ At one row the K-quants are bound by arithmetic on this CPU, not by memory, so t
 launch (both PoCL threads together) is what a kernel change moves. Several distinct matrices are
 launched in turn (one alone would sit in the caches); random blocks of each format (gguf-py cannot
 quantize to K-quants; speed does not depend on the values). With --baseline, a checkout of an
-earlier commit runs in alternate subprocesses, round by round, so both see the same load:
+earlier commit runs in alternate subprocesses, round by round, so both see the same load (each child runs its
+checkout's code whole, this module included: bench._common.checkout_env; DIR must have it):
 
     python -m bench.micro.kquant_gemv [--rounds N] [--baseline DIR] [--formats q4_1,q4_k,q5_k,q6_k]
                                 [--rows N] [--name RESULTS_NAME] [--plot] [--shapes 1024x2048] [--copies 1]
@@ -27,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench._common import RESULTS, ROOT, progress, table, write_json
+from bench._common import RESULTS, ROOT, checkout_env, progress, table, write_json
 
 SHAPES = ((8192, 2048), (2048, 8192))
 FORMATS = "q4_0,q4_1,q8_0,q5_0,q5_1,q4_k,q5_k,q6_k"
@@ -43,13 +44,12 @@ def measure(tree: Path, formats: list[str], runs: int, n_rows: int = 1, shapes=S
     """In this process, the code of checkout `tree`: per format and shape, `runs` timed passes. n_rows
     > 1: that many rows of x through bind_gemv_rows (the paged step's batched GEMV, each row with the
     one-row arithmetic), timed per launch as at one row."""
-    sys.path.insert(0, str(tree))  # ahead of this checkout (the root python -m runs from)
     import numpy as np
     import pyopencl as cl
 
     from services.decode_fpga.device import select_device
     from services.decode_fpga.quant_gemv import QuantMatrix
-    from bench.micro.quant_gemv import synthetic  # this checkout's; gguf-py quantizes the legacy formats
+    from bench.micro.quant_gemv import synthetic  # gguf-py quantizes the legacy formats
     from tests.decode_fpga.kquant_checkpoint import random_blocks
 
     assert Path(sys.modules["services"].__file__).resolve().is_relative_to(tree.resolve())
@@ -193,7 +193,7 @@ def main() -> int:
     for r in range(args.rounds):
         for name, tree in trees.items():
             progress(f"round {r + 1}/{args.rounds}: {name}")
-            env = {**os.environ, "PYTHONPATH": str(tree)}
+            env = checkout_env(tree)
             done = subprocess.run([sys.executable, "-m", "bench.micro.kquant_gemv", "--child", str(tree),
                                    "--runs", str(args.runs), "--formats", args.formats, "--rows", str(args.rows),
                                    "--shapes", args.shapes, "--copies", str(args.copies)],
