@@ -95,8 +95,8 @@ class StepPacer:
     def pressure(self, n_decodes: int | None) -> float:
         """How much `n_decodes` decode rows crowd prompts out of a calm step: 0 while their base takes at
         most ROOM_FOR_PROMPTS of the target, 1 once it fills the target; 1 when nothing says (no rows
-        given, or no decode-only step measured yet: the queue's wait alone decides, as before)."""
-        if n_decodes is None or self.base_s is None:
+        given, no decode-only step measured yet, or no step target: the queue's wait alone decides, as before)."""
+        if n_decodes is None or self.base_s is None or self.target_s <= 0:
             return 1.0
         share = self.base_for(n_decodes) / self.target_s
         return min(1.0, max(0.0, (share - ROOM_FOR_PROMPTS) / (1.0 - ROOM_FOR_PROMPTS)))

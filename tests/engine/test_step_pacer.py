@@ -290,3 +290,12 @@ def test_prompts_queued_beside_few_streams_never_stretch_their_steps():
     for _ in range(10):
         p.observe(30, 0, 0.097)
     assert p.pressure(30) > 0.9 and p.target_for(1.0, 30) > 1.8, (p.pressure(30), p.target_for(1.0, 30))
+
+
+def test_with_no_step_target_the_queue_alone_stretches_the_budget():
+    """HYBRIDSERVE_*_STEP_TARGET_S=0 turns the pacing off; the TTFT target may still grow the token budget,
+    as before the pressure existed (and nothing divides by the zero target)."""
+    p = StepPacer(0.0, 16, 512, ttft_target_s=0.5, max_s=2.0)
+    p.observe(4, 0, 0.03)
+    assert p.cap(oldest_wait_s=5.0, n_decodes=4) is None
+    assert p.pressure(4) == 1.0 and p.stretch(1.0, 4) == 1.0
