@@ -3,10 +3,10 @@
 The exchange of harness/first_exchange.py on one stack after it is ready: a stream (600 tokens, to outlast the
 long prompts; `covered` says whether it did) and, once it decodes, prompts of 512 or 2,000 random token ids
 (fresh each time: no prefix-cache hit), one alone or four at once. The stack runs with HYBRIDSERVE_TOKEN_TRACE,
-so every engine's steps are on record (start, end, rows; one clock for all processes): each of the stream's largest gaps is set beside the longest step of each
-engine that ended within it. A gap that one step fills is the step's cost (the pacer's bound, a prompt chunk,
-a hand-off's upload); a gap no step explains is time outside the engines' steps (contention for the cores,
-a thread hop, the HTTP or gRPC path).
+so every engine's steps are on record (start, end, rows; one clock for all processes): each of the stream's
+largest gaps is set beside the longest step of each engine that ended within it. A gap that one step fills is
+the step's cost (the pacer's bound, a prompt chunk, a hand-off's upload); a gap no step explains is time outside
+the engines' steps (contention for the cores, a thread hop, the HTTP or gRPC path).
 
 Reports, per mode, prompt size and arrival pattern (medians over rounds): the stream's largest gap while the
 long prompts ran, the share of its gaps over 150 ms, its gap p50, the long prompts' time in the stack, and for
@@ -140,7 +140,8 @@ def main() -> int:
                  "decode_fpga step ms"],
                 [[r["mode"], r["size"], r["at_once"], ms(r["max_gap_s"]), ms(r["max_gap_worst_s"]),
                   f"{100 * r['over_150ms']:.1f}", ms(r["gap_p50_s"]), f"{r['long_s_p50']:.2f}",
-                  f"{100 * r['covered']:.0f}", ",".join(r["long_modes"]), ms(r["prefill_gpu_step_s"]), ms(r["decode_fpga_step_s"])]
+                  f"{100 * r['covered']:.0f}", ",".join(r["long_modes"]), ms(r["prefill_gpu_step_s"]),
+                  ms(r["decode_fpga_step_s"])]
                  for r in rows]))
     write_json(args.name, {"machine": machine(), "args": vars(args), "rows": rows, "runs": runs})
     plot(rows, RESULTS / f"{args.name}.png")
