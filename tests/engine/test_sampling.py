@@ -8,7 +8,7 @@ from services.engine.sampling import Sampler, SamplingParams
 
 
 def test_greedy_takes_first_max():
-    assert Sampler(SamplingParams(temperature=0)).sample(np.array([1.0, 3.0, 3.0, 0.0], np.float32)) == 1
+    assert Sampler(SamplingParams(temperature=0)).sample(np.array([1.0, 3.0, 3.0, 0.0], np.float32), 0) == 1
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
@@ -16,20 +16,20 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     best = int(np.argmax(logits))
     for params in (SamplingParams(top_k=1, seed=1), SamplingParams(top_p=1e-6, seed=1)):
         s = Sampler(params)
-        assert {s.sample(logits) for _ in range(50)} == {best}
+        assert {s.sample(logits, i) for i in range(50)} == {best}
 
 
 def test_temperature_one_follows_softmax():
     logits = np.log(np.array([1.0, 3.0], np.float32))  # p = [0.25, 0.75]
     s = Sampler(SamplingParams(seed=123))
-    share = np.mean([s.sample(logits) for _ in range(4000)])
+    share = np.mean([s.sample(logits, i) for i in range(4000)])  # a draw per position
     assert abs(share - 0.75) < 0.03
 
 
 def test_top_k_never_samples_outside_the_k_best():
     logits = np.arange(10, dtype=np.float32)
     s = Sampler(SamplingParams(top_k=3, temperature=2.0, seed=5))
-    assert {s.sample(logits) for _ in range(300)} == {7, 8, 9}
+    assert {s.sample(logits, i) for i in range(300)} == {7, 8, 9}
 
 
 def test_a_tokens_randomness_is_keyed_by_seed_choice_and_position_only():

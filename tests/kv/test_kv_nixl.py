@@ -64,11 +64,12 @@ def receive_in_thread(inbox, engine, seq, expected, request="req-1", go: threadi
     With `go`, it takes the connection only once `go` is set (the request waits for it from the start)."""
     from services.kv.nixl import NixlReceiver
 
-    nonce, result = request_nonce(request), {}
+    nonce, result, armed = request_nonce(request), {}, threading.Event()
 
     def run():
         try:
             with inbox.expecting(nonce):
+                armed.set()
                 rx = NixlReceiver(inbox, engine, seq, expected, TIMEOUT_S)
                 result["receiver"] = rx
                 if go is not None:
@@ -78,9 +79,13 @@ def receive_in_thread(inbox, engine, seq, expected, request="req-1", go: threadi
         except BaseException as exc:  # handed to the test thread
             result["error"] = exc
         result["ended_at"] = time.monotonic()
+        armed.set()
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
+    # the request waits for its KV before any sender connects, as in the engine (which reserves first): a
+    # sender that came first was refused ("no request here waits for this KV") on a busy machine
+    armed.wait(TIMEOUT_S)
     return th, result
 
 
