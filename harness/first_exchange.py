@@ -68,6 +68,7 @@ class Exchange:
     long_body: dict  # the first long prompt's answer
     long_seconds: list[float] = field(default_factory=list)  # each long prompt's time in the stack
     long_bodies: list[dict] = field(default_factory=list)
+    stream_tokens: int | None = None  # the stream's completion tokens, from its usage chunk
 
     @property
     def gaps_during_long(self) -> list[float]:
@@ -82,13 +83,21 @@ def _post(url: str, body: dict, timeout_s: float) -> dict:
         return json.load(r)
 
 
-def _stream(url: str, body: dict, arrivals: list[float], timeout_s: float) -> None:
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps({**body, "stream": True}).encode(),
+def _stream(url: str, body: dict, arrivals: list[float], usage: dict, timeout_s: float) -> None:
+    """The times of the stream's chunks that carry choices (a busy gateway may put several tokens in one); its
+    usage chunk's figures into `usage`."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         for line in r:
             if line.startswith(b"data: {"):
-                arrivals.append(time.monotonic())
+                at = time.monotonic()
+                chunk = json.loads(line[len(b"data: "):])
+                if chunk.get("choices"):
+                    arrivals.append(at)
+                if chunk.get("usage"):
+                    usage.update(chunk["usage"])
 
 
 def first_exchange(url: str, model: str, long_tokens: int, stream_tokens: int, mode: str | None = None,
@@ -97,9 +106,10 @@ def first_exchange(url: str, model: str, long_tokens: int, stream_tokens: int, m
     random token ids each (8 tokens out), sent together; all in `mode` (None: auto). Returns once all are done."""
     forced = {"mode": mode} if mode else {}
     arrivals: list[float] = []
+    usage: dict = {}
     streamer = threading.Thread(target=_stream, args=(url, {
         "model": model, "messages": [{"role": "user", "content": "Tell me a long story about a cat."}],
-        "max_tokens": stream_tokens, "temperature": 0, "ignore_eos": True, **forced}, arrivals, timeout_s))
+        "max_tokens": stream_tokens, "temperature": 0, "ignore_eos": True, **forced}, arrivals, usage, timeout_s))
     streamer.start()
     while len(arrivals) < 10 and streamer.is_alive():
         time.sleep(0.01)
@@ -124,4 +134,4 @@ def first_exchange(url: str, model: str, long_tokens: int, stream_tokens: int, m
     streamer.join(timeout_s)
     if not all(bodies):
         raise RuntimeError("a long prompt got no answer")
-    return Exchange(arrivals, sent, done, bodies[0], seconds, bodies)
+    return Exchange(arrivals, sent, done, bodies[0], seconds, bodies, usage.get("completion_tokens"))

@@ -29,7 +29,9 @@ def test_the_first_200_comes_calibrated_and_the_first_exchange_does_not_freeze(t
         model = get_json(url + "/v1/models")[1]["data"][0]["id"]
 
         x = first_exchange(url, model, LONG_PROMPT_TOKENS, STREAM_TOKENS)
-        assert len(x.arrivals) >= STREAM_TOKENS, f"the stream ended after {len(x.arrivals)} events"
+        # every token came (a busy gateway may put several in one chunk: the usage counts them)
+        assert x.stream_tokens == STREAM_TOKENS and len(x.arrivals) > STREAM_TOKENS // 2, (x.stream_tokens,
+                                                                                          len(x.arrivals))
         assert set(x.long_body["hybridserve"]["estimates"]) == {"gpu", "fpga", "hybrid"}, x.long_body["hybridserve"]
         assert calibration_checks_ran(url) == checks_at_ready  # no calibration request ran beside the exchange
         during = x.gaps_during_long
