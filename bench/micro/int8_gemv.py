@@ -8,7 +8,10 @@ gemv_quant_tiles1/tiles) and `int8` (quantize_x8 + gemv_int8_rows, the quantizat
 quantize_x8 launch alone beside it).
 
 With --formats (e.g. q4_0,q5_0,q5_k,q6_k) random matrices of each format at --shape (default a 1B
-model's 2048x8192, four copies) take the model's place.
+model's 2048x8192, four copies) take the model's place, and the memory's yardstick runs in the same
+rounds (kquant_gemv.stream_read: stream_read.cl over ~40 MB); each GEMV's GB/s is its matrix's device
+bytes over half its CPU time, as that file's. A K-quant matrix also runs `int8-k32`, the K-quant
+kernel on x quantized per 32 (k_block=32, the one before per-256), in the same rounds.
 
     python -m bench.micro.int8_gemv [--model PATH.gguf | --formats F,F --shape RxC] [--rows 1,8] [--runs 7]
         [--name int8_gemv]
@@ -44,7 +47,9 @@ def synthetic_kinds(formats: str, shape: str) -> dict:
 
 
 def main() -> int:
+    from bench.micro.kquant_gemv import stream_read
     from bench.micro.quant_gemv import shapes, time_rows
+    from services.decode_fpga.int8_gemv import K_FORMATS, bind_int8_gemv_rows
     from services.decode_fpga.device import select_device
     from services.decode_fpga.quant_gemv import QuantMatrix
     from services.model.checkpoint import locate
@@ -82,6 +87,7 @@ def main() -> int:
         y = cl.Buffer(base.context, MF.READ_WRITE, top * max(cfg.vocab_size, int(args.shape.split("x")[0])) * 4)
         cl.enqueue_copy(base.queue, x, rng.normal(size=top * width).astype(np.float32), is_blocking=True)
         cl.enqueue_copy(base.queue, sums, rng.normal(size=top * width // 32).astype(np.float32), is_blocking=True)
+    read_runs: list[dict] = []
     for shape, (rows, cols, copies, real) in kinds.items():
         tensors = [real(i) for i in range(copies)]
         if not hasattr(tensors[0], "qtype"):
@@ -90,6 +96,9 @@ def main() -> int:
         held = {name: [QuantMatrix(dev, t) for t in tensors] for name, dev in devs.items()}  # kept alive
         launches = {name: [m.bind_gemv_rows(x, y, n_rows, x_sums=sums) for m in mats] for name, mats in held.items()}
         launches["quantize"] = [la.parts[0] for la in launches["int8"]]  # quantize_x8 alone, of the int8 figure
+        if tensors[0].qtype in K_FORMATS:
+            launches["int8-k32"] = [bind_int8_gemv_rows(m, x, y, n_rows, False, sums, k_block=32) for m in held["int8"]]
+        nbytes = held["fp32"][0].nbytes
         reps = max(2, int(3e7 // (rows * cols * copies)))
         for n in rows_list:
             cl.enqueue_copy(base.queue, n_rows, np.array([n], np.int32), is_blocking=True)
@@ -97,25 +106,36 @@ def main() -> int:
             for _ in range(args.runs):
                 for name in launches:
                     got[name].append(time_rows(base, launches[name], n, reps))
+                if args.formats:
+                    read_runs.extend(ln for ln in stream_read(base, 1) if ln["format"] == "read")
             for name, runs in got.items():
                 wall = statistics.median(w for w, _ in runs) / copies * 1e6
                 cpu = statistics.median(c for _, c in runs) / copies * 1e6
                 lines.append({"shape": shape, "rows": rows, "cols": cols, "fmt": tensors[0].qtype, "n": n,
-                              "path": name, "wall_us": wall, "cpu_us": cpu, "runs": args.runs})
+                              "path": name, "wall_us": wall, "cpu_us": cpu, "runs": args.runs,
+                              "device_bytes": nbytes, "gbs_at_cpu_per_2": nbytes / (cpu / 2) / 1e3})
         progress(f"{shape} done, load {os.getloadavg()[0]:.1f}")
     by = {(ln["shape"], ln["n"], ln["path"]): ln for ln in lines}
     out = []
     for (shape, n, path), ln in by.items():
         if path != "int8":
             continue
-        f, qz = by[(shape, n, "fp32")], by[(shape, n, "quantize")]
-        out.append([shape, f"{ln['rows']}x{ln['cols']}", ln["fmt"], n, f"{f['cpu_us']:.0f}", f"{ln['cpu_us']:.0f}",
-                    f"{qz['cpu_us']:.0f}", f"{f['cpu_us'] / ln['cpu_us']:.2f}", f"{f['wall_us']:.0f}",
+        f, qz, k32 = by[(shape, n, "fp32")], by[(shape, n, "quantize")], by.get((shape, n, "int8-k32"))
+        out.append([shape, f"{ln['rows']}x{ln['cols']}", ln["fmt"], n, f"{f['cpu_us']:.0f}",
+                    f"{k32['cpu_us']:.0f}" if k32 else "-", f"{ln['cpu_us']:.0f}", f"{qz['cpu_us']:.0f}",
+                    f"{f['cpu_us'] / ln['cpu_us']:.2f}", f"{k32['cpu_us'] / ln['cpu_us']:.2f}" if k32 else "-",
+                    f"{f['gbs_at_cpu_per_2']:.1f}", f"{ln['gbs_at_cpu_per_2']:.1f}", f"{f['wall_us']:.0f}",
                     f"{ln['wall_us']:.0f}"])
-    print(table(["matrix", "shape", "format", "rows of x", "fp32 CPU us", "int8 CPU us", "of it quantize",
-                 "fp32/int8", "fp32 wall us", "int8 wall us"], out))
+    print(table(["matrix", "shape", "format", "rows of x", "fp32 CPU us", "int8-k32 CPU us", "int8 CPU us",
+                 "of it quantize", "fp32/int8", "k32/int8", "fp32 GB/s", "int8 GB/s", "fp32 wall us",
+                 "int8 wall us"], out))
+    read = None
+    if read_runs:  # GB/s at CPU/2 of the yardstick, median over every round
+        read = statistics.median(r["bytes"] / (r["cpu_us"] / 2) / 1e3 for r in read_runs)
+        print(f"stream read: {read:.1f} GB/s at CPU/2 (median of {len(read_runs)} runs)")
     print(f"load average {os.getloadavg()}")
-    write_json(args.name, {"model": ckpt.path.name, "lines": lines, "loadavg_end": os.getloadavg()})
+    write_json(args.name, {"model": ckpt.path.name, "lines": lines, "stream_read_gbs_at_cpu_per_2": read,
+                           "stream_read_runs": read_runs, "loadavg_end": os.getloadavg()})
     return 0
 
 

@@ -1,11 +1,17 @@
 """The opt-in 8-bit-activation GEMVs of the paged step (HYBRIDSERVE_DECODE_ACTIVATIONS=int8).
 
 With `int8` activations a block matrix's paged-step GEMV (QuantMatrix.bind_gemv_rows) becomes two
-launches: quantize_x8 turns the step's rows of x into int8 per block of 32 with one fp32 scale a
-block (once per row, shared by every output row), and gemv_int8_rows takes integer dot products of
-the weights' quants with them (kernels/gemv_quant_int8.cl: AVX2's vpmaddubsw on a CPU,
-cl_khr_integer_dot_product where a device offers it, else an int loop). It changes logits, and
-sometimes tokens, so it is opt-in; docs/decode-kernels.md has its divergence from the exact path.
+launches: one quantizes the step's rows of x to int8 (once per row, shared by every output row), the
+other takes integer dot products of the weights' quants with them (kernels/gemv_quant_int8.cl: AVX2's
+vpmaddubsw on a CPU, cl_khr_integer_dot_product where a device offers it, else an int loop). It
+changes logits, and sometimes tokens, so it is opt-in; docs/decode-kernels.md has its divergence
+from the exact path.
+
+x's layout depends on the weights' format (K_X_BLOCK):
+- Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: one fp32 scale per block of 32 (quantize_x8, gemv_int8_rows);
+- Q4_K, Q5_K, Q6_K: one scale per super-block of 256 and int16 sums per 16 (quantize_x8k,
+  gemv_int8k_rows, kernels/int8_super.h), so the 6- and 8-bit sub-block scales multiply the integer
+  sums in int32 lanes and a super-block takes one int-to-float conversion, as llama.cpp's Q8_K.
 
 Formats with an int8 kernel: INT8_FORMATS, every block format. Dense matrices, GPUs (several lanes
 a row), the embedding lookup and the one-launch decode step keep the exact fp32 arithmetic; config.DeviceFit turns the one launch off with int8 so that a row's result never
@@ -25,6 +31,10 @@ from services.decode_fpga.launch import bind_rows
 
 ACTIVATIONS = ("fp32", "int8")  # the setting's values: the exact path, or int8 activations
 INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # every block format
+K_FORMATS = ("q4_k", "q5_k", "q6_k")
+# x's block for the K-quants: 256 (one scale a super-block: measured 1.2-2x less CPU a GEMV at 1B shapes
+# than 32, docs/decode-kernels.md), or 32 (the per-block kernel, kept for the benchmarks' A/B)
+K_X_BLOCK = 256
 
 
 def check_activations(value: str) -> str:
@@ -50,23 +60,27 @@ class RowLaunches:
             launch.enqueue(queue, start, count)
 
 
-def int8_rows(dev, x: cl.Buffer, cols: int) -> tuple[cl.Buffer, cl.Buffer]:
-    """The int8 copy of x [n, cols] (xq, n * cols bytes) and its block scales (dx, float [n, cols / 32])
-    for every n the buffer x holds, made once per x buffer and device."""
+def int8_rows(dev, x: cl.Buffer, cols: int, block: int = 32) -> tuple[cl.Buffer, ...]:
+    """The int8 copy of x [n, cols] (xq, n * cols bytes) and its scales (dx, float [n, cols / block])
+    for every n the buffer x holds, and with block 256 x's int16 sums of 16 (bsum, [n, cols / 16]);
+    made once per x buffer, layout and device."""
     cache = dev.__dict__.setdefault("_int8_rows", {})
-    key = (x.int_ptr, x.size, cols)
+    key = (x.int_ptr, x.size, cols, block)
     if key not in cache:
-        rows = max(1, x.size // (4 * cols))
-        cache[key] = (cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, rows * cols),
-                      cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, rows * (cols // 32) * 4))
+        rows, flags = max(1, x.size // (4 * cols)), cl.mem_flags.READ_WRITE
+        bufs = [cl.Buffer(dev.context, flags, rows * cols), cl.Buffer(dev.context, flags, rows * (cols // block) * 4)]
+        if block == 256:
+            bufs.append(cl.Buffer(dev.context, flags, rows * (cols // 16) * 2))
+        cache[key] = tuple(bufs)
     return cache[key]
 
 
 def bind_int8_gemv_rows(matrix, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, accumulate: bool,
-                        x_sums: cl.Buffer | None, build=None) -> RowLaunches:
+                        x_sums: cl.Buffer | None, build=None, k_block: int | None = None) -> RowLaunches:
     """QuantMatrix.bind_gemv_rows with int8 activations: quantize the step's rows of x, then the GEMV
     (rows read from n_rows[0]); x_sums: x's fp32 block sums, read by formats with minimums. build:
-    in place of the device's (tests build the portable integer loop with it)."""
+    in place of the device's (tests build the portable integer loop with it); k_block: x's block for a
+    K-quant matrix in place of K_X_BLOCK (32 or 256)."""
     from services.model.formats import kernel_defines
 
     if matrix.cols % 32:
@@ -77,10 +91,21 @@ def bind_int8_gemv_rows(matrix, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, a
         x_sums = x  # unread
     dev = matrix._dev
     program = (build or dev.build)("gemv_quant_int8.cl", kernel_defines(matrix.fmt))
+    d, m, q = matrix.device_arrays
+    k_block = K_X_BLOCK if k_block is None else k_block
+    if matrix.fmt in K_FORMATS and k_block == 256:
+        xq, dx, bsum = int8_rows(dev, x, matrix.cols, 256)
+        quantize = bind_rows(program, "quantize_x8k", (1, matrix.cols // 256), x, xq, dx, bsum, np.int32(matrix.cols),
+                             rows_dim=0, by_row=True)
+        gemv = bind_rows(program, "gemv_int8k_rows", (matrix.rows,), d, m, q, xq, dx, bsum, x_sums, y,
+                         np.int32(matrix.cols), np.int32(matrix.rows), n_rows, np.int32(bool(accumulate)),
+                         matrix._y_offset, matrix._y_stride, rows_dim=None, by_row=True)
+        return RowLaunches((quantize, gemv))
+    if k_block not in (32, 256):
+        raise ValueError(f"x's block for K-quants must be 32 or 256, got {k_block}")
     xq, dx = int8_rows(dev, x, matrix.cols)
     nb = matrix.cols // 32
     quantize = bind_rows(program, "quantize_x8", (1, nb), x, xq, dx, np.int32(matrix.cols), rows_dim=0, by_row=True)
-    d, m, q = matrix.device_arrays
     gemv = bind_rows(program, "gemv_int8_rows", (matrix.rows,), d, m, q, xq, dx, x_sums, y, np.int32(matrix.cols),
                      np.int32(matrix.rows), n_rows, np.int32(bool(accumulate)), matrix._y_offset,
                      matrix._y_stride, rows_dim=None, by_row=True)

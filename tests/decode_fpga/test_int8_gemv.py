@@ -1,8 +1,9 @@
-"""The int8-activation block GEMVs (int8_gemv.py, kernels/gemv_quant_int8.cl) against a numpy model of
-their arithmetic: x quantized per block of 32 (scale = largest |x| / 127, round half to even), the
-weights' integers times those int8 values, the scales after, the minimums through x's fp32 block sums.
-Also: each row's result is the same bits in any batch, the AVX2 builtins give the portable int loop's
-bits, and a bad setting value fails when the device is chosen."""
+"""The int8-activation block GEMVs (int8_gemv.py, kernels/gemv_quant_int8.cl, int8_super.h) against a
+numpy model of their arithmetic: x quantized per block of 32 (per super-block of 256 for the K-quants;
+scale = largest |x| / 127, round half to even), the weights' integers times those int8 values, the
+scales after, the minimums through x's fp32 block sums. Also: each row's result is the same bits in
+any batch, the AVX2 builtins give the portable int loop's bits, the K-quants' x layout (int8, a scale
+a super-block, int16 sums of 16), and a bad setting value fails when the device is chosen."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from services.decode_fpga.int8_gemv import INT8_FORMATS, bind_int8_gemv_rows
+from services.decode_fpga.int8_gemv import INT8_FORMATS, K_FORMATS, bind_int8_gemv_rows, int8_rows
 from services.decode_fpga.quant_gemv import QuantMatrix, split_blocks
 from services.model.gguf_blocks import BlockTensor
 from tests.decode_fpga.kquant_checkpoint import random_blocks
@@ -32,9 +33,14 @@ def block_tensor(fmt: str, rows: int, cols: int, seed: int) -> BlockTensor:
     return synthetic(fmt, rows, cols, seed) if fmt in ("q4_0", "q4_1", "q8_0") else random_blocks(fmt, rows, cols, seed)
 
 
-def quantized(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """quantize_x8 in numpy: int8 [n, cols] and scales float32 [n, nb]."""
-    xb = x.reshape(x.shape[0], -1, 32)
+def x_block(fmt: str) -> int:
+    """x's quantization block for a format (int8_gemv.K_X_BLOCK's default): 256 for the K-quants."""
+    return 256 if fmt in K_FORMATS else 32
+
+
+def quantized(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_x8 (block 32) or quantize_x8k (256) in numpy: int8 [n, cols] and scales float32 [n, cols / block]."""
+    xb = x.reshape(x.shape[0], -1, block)
     amax = np.abs(xb).max(axis=-1)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.clip(np.rint((xb * inv[..., None]).astype(np.float32)), -127, 127)
@@ -50,11 +56,13 @@ def minimums(t: BlockTensor) -> np.ndarray | None:
     return None
 
 
-def int8_reference(t: BlockTensor, x: np.ndarray) -> np.ndarray:
+def int8_reference(t: BlockTensor, x: np.ndarray, block: int | None = None) -> np.ndarray:
     """float64 of what the int8 path computes: W's (scale * integer) part times x's int8 values times
-    their scales, plus the minimums times the fp32 block sums of x."""
-    xq, dx = quantized(x)
-    xdeq = (xq.reshape(x.shape[0], -1, 32).astype(np.float64) * dx[..., None]).reshape(x.shape)
+    their scales (x quantized per `block`, default the format's), plus the minimums times the fp32
+    block sums of x."""
+    block = block or x_block(t.qtype)
+    xq, dx = quantized(x, block)
+    xdeq = (xq.reshape(x.shape[0], -1, block).astype(np.float64) * dx[..., None]).reshape(x.shape)
     w = t.dequantize().astype(np.float64)  # scale * integer (+ minimum)
     y = xdeq @ w.T
     mins = minimums(t)
@@ -64,9 +72,9 @@ def int8_reference(t: BlockTensor, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def run_rows(dev, t: BlockTensor, x: np.ndarray, defines: dict | None = None) -> np.ndarray:
+def run_rows(dev, t: BlockTensor, x: np.ndarray, defines: dict | None = None, k_block: int | None = None) -> np.ndarray:
     """The paged step's GEMV (bind_gemv_rows) over the rows of x on dev; defines: extra build flags
-    for gemv_quant_int8.cl (bound directly)."""
+    for gemv_quant_int8.cl, k_block: x's block for a K-quant (both bound directly)."""
     ctx, q = dev.context, dev.queue
     mat = QuantMatrix(dev, t)
     n = x.shape[0]
@@ -75,13 +83,13 @@ def run_rows(dev, t: BlockTensor, x: np.ndarray, defines: dict | None = None) ->
     sb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=sums)
     yb = cl.Buffer(ctx, MF.READ_WRITE, n * t.rows * 4)
     nb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.array([n], np.int32))
-    if defines:
+    if defines or k_block:
         program_build = dev.build
 
         def build(name, d=None):
-            return program_build(name, {**(d or {}), **defines})
+            return program_build(name, {**(d or {}), **(defines or {})})
 
-        launch = bind_int8_gemv_rows(mat, xb, yb, nb, False, sb, build=build)
+        launch = bind_int8_gemv_rows(mat, xb, yb, nb, False, sb, build=build, k_block=k_block)
     else:
         launch = mat.bind_gemv_rows(xb, yb, nb, x_sums=sb)
     launch.enqueue(q, 0, n)
@@ -171,4 +179,71 @@ def test_stacked_parts_accumulate_into_their_rows(int8_dev):
     got = np.empty_like(y0)
     cl.enqueue_copy(q, got, yb, is_blocking=True)
     ref = np.concatenate([int8_reference(t, x) for t in parts], axis=1) + y0
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_k_quants_take_x_per_super_block(int8_dev, fmt):
+    """A K-quant's x has one scale a super-block of 256, not a block of 32: with one large value in
+    each super-block the result is the per-256 model's (within 2e-6), far from the per-32 one's, which
+    the kept per-32 kernel (k_block=32, the benchmarks' A/B) still computes."""
+    t = block_tensor(fmt, 19, 512, seed=21)
+    x = np.random.default_rng(22).normal(size=(6, 512)).astype(np.float32)
+    x[:, 5] = 40.0  # sets super-block 0's scale: the rest of it keeps few levels
+    x[:, 300] = -40.0
+    got, ref256, ref32 = run_rows(int8_dev, t, x), int8_reference(t, x, 256), int8_reference(t, x, 32)
+    scale = np.abs(ref256).max()
+    assert np.abs(got - ref256).max() <= 2e-6 * scale
+    assert np.abs(got - ref32).max() > 1e-3 * scale
+    per32 = run_rows(int8_dev, t, x, k_block=32)
+    assert np.abs(per32 - ref32).max() <= 2e-6 * scale
+
+
+def test_the_k_quants_x_layout(int8_dev):
+    """quantize_x8k writes int8 x (round half to even, the super-block's largest to +-127; each 64
+    values as their 16-groups 0, 2, 1, 3, the order the pairs of blocks read), one scale a super-block
+    (largest |x| / 127; 0 and zeros for a super-block of zeros) and the int16 sums of each 16 int8
+    values in x's own order, which Q6_K's offset uses."""
+    cols, n = 768, 3
+    x = np.random.default_rng(23).normal(size=(n, cols)).astype(np.float32) * 2
+    x[1, 256:512] = 0.0
+    t = block_tensor("q6_k", 4, cols, seed=24)
+    ctx, q = int8_dev.context, int8_dev.queue
+    xb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=x)
+    yb = cl.Buffer(ctx, MF.READ_WRITE, n * t.rows * 4)
+    nb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.array([n], np.int32))
+    mat = QuantMatrix(int8_dev, t)
+    bind_int8_gemv_rows(mat, xb, yb, nb, False, None).enqueue(q, 0, n)
+    xq_b, dx_b, bsum_b = int8_rows(int8_dev, xb, cols, 256)
+    stored, dx, bsum = np.empty((n, cols), np.int8), np.empty((n, cols // 256), np.float32), np.empty((n, cols // 16), np.int16)
+    for host, buf in ((stored, xq_b), (dx, dx_b), (bsum, bsum_b)):
+        cl.enqueue_copy(q, host, buf, is_blocking=True)
+    xq = stored.reshape(n, -1, 4, 16)[:, :, [0, 2, 1, 3]].reshape(n, cols)  # the groups back in x's order
+    want_q, want_d = quantized(x, 256)
+    np.testing.assert_array_equal(xq, want_q)
+    np.testing.assert_array_equal(dx, want_d)
+    np.testing.assert_array_equal(bsum, xq.reshape(n, -1, 16).sum(axis=-1, dtype=np.int32))
+    assert dx[1, 1] == 0 and not xq[1, 256:512].any()
+    amax = np.abs(xq.astype(np.int32)).reshape(n, -1, 256).max(axis=-1)
+    assert (amax[dx > 0] == 127).all()
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_the_largest_k_quants_do_not_saturate(int8_dev, fmt):
+    """Every quant at its largest, every scale byte at its extreme (Q6_K's -128) and |xq| = 127
+    throughout: the integer lanes' bounds (int16 pairs, int32 sums over a super-block) hold, so the
+    AVX2 build, the portable loop and the float64 model agree."""
+    t = block_tensor(fmt, 5, 512, seed=25)
+    raw = t.raw.copy().reshape(t.rows, 2, -1)
+    if fmt == "q6_k":  # ql[128] qh[64] scales[16] d
+        raw[..., :192] = 0xFF
+        raw[..., 192:208] = 0x80
+    else:  # d dmin scales[12] (qh[32] for Q5_K) qs
+        raw[..., 4:] = 0xFF
+    t = BlockTensor("w", fmt, t.rows, t.cols, raw.reshape(t.rows, -1), t.source)
+    x = np.where(np.random.default_rng(26).random((5, 512)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[1] = 1.0  # every product the same sign: the largest sums
+    got = run_rows(int8_dev, t, x)
+    np.testing.assert_array_equal(got, run_rows(int8_dev, t, x, {"I8_PORTABLE": 1}))
+    ref = int8_reference(t, x)
     assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()

@@ -44,8 +44,9 @@ typedef short s16v __attribute__((ext_vector_type(16)));
 typedef int i8v __attribute__((ext_vector_type(8)));
 #endif
 
-// block b's 32 quants as signed bytes, their offsets subtracted: w0 = weights 0..15, w1 = 16..31
-inline void i8_weights(__global const uchar *q, const int b, char16 *w0, char16 *w1)
+// block b's 32 quants as bytes before their offsets (0..63; Q8_0 its signed values): w0 = weights
+// 0..15, w1 = 16..31
+inline void i8_quants(__global const uchar *q, const int b, char16 *w0, char16 *w1)
 {
 #if QFMT == 80
     *w0 = vload16(2 * b, (__global const char *)q);
@@ -62,8 +63,8 @@ inline void i8_weights(__global const uchar *q, const int b, char16 *w0, char16 
     const uint16 h = (uint16)(u2, u2, u2, u2, h2, h2, h2, h2);
     const uint16 sh = (uint16)(0, 0, 4, 4, 8, 8, 12, 12, 14, 14, 18, 18, 22, 22, 26, 26);
     const uint16 hi = (convert_uint16(lo) >> (uint16)(6)) | ((h >> sh) & (uint16)(0x3C));
-    *w0 = as_char16(lo & (uchar16)(0x3F)) - (char16)(32);
-    *w1 = as_char16(convert_uchar16(hi)) - (char16)(32);
+    *w0 = as_char16(lo & (uchar16)(0x3F));
+    *w1 = as_char16(convert_uchar16(hi));
 #elif QFMT == 50 || QFMT == 51 || QFMT == 52
     // the Q4 bytes, then the fifth bits as a little-endian uint (bit j: weight j): each lane's bit
     // picked by a mask and a compare (a byte lane cannot shift by its own count on AVX2)
@@ -77,18 +78,21 @@ inline void i8_weights(__global const uchar *q, const int b, char16 *w0, char16 
                                  hb.s3, hb.s3, hb.s3, hb.s3, hb.s3, hb.s3, hb.s3, hb.s3);
     *w0 = as_char16((lo & (uchar16)(0x0F)) | (as_uchar16((h0 & bit) == bit) & (uchar16)(0x10)));
     *w1 = as_char16((lo >> (uchar16)(4)) | (as_uchar16((h1 & bit) == bit) & (uchar16)(0x10)));
-#if QFMT == 50
-    *w0 -= (char16)(16);
-    *w1 -= (char16)(16);
-#endif
 #else  // 40, 41, 42: 16 bytes, byte j = weight j | weight j + 16 << 4
     const uchar16 qb = vload16(b, q);
     *w0 = as_char16(qb & (uchar16)(0x0F));
     *w1 = as_char16(qb >> (uchar16)(4));
-#if QFMT == 40
-    *w0 -= (char16)(8);
-    *w1 -= (char16)(8);
 #endif
+}
+
+// block b's 32 quants as signed bytes, their offsets subtracted (Q4_0 8, Q5_0 16, Q6_K 32)
+inline void i8_weights(__global const uchar *q, const int b, char16 *w0, char16 *w1)
+{
+    i8_quants(q, b, w0, w1);
+#if QFMT == 40 || QFMT == 50 || QFMT == 62
+    const char16 off = (char16)(QFMT == 40 ? 8 : QFMT == 50 ? 16 : 32);
+    *w0 -= off;
+    *w1 -= off;
 #endif
 }
 
@@ -222,3 +226,7 @@ __kernel void quantize_x8(__global const float *x, __global char *xq, __global f
     vstore16(convert_char16_sat_rte(v1 * inv), 1, qb);
     dx[(size_t)r * nb + b] = dv;
 }
+
+#if KQ  // the K-quants on x quantized per 256 (quantize_x8k, gemv_int8k_rows)
+#include "int8_super.h"
+#endif
