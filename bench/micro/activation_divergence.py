@@ -16,14 +16,19 @@ int8 always runs) and `int8`. Wall and process CPU ms per step, medians; the loa
 
 With --only NAMES (comma-separated substrings of GGUF tensor names, e.g. attn_q,ffn_down,token_embd)
 the divergence is measured again for each, int8 on the matrices so named alone: which inputs cost what.
+With --k-blocks 32,64 it is measured again for each, the K-quant matrices on x quantized per that many
+values (int8_gemv.K_X_BLOCK; 32 is the kernel before per-256; other formats are per 32 either way), for
+int8 everywhere and on each --only name: what the K-quants' x block costs.
 
     python -m bench.micro.activation_divergence [--model PATH.gguf] [--ctx 512] [--chunk 64]
         [--rounds 5] [--steps 12] [--context 128] [--skip-speed | --skip-divergence] [--only NAMES]
+        [--k-blocks 32,64]
         [--name activation_divergence]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -68,8 +73,6 @@ def build_engines(model: str | None, speed: bool, max_batch: int, context: int):
 def only_named(name: str):
     """A context in which the int8 engines built take int8 only on matrices whose name holds `name`
     (QuantMatrix.bind_gemv_rows wrapped for the measurement; nothing in the engine changes)."""
-    import contextlib
-
     from services.decode_fpga import int8_gemv, quant_gemv
 
     @contextlib.contextmanager
@@ -92,6 +95,20 @@ def only_named(name: str):
             quant_gemv.QuantMatrix.bind_gemv_rows = real
 
     return ctx()
+
+
+@contextlib.contextmanager
+def k_block_of(block: int | None):
+    """A context in which the int8 engines built quantize a K-quant matrix's x per `block` (None: as
+    int8_gemv.K_X_BLOCK is)."""
+    from services.decode_fpga import int8_gemv
+
+    saved = int8_gemv.K_X_BLOCK
+    int8_gemv.K_X_BLOCK = block or saved
+    try:
+        yield
+    finally:
+        int8_gemv.K_X_BLOCK = saved
 
 
 def int8_engine_like(engine):
@@ -184,13 +201,17 @@ def measure_divergence(args, ckpt, tok, engines) -> tuple[dict, dict]:
                   f"{div['ppl_int8']:.3f}"]]))
     targets = targets_of(tokens, args.ctx)
     only = {}
-    for name in filter(None, args.only.split(",")):
-        with only_named(name):
-            engine = int8_engine_like(engines["int8"])  # its launches bound under the wrapper
-        only[name] = divergence(logits["fp32"], teacher_forced(engine, tokens, args.ctx, args.chunk), targets)
+    names = [n for n in args.only.split(",") if n]
+    variants = [(n, n, None) for n in names]  # (label, int8 on names holding it (None: all), K-quant x block)
+    for kb in (int(v) for v in args.k_blocks.split(",") if v):
+        variants += [(f"all/k{kb}", None, kb)] + [(f"{n}/k{kb}", n, kb) for n in names]
+    for label, name, k_block in variants:
+        with only_named(name) if name else contextlib.nullcontext(), k_block_of(k_block):
+            engine = int8_engine_like(engines["int8"])  # its launches bound under the wrappers
+        only[label] = divergence(logits["fp32"], teacher_forced(engine, tokens, args.ctx, args.chunk), targets)
         del engine
-        progress(f"int8 on {name} alone: KL mean {only[name]['kl_mean']:.5f}, "
-                 f"same top-1 {100 * only[name]['same_top1']:.2f}%")
+        progress(f"int8 on {label}: KL mean {only[label]['kl_mean']:.5f}, "
+                 f"same top-1 {100 * only[label]['same_top1']:.2f}%")
     if only:
         print(table(["int8 on", "KL mean", "KL p99", "same top-1", "PPL int8"],
                     [[k, f"{v['kl_mean']:.5f}", f"{v['kl_p99']:.5f}", f"{100 * v['same_top1']:.2f}%",
@@ -209,6 +230,7 @@ def main() -> int:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-divergence", action="store_true", help="the decode speed alone")
     ap.add_argument("--only", default="", help="comma-separated tensor-name parts: int8 on those alone, each")
+    ap.add_argument("--k-blocks", default="", help="again with the K-quants' x per these (e.g. 32,64)")
     ap.add_argument("--name", default="activation_divergence")
     args = ap.parse_args()
     cfg, ckpt, tok, engines = build_engines(args.model, not args.skip_speed, 8, args.context)

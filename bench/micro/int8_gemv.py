@@ -10,11 +10,12 @@ quantize_x8 launch alone beside it).
 With --formats (e.g. q4_0,q5_0,q5_k,q6_k) random matrices of each format at --shape (default a 1B
 model's 2048x8192, four copies) take the model's place, and the memory's yardstick runs in the same
 rounds (kquant_gemv.stream_read: stream_read.cl over ~40 MB); each GEMV's GB/s is its matrix's device
-bytes over half its CPU time, as that file's. A K-quant matrix also runs `int8-k32`, the K-quant
-kernel on x quantized per 32 (k_block=32, the one before per-256), in the same rounds.
+bytes over half its CPU time, as that file's. A K-quant matrix also runs `int8-kN` for each N of
+--k-blocks (default 32,64: x quantized per N for the K-quants, int8_gemv.K_X_BLOCKS; 32 is the kernel
+before per-256), in the same rounds.
 
     python -m bench.micro.int8_gemv [--model PATH.gguf | --formats F,F --shape RxC] [--rows 1,8] [--runs 7]
-        [--name int8_gemv]
+        [--k-blocks 32,64] [--name int8_gemv]
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--formats", default="", help="random matrices of these formats instead of the model's")
     ap.add_argument("--shape", default="2048x8192", help="rows x cols of the --formats matrices")
+    ap.add_argument("--k-blocks", default="32,64", help="also the K-quants with x quantized per these")
     ap.add_argument("--name", default="int8_gemv")
     args = ap.parse_args()
     rows_list = [int(v) for v in args.rows.split(",")]
@@ -96,8 +98,9 @@ def main() -> int:
         held = {name: [QuantMatrix(dev, t) for t in tensors] for name, dev in devs.items()}  # kept alive
         launches = {name: [m.bind_gemv_rows(x, y, n_rows, x_sums=sums) for m in mats] for name, mats in held.items()}
         launches["quantize"] = [la.parts[0] for la in launches["int8"]]  # quantize_x8 alone, of the int8 figure
-        if tensors[0].qtype in K_FORMATS:
-            launches["int8-k32"] = [bind_int8_gemv_rows(m, x, y, n_rows, False, sums, k_block=32) for m in held["int8"]]
+        for kb in filter(None, args.k_blocks.split(",")) if tensors[0].qtype in K_FORMATS else ():
+            launches[f"int8-k{kb}"] = [bind_int8_gemv_rows(m, x, y, n_rows, False, sums, k_block=int(kb))
+                                       for m in held["int8"]]
         nbytes = held["fp32"][0].nbytes
         reps = max(2, int(3e7 // (rows * cols * copies)))
         for n in rows_list:
@@ -118,17 +121,16 @@ def main() -> int:
     by = {(ln["shape"], ln["n"], ln["path"]): ln for ln in lines}
     out = []
     for (shape, n, path), ln in by.items():
-        if path != "int8":
+        if not path.startswith("int8"):
             continue
-        f, qz, k32 = by[(shape, n, "fp32")], by[(shape, n, "quantize")], by.get((shape, n, "int8-k32"))
-        out.append([shape, f"{ln['rows']}x{ln['cols']}", ln["fmt"], n, f"{f['cpu_us']:.0f}",
-                    f"{k32['cpu_us']:.0f}" if k32 else "-", f"{ln['cpu_us']:.0f}", f"{qz['cpu_us']:.0f}",
-                    f"{f['cpu_us'] / ln['cpu_us']:.2f}", f"{k32['cpu_us'] / ln['cpu_us']:.2f}" if k32 else "-",
+        f, qz = by[(shape, n, "fp32")], by[(shape, n, "quantize")]
+        out.append([shape, f"{ln['rows']}x{ln['cols']}", ln["fmt"], n, path, f"{f['cpu_us']:.0f}",
+                    f"{ln['cpu_us']:.0f}",
+                    f"{qz['cpu_us']:.0f}" if path == "int8" else "", f"{f['cpu_us'] / ln['cpu_us']:.2f}",
                     f"{f['gbs_at_cpu_per_2']:.1f}", f"{ln['gbs_at_cpu_per_2']:.1f}", f"{f['wall_us']:.0f}",
                     f"{ln['wall_us']:.0f}"])
-    print(table(["matrix", "shape", "format", "rows of x", "fp32 CPU us", "int8-k32 CPU us", "int8 CPU us",
-                 "of it quantize", "fp32/int8", "k32/int8", "fp32 GB/s", "int8 GB/s", "fp32 wall us",
-                 "int8 wall us"], out))
+    print(table(["matrix", "shape", "format", "rows of x", "path", "fp32 CPU us", "CPU us", "of it quantize",
+                 "fp32/this", "fp32 GB/s", "GB/s", "fp32 wall us", "wall us"], out))
     read = None
     if read_runs:  # GB/s at CPU/2 of the yardstick, median over every round
         read = statistics.median(r["bytes"] / (r["cpu_us"] / 2) / 1e3 for r in read_runs)

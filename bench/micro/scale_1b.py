@@ -12,10 +12,14 @@ file's 4.5), llama.cpp's the file's matrices (the tied embedding read whole as t
 Rows, interleaved round by round, medians of every round's steps, 2 threads each:
   * ours        OpenCLEngine on the file's blocks (gguf storage), the paged step (the serving path)
                 with greedy picks, at a context of --context tokens (random KV, imported)
+  * ours-int8   (--int8) the same with HYBRIDSERVE_DECODE_ACTIVATIONS=int8 (int8_gemv.py)
   * llama.cpp   llama-batched-bench on the same file, -t 2, a shared --context-token prompt, then
                 --steps generated tokens for 1 and 8 parallel sequences (its t_tg / steps)
+  * llama-server  (--llama-server PATH|auto) the server on the same file, -t 2, one slot a sequence:
+                its own per-token timing of --steps generated tokens (scale_1b_server.py)
 
     python -m bench.micro.scale_1b --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
+    python -m bench.micro.scale_1b --int8 --llama-server auto    # the file from scale_1b_checkpoint --numpy
     python -m bench.micro.scale_1b --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
         --tensor-type attn_v=q4_k --tensor-type ffn_down=q4_k (no mixed stacks, so packable)
 
@@ -24,7 +28,8 @@ this scale: batch-1 paged steps on FILE as one launch against launch by launch, 
 written to bench/results/scale_1b_launch_cost.json.
 
 --llama-bin: a llama.cpp build's bin/ holding llama-quantize and llama-batched-bench; without
-llama-batched-bench the llama.cpp rows are left out (and the JSON says so).
+llama-batched-bench the llama.cpp rows are left out (and the JSON says so). Without --llama-bin (and
+--gguf) the file is scale_1b_checkpoint.py's --numpy one.
 """
 from __future__ import annotations
 
@@ -68,7 +73,9 @@ def light_weights(path: Path, cfg):
     return ModelWeights(embed, layers, t["output_norm.weight"], embed)
 
 
-def our_engine(path: Path, context: int, batches=BATCHES):
+def our_engine(path: Path, context: int, batches=BATCHES, activations: str = "fp32"):
+    import dataclasses
+
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
@@ -79,7 +86,8 @@ def our_engine(path: Path, context: int, batches=BATCHES):
     ckpt = locate(str(path))
     cfg = read_config(ckpt)
     config = EngineConfig(weights_dtype="gguf", max_context=context, kv_cache_mb=64)
-    return OpenCLEngine.create(cfg, light_weights(path, cfg), select_device(), config, read_block_tensors(ckpt, cfg))
+    dev = dataclasses.replace(select_device(), activations=activations)
+    return OpenCLEngine.create(cfg, light_weights(path, cfg), dev, config, read_block_tensors(ckpt, cfg))
 
 
 def file_matrix_bytes(path: Path) -> int:
@@ -149,10 +157,12 @@ def launch_cost(path: Path, rounds: int, steps: int, context: int) -> None:
 
 def main() -> int:
     from bench.micro.paged_step import time_paged_wall
-    from bench.micro.scale_1b_checkpoint import ensure
+    from bench.micro.scale_1b_checkpoint import ensure, ensure_numpy
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--llama-bin", type=Path, required=True, help="a llama.cpp build's bin/ (llama-quantize, ...)")
+    ap.add_argument("--llama-bin", type=Path, default=None, help="a llama.cpp build's bin/ (llama-quantize, ...)")
+    ap.add_argument("--llama-server", default=None, help="llama-server's path, or auto (bench/llama_server.py's)")
+    ap.add_argument("--int8", action="store_true", help="also our engine with int8 activations")
     ap.add_argument("--gguf", type=Path, default=None, help="the Q4_K_M file (default: made in the cache)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per engine, batch and round")
@@ -165,14 +175,26 @@ def main() -> int:
     if args.launch_cost:
         launch_cost(args.launch_cost, args.rounds, args.steps, args.context)
         return 0
-    path = args.gguf or ensure(args.llama_bin / "llama-quantize")
+    path = args.gguf or (ensure(args.llama_bin / "llama-quantize") if args.llama_bin else ensure_numpy())
     batches = tuple(int(b) for b in args.batches.split(","))
-    batched = args.llama_bin / "llama-batched-bench"
-    have_llama = batched.is_file()
+    batched = args.llama_bin / "llama-batched-bench" if args.llama_bin else None
+    have_llama = batched is not None and batched.is_file()
     progress(f"loading {path.name} on the OpenCL engine")
     eng = our_engine(path, args.context + args.steps + 8, batches)
     cfg = eng.cfg
     progress(f"stored: {eng.weights.storage_summary()}")
+    ours = {"ours": eng}
+    if args.int8:
+        ours["ours-int8"] = our_engine(path, args.context + args.steps + 8, batches, "int8")
+    server = None
+    if args.llama_server:
+        from bench.llama_server import find
+        from bench.micro.scale_1b_server import LlamaServer
+
+        binary = find() if args.llama_server == "auto" else Path(args.llama_server)
+        if binary is None:
+            raise SystemExit("no llama-server built: python -m bench.llama_server")
+        server = LlamaServer(binary, path, max(batches), args.context + args.steps + 16, THREADS)
     gbs = memory_bandwidth_gbs()
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     cells: dict[tuple[str, int], list[float]] = {}
@@ -180,20 +202,29 @@ def main() -> int:
     for r in range(args.rounds):
         progress(f"round {r + 1}/{args.rounds}")
         for batch in batches:
-            times = time_paged_wall(eng, cfg, batch, args.context, args.steps)
-            cells.setdefault(("ours", batch), []).extend(times)
-            rounds.setdefault(("ours", batch), []).append(stats(times)["median"])
+            for name, engine in ours.items():
+                times = time_paged_wall(engine, cfg, batch, args.context, args.steps)
+                cells.setdefault((name, batch), []).extend(times)
+                rounds.setdefault((name, batch), []).append(stats(times)["median"])
+            if server is not None:
+                s = server.step_seconds(batch, args.context, args.steps, seed=r)
+                cells.setdefault(("llama-server", batch), []).append(s)
+                rounds.setdefault(("llama-server", batch), []).append(s)
         if have_llama:
             for batch, s in llama_steps(batched, path, args.context, args.steps, batches).items():
                 # llama-batched-bench reports the phase's total: one value a round, weighted as such
                 cells.setdefault(("llama.cpp", batch), []).append(s)
                 rounds.setdefault(("llama.cpp", batch), []).append(s)
+    if server is not None:
+        server.close()
     gbs_after = memory_bandwidth_gbs()
     load_after = os.getloadavg()
-    nbytes = {"ours": eng.weights_nbytes, "llama.cpp": file_matrix_bytes(path)}
+    nbytes = {"ours": eng.weights_nbytes, "ours-int8": eng.weights_nbytes, "llama.cpp": file_matrix_bytes(path)}
+    nbytes["llama-server"] = nbytes["llama.cpp"]
     best_gbs = max(gbs, gbs_after)  # the limit: the best the (shared) machine gave
     rows, lines = [], []
-    for name in ("ours", "llama.cpp") if have_llama else ("ours",):
+    names = [*ours, *(("llama.cpp",) if have_llama else ()), *(("llama-server",) if server else ())]
+    for name in names:
         limit_ms = nbytes[name] / (best_gbs * 1e9) * 1e3
         for batch in batches:
             ms = stats([x * 1e3 for x in cells[(name, batch)]])
@@ -208,14 +239,16 @@ def main() -> int:
           f"before {load_before}, after {load_after}; {args.rounds} rounds x {args.steps} steps, context "
           f"{args.context}, {THREADS} threads")
     faster = {}
-    if have_llama:
-        for batch in batches:
-            ours, theirs = (stats(cells[(n, batch)])["median"] for n in ("ours", "llama.cpp"))
-            # rounds ran interleaved: a round where ours was faster compares the two under the same load
-            won = sum(o < t for o, t in zip(rounds[("ours", batch)], rounds[("llama.cpp", batch)]))
-            faster[batch] = {"rounds_ours_faster": won, "rounds": args.rounds}
-            print(f"batch {batch}: ours {ours * 1e3:.1f} ms/step, llama.cpp {theirs * 1e3:.1f}: ours at "
-                  f"{theirs / ours:.2f}x llama.cpp's speed; ours faster in {won} of {args.rounds} rounds")
+    for base in [n for n in names if n.startswith("llama")]:
+        for name in ours:
+            for batch in batches:
+                mine, theirs = (stats(cells[(n, batch)])["median"] for n in (name, base))
+                # rounds ran interleaved: a round where ours was faster compares the two under the same load
+                won = sum(o < t for o, t in zip(rounds[(name, batch)], rounds[(base, batch)]))
+                faster[f"{name} vs {base}, batch {batch}"] = {"rounds_ours_faster": won, "rounds": args.rounds,
+                                                              "speed_ratio": theirs / mine}
+                print(f"batch {batch}: {name} {mine * 1e3:.1f} ms/step, {base} {theirs * 1e3:.1f}: at "
+                      f"{theirs / mine:.2f}x {base}'s speed; faster in {won} of {args.rounds} rounds")
     write_json(args.name, {"gguf": path.name, "shape": {"hidden": cfg.hidden, "layers": cfg.n_layers,
                                                         "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads,
                                                         "intermediate": cfg.intermediate, "vocab": cfg.vocab_size},
@@ -223,7 +256,7 @@ def main() -> int:
                             "one_launch_packed": eng.weights.packed is not None, "device": eng.device_name,
                             "threads": THREADS, "rounds": args.rounds, "steps": args.steps,
                             "memory_bandwidth_gbs": [gbs, gbs_after], "loadavg_before": load_before,
-                            "loadavg_after": load_after, "llama_cpp": "llama-batched-bench" if have_llama else None,
+                            "loadavg_after": load_after, "llama_cpp": [n for n in names if n.startswith("llama")],
                             "rounds_ours_faster": faster, "lines": lines})
     return 0
 

@@ -8,7 +8,11 @@ are N(0, 0.02) (a speed measurement: what matters is the bytes, not the logits),
 file (~2.1 GB) is written tensor by tensor, so the model is never whole in memory, then quantized
 (~0.8 GB). Nothing here is committed: both files go to a cache directory and are reused.
 
+Without llama.cpp, --numpy quantizes the F16 file with scale_1b_kquants.py instead (Q4_K_M's choice of
+Q4_K and Q6_K, simpler scales than llama.cpp's): NAME.Q4_K_M-numpy.gguf, the same bytes a step.
+
     python -m bench.micro.scale_1b_checkpoint --quantize /path/to/llama-quantize [--dir DIR]
+    python -m bench.micro.scale_1b_checkpoint --numpy [--dir DIR]
 """
 from __future__ import annotations
 
@@ -115,11 +119,35 @@ def ensure(quantize: str | Path, out_dir: Path | None = None) -> Path:
     return q
 
 
+def ensure_numpy(out_dir: Path | None = None) -> Path:
+    """The Q4_K_M-typed file quantized by scale_1b_kquants.py (no llama.cpp), made unless it is there."""
+    from bench.micro.scale_1b_kquants import requantize
+
+    out_dir = out_dir or cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    q = out_dir / f"{NAME}.Q4_K_M-numpy.gguf"
+    if q.exists():
+        return q
+    f16 = out_dir / f"{NAME}.F16.gguf"
+    if not f16.exists():
+        t = time.perf_counter()
+        write_f16(f16)
+        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", flush=True)
+    t = time.perf_counter()
+    counts = requantize(f16, q)
+    print(f"quantized {q} ({q.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s: {counts}", flush=True)
+    return q
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quantize", required=True, help="llama.cpp's llama-quantize")
+    ap.add_argument("--quantize", default=None, help="llama.cpp's llama-quantize")
+    ap.add_argument("--numpy", action="store_true", help="quantize with scale_1b_kquants.py instead")
     ap.add_argument("--dir", type=Path, default=None, help=f"where the files go (default {cache_dir()})")
-    print(ensure(ap.parse_args().quantize, ap.parse_args().dir))
+    args = ap.parse_args()
+    if not args.numpy and not args.quantize:
+        ap.error("give --quantize PATH (llama.cpp's llama-quantize) or --numpy")
+    print(ensure_numpy(args.dir) if args.numpy else ensure(args.quantize, args.dir))
     return 0
 
 

@@ -14,8 +14,9 @@ x's layout depends on the weights' format (K_X_BLOCK):
   sums in int32 lanes and a super-block takes one int-to-float conversion, as llama.cpp's Q8_K.
 
 Formats with an int8 kernel: INT8_FORMATS, every block format. Dense matrices, GPUs (several lanes
-a row), the embedding lookup and the one-launch decode step keep the exact fp32 arithmetic; config.DeviceFit turns the one launch off with int8 so that a row's result never
-depends on whether its step had one row or several.
+a row), the embedding lookup and the one-launch decode step keep the exact fp32 arithmetic;
+config.DeviceFit turns the one launch off with int8 so that a row's result never depends on whether
+its step had one row or several.
 
 The int8 copy of x lives in buffers shared by every matrix that reads the same x buffer (one pair
 per x on the device, sized from it), so it costs a fourth of x's memory once, not per matrix.
@@ -32,8 +33,9 @@ from services.decode_fpga.launch import bind_rows
 ACTIVATIONS = ("fp32", "int8")  # the setting's values: the exact path, or int8 activations
 INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # every block format
 K_FORMATS = ("q4_k", "q5_k", "q6_k")
-# x's block for the K-quants: 256 (one scale a super-block: measured 1.2-2x less CPU a GEMV at 1B shapes
-# than 32, docs/decode-kernels.md), or 32 (the per-block kernel, kept for the benchmarks' A/B)
+# x's values a scale for the K-quants: 64, 128 or 256 (gemv_int8k_rows: one int-to-float conversion a
+# scale), or 32 (gemv_int8_rows, every block's integer sum a float: kept for the benchmarks' A/B)
+K_X_BLOCKS = (32, 64, 128, 256)
 K_X_BLOCK = 256
 
 
@@ -62,14 +64,15 @@ class RowLaunches:
 
 def int8_rows(dev, x: cl.Buffer, cols: int, block: int = 32) -> tuple[cl.Buffer, ...]:
     """The int8 copy of x [n, cols] (xq, n * cols bytes) and its scales (dx, float [n, cols / block])
-    for every n the buffer x holds, and with block 256 x's int16 sums of 16 (bsum, [n, cols / 16]);
+    for every n the buffer x holds, and for the K-quants' layout (block 64-256) x's int16 sums of 16
+    (bsum, [n, cols / 16]);
     made once per x buffer, layout and device."""
     cache = dev.__dict__.setdefault("_int8_rows", {})
     key = (x.int_ptr, x.size, cols, block)
     if key not in cache:
         rows, flags = max(1, x.size // (4 * cols)), cl.mem_flags.READ_WRITE
         bufs = [cl.Buffer(dev.context, flags, rows * cols), cl.Buffer(dev.context, flags, rows * (cols // block) * 4)]
-        if block == 256:
+        if block > 32:
             bufs.append(cl.Buffer(dev.context, flags, rows * (cols // 16) * 2))
         cache[key] = tuple(bufs)
     return cache[key]
@@ -80,7 +83,7 @@ def bind_int8_gemv_rows(matrix, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, a
     """QuantMatrix.bind_gemv_rows with int8 activations: quantize the step's rows of x, then the GEMV
     (rows read from n_rows[0]); x_sums: x's fp32 block sums, read by formats with minimums. build:
     in place of the device's (tests build the portable integer loop with it); k_block: x's block for a
-    K-quant matrix in place of K_X_BLOCK (32 or 256)."""
+    K-quant matrix in place of K_X_BLOCK (one of K_X_BLOCKS)."""
     from services.model.formats import kernel_defines
 
     if matrix.cols % 32:
@@ -90,19 +93,20 @@ def bind_int8_gemv_rows(matrix, x: cl.Buffer, y: cl.Buffer, n_rows: cl.Buffer, a
             raise ValueError(f"{matrix.name}: a {matrix.fmt} GEMV needs the block sums of x (x_sums)")
         x_sums = x  # unread
     dev = matrix._dev
-    program = (build or dev.build)("gemv_quant_int8.cl", kernel_defines(matrix.fmt))
     d, m, q = matrix.device_arrays
     k_block = K_X_BLOCK if k_block is None else k_block
-    if matrix.fmt in K_FORMATS and k_block == 256:
-        xq, dx, bsum = int8_rows(dev, x, matrix.cols, 256)
+    if k_block not in K_X_BLOCKS:
+        raise ValueError(f"x's block for K-quants must be one of {K_X_BLOCKS}, got {k_block}")
+    if matrix.fmt in K_FORMATS and k_block > 32:
+        program = (build or dev.build)("gemv_quant_int8.cl", {**kernel_defines(matrix.fmt), "K_XB": k_block})
+        xq, dx, bsum = int8_rows(dev, x, matrix.cols, k_block)
         quantize = bind_rows(program, "quantize_x8k", (1, matrix.cols // 256), x, xq, dx, bsum, np.int32(matrix.cols),
                              rows_dim=0, by_row=True)
         gemv = bind_rows(program, "gemv_int8k_rows", (matrix.rows,), d, m, q, xq, dx, bsum, x_sums, y,
                          np.int32(matrix.cols), np.int32(matrix.rows), n_rows, np.int32(bool(accumulate)),
                          matrix._y_offset, matrix._y_stride, rows_dim=None, by_row=True)
         return RowLaunches((quantize, gemv))
-    if k_block not in (32, 256):
-        raise ValueError(f"x's block for K-quants must be 32 or 256, got {k_block}")
+    program = (build or dev.build)("gemv_quant_int8.cl", kernel_defines(matrix.fmt))
     xq, dx = int8_rows(dev, x, matrix.cols)
     nb = matrix.cols // 32
     quantize = bind_rows(program, "quantize_x8", (1, nb), x, xq, dx, np.int32(matrix.cols), rows_dim=0, by_row=True)

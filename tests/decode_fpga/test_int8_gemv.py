@@ -72,7 +72,8 @@ def int8_reference(t: BlockTensor, x: np.ndarray, block: int | None = None) -> n
     return y
 
 
-def run_rows(dev, t: BlockTensor, x: np.ndarray, defines: dict | None = None, k_block: int | None = None) -> np.ndarray:
+def run_rows(dev, t: BlockTensor, x: np.ndarray, defines: dict | None = None,
+             k_block: int | None = None) -> np.ndarray:
     """The paged step's GEMV (bind_gemv_rows) over the rows of x on dev; defines: extra build flags
     for gemv_quant_int8.cl, k_block: x's block for a K-quant (both bound directly)."""
     ctx, q = dev.context, dev.queue
@@ -199,6 +200,22 @@ def test_k_quants_take_x_per_super_block(int8_dev, fmt):
     assert np.abs(per32 - ref32).max() <= 2e-6 * scale
 
 
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("k_block", (64, 128))
+def test_k_quants_take_x_per_64_or_128(int8_dev, fmt, k_block):
+    """The same kernel with an x scale each 64 or 128 values (int8_gemv.K_X_BLOCKS): the model of that
+    quantization within 2e-6, the AVX2 build the portable one's bits, a row's bits those it gets alone."""
+    t = block_tensor(fmt, 13, 512, seed=27)
+    x = np.random.default_rng(28).normal(size=(5, 512)).astype(np.float32)
+    x[:, 70] = 30.0
+    x[3, 128:256] = 0.0  # chunks of zeros: scale 0
+    got = run_rows(int8_dev, t, x, k_block=k_block)
+    ref = int8_reference(t, x, k_block)
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()
+    np.testing.assert_array_equal(got, run_rows(int8_dev, t, x, {"I8_PORTABLE": 1}, k_block=k_block))
+    np.testing.assert_array_equal(got[4], run_rows(int8_dev, t, x[4:5], k_block=k_block)[0])
+
+
 def test_the_k_quants_x_layout(int8_dev):
     """quantize_x8k writes int8 x (round half to even, the super-block's largest to +-127; each 64
     values as their 16-groups 0, 2, 1, 3, the order the pairs of blocks read), one scale a super-block
@@ -215,7 +232,8 @@ def test_the_k_quants_x_layout(int8_dev):
     mat = QuantMatrix(int8_dev, t)
     bind_int8_gemv_rows(mat, xb, yb, nb, False, None).enqueue(q, 0, n)
     xq_b, dx_b, bsum_b = int8_rows(int8_dev, xb, cols, 256)
-    stored, dx, bsum = np.empty((n, cols), np.int8), np.empty((n, cols // 256), np.float32), np.empty((n, cols // 16), np.int16)
+    stored, dx = np.empty((n, cols), np.int8), np.empty((n, cols // 256), np.float32)
+    bsum = np.empty((n, cols // 16), np.int16)
     for host, buf in ((stored, xq_b), (dx, dx_b), (bsum, bsum_b)):
         cl.enqueue_copy(q, host, buf, is_blocking=True)
     xq = stored.reshape(n, -1, 4, 16)[:, :, [0, 2, 1, 3]].reshape(n, cols)  # the groups back in x's order

@@ -28,31 +28,39 @@
 // -DI8_PORTABLE), so the bits after them are one float expression on every device; every (output,
 // row) pair takes super-blocks in order through it whatever the rows beside it (batch invariance).
 
-// x's super-block scale (largest |x| / 127), int8 x (round to nearest even; each 64 values stored as
-// their 16-groups 0, 2, 1, 3) and int16 sums of each 16 (in x's order): xq [n, cols], dx [n, cols /
-// 256], bsum [n, cols / 16]. Work-item (r, s), global offset on r.
+#ifndef K_XB
+#define K_XB 256  // x's values a scale: 64, 128 or 256 (int8_gemv.K_X_BLOCK)
+#endif
+#define K_XPAIRS (K_XB / 64)  // block pairs an x scale
+#define K_XN (K_XB / 16)      // Q6_K halves an x scale
+
+// x's scales (largest |x| / 127 of each K_XB values), int8 x (round to nearest even; each 64 values
+// stored as their 16-groups 0, 2, 1, 3) and int16 sums of each 16 (in x's order): xq [n, cols], dx
+// [n, cols / K_XB], bsum [n, cols / 16]. Work-item (r, s): super-block s of row r, global offset on r.
 __kernel void quantize_x8k(__global const float *x, __global char *xq, __global float *dx, __global short *bsum,
                            const int cols)
 {
     const int r = get_global_id(0), s = get_global_id(1);
     __global const float *xs = x + (size_t)r * cols + 256 * s;
-    float16 a = (float16)(0.0f);
-    for (int i = 0; i < 16; ++i) a = fmax(a, fabs(vload16(i, xs)));
-    const float8 a8 = fmax(a.lo, a.hi);
-    const float4 a4 = fmax(a8.lo, a8.hi);
-    const float amax = fmax(fmax(a4.x, a4.y), fmax(a4.z, a4.w));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     __global char *qs = xq + (size_t)r * cols + 256 * s;
     __global short *bs = bsum + (size_t)r * (cols / 16) + 16 * s;
-    for (int i = 0; i < 16; ++i) {
-        const char16 c = convert_char16_sat_rte(vload16(i, xs) * inv);
-        vstore16(c, (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1), qs);  // 16-groups 1 and 2 of each 4 swapped
-        const short16 w = convert_short16(c);
-        const short8 s8 = w.lo + w.hi;
-        const short4 s4 = s8.lo + s8.hi;
-        bs[i] = (s4.x + s4.y) + (s4.z + s4.w);
+    for (int k = 0; k < 256 / K_XB; ++k) {
+        float16 a = (float16)(0.0f);
+        for (int i = k * K_XN; i < (k + 1) * K_XN; ++i) a = fmax(a, fabs(vload16(i, xs)));
+        const float8 a8 = fmax(a.lo, a.hi);
+        const float4 a4 = fmax(a8.lo, a8.hi);
+        const float amax = fmax(fmax(a4.x, a4.y), fmax(a4.z, a4.w));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int i = k * K_XN; i < (k + 1) * K_XN; ++i) {
+            const char16 c = convert_char16_sat_rte(vload16(i, xs) * inv);
+            vstore16(c, (i & ~3) | ((i & 1) << 1) | ((i >> 1) & 1), qs);  // 16-groups 1 and 2 of each 4 swapped
+            const short16 w = convert_short16(c);
+            const short8 s8 = w.lo + w.hi;
+            const short4 s4 = s8.lo + s8.hi;
+            bs[i] = (s4.x + s4.y) + (s4.z + s4.w);
+        }
+        dx[(size_t)r * (cols / K_XB) + s * (256 / K_XB) + k] = amax / 127.0f;
     }
-    dx[(size_t)r * (cols / 256) + s] = amax / 127.0f;
 }
 
 #if defined(__AVX2__) && !defined(I8_PORTABLE)
@@ -61,6 +69,8 @@ typedef ulong ul4 __attribute__((ext_vector_type(4)));
 #define as_uc32(V) __builtin_astype((V), uc32)  // bit casts of the builtins' vector types
 #define as_c32(V) __builtin_astype((V), c32)
 #define as_s16v(V) __builtin_astype((V), s16v)
+
+#define LD16(P, OFF) vload16(0, (__global const char *)(P) + (OFF))  // 16 bytes at P + OFF
 
 inline c32 c32_of(const char16 a, const char16 b)
 {
@@ -75,16 +85,17 @@ inline c32 c32_of(const char16 a, const char16 b)
 inline void k_pair(__global const uchar *qrow, const int p, c32 *w0, c32 *w1)
 {
 #if QFMT == 42  // 32 bytes: byte j of a block = quant j | quant j + 16 << 4
-    const uc32 v = as_uc32(c32_of(vload16(2 * p, (__global const char *)qrow), vload16(2 * p + 1, (__global const char *)qrow)));
+    const uc32 v = as_uc32(c32_of(LD16(qrow, 32 * p), LD16(qrow, 32 * p + 16)));
     *w0 = as_c32(v & (uc32)(0x0F));
     *w1 = as_c32(v >> (uc32)(4));
 #elif QFMT == 52  // 16 nibble bytes as Q4_K's, then the fifth bits as a uint (bit j: quant j)
     __global const uchar *qb = qrow + 40 * p;
-    const uc32 v = as_uc32(c32_of(vload16(0, (__global const char *)qb), vload16(0, (__global const char *)(qb + 20))));
+    const uc32 v = as_uc32(c32_of(LD16(qb, 0), LD16(qb, 20)));
     const uint h0 = *(__global const uint *)(qb + 16), h1 = *(__global const uint *)(qb + 36);
     const c32 h = as_c32((i8v)(h0, h0, h0, h0, h1, h1, h1, h1));
     // quant j's fifth bit: byte j >> 3 of its uint at lane j, kept where bit j & 7 is set
-    const c32 pick0 = (c32)(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const c32 pick0 = (c32)(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const uc32 bit = (uc32)(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
                             1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
     const uc32 b0 = as_uc32(__builtin_ia32_pshufb256(h, pick0)) & bit;
@@ -94,7 +105,7 @@ inline void k_pair(__global const uchar *qrow, const int p, c32 *w0, c32 *w1)
 #else  // 62: 16 bytes (byte j: quant j | quant 16 + j's low 2 bits << 6), then 8 bytes: quant 16 + j's
        // high 4 bits at bit 4 (j >> 1) of uint (j & 1)
     __global const uchar *qb = qrow + 48 * p;
-    const uc32 lo = as_uc32(c32_of(vload16(0, (__global const char *)qb), vload16(0, (__global const char *)(qb + 24))));
+    const uc32 lo = as_uc32(c32_of(LD16(qb, 0), LD16(qb, 24)));
     const ulong e = *(__global const ulong *)(qb + 16), f = *(__global const ulong *)(qb + 40);
     // each half: its 8 bytes, then the same shifted down a nibble; lane j picks the byte holding j's
     // nibble: 8 ((j >> 1) & 1) + 4 (j & 1) + (j >> 2)
@@ -121,13 +132,13 @@ inline void k_pair(__global const uchar *qrow, const int p, c32 *w0, c32 *w1)
                                                          6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7, 6, 7) + k_)); \
     } while (0)
 #else
+// byte 4P (block 2P's sc) to the low byte of every int16 lane of the low half, 4P + 2 (block 2P + 1's)
+// to the high half's; the high bytes zeroed (a shuffle index with bit 7 set, which adding 4P keeps)
 #define K_PAIR_SCALES(SW, P, S0, S1)                                                             \
     do {                                                                                     \
-        const char z_ = (char)0x80;                                                          \
-        S0 = as_s16v(__builtin_ia32_pshufb256((SW)[0],                                       \
-            (c32)(4 * (P), z_, 4 * (P), z_, 4 * (P), z_, 4 * (P), z_, 4 * (P), z_, 4 * (P), z_, 4 * (P), z_, 4 * (P), z_, \
-                  4 * (P) + 2, z_, 4 * (P) + 2, z_, 4 * (P) + 2, z_, 4 * (P) + 2, z_, 4 * (P) + 2, z_, 4 * (P) + 2, z_, \
-                  4 * (P) + 2, z_, 4 * (P) + 2, z_)));                                       \
+        const c32 k_ = (c32)(0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 0, -128, 0, -128,  \
+                             2, -128, 2, -128, 2, -128, 2, -128, 2, -128, 2, -128, 2, -128, 2, -128); \
+        S0 = as_s16v(__builtin_ia32_pshufb256((SW)[0], k_ + (c32)(4 * (P))));              \
         S1 = S0;                                                                             \
     } while (0)
 #endif
@@ -156,7 +167,8 @@ inline void k_pair(__global const uchar *qrow, const int p, c32 *w0, c32 *w1)
 inline int4 k_hdot(const char16 w, __global const char *x)
 {
     const char16 v = vload16(0, x);
-#if !defined(I8_PORTABLE) && (defined(__opencl_c_integer_dot_product_input_4x8bit) || defined(cl_khr_integer_dot_product))
+#if !defined(I8_PORTABLE) && \
+    (defined(__opencl_c_integer_dot_product_input_4x8bit) || defined(cl_khr_integer_dot_product))
     return (int4)(dot(w.s0123, v.s0123), dot(w.s4567, v.s4567), dot(w.s89ab, v.s89ab), dot(w.scdef, v.scdef));
 #else
     const int16 p = convert_int16(convert_short16(w) * convert_short16(v));
@@ -178,37 +190,50 @@ inline int8 k_pair_dot(__global const uchar *qrow, const int p, const uchar16 kb
 #else
     const int sa0 = kb[j], sa1 = sa0, sb0 = kb[j + 2], sb1 = sb0;
 #endif
-    return (int8)(k_hdot(a0, xp) * sa0 + k_hdot(a1, xp + 32) * sa1, k_hdot(b0, xp + 16) * sb0 + k_hdot(b1, xp + 48) * sb1);
+    return (int8)(k_hdot(a0, xp) * sa0 + k_hdot(a1, xp + 32) * sa1,
+                  k_hdot(b0, xp + 16) * sb0 + k_hdot(b1, xp + 48) * sb1);
 }
 #endif
 
-// Q6_K: 32 sum_h sc_h bsum_h of a super-block as 8 int32 lanes (lane k: halves 2k, 2k + 1)
-inline int8 k_offsets(const uchar16 kb, __global const short *bs)
+// Q6_K: 32 sum_h sc_h bsum_h over the halves h of x-chunk C of a super-block (SC: the super-block's 16
+// scales, B: x's sums of its 16 halves; the other halves' scales masked to 0) as 8 int32 lanes (lane k:
+// halves 2k, 2k + 1)
+inline int8 k_offsets(const short16 sc, const short16 b, const int c)
 {
-    const short16 sc = convert_short16(as_char16(kb)), b = vload16(0, bs);
+    const short16 h = (short16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const short16 m = sc & ((h >= (short16)(c * K_XN)) & (h < (short16)((c + 1) * K_XN)));
 #if defined(__AVX2__) && !defined(I8_PORTABLE)
-    return as_int8(__builtin_ia32_pmaddwd256(sc, b)) << 5;
+    return as_int8(__builtin_ia32_pmaddwd256(m, b)) << 5;
 #else
-    return (convert_int8(sc.even) * convert_int8(b.even) + convert_int8(sc.odd) * convert_int8(b.odd)) << 5;
+    return (convert_int8(m.even) * convert_int8(b.even) + convert_int8(m.odd) * convert_int8(b.odd)) << 5;
 #endif
 }
 
 #define K_DS(DROW, S) (DROW)[QFMT == 62 ? (S) : 2 * (S)]  // d_super of super-block S
-
-// F += super-block S's products (I, int lanes) times d_super dx (DS: d_super, DX: x's scale), then
-// (Q4_K, Q5_K) its 8 minimums MN (-dmin_super mn_b) times x's fp32 block sums XS
-#if HAS_MINS
-#define K_SUPER_FMA(F, I, DS, DX, MN, XS, S) \
-    F = fma(MN, vload8((S), (XS)), fma(convert_float8(I), (float8)((DS) * (DX)), F))
-#else
-#define K_SUPER_FMA(F, I, DS, DX, MN, XS, S) F = fma(convert_float8(I), (float8)((DS) * (DX)), F)
-#endif
 // super-block S's minimums: -dmin_super times the bytes mn_b (odd bytes of KB)
 #define K_MINS(KB, S) ((float8)(-drow[2 * (S) + 1]) * convert_float8((KB).odd))
 
-// super-block S's pairs into the int lanes of ROWS rows (I0.. with x XR0.. at the super-block)
+// the end of x-chunk C of a super-block for one row: F += its int lanes I (less Q6_K's offsets, from
+// the row's half sums B) times d_super ds and x's scale DX; I back to 0
+#if QFMT == 62
+#define K_END1(F, I, B, DX, C)                                                                   \
+    {                                                                                        \
+        I -= k_offsets(sc16, (B), (C));                                                      \
+        F = fma(convert_float8(I), (float8)(ds * (DX)), F);                                  \
+        I = (int8)(0);                                                                       \
+    }
+#else
+#define K_END1(F, I, B, DX, C)                                                                   \
+    {                                                                                        \
+        F = fma(convert_float8(I), (float8)(ds * (DX)), F);                                  \
+        I = (int8)(0);                                                                       \
+    }
+#endif
+
+// super-block S's pairs into each row's int lanes (K_ROWS_ACC), every K_XPAIRS pairs an x-chunk's end
+// (K_ROWS_END)
 #if defined(__AVX2__) && !defined(I8_PORTABLE)
-#define K_SUPER(S, KB, ...)                                                                      \
+#define K_SUPER(S, KB)                                                                           \
     {                                                                                        \
         K_SUPER_SCALES(KB, sw_)                                                              \
         _Pragma("unroll") for (int pp_ = 0; pp_ < 4; ++pp_) {                                \
@@ -216,18 +241,23 @@ inline int8 k_offsets(const uchar16 kb, __global const short *bs)
             s16v s0_, s1_;                                                                   \
             k_pair(qrow, 4 * (S) + pp_, &w0_, &w1_);                                         \
             K_PAIR_SCALES(sw_, pp_, s0_, s1_);                                               \
-            K_ROWS_ACC(__VA_ARGS__);                                                         \
+            K_ROWS_ACC;                                                                      \
+            if ((pp_ + 1) % K_XPAIRS == 0) { K_ROWS_END(pp_ / K_XPAIRS); }                       \
         }                                                                                    \
     }
 #define K_ACC1(I, XR) K_PAIR_ACC(I, w0_, w1_, s0_, s1_, (XR) + 64 * pp_)
 #else
-#define K_SUPER(S, KB, ...)                                                                      \
-    _Pragma("unroll") for (int pp_ = 0; pp_ < 4; ++pp_) { K_ROWS_ACC(__VA_ARGS__); }
+#define K_SUPER(S, KB)                                                                           \
+    _Pragma("unroll") for (int pp_ = 0; pp_ < 4; ++pp_) {                                    \
+        K_ROWS_ACC;                                                                          \
+        if ((pp_ + 1) % K_XPAIRS == 0) { K_ROWS_END(pp_ / K_XPAIRS); }                           \
+    }
 #define K_ACC1(I, XR) I += k_pair_dot(qrow, 4 * s + pp_, kb, (XR) + 64 * pp_)
 #endif
 
 // y[r, o] (+)= sum_c W[o, c] x[r, c] for r < n_rows[0], x given as quantize_x8k's xq, dx, bsum and its
 // fp32 block sums xsum [n, cols / 32] (Q4_K, Q5_K). One output row a work-item; cols % 256 == 0.
+// Every (output, row) pair: per super-block its x-chunks' fmas in order, then the minimums' fma.
 __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, __global const uchar *q,
                               __global const char *xq, __global const float *dx, __global const short *bsum,
                               __global const float *xsum, __global float *y, const int cols, const int out_rows,
@@ -238,34 +268,42 @@ __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, _
     const int o = get_global_id(0);
     if (o >= out_rows) return;
     const int nb = cols / 32, nbp = (nb + 3) & ~3, nsb = cols / 256, n = n_rows[0], nbs = cols / 16;
+    const int ncx = cols / K_XB;  // x's scales a row
     __global const float *drow = DROW_AT(d, o, nbp);
     __global const half *mrow = MROW_AT(m, o, nbp);
     __global const uchar *qrow = q + (size_t)o * nb * QBYTES;
     int r0 = 0;
     for (; r0 + 4 <= n; r0 += 4) {  // four rows a pass, each pair unpacked once for them
         __global const char *x0 = xq + (size_t)r0 * cols, *x1 = x0 + cols, *x2 = x1 + cols, *x3 = x2 + cols;
-        __global const float *d0 = dx + (size_t)r0 * nsb, *xs0 = xsum + (size_t)r0 * nb;
+        __global const float *d0 = dx + (size_t)r0 * ncx, *xs0 = xsum + (size_t)r0 * nb;
         float8 f0 = (float8)(0.0f), f1 = f0, f2 = f0, f3 = f0;
         for (int s = 0; s < nsb; ++s) {
             const uchar16 kb = vload16(s, MBYTES(mrow));
-            int8 i0 = (int8)(0), i1 = i0, i2 = i0, i3 = i0;
-            const int c = 256 * s;
-#define K_ROWS_ACC(...) K_ACC1(i0, x0 + c); K_ACC1(i1, x1 + c); K_ACC1(i2, x2 + c); K_ACC1(i3, x3 + c)
-            K_SUPER(s, kb, 4)
-#undef K_ROWS_ACC
-#if QFMT == 62
-            __global const short *bs = bsum + (size_t)r0 * nbs + 16 * s;
-            i0 -= k_offsets(kb, bs);
-            i1 -= k_offsets(kb, bs + nbs);
-            i2 -= k_offsets(kb, bs + 2 * nbs);
-            i3 -= k_offsets(kb, bs + 3 * nbs);
-#endif
+            const int c = 256 * s, e = s * (256 / K_XB);
             const float ds = K_DS(drow, s);
-            const float8 mn = HAS_MINS ? K_MINS(kb, s) : (float8)(0.0f);
-            K_SUPER_FMA(f0, i0, ds, d0[s], mn, xs0, s);
-            K_SUPER_FMA(f1, i1, ds, d0[nsb + s], mn, xs0 + nb, s);
-            K_SUPER_FMA(f2, i2, ds, d0[2 * nsb + s], mn, xs0 + 2 * nb, s);
-            K_SUPER_FMA(f3, i3, ds, d0[3 * nsb + s], mn, xs0 + 3 * nb, s);
+            int8 i0 = (int8)(0), i1 = i0, i2 = i0, i3 = i0;
+#if QFMT == 62
+            const short16 sc16 = convert_short16(as_char16(kb));
+            __global const short *bs = bsum + (size_t)r0 * nbs + 16 * s;
+            const short16 b0 = vload16(0, bs), b1 = vload16(0, bs + nbs), b2 = vload16(0, bs + 2 * nbs),
+                          b3 = vload16(0, bs + 3 * nbs);
+#else
+            const short16 b0 = (short16)(0), b1 = b0, b2 = b0, b3 = b0;
+#endif
+#define K_ROWS_ACC K_ACC1(i0, x0 + c); K_ACC1(i1, x1 + c); K_ACC1(i2, x2 + c); K_ACC1(i3, x3 + c)
+#define K_ROWS_END(C)                                                                            \
+    K_END1(f0, i0, b0, d0[e + (C)], C) K_END1(f1, i1, b1, d0[ncx + e + (C)], C)              \
+    K_END1(f2, i2, b2, d0[2 * ncx + e + (C)], C) K_END1(f3, i3, b3, d0[3 * ncx + e + (C)], C)
+            K_SUPER(s, kb)
+#undef K_ROWS_ACC
+#undef K_ROWS_END
+#if HAS_MINS
+            const float8 mn = K_MINS(kb, s);
+            f0 = fma(mn, vload8(s, xs0), f0);
+            f1 = fma(mn, vload8(s, xs0 + nb), f1);
+            f2 = fma(mn, vload8(s, xs0 + 2 * nb), f2);
+            f3 = fma(mn, vload8(s, xs0 + 3 * nb), f3);
+#endif
         }
         I8_STORE(r0, hsum8(f0));
         I8_STORE(r0 + 1, hsum8(f1));
@@ -274,19 +312,27 @@ __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, _
     }
     for (; r0 < n; ++r0) {  // the last n % 4 rows alone, the same expression
         __global const char *x0 = xq + (size_t)r0 * cols;
-        __global const float *d0 = dx + (size_t)r0 * nsb, *xs0 = xsum + (size_t)r0 * nb;
+        __global const float *d0 = dx + (size_t)r0 * ncx, *xs0 = xsum + (size_t)r0 * nb;
         float8 f0 = (float8)(0.0f);
         for (int s = 0; s < nsb; ++s) {
             const uchar16 kb = vload16(s, MBYTES(mrow));
+            const int c = 256 * s, e = s * (256 / K_XB);
+            const float ds = K_DS(drow, s);
             int8 i0 = (int8)(0);
-            const int c = 256 * s;
-#define K_ROWS_ACC(...) K_ACC1(i0, x0 + c)
-            K_SUPER(s, kb, 1)
-#undef K_ROWS_ACC
 #if QFMT == 62
-            i0 -= k_offsets(kb, bsum + (size_t)r0 * nbs + 16 * s);
+            const short16 sc16 = convert_short16(as_char16(kb));
+            const short16 b0 = vload16(0, bsum + (size_t)r0 * nbs + 16 * s);
+#else
+            const short16 b0 = (short16)(0);
 #endif
-            K_SUPER_FMA(f0, i0, K_DS(drow, s), d0[s], HAS_MINS ? K_MINS(kb, s) : (float8)(0.0f), xs0, s);
+#define K_ROWS_ACC K_ACC1(i0, x0 + c)
+#define K_ROWS_END(C) K_END1(f0, i0, b0, d0[e + (C)], C)
+            K_SUPER(s, kb)
+#undef K_ROWS_ACC
+#undef K_ROWS_END
+#if HAS_MINS
+            f0 = fma(K_MINS(kb, s), vload8(s, xs0), f0);
+#endif
         }
         I8_STORE(r0, hsum8(f0));
     }
