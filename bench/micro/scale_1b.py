@@ -12,14 +12,15 @@ file's 4.5), llama.cpp's the file's matrices (the tied embedding read whole as t
 Rows, interleaved round by round, medians of every round's steps, 2 threads each:
   * ours        OpenCLEngine on the file's blocks (gguf storage), the paged step (the serving path)
                 with greedy picks, at a context of --context tokens (random KV, imported)
-  * ours-int8   (--int8) the same with HYBRIDSERVE_DECODE_ACTIVATIONS=int8 (int8_gemv.py)
+  * ours-int8-kN  (--int8 N,N) the same with HYBRIDSERVE_DECODE_ACTIVATIONS=int8 (int8_gemv.py), the
+                K-quants' x quantized per N values (int8_gemv.K_X_BLOCK), one engine a value
   * llama.cpp   llama-batched-bench on the same file, -t 2, a shared --context-token prompt, then
                 --steps generated tokens for 1 and 8 parallel sequences (its t_tg / steps)
   * llama-server  (--llama-server PATH|auto) the server on the same file, -t 2, one slot a sequence:
                 its own per-token timing of --steps generated tokens (scale_1b_server.py)
 
     python -m bench.micro.scale_1b --llama-bin /tmp/kq_llama/build/bin [--rounds 3] [--steps 16]
-    python -m bench.micro.scale_1b --int8 --llama-server auto    # the file from scale_1b_checkpoint --numpy
+    python -m bench.micro.scale_1b --int8 64,256 --llama-server auto    # the scale_1b_checkpoint --numpy file
     python -m bench.micro.scale_1b --llama-bin DIR --launch-cost FILE   # FILE: a Q4_K_M made with
         --tensor-type attn_v=q4_k --tensor-type ffn_down=q4_k (no mixed stacks, so packable)
 
@@ -162,7 +163,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-bin", type=Path, default=None, help="a llama.cpp build's bin/ (llama-quantize, ...)")
     ap.add_argument("--llama-server", default=None, help="llama-server's path, or auto (bench/llama_server.py's)")
-    ap.add_argument("--int8", action="store_true", help="also our engine with int8 activations")
+    ap.add_argument("--int8", default="", help="also our engine with int8 activations, per K-quant x block (64,256)")
     ap.add_argument("--gguf", type=Path, default=None, help="the Q4_K_M file (default: made in the cache)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per engine, batch and round")
@@ -184,8 +185,14 @@ def main() -> int:
     cfg = eng.cfg
     progress(f"stored: {eng.weights.storage_summary()}")
     ours = {"ours": eng}
-    if args.int8:
-        ours["ours-int8"] = our_engine(path, args.context + args.steps + 8, batches, "int8")
+    for kb in filter(None, args.int8.split(",")):
+        from services.decode_fpga import int8_gemv
+
+        saved, int8_gemv.K_X_BLOCK = int8_gemv.K_X_BLOCK, int(kb)  # read as the engine binds its GEMVs
+        try:
+            ours[f"ours-int8-k{kb}"] = our_engine(path, args.context + args.steps + 8, batches, "int8")
+        finally:
+            int8_gemv.K_X_BLOCK = saved
     server = None
     if args.llama_server:
         from bench.llama_server import find
@@ -219,7 +226,8 @@ def main() -> int:
         server.close()
     gbs_after = memory_bandwidth_gbs()
     load_after = os.getloadavg()
-    nbytes = {"ours": eng.weights_nbytes, "ours-int8": eng.weights_nbytes, "llama.cpp": file_matrix_bytes(path)}
+    nbytes = {name: eng.weights_nbytes for name in ours}
+    nbytes["llama.cpp"] = file_matrix_bytes(path)
     nbytes["llama-server"] = nbytes["llama.cpp"]
     best_gbs = max(gbs, gbs_after)  # the limit: the best the (shared) machine gave
     rows, lines = [], []

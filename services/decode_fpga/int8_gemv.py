@@ -9,9 +9,10 @@ from the exact path.
 
 x's layout depends on the weights' format (K_X_BLOCK):
 - Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: one fp32 scale per block of 32 (quantize_x8, gemv_int8_rows);
-- Q4_K, Q5_K, Q6_K: one scale per super-block of 256 and int16 sums per 16 (quantize_x8k,
-  gemv_int8k_rows, kernels/int8_super.h), so the 6- and 8-bit sub-block scales multiply the integer
-  sums in int32 lanes and a super-block takes one int-to-float conversion, as llama.cpp's Q8_K.
+- Q4_K, Q5_K, Q6_K: one scale per K_X_BLOCK values (64; up to a super-block of 256, as llama.cpp's
+  Q8_K) and int16 sums per 16 (quantize_x8k, gemv_int8k_rows, kernels/int8_super.h), so the 6- and
+  8-bit sub-block scales multiply the integer sums in int32 lanes and each x scale takes one
+  int-to-float conversion, not each block of 32.
 
 Formats with an int8 kernel: INT8_FORMATS, every block format. Dense matrices, GPUs (several lanes
 a row), the embedding lookup and the one-launch decode step keep the exact fp32 arithmetic;
@@ -34,9 +35,11 @@ ACTIVATIONS = ("fp32", "int8")  # the setting's values: the exact path, or int8 
 INT8_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # every block format
 K_FORMATS = ("q4_k", "q5_k", "q6_k")
 # x's values a scale for the K-quants: 64, 128 or 256 (gemv_int8k_rows: one int-to-float conversion a
-# scale), or 32 (gemv_int8_rows, every block's integer sum a float: kept for the benchmarks' A/B)
+# scale), or 32 (gemv_int8_rows, every block's integer sum a float). 64: at 1B shapes 2.0-2.7x less CPU
+# than fp32 a GEMV where 32 gives 1.2-1.6x and 256 2.1-2.9x, but 256 quadruples 32's KL divergence on
+# ffn_down where 64 adds half of it (docs/decode-kernels.md); the others are kept for the benchmarks
 K_X_BLOCKS = (32, 64, 128, 256)
-K_X_BLOCK = 256
+K_X_BLOCK = 64
 
 
 def check_activations(value: str) -> str:

@@ -1,9 +1,9 @@
 """The int8-activation block GEMVs (int8_gemv.py, kernels/gemv_quant_int8.cl, int8_super.h) against a
-numpy model of their arithmetic: x quantized per block of 32 (per super-block of 256 for the K-quants;
+numpy model of their arithmetic: x quantized per block of 32 (per 64, 128 or 256 for the K-quants;
 scale = largest |x| / 127, round half to even), the weights' integers times those int8 values, the
 scales after, the minimums through x's fp32 block sums. Also: each row's result is the same bits in
 any batch, the AVX2 builtins give the portable int loop's bits, the K-quants' x layout (int8, a scale
-a super-block, int16 sums of 16), and a bad setting value fails when the device is chosen."""
+a chunk, int16 sums of 16), and a bad setting value fails when the device is chosen."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from services.decode_fpga.int8_gemv import INT8_FORMATS, K_FORMATS, bind_int8_gemv_rows, int8_rows
+from services.decode_fpga.int8_gemv import INT8_FORMATS, K_FORMATS, K_X_BLOCK, bind_int8_gemv_rows, int8_rows
 from services.decode_fpga.quant_gemv import QuantMatrix, split_blocks
 from services.model.gguf_blocks import BlockTensor
 from tests.decode_fpga.kquant_checkpoint import random_blocks
@@ -34,8 +34,8 @@ def block_tensor(fmt: str, rows: int, cols: int, seed: int) -> BlockTensor:
 
 
 def x_block(fmt: str) -> int:
-    """x's quantization block for a format (int8_gemv.K_X_BLOCK's default): 256 for the K-quants."""
-    return 256 if fmt in K_FORMATS else 32
+    """x's quantization block for a format: int8_gemv.K_X_BLOCK (64) for the K-quants, else 32."""
+    return K_X_BLOCK if fmt in K_FORMATS else 32
 
 
 def quantized(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
@@ -185,14 +185,14 @@ def test_stacked_parts_accumulate_into_their_rows(int8_dev):
 
 @pytest.mark.parametrize("fmt", K_FORMATS)
 def test_k_quants_take_x_per_super_block(int8_dev, fmt):
-    """A K-quant's x has one scale a super-block of 256, not a block of 32: with one large value in
-    each super-block the result is the per-256 model's (within 2e-6), far from the per-32 one's, which
-    the kept per-32 kernel (k_block=32, the benchmarks' A/B) still computes."""
+    """With k_block=256 a K-quant's x has one scale a super-block, not a block of 32: with one large
+    value in each super-block the result is the per-256 model's (within 2e-6), far from the per-32
+    one's, which the kept per-32 kernel (k_block=32, the benchmarks' A/B) still computes."""
     t = block_tensor(fmt, 19, 512, seed=21)
     x = np.random.default_rng(22).normal(size=(6, 512)).astype(np.float32)
     x[:, 5] = 40.0  # sets super-block 0's scale: the rest of it keeps few levels
     x[:, 300] = -40.0
-    got, ref256, ref32 = run_rows(int8_dev, t, x), int8_reference(t, x, 256), int8_reference(t, x, 32)
+    got, ref256, ref32 = run_rows(int8_dev, t, x, k_block=256), int8_reference(t, x, 256), int8_reference(t, x, 32)
     scale = np.abs(ref256).max()
     assert np.abs(got - ref256).max() <= 2e-6 * scale
     assert np.abs(got - ref32).max() > 1e-3 * scale
@@ -201,10 +201,11 @@ def test_k_quants_take_x_per_super_block(int8_dev, fmt):
 
 
 @pytest.mark.parametrize("fmt", K_FORMATS)
-@pytest.mark.parametrize("k_block", (64, 128))
-def test_k_quants_take_x_per_64_or_128(int8_dev, fmt, k_block):
-    """The same kernel with an x scale each 64 or 128 values (int8_gemv.K_X_BLOCKS): the model of that
-    quantization within 2e-6, the AVX2 build the portable one's bits, a row's bits those it gets alone."""
+@pytest.mark.parametrize("k_block", (128, 256))
+def test_k_quants_take_x_per_128_or_256(int8_dev, fmt, k_block):
+    """The same kernel with an x scale each 128 or 256 values (int8_gemv.K_X_BLOCKS; the default 64 is
+    every other test's): the model of that quantization within 2e-6, the AVX2 build the portable one's
+    bits, a row's bits those it gets alone."""
     t = block_tensor(fmt, 13, 512, seed=27)
     x = np.random.default_rng(28).normal(size=(5, 512)).astype(np.float32)
     x[:, 70] = 30.0
@@ -216,11 +217,12 @@ def test_k_quants_take_x_per_64_or_128(int8_dev, fmt, k_block):
     np.testing.assert_array_equal(got[4], run_rows(int8_dev, t, x[4:5], k_block=k_block)[0])
 
 
-def test_the_k_quants_x_layout(int8_dev):
-    """quantize_x8k writes int8 x (round half to even, the super-block's largest to +-127; each 64
-    values as their 16-groups 0, 2, 1, 3, the order the pairs of blocks read), one scale a super-block
-    (largest |x| / 127; 0 and zeros for a super-block of zeros) and the int16 sums of each 16 int8
-    values in x's own order, which Q6_K's offset uses."""
+@pytest.mark.parametrize("block", (64, 256))
+def test_the_k_quants_x_layout(int8_dev, block):
+    """quantize_x8k writes int8 x (round half to even, each chunk's largest to +-127; each 64 values as
+    their 16-groups 0, 2, 1, 3, the order the pairs of blocks read), one scale a chunk of `block`
+    (largest |x| / 127; 0 and zeros for a chunk of zeros) and the int16 sums of each 16 int8 values in
+    x's own order, which Q6_K's offsets use."""
     cols, n = 768, 3
     x = np.random.default_rng(23).normal(size=(n, cols)).astype(np.float32) * 2
     x[1, 256:512] = 0.0
@@ -230,19 +232,19 @@ def test_the_k_quants_x_layout(int8_dev):
     yb = cl.Buffer(ctx, MF.READ_WRITE, n * t.rows * 4)
     nb = cl.Buffer(ctx, MF.READ_ONLY | MF.COPY_HOST_PTR, hostbuf=np.array([n], np.int32))
     mat = QuantMatrix(int8_dev, t)
-    bind_int8_gemv_rows(mat, xb, yb, nb, False, None).enqueue(q, 0, n)
-    xq_b, dx_b, bsum_b = int8_rows(int8_dev, xb, cols, 256)
-    stored, dx = np.empty((n, cols), np.int8), np.empty((n, cols // 256), np.float32)
+    bind_int8_gemv_rows(mat, xb, yb, nb, False, None, k_block=block).enqueue(q, 0, n)
+    xq_b, dx_b, bsum_b = int8_rows(int8_dev, xb, cols, block)
+    stored, dx = np.empty((n, cols), np.int8), np.empty((n, cols // block), np.float32)
     bsum = np.empty((n, cols // 16), np.int16)
     for host, buf in ((stored, xq_b), (dx, dx_b), (bsum, bsum_b)):
         cl.enqueue_copy(q, host, buf, is_blocking=True)
     xq = stored.reshape(n, -1, 4, 16)[:, :, [0, 2, 1, 3]].reshape(n, cols)  # the groups back in x's order
-    want_q, want_d = quantized(x, 256)
+    want_q, want_d = quantized(x, block)
     np.testing.assert_array_equal(xq, want_q)
     np.testing.assert_array_equal(dx, want_d)
     np.testing.assert_array_equal(bsum, xq.reshape(n, -1, 16).sum(axis=-1, dtype=np.int32))
-    assert dx[1, 1] == 0 and not xq[1, 256:512].any()
-    amax = np.abs(xq.astype(np.int32)).reshape(n, -1, 256).max(axis=-1)
+    assert (dx[1, 256 // block:512 // block] == 0).all() and not xq[1, 256:512].any()
+    amax = np.abs(xq.astype(np.int32)).reshape(n, -1, block).max(axis=-1)
     assert (amax[dx > 0] == 127).all()
 
 
