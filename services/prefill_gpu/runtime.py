@@ -32,6 +32,7 @@ from services.kv.layout import WIRE_DTYPES
 from services.kv.shm import ShmSender
 from services.kv.tcp import TcpSender
 from services.kv.tcp_frames import DEFAULT_TIMEOUT_S
+from services.prefill_gpu import cpu_priority
 from services.prefill_gpu.handoff_admission import HandoffAdmission
 from services.prefill_gpu.kv_export import LayerExporter
 
@@ -49,6 +50,23 @@ class PrefillRuntime(EngineRuntime):
         # hybrid decode must never wait behind gpu-mode generations for its prefill
         self.handoff_admission = HandoffAdmission(arena.size, settings.handoff_max_running,
                                                   settings.prefill_queue_depth)
+
+    cpu_class: str | None = None  # the CPU scheduling class taken for serving (cpu_priority.py); None: not yet
+    # called once profile_samples has the engine's timings: the service's start-up (server.build) takes its
+    # serving CPU class there; in-process users (tests) leave their own process's class alone
+    after_profile: Callable[[], object] | None = None
+
+    def take_serving_priority(self) -> str:
+        """Put the whole process in its serving CPU class (settings.cpu_priority), once: "idle" or "normal"."""
+        if self.cpu_class is None:
+            self.cpu_class = cpu_priority.apply(self.settings.cpu_priority, self.engine.device.type)
+        return self.cpu_class
+
+    def profile_samples(self, refresh: bool = False):
+        profile = super().profile_samples(refresh)
+        if self.after_profile is not None:
+            self.after_profile()
+        return profile
 
     def info_fields(self) -> dict:
         return {**super().info_fields(), "kv_dtype": self.settings.wire_dtype, "arena_name": self.arena.name,

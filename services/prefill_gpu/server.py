@@ -73,4 +73,11 @@ def build(loaded, settings, resources: contextlib.ExitStack) -> PrefillServicer:
     arena = Arena(settings.arena_bytes, pin_cuda=engine.device.type == "cuda")
     resources.callback(arena.close)
     log.info("KV arena %s: %d MiB, pre-faulted%s", arena.name, arena.size >> 20, ", pinned" if arena.pinned else "")
-    return PrefillServicer(PrefillRuntime(engine, loaded, settings, arena), "prefill_gpu")
+    runtime = PrefillRuntime(engine, loaded, settings, arena)
+    # the serving CPU class (cpu_priority.py) once the start-up sweep has timed the engine in the class it was
+    # started in: a decode engine building its kernels meanwhile must not starve the sweep
+    if settings.profile_at_start:
+        runtime.after_profile = runtime.take_serving_priority
+    else:
+        runtime.take_serving_priority()
+    return PrefillServicer(runtime, "prefill_gpu")

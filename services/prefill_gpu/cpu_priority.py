@@ -1,0 +1,68 @@
+"""prefill_gpu's CPU scheduling class when its engine computes on the CPU: the decode engine's threads first.
+
+On a host without a GPU, prefill_gpu's torch prefill and decode_fpga's PoCL kernels share the same cores.
+A decode step is many short kernel launches, and each one wakes PoCL's worker threads. Linux's fair
+scheduler (EEVDF, 6.6 on) lets a running thread finish its slice (~1.4 ms on the 2-core host) before a
+thread that wakes at the same priority runs, so every wake-up of a decode step could wait behind a
+prefill thread. With a 512-token prefill chunk running beside it, a 20 ms decode step grew to 164-315 ms.
+A lower nice value does not lift that slice protection; the SCHED_IDLE class does. A normal thread that
+wakes always preempts an idle-class one at once, and an idle-class thread still gets every cycle that
+nothing else wants. bench/long_prompt_gaps.py measures the effect: see docs/readiness.md, "Settled".
+
+The cost: while the decode engine (or anything else in the same scheduling group) keeps every core busy,
+a hybrid prompt's prefill waits for it. A lone long prompt's prefill is as fast as before. Linux groups
+tasks by session (autogroup) or cgroup, and the class orders only threads of one group. So it acts where
+`hybridserve up` starts both engines. Engines in separate containers compete by their cgroups' weights
+instead.
+
+`apply` sets the class on every thread the process has now. Threads started later inherit it from their
+creator: the gRPC server's pool, the engine loop's OpenMP team.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "normal", "idle")
+
+
+def wanted(setting: str, device_type: str) -> str:
+    """The class to run in: "idle" or "normal". auto = idle when the engine computes on the CPU (the cores a
+    decode engine on the same host needs), normal on CUDA, whose host threads only feed the GPU."""
+    if setting not in CHOICES:
+        raise ValueError(f"cpu_priority must be one of {CHOICES}, got {setting!r}")
+    if setting == "auto":
+        return "idle" if device_type == "cpu" else "normal"
+    return setting
+
+
+def apply(setting: str, device_type: str) -> str:
+    """Put every thread of this process in the class `wanted` says. Returns what was set: "idle" or
+    "normal" (also where the system has no SCHED_IDLE or refused it, with a warning then)."""
+    choice = wanted(setting, device_type)
+    if choice == "normal":
+        return "normal"
+    if not hasattr(os, "SCHED_IDLE"):
+        log.warning("cpu_priority idle: this system has no SCHED_IDLE; prefill keeps the normal class")
+        return "normal"
+    try:
+        for tid in _threads():
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+    except OSError as exc:
+        log.warning("cpu_priority idle: SCHED_IDLE refused (%s); prefill keeps the normal class", exc)
+        return "normal"
+    log.info("prefill threads in the SCHED_IDLE class: the decode engine's threads on these cores run first "
+             "(HYBRIDSERVE_PREFILL_CPU_PRIORITY=normal to share them evenly)")
+    return "idle"
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread only (threads started later inherit from it)
+        return [0]

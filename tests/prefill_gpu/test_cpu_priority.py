@@ -1,0 +1,78 @@
+"""prefill_gpu's serving CPU class (services/prefill_gpu/cpu_priority.py): SCHED_IDLE on the CPU, on every thread.
+
+The class must reach the threads that compute: those there when it is applied, and those started later
+(the gRPC server's pool, the engine loop's OpenMP team). So these tests read each thread's class from the
+kernel in a real process: a child Python for `apply`, and a real prefill_gpu service for its start-up.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.prefill_gpu import cpu_priority
+from services.prefill_gpu.settings import PrefillSettings
+from tests.services_harness import Service
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+
+CHILD = """
+import os, sys, threading
+from services.prefill_gpu import cpu_priority
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+print(cpu_priority.apply(sys.argv[1], sys.argv[2]))
+after = threading.Thread(target=stop.wait); after.start()
+print(sorted(os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")))
+stop.set()
+"""
+
+
+def thread_classes(pid: int | str = "self") -> list[int]:
+    return [os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+def run_child(setting: str, device: str) -> tuple[str, list[int]]:
+    out = subprocess.run([sys.executable, "-c", CHILD, setting, device], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split("\n")
+    return out[0], eval(out[1])  # a list of ints the child printed
+
+
+def test_auto_is_idle_on_the_cpu_and_normal_on_cuda():
+    assert cpu_priority.wanted("auto", "cpu") == "idle"
+    assert cpu_priority.wanted("auto", "cuda") == "normal"
+    assert cpu_priority.wanted("idle", "cuda") == "idle"
+    assert cpu_priority.wanted("normal", "cpu") == "normal"
+    with pytest.raises(ValueError, match="cpu_priority"):
+        cpu_priority.wanted("low", "cpu")
+    assert PrefillSettings().cpu_priority == "auto"
+
+
+def test_apply_puts_every_thread_in_the_idle_class_those_started_later_too():
+    taken, classes = run_child("auto", "cpu")
+    assert taken == "idle"
+    assert len(classes) == 3 and set(classes) == {os.SCHED_IDLE}, classes  # main, before, after
+
+
+@pytest.mark.parametrize("setting,device", [("auto", "cuda"), ("normal", "cpu")])
+def test_normal_leaves_every_thread_in_the_normal_class(setting, device):
+    taken, classes = run_child(setting, device)
+    assert taken == "normal"
+    assert set(classes) == {os.SCHED_OTHER}, classes
+
+
+def test_the_service_on_the_cpu_serves_from_the_idle_class(tmp_path):
+    """A real prefill_gpu: once it serves, every thread of it (gRPC's and torch's among them) is SCHED_IDLE,
+    and the test's own process kept its class."""
+    env = {PrefillSettings.env_name(k): str(v) for k, v in {
+        "device": "cpu", "kv_cache_mb": 64, "arena_bytes": 16 << 20, "max_num_seqs": 2}.items()}
+    svc = Service("services.prefill_gpu", env, tmp_path / "prefill.log").start()
+    try:
+        svc.wait_healthy(timeout=300)
+        classes = thread_classes(svc.proc.pid)
+    finally:
+        svc.stop()
+    assert len(classes) > 3 and set(classes) == {os.SCHED_IDLE}, classes
+    assert set(thread_classes()) == {os.SCHED_OTHER}
