@@ -193,7 +193,7 @@ def main() -> int:
             ours[f"ours-int8-k{kb}"] = our_engine(path, args.context + args.steps + 8, batches, "int8")
         finally:
             int8_gemv.K_X_BLOCK = saved
-    server = None
+    server, server_own = None, {}  # llama-server's own per-request mean ms a token, by batch
     if args.llama_server:
         from bench.llama_server import find
         from bench.micro.scale_1b_server import LlamaServer
@@ -214,9 +214,10 @@ def main() -> int:
                 cells.setdefault((name, batch), []).extend(times)
                 rounds.setdefault((name, batch), []).append(stats(times)["median"])
             if server is not None:
-                s = server.step_seconds(batch, args.context, args.steps, seed=r)
+                s, own = server.step_seconds(batch, args.context, args.steps, seed=r)
                 cells.setdefault(("llama-server", batch), []).append(s)
                 rounds.setdefault(("llama-server", batch), []).append(s)
+                server_own.setdefault(batch, []).append(own * 1e3)
         if have_llama:
             for batch, s in llama_steps(batched, path, args.context, args.steps, batches).items():
                 # llama-batched-bench reports the phase's total: one value a round, weighted as such
@@ -265,7 +266,8 @@ def main() -> int:
                             "threads": THREADS, "rounds": args.rounds, "steps": args.steps,
                             "memory_bandwidth_gbs": [gbs, gbs_after], "loadavg_before": load_before,
                             "loadavg_after": load_after, "llama_cpp": [n for n in names if n.startswith("llama")],
-                            "rounds_ours_faster": faster, "lines": lines})
+                            "rounds_ours_faster": faster, "lines": lines,
+                            "llama_server_own_ms_per_token": server_own})
     return 0
 
 

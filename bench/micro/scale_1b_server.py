@@ -2,10 +2,13 @@
 cached llama-server binary, bench/llama_server.py, is what this host has).
 
 The server starts once on loopback with `threads` threads and `slots` slots; each measurement sends
-`batch` concurrent /completion requests, each a prompt of `context` random token ids (no prompt cache)
-and `steps` generated tokens (ignore_eos, greedy), and takes the server's own timing of each request's
-generation phase, `predicted_per_token_ms`: a sequence's ms per token, which is the step time when the
-batch's sequences decode together. The median over the batch's requests is the figure.
+`batch` concurrent streamed /completion requests, each a prompt of `context` random token ids (no
+prompt cache) and `steps` generated tokens (ignore_eos, greedy). A request's step time is the median
+interval between its streamed tokens (the first, after the prompt, left out), as our engine's figure is
+the median of its steps: a pause of the whole machine (another process's latency measurement freezing
+niced processes, a busy core) lands in one interval, not in the figure, as it would in the server's own
+per-request mean (`predicted_per_token_ms`, recorded beside it). The median over the batch's requests
+is the figure.
 """
 from __future__ import annotations
 
@@ -51,22 +54,34 @@ class LlamaServer:
         self.close()
         raise RuntimeError(f"llama-server not healthy within {timeout:.0f} s")
 
-    def _one(self, prompt: list[int], steps: int) -> float:
-        body = {"prompt": prompt, "n_predict": steps, "ignore_eos": True, "temperature": 0.0, "cache_prompt": False}
+    def _one(self, prompt: list[int], steps: int) -> tuple[float, float]:
+        """(median seconds between streamed tokens, the server's own mean seconds a token)."""
+        body = {"prompt": prompt, "n_predict": steps, "ignore_eos": True, "temperature": 0.0, "cache_prompt": False,
+                "stream": True}
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
+        arrivals, last = [], {}
         with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        if int(out["timings"]["predicted_n"]) != steps:
-            raise RuntimeError(f"llama-server generated {out['timings']['predicted_n']} tokens, not {steps}")
-        return float(out["timings"]["predicted_per_token_ms"]) / 1e3
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                arrivals.append(time.perf_counter())
+                last = json.loads(line[6:])
+                if last.get("stop"):
+                    break
+        timings = last.get("timings", {})
+        if int(timings.get("predicted_n", -1)) != steps:
+            raise RuntimeError(f"llama-server generated {timings.get('predicted_n')} tokens, not {steps}")
+        gaps = np.diff(arrivals[:steps])  # token i's arrival after token i - 1's (the last event: the summary)
+        return float(np.median(gaps)), float(timings["predicted_per_token_ms"]) / 1e3
 
-    def step_seconds(self, batch: int, context: int, steps: int, seed: int = 0) -> float:
-        """Seconds per decode step at `batch` sequences: the median of the requests' own timings."""
+    def step_seconds(self, batch: int, context: int, steps: int, seed: int = 0) -> tuple[float, float]:
+        """(seconds per decode step at `batch` sequences, the server's own figure): medians over the requests."""
         rng = np.random.default_rng(seed)
         prompts = [rng.integers(100, 30000, size=context).tolist() for _ in range(batch)]
         with ThreadPoolExecutor(batch) as pool:
-            return statistics.median(pool.map(lambda p: self._one(p, steps), prompts))
+            got = list(pool.map(lambda p: self._one(p, steps), prompts))
+        return statistics.median(g for g, _ in got), statistics.median(o for _, o in got)
 
     def close(self) -> None:
         if self.proc.poll() is None:

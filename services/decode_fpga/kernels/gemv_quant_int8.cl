@@ -9,6 +9,8 @@
 // The weights are the exact path's device arrays, unchanged (quant_gemv.py's split_blocks); the
 // minimums still multiply x's fp32 block sums (written by x's producer), so only the products
 // q * x move, by the rounding of x (at most half a step of 1/127 of a block's largest value).
+// The K-quants' kernels (gemv_int8k_rows, quantize_x8k) are in int8_super.h: x per 64 values, the
+// sub-block scales in int32 lanes; gemv_int8_rows still builds for them (the per-32 A/B).
 //
 // The integer products of a block come from, in order of preference:
 //   - AVX2 (a CPU device that PoCL builds for with AVX2): vpmaddubsw multiplies 32 unsigned bytes
@@ -227,6 +229,6 @@ __kernel void quantize_x8(__global const float *x, __global char *xq, __global f
     dx[(size_t)r * nb + b] = dv;
 }
 
-#if KQ  // the K-quants on x quantized per 256 (quantize_x8k, gemv_int8k_rows)
+#if KQ  // the K-quants on x quantized per 64-256 (quantize_x8k, gemv_int8k_rows)
 #include "int8_super.h"
 #endif

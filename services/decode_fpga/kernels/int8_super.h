@@ -1,15 +1,17 @@
-// The K-quants' int8 GEMV on x quantized per super-block of 256 (issue 55), included by
-// gemv_quant_int8.cl for QFMT 42 (Q4_K), 52 (Q5_K) and 62 (Q6_K) after its block helpers.
+// The K-quants' int8 GEMV on x quantized per K_XB values (64 by default: int8_gemv.K_X_BLOCK; 128 or
+// 256, a super-block as llama.cpp's Q8_K), included by gemv_quant_int8.cl for QFMT 42 (Q4_K), 52
+// (Q5_K) and 62 (Q6_K) after its block helpers.
 //
 // Why: with x quantized per block of 32 (gemv_int8_rows) every block's integer sum becomes a float
 // and meets two fp32 scales (the weights' d_super sc_b and x's), as many float instructions a block
 // as the fp32 kernel's. A K-quant's sub-block scales are small integers under one fp16 d_super, so
-// with one x scale per 256 (as llama.cpp's Q8_K) they can multiply the integer sums in int32 lanes:
+// with one x scale over several blocks they can multiply the integer sums in int32 lanes:
 //   sum_j w_j x_j = d_super dx sum_b sc_b sum_{j in b} q_j xq_j        (- the minimums, below)
-// per block only the quants' unpacking, vpmaddubsw (q times xq, pairs to int16) and vpmaddwd against
-// the sub-block's scale (pairs to int32, times sc) added into 8 int32 lanes; per super-block and row
-// one int -> float conversion and one fma by d_super dx, into one 8-lane accumulator a row, whose
-// lanes are summed at the end (hsum8).
+// per pair of blocks only the quants' unpacking, vpmaddubsw (q times xq, pairs to int16) and vpmaddwd
+// against the sub-blocks' scales (pairs to int32, times sc) added into 8 int32 lanes; per chunk of x
+// and row one int -> float conversion and one fma by d_super dx, into one 8-lane accumulator a row,
+// whose lanes are summed at the end (hsum8). Larger chunks cost more divergence (the few large values
+// of SiLU(gate) * up set a chunk's scale) and save little more time: docs/decode-kernels.md.
 //
 // Blocks go in pairs, 64 weights in two 32-byte registers: W0 = the first 16 quants of both blocks,
 // W1 = their last 16. x is stored to match (quantize_x8k): each 64 values as their groups of 16 in
@@ -21,15 +23,15 @@
 //     needed (rows_finish's loop after the row instead: 857 against 695 us of CPU for a 2048x8192
 //     Q4_K GEMV at one row, 4855 against 3505 at eight).
 //   - Q6_K: q - 32 with q in 0..63 unsigned into vpmaddubsw (no sign flips), and 32 sum sc_h xsum_h
-//     taken off once a super-block from x's int16 sums of 16 (bsum, written by quantize_x8k): integer,
-//     so exactly the signed products' sum.
+//     taken off once a chunk from x's int16 sums of 16 (bsum, written by quantize_x8k): integer, so
+//     exactly the signed products' sum.
 // Bounds: Q6_K's int16 pairs <= 2 * 63 * 127, int32 lanes <= 8 * 2 * 2 * 63 * 127 * 128 < 2^31.
 // The int32 lanes are exact whichever instructions make them (AVX2 builtins, or the int loop with
 // -DI8_PORTABLE), so the bits after them are one float expression on every device; every (output,
-// row) pair takes super-blocks in order through it whatever the rows beside it (batch invariance).
+// row) pair takes its chunks in order through it whatever the rows beside it (batch invariance).
 
 #ifndef K_XB
-#define K_XB 256  // x's values a scale: 64, 128 or 256 (int8_gemv.K_X_BLOCK)
+#define K_XB 64  // x's values a scale: 64, 128 or 256 (int8_gemv.py passes int8_gemv.K_X_BLOCK)
 #endif
 #define K_XPAIRS (K_XB / 64)  // block pairs an x scale
 #define K_XN (K_XB / 16)      // Q6_K halves an x scale
