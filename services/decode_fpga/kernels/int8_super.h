@@ -9,8 +9,8 @@
 //   sum_j w_j x_j = d_super dx sum_b sc_b sum_{j in b} q_j xq_j        (- the minimums, below)
 // per pair of blocks only the quants' unpacking, vpmaddubsw (q times xq, pairs to int16) and vpmaddwd
 // against the sub-blocks' scales (pairs to int32, times sc) added into 8 int32 lanes; per chunk of x
-// and row one int -> float conversion and one fma by d_super dx, into one 8-lane accumulator a row,
-// whose lanes are summed at the end (hsum8). Larger chunks cost more divergence (the few large values
+// and row one int -> float conversion and one fma by dx, per super-block one fma by d_super into one
+// 8-lane accumulator a row, whose lanes are summed at the end (hsum8). Larger chunks cost more divergence (the few large values
 // of SiLU(gate) * up set a chunk's scale) and save little more time: docs/decode-kernels.md.
 //
 // Blocks go in pairs, 64 weights in two 32-byte registers: W0 = the first 16 quants of both blocks,
@@ -159,9 +159,18 @@ inline void k_pair(__global const uchar *qrow, const int p, c32 *w0, c32 *w1)
 #endif
 
 // 8 int32 lanes += pair P's products with the int8 x at XP (the pair's 64 values), times their scales
+#if QFMT == 62
 #define K_PAIR_ACC(I, W0, W1, S0, S1, XP)                                                        \
     I += as_int8(__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((W0), *(__global const c32 *)(XP)), (S0)) + \
                  __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((W1), *(__global const c32 *)((XP) + 32)), (S1)))
+#else
+// Q4_K, Q5_K: both halves' int16 pairs share their blocks' scales (S0 == S1), so they add as int16
+// (each |pair| <= 2 * 31 * 127, the sum < 2^15) and take one vpmaddwd: 4 instructions a pair and row,
+// not 6, the same int32 lanes
+#define K_PAIR_ACC(I, W0, W1, S0, S1, XP)                                                        \
+    I += as_int8(__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((W0), *(__global const c32 *)(XP)) + \
+                                           __builtin_ia32_pmaddubsw256((W1), *(__global const c32 *)((XP) + 32)), (S0)))
+#endif
 
 #else  // the portable int loop (and cl_khr_integer_dot_product's dot()): the same int32 lanes
 
@@ -215,21 +224,29 @@ inline int8 k_offsets(const short16 sc, const short16 b, const int c)
 // super-block S's minimums: -dmin_super times the bytes mn_b (odd bytes of KB)
 #define K_MINS(KB, S) ((float8)(-drow[2 * (S) + 1]) * convert_float8((KB).odd))
 
-// the end of x-chunk C of a super-block for one row: F += its int lanes I (less Q6_K's offsets, from
-// the row's half sums B) times d_super ds and x's scale DX; I back to 0
+// the end of x-chunk C of a super-block for one row: T += its int lanes I (less Q6_K's offsets, from
+// the row's half sums B) times x's scale DX; I back to 0. d_super multiplies T once a super-block
+// (K_SUPER_END): a chunk of 64 then costs a conversion, a broadcast load and an fma a row
 #if QFMT == 62
-#define K_END1(F, I, B, DX, C)                                                                   \
+#define K_END1(T, I, B, DX, C)                                                                   \
     {                                                                                        \
         I -= k_offsets(sc16, (B), (C));                                                      \
-        F = fma(convert_float8(I), (float8)(ds * (DX)), F);                                  \
+        T = fma(convert_float8(I), (float8)(DX), T);                                         \
         I = (int8)(0);                                                                       \
     }
 #else
-#define K_END1(F, I, B, DX, C)                                                                   \
+#define K_END1(T, I, B, DX, C)                                                                   \
     {                                                                                        \
-        F = fma(convert_float8(I), (float8)(ds * (DX)), F);                                  \
+        T = fma(convert_float8(I), (float8)(DX), T);                                         \
         I = (int8)(0);                                                                       \
     }
+#endif
+// a super-block's end for one row: F += T d_super, then (Q4_K, Q5_K) its minimums MN times x's fp32
+// block sums at XS
+#if HAS_MINS
+#define K_SUPER_END(F, T, MN, XS) F = fma((MN), vload8(s, (XS)), fma((T), (float8)(ds), (F)))
+#else
+#define K_SUPER_END(F, T, MN, XS) F = fma((T), (float8)(ds), (F))
 #endif
 
 // super-block S's pairs into each row's int lanes (K_ROWS_ACC), every K_XPAIRS pairs an x-chunk's end
@@ -284,6 +301,7 @@ __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, _
             const int c = 256 * s, e = s * (256 / K_XB);
             const float ds = K_DS(drow, s);
             int8 i0 = (int8)(0), i1 = i0, i2 = i0, i3 = i0;
+            float8 t0 = (float8)(0.0f), t1 = t0, t2 = t0, t3 = t0;
 #if QFMT == 62
             const short16 sc16 = convert_short16(as_char16(kb));
             __global const short *bs = bsum + (size_t)r0 * nbs + 16 * s;
@@ -294,18 +312,16 @@ __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, _
 #endif
 #define K_ROWS_ACC K_ACC1(i0, x0 + c); K_ACC1(i1, x1 + c); K_ACC1(i2, x2 + c); K_ACC1(i3, x3 + c)
 #define K_ROWS_END(C)                                                                            \
-    K_END1(f0, i0, b0, d0[e + (C)], C) K_END1(f1, i1, b1, d0[ncx + e + (C)], C)              \
-    K_END1(f2, i2, b2, d0[2 * ncx + e + (C)], C) K_END1(f3, i3, b3, d0[3 * ncx + e + (C)], C)
+    K_END1(t0, i0, b0, d0[e + (C)], C) K_END1(t1, i1, b1, d0[ncx + e + (C)], C)              \
+    K_END1(t2, i2, b2, d0[2 * ncx + e + (C)], C) K_END1(t3, i3, b3, d0[3 * ncx + e + (C)], C)
             K_SUPER(s, kb)
 #undef K_ROWS_ACC
 #undef K_ROWS_END
-#if HAS_MINS
-            const float8 mn = K_MINS(kb, s);
-            f0 = fma(mn, vload8(s, xs0), f0);
-            f1 = fma(mn, vload8(s, xs0 + nb), f1);
-            f2 = fma(mn, vload8(s, xs0 + 2 * nb), f2);
-            f3 = fma(mn, vload8(s, xs0 + 3 * nb), f3);
-#endif
+            const float8 mn = HAS_MINS ? K_MINS(kb, s) : (float8)(0.0f);
+            K_SUPER_END(f0, t0, mn, xs0);
+            K_SUPER_END(f1, t1, mn, xs0 + nb);
+            K_SUPER_END(f2, t2, mn, xs0 + 2 * nb);
+            K_SUPER_END(f3, t3, mn, xs0 + 3 * nb);
         }
         I8_STORE(r0, hsum8(f0));
         I8_STORE(r0 + 1, hsum8(f1));
@@ -321,6 +337,7 @@ __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, _
             const int c = 256 * s, e = s * (256 / K_XB);
             const float ds = K_DS(drow, s);
             int8 i0 = (int8)(0);
+            float8 t0 = (float8)(0.0f);
 #if QFMT == 62
             const short16 sc16 = convert_short16(as_char16(kb));
             const short16 b0 = vload16(0, bsum + (size_t)r0 * nbs + 16 * s);
@@ -328,13 +345,11 @@ __kernel void gemv_int8k_rows(__global const float *d, __global const half *m, _
             const short16 b0 = (short16)(0);
 #endif
 #define K_ROWS_ACC K_ACC1(i0, x0 + c)
-#define K_ROWS_END(C) K_END1(f0, i0, b0, d0[e + (C)], C)
+#define K_ROWS_END(C) K_END1(t0, i0, b0, d0[e + (C)], C)
             K_SUPER(s, kb)
 #undef K_ROWS_ACC
 #undef K_ROWS_END
-#if HAS_MINS
-            f0 = fma(K_MINS(kb, s), vload8(s, xs0), f0);
-#endif
+            K_SUPER_END(f0, t0, HAS_MINS ? K_MINS(kb, s) : (float8)(0.0f), xs0);
         }
         I8_STORE(r0, hsum8(f0));
     }
