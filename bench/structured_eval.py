@@ -20,6 +20,7 @@ reply's text) and structured_eval.png.
 
     python -m bench.structured_eval --start-stack --llama-server auto
     python -m bench.structured_eval --url http://127.0.0.1:8000 --modes auto --limit 8
+    python -m bench.structured_eval --start-stack --modes fpga --variants sampled --seeds 5   # a distribution
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ from bench.serving.servers import Servers, resolve_llama_server  # noqa: E402
 from bench.structured.report import by_shape, checks, eval_table, plot, scored, summary  # noqa: E402
 from bench.structured.requests import SAMPLED, SYSTEM, VARIANTS, load_prompts, run_phase  # noqa: E402
 
+SEED_STRIDE = 1000  # sampled repeat k draws its seeds from seed + 1000 k on
+
 MODES = ("gpu", "fpga", "hybrid", "auto")
 
 
@@ -57,6 +60,8 @@ def build_args() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=53, help="the sampled requests' seeds: this + the prompt's index")
+    ap.add_argument("--seeds", type=int, default=1, help="sampled: each prompt this many times, a different seed "
+                    "each (seed + 1000 k + the prompt's index): validity rates of a distribution, not of one draw")
     ap.add_argument("--limit", type=int, help="only the first N prompts (a quick look)")
     ap.add_argument("--merge", metavar="JSON", help="a previous run's JSON: its targets that this run does not "
                                                   "measure are kept beside this run's (e.g. llama-server run alone "
@@ -106,8 +111,11 @@ def main() -> None:
             warm_up(t, [1, 2, 3], progress=progress)
             phases, itl[t.name] = {}, {}
             for variant in variants:
-                progress(f"{t.name}: {variant}, {len(prompts)} prompts")
-                rows = asyncio.run(run_phase(t, prompts, variant, args.max_tokens, args.seed, args.concurrency))
+                rows = []
+                for k in range(args.seeds if variant == "sampled" else 1):  # greedy and free: one answer each
+                    progress(f"{t.name}: {variant}, {len(prompts)} prompts" + (f", seeds #{k + 1}" if k else ""))
+                    rows += asyncio.run(run_phase(t, prompts, variant, args.max_tokens, args.seed + SEED_STRIDE * k,
+                                                  args.concurrency))
                 phases[variant] = rows
                 itl[t.name][variant] = [g for r in rows if r["error"] is None for g in r["itl"]]
             per_target[t.name] = scored(prompts, phases)

@@ -49,6 +49,9 @@ class GatewaySettings(CommonSettings):
     drain_grace_s: float = Field(60.0, gt=0)
     request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
+    # JSON output (response_format json_object/json_schema, guided_json) may come in a markdown fence,
+    # which the client's text goes without (protocol/structured.py says why); False: the JSON alone
+    json_fence: bool = True
     # a completions request with several prompts has at most this many engine calls open at once
     prompts_in_flight: int = Field(8, ge=1)
     calibration_file: str | None = None  # extra router samples (JSON list), on top of the engines' Profile

@@ -1,6 +1,7 @@
 """Structured outputs through the real stack in every mode: response_format json_object, json_schema
 (strict) and the regex extension, streamed and not, chat and completions, and vLLM's names for them
-(guided_*, structured_outputs); the output parses, validates and is the same in every mode (greedy).
+(guided_*, structured_outputs); the output parses, validates and is the same in every mode (greedy); JSON the
+model puts in a markdown fence comes back without it, and a gateway set not to allow the fence makes none.
 The 400s for formats that do not compile are in test_edge.py."""
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import re
 import jsonschema
 import pytest
 
+from services.gateway.settings import GatewaySettings
 from services.modes import MODE_NAMES
+from tests.gateway.conftest import API_KEY
 from tests.gateway.test_api_logprobs import post, stream
+from tests.services_harness import start_gateway, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -34,20 +38,59 @@ def test_json_schema_output_validates_and_is_the_same_in_every_mode(stack):
     assert len(set(texts.values())) == 1, texts
 
 
-def test_json_object_closes_where_compact_json_nested_until_max_tokens(stack):
+def test_json_object_closes_where_compact_json_nested_until_max_tokens(stack, tmp_path):
     # compact JSON masked every token with the space or newline the model puts after `{"name":`; greedy then
-    # took `{` and nested {"name":{"name":... until max_tokens in every mode (issue 53)
-    messages = [{"role": "user", "content": "Reply in JSON: your name."}]
+    # took `{` and nested {"name":{"name":... until max_tokens in every mode (issue 53). Here the whitespace
+    # alone, on a gateway of its own without the markdown fence (HYBRIDSERVE_GATEWAY_JSON_FENCE=false): with
+    # the fence, this prompt's greedy path parts at an indent whose two choices are 0.06 nats apart, and the
+    # path the fenced reply takes nests (docs/structured-outputs.md)
+    gateway = start_gateway(tmp_path, stack["prefill"], stack["decode"],
+                            {"HYBRIDSERVE_API_KEY": API_KEY, GatewaySettings.env_name("json_fence"): "false"})
+    try:
+        wait_http_ok(gateway)
+        own = {"url": f"http://127.0.0.1:{gateway.port}"}
+        messages = [{"role": "user", "content": "Reply in JSON: your name."}]
+        texts = {}
+        for mode in MODE_NAMES:
+            choice = post(own, "/v1/chat/completions", {"messages": messages, "max_tokens": 120, "temperature": 0,
+                                                        "response_format": {"type": "json_object"}, "logprobs": True,
+                                                        "mode": mode})["choices"][0]
+            text = choice["message"]["content"]
+            assert choice["finish_reason"] == "stop", (mode, text)
+            assert isinstance(json.loads(text), dict) and "{\"name\":{" not in text.replace(" ", ""), (mode, text)
+            assert "".join(t["token"] for t in choice["logprobs"]["content"]) == text  # no fence made
+            texts[mode] = text
+        assert len(set(texts.values())) == 1, texts
+    finally:
+        gateway.stop()
+
+
+EMAIL = {"type": "object", "additionalProperties": False, "required": ["to", "subject", "body"],
+         "properties": {"to": {"type": "string", "maxLength": 32}, "subject": {"type": "string", "maxLength": 40},
+                        "body": {"type": "string", "maxLength": 120}}}
+
+
+def test_json_the_model_fences_closes_and_comes_back_without_its_fence(stack):
+    # the model's likeliest first token here is "```" (a markdown fence). Held to `{`, greedy then filled
+    # "to" with 🌱 until max_tokens in every mode; allowed its fence, it writes a closed email (issue 53).
+    # The streamed text must equal the whole one: the fence comes off across chunks too
+    messages = [{"role": "system", "content": "You are a helpful assistant. Answer with JSON."},
+                {"role": "user", "content": "Write a short email to a friend as JSON."}]
+    body = {"messages": messages, "max_tokens": 160, "temperature": 0, "logprobs": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "email", "schema": EMAIL}}}
     texts = {}
-    for mode in MODE_NAMES:
-        choice = post(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 120, "temperature": 0,
-                                                      "response_format": {"type": "json_object"},
-                                                      "mode": mode})["choices"][0]
+    for mode in ("fpga", "hybrid"):  # the two fast ones on a CPU: every mode's identity is tested above
+        choice = post(stack, "/v1/chat/completions", {**body, "mode": mode})["choices"][0]
         text = choice["message"]["content"]
         assert choice["finish_reason"] == "stop", (mode, text)
-        assert isinstance(json.loads(text), dict) and "{\"name\":{" not in text.replace(" ", ""), (mode, text)
+        jsonschema.validate(json.loads(text), EMAIL)
+        assert text.startswith("{") and text.endswith("}"), (mode, text)
+        made = "".join(t["token"] for t in choice["logprobs"]["content"])
+        assert made.startswith("```json\n") and made.endswith("\n```"), made  # the fence was the model's
         texts[mode] = text
     assert len(set(texts.values())) == 1, texts
+    events = stream(stack, "/v1/chat/completions", {**body, "mode": "fpga"})
+    assert "".join(ch["delta"].get("content") or "" for e in events for ch in e["choices"]) == texts["fpga"]
 
 
 def test_streamed_json_object_parses_in_every_mode(stack):

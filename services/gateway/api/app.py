@@ -50,6 +50,7 @@ from services.gateway.fleet.planner import Planner
 from services.gateway.fleet.planner import publish as publish_planner
 from services.gateway.output.choice import Choice, Echo
 from services.gateway.output.detokenizer import IncrementalDetokenizer
+from services.gateway.output.fence import FenceStripper
 from services.gateway.output.logprobs_format import LogprobsWriter, TokenTexts
 from services.gateway.output.stops import StopMatcher
 from services.gateway.protocol.errors import APIError, install
@@ -261,12 +262,15 @@ async def _respond(st: State, request: Request, body: CompletionRequest | ChatCo
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     asked = body.top_logprobs_asked is not None
     per_prompt = body.choices_generated
+    fenced = body.fenced_grammar(st.settings.json_fence) != body.grammar  # the fence is taken off the text
     choices = [[Choice(p * per_prompt + i, IncrementalDetokenizer(st.tokenizer),
                        StopMatcher(body.stops, body.include_stop_str_in_output),
                        LogprobsWriter(st.token_texts, chat) if asked else None,
-                       Echo(echoes[p], ids) if echoes else None, show_output=max_tokens > 0)
+                       Echo(echoes[p], ids) if echoes else None, show_output=max_tokens > 0,
+                       fence=FenceStripper() if fenced else None)
                 for i in range(per_prompt)] for p, ids in enumerate(prompts)]
-    routed = RoutedRequest.of(body, rid, prompts[0], max(1, max_tokens), st.settings.request_timeout_s)
+    routed = RoutedRequest.of(body, rid, prompts[0], max(1, max_tokens), st.settings.request_timeout_s,
+                              allow_fence=st.settings.json_fence)
     if len(prompts) == 1:
         stream = await st.dispatcher.open(routed)
         run = Run(st.router, stream.decision, len(prompts[0]), started, choices[0])

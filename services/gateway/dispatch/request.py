@@ -24,8 +24,9 @@ class RoutedRequest:
 
     @classmethod
     def of(cls, body: CompletionRequest | ChatCompletionRequest, request_id: str, prompt_ids: list[int],
-           max_tokens: int, max_timeout_s: float) -> "RoutedRequest":
-        """From a validated completion or chat body; its own `timeout` may only shorten the gateway's."""
+           max_tokens: int, max_timeout_s: float, allow_fence: bool = False) -> "RoutedRequest":
+        """From a validated completion or chat body; its own `timeout` may only shorten the gateway's.
+        `allow_fence`: JSON output may come in a markdown fence (schemas.py's `fenced_grammar`)."""
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                      top_k=body.top_k, ignore_eos=body.ignore_eos,
                                      no_speculation=not body.speculative,
@@ -40,8 +41,9 @@ class RoutedRequest:
         if getattr(body, "prompt_logprobs_asked", None) is not None:
             sampling.prompt_logprobs = body.prompt_logprobs_asked
         sampling.n = body.choices_generated
-        if body.grammar:
-            sampling.grammar = body.grammar
+        grammar = body.fenced_grammar(allow_fence)
+        if grammar:
+            sampling.grammar = grammar
         if sampling.n > body.n and not sampling.HasField("logprobs"):
             sampling.logprobs = 0  # best_of ranks the choices by their cumulative logprob
         return cls(request_id, prompt_ids, max_tokens, sampling, None if body.mode == AUTO else body.mode,

@@ -1,12 +1,14 @@
 """One choice of a request (n > 1 gives several): its text as the engine's tokens arrive (detokenized,
-stop strings applied), its logprobs, its echoed prompt, its finish, and its cumulative logprob (for
-best_of). serving.py's `Run` holds a request's choices and routes each engine message to its own.
+a JSON answer's markdown fence taken off, stop strings applied), its logprobs, its echoed prompt, its
+finish, and its cumulative logprob (for best_of). serving.py's `Run` holds a request's choices and
+routes each engine message to its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from services.gateway.output.detokenizer import IncrementalDetokenizer
+from services.gateway.output.fence import FenceStripper
 from services.gateway.output.logprobs_format import LogprobsWriter
 from services.gateway.output.stops import StopMatcher
 from services.rpc.hybridserve.v1 import engine_pb2 as pb
@@ -22,8 +24,10 @@ class Echo:
 
 class Choice:
     def __init__(self, index: int, detok: IncrementalDetokenizer, stops: StopMatcher,
-                 logprobs: LogprobsWriter | None = None, echo: Echo | None = None, show_output: bool = True):
+                 logprobs: LogprobsWriter | None = None, echo: Echo | None = None, show_output: bool = True,
+                 fence: FenceStripper | None = None):
         self.index, self.detok, self.stops = index, detok, stops
+        self.fence = fence  # JSON output whose grammar allows a markdown fence: the fence is not shown
         self.logprobs = logprobs  # None: the request did not ask for them
         self.entries: list = []  # (token id, pb.TokenLogprob) not yet handed out, when asked for
         self.echo = echo  # the prompt, given back before the first token's text (then None)
@@ -51,13 +55,17 @@ class Choice:
                 self.entries.extend(zip(msg.token_ids, msg.logprobs))
         for t in msg.token_ids:
             self.n_out += 1
-            text += self.stops.feed(self.detok.add(t))
+            text += self.stops.feed(self._unfenced(self.detok.add(t)))
         if msg.finish_reason:
             self.finish_reason = msg.finish_reason
-            text += self.stops.feed(self.detok.flush()) + self.stops.flush()
+            end = self._unfenced(self.detok.flush()) + (self.fence.flush() if self.fence else "")
+            text += self.stops.feed(end) + self.stops.flush()
         if self.stops.stopped:
             self.finish_reason = "stop"
         return text
+
+    def _unfenced(self, text: str) -> str:
+        return self.fence.feed(text) if self.fence is not None else text
 
     def take_logprobs(self, none_if_empty: bool = False):
         """The logprobs of the tokens taken since the last call, in the endpoint's shape; None if not asked

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic_core import PydanticCustomError
 
 from services.gateway.protocol.fields import NonEmptyText, Text
-from services.gateway.protocol.structured import GrammarError, grammar_of
+from services.gateway.protocol.structured import JSON_KINDS, GrammarError, fenced_json_grammar, grammar_of
 
 
 class JsonSchemaFormat(BaseModel):
@@ -34,6 +34,7 @@ class ResponseFormat(BaseModel):
     grammar: Text | None = Field(None, description=(
         "extension: with type `grammar`, a Lark grammar (llguidance's dialect) the output follows"))
     _compiled: str | None = PrivateAttr(None)
+    _fenced: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _compile(self):
@@ -41,8 +42,10 @@ class ResponseFormat(BaseModel):
         if self.type in needs and needs[self.type] is None:
             raise PydanticCustomError("invalid_value", "type {kind} needs its `{kind}` field", {"kind": self.type})
         try:
-            self._compiled = grammar_of(self.type, self.json_schema.schema_ if self.json_schema else None,
-                                        self.regex, self.grammar)
+            schema = self.json_schema.schema_ if self.json_schema else None
+            self._compiled = grammar_of(self.type, schema, self.regex, self.grammar)
+            if self.type in JSON_KINDS:
+                self._fenced = fenced_json_grammar(self.type, schema)
         except GrammarError as exc:
             raise PydanticCustomError("invalid_value", "cannot be compiled: {reason}", {"reason": str(exc)}) from None
         return self
@@ -51,6 +54,11 @@ class ResponseFormat(BaseModel):
     def compiled(self) -> str | None:
         """The llguidance grammar the engines mask with; None for plain text."""
         return self._compiled
+
+    @property
+    def fenced(self) -> str | None:
+        """For JSON, the grammar that also allows the JSON in a markdown fence (structured.py); else None."""
+        return self._fenced
 
 
 # Rust regex's meta characters (llguidance's regexes): escaped, a choice is matched as written

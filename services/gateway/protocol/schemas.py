@@ -174,6 +174,14 @@ class _Common(BaseModel):
         """The grammar of `response_format` for the engines; None when the output is free text."""
         return self.response_format.compiled if self.response_format is not None else None
 
+    def fenced_grammar(self, allow_fence: bool) -> str | None:
+        """`grammar`, or with `allow_fence` and JSON asked for, the grammar that also allows the JSON in a
+        markdown fence (the gateway takes the fence off: output/fence.py)."""
+        fmt = self.response_format
+        if allow_fence and fmt is not None and fmt.fenced and self.grammar == fmt.compiled:
+            return fmt.fenced
+        return self.grammar
+
     @property
     def stops(self) -> list[str]:
         return list(self.stop or [])
