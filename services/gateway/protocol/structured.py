@@ -69,8 +69,13 @@ def fenced_json_grammar(kind: str, schema: dict | None = None) -> str:
     checked. GrammarError when it does not compile."""
     if kind not in JSON_KINDS:
         raise GrammarError(f"response format {kind!r} is not JSON")
+    return _checked(lambda: llguidance.LLMatcher.grammar_from_lark(_FENCED + json.dumps(_with_defaults(kind, schema))))
+
+
+def _checked(build) -> str:
+    """The grammar `build` makes, compiled once to check it; its failure a GrammarError with the reason."""
     try:
-        grammar = llguidance.LLMatcher.grammar_from_lark(_FENCED + json.dumps(_with_defaults(kind, schema)))
+        grammar = build()
     except (ValueError, TypeError) as exc:
         raise GrammarError(str(exc)) from None
     reason = check_grammar(grammar)
@@ -83,22 +88,12 @@ def grammar_of(kind: str, schema: dict | None = None, regex: str | None = None, 
     """The llguidance grammar of a response format, checked; None for plain text. GrammarError when it
     does not compile."""
     M = llguidance.LLMatcher
-    try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            grammar = M.grammar_from_json_schema({"type": "object"}, defaults=BOUNDED_JSON)
-        elif kind == "json_schema":
-            grammar = M.grammar_from_json_schema(json.dumps(schema), defaults=_json_defaults(schema))
-        elif kind == "regex":
-            grammar = M.grammar_from_regex(regex)
-        elif kind == "grammar":
-            grammar = M.grammar_from_lark(lark)
-        else:
-            raise GrammarError(f"unknown response format type {kind!r}")
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(str(exc)) from None
-    reason = check_grammar(grammar)
-    if reason:
-        raise GrammarError(reason.strip())
-    return grammar
+    builds = {"json_object": lambda: M.grammar_from_json_schema({"type": "object"}, defaults=BOUNDED_JSON),
+              "json_schema": lambda: M.grammar_from_json_schema(json.dumps(schema), defaults=_json_defaults(schema)),
+              "regex": lambda: M.grammar_from_regex(regex),
+              "grammar": lambda: M.grammar_from_lark(lark)}
+    if kind == "text":
+        return None
+    if kind not in builds:
+        raise GrammarError(f"unknown response format type {kind!r}")
+    return _checked(builds[kind])
