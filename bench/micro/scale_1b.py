@@ -206,25 +206,27 @@ def main() -> int:
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     cells: dict[tuple[str, int], list[float]] = {}
     rounds: dict[tuple[str, int], list[float]] = {}  # each round's median step (llama.cpp: its one value)
-    for r in range(args.rounds):
-        progress(f"round {r + 1}/{args.rounds}")
-        for batch in batches:
-            for name, engine in ours.items():
-                times = time_paged_wall(engine, cfg, batch, args.context, args.steps)
-                cells.setdefault((name, batch), []).extend(times)
-                rounds.setdefault((name, batch), []).append(stats(times)["median"])
-            if server is not None:
-                s, own = server.step_seconds(batch, args.context, args.steps, seed=r)
-                cells.setdefault(("llama-server", batch), []).append(s)
-                rounds.setdefault(("llama-server", batch), []).append(s)
-                server_own.setdefault(batch, []).append(own * 1e3)
-        if have_llama:
-            for batch, s in llama_steps(batched, path, args.context, args.steps, batches).items():
-                # llama-batched-bench reports the phase's total: one value a round, weighted as such
-                cells.setdefault(("llama.cpp", batch), []).append(s)
-                rounds.setdefault(("llama.cpp", batch), []).append(s)
-    if server is not None:
-        server.close()
+    try:  # the server is ended whatever happens (a request timing out while the machine is paused)
+        for r in range(args.rounds):
+            progress(f"round {r + 1}/{args.rounds}")
+            for batch in batches:
+                for name, engine in ours.items():
+                    times = time_paged_wall(engine, cfg, batch, args.context, args.steps)
+                    cells.setdefault((name, batch), []).extend(times)
+                    rounds.setdefault((name, batch), []).append(stats(times)["median"])
+                if server is not None:
+                    s, own = server.step_seconds(batch, args.context, args.steps, seed=r)
+                    cells.setdefault(("llama-server", batch), []).append(s)
+                    rounds.setdefault(("llama-server", batch), []).append(s)
+                    server_own.setdefault(batch, []).append(own * 1e3)
+            if have_llama:
+                for batch, s in llama_steps(batched, path, args.context, args.steps, batches).items():
+                    # llama-batched-bench reports the phase's total: one value a round, weighted as such
+                    cells.setdefault(("llama.cpp", batch), []).append(s)
+                    rounds.setdefault(("llama.cpp", batch), []).append(s)
+    finally:
+        if server is not None:
+            server.close()
     gbs_after = memory_bandwidth_gbs()
     load_after = os.getloadavg()
     nbytes = {name: eng.weights_nbytes for name in ours}

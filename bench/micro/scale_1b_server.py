@@ -61,7 +61,7 @@ class LlamaServer:
         req = urllib.request.Request(self.url + "/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         arrivals, last = [], {}
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=1800) as r:  # a paused machine (minutes) is not an error
             for line in r:
                 if not line.startswith(b"data: "):
                     continue
