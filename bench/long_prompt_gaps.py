@@ -16,6 +16,7 @@ bench/results/long_prompt_gaps.json and .png.
     python -m bench.long_prompt_gaps                              # gpu,fpga,hybrid,auto; 512 and 2000; 1 and 4
     python -m bench.long_prompt_gaps --modes fpga --sizes 2000 --at-once 1 --rounds 3
     python -m bench.long_prompt_gaps --env HYBRIDSERVE_DECODE_STEP_TARGET_S=0.08   # a setting's effect
+    python -m bench.long_prompt_gaps --merge bench/results/a.json bench/results/b.json --name ab  # rounds run apart
 """
 from __future__ import annotations
 
@@ -91,6 +92,39 @@ def plot(rows: list[dict], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def report(cases: list[tuple[str, int, int]], runs: list[dict]) -> list[dict]:
+    """Each case's row (medians over its runs, the worst run's steps under its largest gap), printed as a table."""
+    rows = []
+    for mode, size, at_once in cases:
+        mine = [r for r in runs if (r["mode"], r["size"], r["at_once"]) == (mode, size, at_once)]
+        med = lambda k: statistics.median(r[k] for r in mine if r[k] is not None)  # noqa: E731
+        worst = max(mine, key=lambda r: r["max_gap_s"] or 0)
+        rows.append({"mode": mode, "size": size, "at_once": at_once, "max_gap_s": med("max_gap_s"),
+                     "max_gap_worst_s": worst["max_gap_s"], "over_150ms": med("over_150ms"),
+                     "gap_p50_s": med("gap_p50_s"), "long_s_p50": med("long_s_p50"), "covered": med("covered"),
+                     "long_modes": sorted({m for r in mine for m in r["long_modes"]}),
+                     "prefill_gpu_step_s": worst["under_largest"][0].get("prefill_gpu", 0.0),
+                     "decode_fpga_step_s": worst["under_largest"][0].get("decode_fpga", 0.0)})
+    ms = lambda s: f"{1000 * s:.0f}"  # noqa: E731
+    print(table(["mode", "prompt", "at once", "largest gap ms (median)", "worst", "gaps > 150 ms %", "gap p50 ms",
+                 "long prompt s", "covered %", "served in", "under the worst: prefill_gpu step ms",
+                 "decode_fpga step ms"],
+                [[r["mode"], r["size"], r["at_once"], ms(r["max_gap_s"]), ms(r["max_gap_worst_s"]),
+                  f"{100 * r['over_150ms']:.1f}", ms(r["gap_p50_s"]), f"{r['long_s_p50']:.2f}",
+                  f"{100 * r['covered']:.0f}", ",".join(r["long_modes"]), ms(r["prefill_gpu_step_s"]),
+                  ms(r["decode_fpga_step_s"])]
+                 for r in rows]))
+    return rows
+
+
+def merge(paths: list[str]) -> tuple[list, list[dict], dict]:
+    """The cases, runs and first args of earlier results (rounds run apart, e.g. one per quiet spell)."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [run for res in results for run in res["runs"]]
+    cases = list(dict.fromkeys((r["mode"], r["size"], r["at_once"]) for r in runs))
+    return cases, runs, results[0]["args"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="gpu,fpga,hybrid,auto")
@@ -101,7 +135,16 @@ def main() -> int:
                     help="long enough to outlast the long prompts (the table's `covered`)")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the stack (repeatable)")
     ap.add_argument("--name", default="long_prompt_gaps")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no runs: the rows of these results' runs together (rounds run apart), written as --name")
     args = ap.parse_args()
+    if args.merge:
+        cases, runs, first = merge(args.merge)
+        rows = report(cases, runs)
+        write_json(args.name, {"machine": machine(), "args": {**first, "merged": args.merge}, "rows": rows,
+                               "runs": runs})
+        plot(rows, RESULTS / f"{args.name}.png")
+        return 0
     env = dict(e.split("=", 1) for e in args.env)
     cases = [(m, int(s), int(n)) for s in args.sizes.split(",") for n in args.at_once.split(",")
              for m in args.modes.split(",")]
@@ -123,26 +166,7 @@ def main() -> int:
     for run in runs:  # the engines' longest step under each of the largest gaps
         run["under_largest"] = [{name: under(s, start, end) for name, s in steps.items()}
                                 for _gap, start, end in run["largest"]]
-    rows = []
-    for mode, size, at_once in cases:
-        mine = [r for r in runs if (r["mode"], r["size"], r["at_once"]) == (mode, size, at_once)]
-        med = lambda k: statistics.median(r[k] for r in mine if r[k] is not None)  # noqa: E731
-        worst = max(mine, key=lambda r: r["max_gap_s"] or 0)
-        rows.append({"mode": mode, "size": size, "at_once": at_once, "max_gap_s": med("max_gap_s"),
-                     "max_gap_worst_s": worst["max_gap_s"], "over_150ms": med("over_150ms"),
-                     "gap_p50_s": med("gap_p50_s"), "long_s_p50": med("long_s_p50"), "covered": med("covered"),
-                     "long_modes": sorted({m for r in mine for m in r["long_modes"]}),
-                     "prefill_gpu_step_s": worst["under_largest"][0].get("prefill_gpu", 0.0),
-                     "decode_fpga_step_s": worst["under_largest"][0].get("decode_fpga", 0.0)})
-    ms = lambda s: f"{1000 * s:.0f}"  # noqa: E731
-    print(table(["mode", "prompt", "at once", "largest gap ms (median)", "worst", "gaps > 150 ms %", "gap p50 ms",
-                 "long prompt s", "covered %", "served in", "under the worst: prefill_gpu step ms",
-                 "decode_fpga step ms"],
-                [[r["mode"], r["size"], r["at_once"], ms(r["max_gap_s"]), ms(r["max_gap_worst_s"]),
-                  f"{100 * r['over_150ms']:.1f}", ms(r["gap_p50_s"]), f"{r['long_s_p50']:.2f}",
-                  f"{100 * r['covered']:.0f}", ",".join(r["long_modes"]), ms(r["prefill_gpu_step_s"]),
-                  ms(r["decode_fpga_step_s"])]
-                 for r in rows]))
+    rows = report(cases, runs)
     write_json(args.name, {"machine": machine(), "args": vars(args), "rows": rows, "runs": runs})
     plot(rows, RESULTS / f"{args.name}.png")
     return 0
