@@ -45,8 +45,8 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # on a CPU device with block-format weights: a one-sequence decode step's layers in one launch,
     # its phases separated by barriers across work-groups (decode_layers.cl); false: five per layer
     opencl_layer_kernels: bool = True
-    # the paged step's block GEMVs: fp32 activations (exact) or int8, x quantized per block of 32 and
-    # integer dot products (every block format on a CPU device: int8_gemv.py). int8 changes
+    # the paged step's block GEMVs: fp32 activations (exact) or int8, x quantized per block (32 values a
+    # scale; 64 for the K-quants, int8_super.h) and integer dot products (every block format on a CPU device: int8_gemv.py). int8 changes
     # logits and sometimes tokens (docs/decode-kernels.md has its divergence), and turns the one-launch
     # decode step off
     activations: Literal["fp32", "int8"] = "fp32"
