@@ -9,11 +9,17 @@ A lower nice value does not lift that slice protection; the SCHED_IDLE class doe
 wakes always preempts an idle-class one at once, and an idle-class thread still gets every cycle that
 nothing else wants. bench/long_prompt_gaps.py measures the effect: see docs/readiness.md, "Settled".
 
-The cost: while the decode engine (or anything else in the same scheduling group) keeps every core busy,
-a hybrid prompt's prefill waits for it. A lone long prompt's prefill is as fast as before. Linux groups
-tasks by session (autogroup) or cgroup, and the class orders only threads of one group. So it acts where
-`hybridserve up` starts both engines. Engines in separate containers compete by their cgroups' weights
-instead.
+The cost, and why it is opt-in (HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle; the default stays normal): an
+idle-class thread gets almost nothing while any normal thread of its group wants the core. On a host busy
+with other work the prefill then waits for all of it. In runs here beside other work, the long prompts took
+1.1-2.4 times as long with idle, and the stream's gaps grew as well. The other work was not the same in both
+variants, so these runs indicate the cost; they do not measure it. One likely cause: a group's weight on a
+core follows the load of its threads there, and an idle-class thread's load is tiny. A test suite running
+engines beside other tests' work would starve its hybrid prefills the same way. So idle is for a host that
+runs the stack alone. There it is the measured fix: the largest gaps were 69-115 ms against 107-175 ms, and
+a long prompt's prefill was 0-7% slower. Linux groups tasks by session (autogroup) or cgroup, and the class orders only
+threads of one group. So it acts where `hybridserve up` starts both engines. Engines in separate containers
+compete by their cgroups' weights instead.
 
 `apply` sets the class on every thread the process has now. Threads started later inherit it from their
 creator: the gRPC server's pool, the engine loop's OpenMP team.
@@ -25,17 +31,15 @@ import os
 
 log = logging.getLogger(__name__)
 
-CHOICES = ("auto", "normal", "idle")
+CHOICES = ("normal", "idle")
 
 
 def wanted(setting: str, device_type: str) -> str:
-    """The class to run in: "idle" or "normal". auto = idle when the engine computes on the CPU (the cores a
-    decode engine on the same host needs), normal on CUDA, whose host threads only feed the GPU."""
+    """The class to run in: "idle" or "normal". idle only when the engine computes on the CPU: on CUDA the
+    host threads only feed the GPU, and the decode engine's cores are not the prefill's."""
     if setting not in CHOICES:
         raise ValueError(f"cpu_priority must be one of {CHOICES}, got {setting!r}")
-    if setting == "auto":
-        return "idle" if device_type == "cpu" else "normal"
-    return setting
+    return "idle" if setting == "idle" and device_type == "cpu" else "normal"
 
 
 def apply(setting: str, device_type: str) -> str:
@@ -57,7 +61,7 @@ def apply(setting: str, device_type: str) -> str:
         log.warning("cpu_priority idle: SCHED_IDLE refused (%s); prefill keeps the normal class", exc)
         return "normal"
     log.info("prefill threads in the SCHED_IDLE class: the decode engine's threads on these cores run first "
-             "(HYBRIDSERVE_PREFILL_CPU_PRIORITY=normal to share them evenly)")
+             "(HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle: for a host that runs the stack alone)")
     return "idle"
 
 

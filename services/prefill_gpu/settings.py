@@ -30,10 +30,10 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     fused_ops: Literal["auto", "on", "off"] = "auto"
     # matrices [in, out] (MKL's fast layout) or [out, in] (F.linear, cuBLAS's); "auto": out_in on CUDA only
     weight_layout: Literal["auto", "in_out", "out_in"] = "auto"
-    # the CPU scheduling class of the process's threads once it serves: "idle" (SCHED_IDLE) lets the decode
-    # engine's threads on the same cores preempt the prefill at once; "auto" = idle on the CPU, normal on
-    # CUDA (cpu_priority.py says why, docs/readiness.md what it measured)
-    cpu_priority: Literal["auto", "normal", "idle"] = "auto"
+    # the CPU scheduling class of the process's threads once it serves, on the CPU: "idle" (SCHED_IDLE) lets
+    # the decode engine's threads on the same cores preempt the prefill at once, for a host that runs the stack
+    # alone; on a busy host the prefill starves, hence opt-in (cpu_priority.py, docs/readiness.md)
+    cpu_priority: Literal["normal", "idle"] = "normal"
     arena_bytes: int = 256 * 1024 * 1024
     # a hand-off outside the admission (none in the service any more: it waits for memory in the
     # admission's queue, bounded by the call's deadline) waits this long for a slot; kept for old envs

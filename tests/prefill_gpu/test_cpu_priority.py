@@ -1,4 +1,4 @@
-"""prefill_gpu's serving CPU class (services/prefill_gpu/cpu_priority.py): SCHED_IDLE on the CPU, on every thread.
+"""prefill_gpu's serving CPU class (services/prefill_gpu/cpu_priority.py): SCHED_IDLE when asked for, every thread.
 
 The class must reach the threads that compute: those there when it is applied, and those started later
 (the gRPC server's pool, the engine loop's OpenMP team). So these tests read each thread's class from the
@@ -40,34 +40,33 @@ def run_child(setting: str, device: str) -> tuple[str, list[int]]:
     return out[0], eval(out[1])  # a list of ints the child printed
 
 
-def test_auto_is_idle_on_the_cpu_and_normal_on_cuda():
-    assert cpu_priority.wanted("auto", "cpu") == "idle"
-    assert cpu_priority.wanted("auto", "cuda") == "normal"
-    assert cpu_priority.wanted("idle", "cuda") == "idle"
+def test_idle_is_opt_in_and_for_the_cpu_only():
+    assert PrefillSettings().cpu_priority == "normal"  # idle starves the prefill on a busy host
+    assert cpu_priority.wanted("idle", "cpu") == "idle"
+    assert cpu_priority.wanted("idle", "cuda") == "normal"
     assert cpu_priority.wanted("normal", "cpu") == "normal"
     with pytest.raises(ValueError, match="cpu_priority"):
-        cpu_priority.wanted("low", "cpu")
-    assert PrefillSettings().cpu_priority == "auto"
+        cpu_priority.wanted("auto", "cpu")
 
 
 def test_apply_puts_every_thread_in_the_idle_class_those_started_later_too():
-    taken, classes = run_child("auto", "cpu")
+    taken, classes = run_child("idle", "cpu")
     assert taken == "idle"
     assert len(classes) == 3 and set(classes) == {os.SCHED_IDLE}, classes  # main, before, after
 
 
-@pytest.mark.parametrize("setting,device", [("auto", "cuda"), ("normal", "cpu")])
+@pytest.mark.parametrize("setting,device", [("idle", "cuda"), ("normal", "cpu")])
 def test_normal_leaves_every_thread_in_the_normal_class(setting, device):
     taken, classes = run_child(setting, device)
     assert taken == "normal"
     assert set(classes) == {os.SCHED_OTHER}, classes
 
 
-def test_the_service_on_the_cpu_serves_from_the_idle_class(tmp_path):
-    """A real prefill_gpu: once it serves, every thread of it (gRPC's and torch's among them) is SCHED_IDLE,
-    and the test's own process kept its class."""
+def test_the_service_on_the_cpu_asked_for_idle_serves_from_the_idle_class(tmp_path):
+    """A real prefill_gpu with HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle: once it serves, every thread of it (gRPC's
+    and torch's among them) is SCHED_IDLE, and the test's own process kept its class."""
     env = {PrefillSettings.env_name(k): str(v) for k, v in {
-        "device": "cpu", "kv_cache_mb": 64, "arena_bytes": 16 << 20, "max_num_seqs": 2}.items()}
+        "device": "cpu", "cpu_priority": "idle", "kv_cache_mb": 64, "arena_bytes": 16 << 20, "max_num_seqs": 2}.items()}
     svc = Service("services.prefill_gpu", env, tmp_path / "prefill.log").start()
     try:
         svc.wait_healthy(timeout=300)
