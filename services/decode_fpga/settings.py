@@ -46,9 +46,9 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     # its phases separated by barriers across work-groups (decode_layers.cl); false: five per layer
     opencl_layer_kernels: bool = True
     # the paged step's block GEMVs: fp32 activations (exact) or int8, x quantized per block (32 values a
-    # scale; 64 for the K-quants, int8_super.h) and integer dot products (every block format on a CPU device: int8_gemv.py). int8 changes
-    # logits and sometimes tokens (docs/decode-kernels.md has its divergence), and turns the one-launch
-    # decode step off
+    # scale; 64 for the K-quants, int8_super.h) and integer dot products (every block format on a CPU
+    # device: int8_gemv.py). int8 changes logits and sometimes tokens (docs/decode-kernels.md has its
+    # divergence), and turns the one-launch decode step off
     activations: Literal["fp32", "int8"] = "fp32"
     # logprobs of plain greedy rows (and echo's prompt logprobs) by a log-softmax + top-k kernel on the
     # device, 2 + 2k words a row read back (kernels/logprobs.cl); false: the row's logits are read back
