@@ -134,8 +134,8 @@ class DecodeSettings(CommonSettings, BatchingSettings):
     @model_validator(mode="after")
     def _drafts_need_exact_activations(self) -> "DecodeSettings":
         # measured: with int8, greedy tokens with drafts part from those without after ~90-100 tokens (even when
-        # every draft is rejected), where speculation's promise is the same tokens; int8 rounds x per block, so a
-        # last-bit difference between a verify row and a decode row can move a rounding and then a token
+        # every draft is rejected), where speculation's promise is the same tokens; the cause is not found
+        # (docs/speculation.md: a single verify step gives the decode row's bits)
         if self.activations == "int8" and self.speculative_k > 0:
             raise ValueError("speculative_k > 0 needs activations fp32: with int8 activations, drafts change greedy "
                              "tokens (docs/speculation.md); set HYBRIDSERVE_DECODE_SPECULATIVE_K=0 or "
