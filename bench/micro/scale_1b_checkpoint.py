@@ -97,6 +97,16 @@ def write_f16(path: Path) -> Path:
     return path
 
 
+def ensure_f16(out_dir: Path) -> Path:
+    """The F16 file both quantizations start from, written unless it is there already."""
+    f16 = out_dir / f"{NAME}.F16.gguf"
+    if not f16.exists():
+        t = time.perf_counter()
+        write_f16(f16)
+        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", flush=True)
+    return f16
+
+
 def ensure(quantize: str | Path, out_dir: Path | None = None) -> Path:
     """The Q4_K_M file, made (F16 written, then llama-quantize) unless it is there already."""
     out_dir = out_dir or cache_dir()
@@ -104,11 +114,7 @@ def ensure(quantize: str | Path, out_dir: Path | None = None) -> Path:
     q = out_dir / f"{NAME}.Q4_K_M.gguf"
     if q.exists():
         return q
-    f16 = out_dir / f"{NAME}.F16.gguf"
-    if not f16.exists():
-        t = time.perf_counter()
-        write_f16(f16)
-        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", flush=True)
+    f16 = ensure_f16(out_dir)
     t = time.perf_counter()
     part = q.with_suffix(".part")
     done = subprocess.run([str(quantize), str(f16), str(part), "Q4_K_M", "2"], capture_output=True, text=True)
@@ -128,11 +134,7 @@ def ensure_numpy(out_dir: Path | None = None) -> Path:
     q = out_dir / f"{NAME}.Q4_K_M-numpy.gguf"
     if q.exists():
         return q
-    f16 = out_dir / f"{NAME}.F16.gguf"
-    if not f16.exists():
-        t = time.perf_counter()
-        write_f16(f16)
-        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", flush=True)
+    f16 = ensure_f16(out_dir)
     t = time.perf_counter()
     counts = requantize(f16, q)
     print(f"quantized {q} ({q.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s: {counts}", flush=True)
