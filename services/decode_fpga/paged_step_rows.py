@@ -4,10 +4,11 @@ kernels read, checked, and their one upload.
 A step's rows are its chunks' tokens, one row per token, each with the index of its chunk
 (the kernels' seq_of_row: the row of the step's block tables) and its position. Chunks of one
 token (decodes, and a prompt's one-token chunk) come first, in chunk order, then the longer
-chunks: a one-token chunk always runs through paged_rope_attention_decode and a longer one
-through paged_rope_store_kv + paged_attention, whatever else is in the step, so a row's
-arithmetic never depends on its batch (the two attention paths round differently at some
-positions). The sampling rows (each sampling chunk's last row; every row of a chunk that wants all its logits,
+chunks: a one-token chunk runs through paged_rope_attention_decode (RoPE, the KV write and
+attention in one launch) and a longer one through paged_rope_store_kv + paged_attention, whose
+rows other rows of their chunk read. Both give a row the same bits (the row's own position joins
+its attention last in both), so a row's arithmetic depends neither on its batch nor on its chunk:
+a speculative verify chunk's rows are the decode steps' rows. The sampling rows (each sampling chunk's last row; every row of a chunk that wants all its logits,
 for prompt logprobs) are listed in chunk order.
 
 On the device every int input lives in one buffer, a section per input at an aligned origin,

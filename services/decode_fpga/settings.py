@@ -131,17 +131,6 @@ class DecodeSettings(CommonSettings, BatchingSettings):
                 parse_address(a)
         return v
 
-    @model_validator(mode="after")
-    def _drafts_need_exact_activations(self) -> "DecodeSettings":
-        # measured: with int8, greedy tokens with drafts part from those without after ~90-100 tokens (even when
-        # every draft is rejected), where speculation's promise is the same tokens; the cause is not found
-        # (docs/speculation.md: a single verify step gives the decode row's bits)
-        if self.activations == "int8" and self.speculative_k > 0:
-            raise ValueError("speculative_k > 0 needs activations fp32: with int8 activations, drafts change greedy "
-                             "tokens (docs/speculation.md); set HYBRIDSERVE_DECODE_SPECULATIVE_K=0 or "
-                             "HYBRIDSERVE_DECODE_ACTIVATIONS=fp32")
-        return self
-
     def prefill_address_list(self) -> tuple[str, ...]:
         """The prefill engines a hybrid request may name besides prefill_address."""
         return tuple(a.strip() for a in self.prefill_addresses.split(",") if a.strip())

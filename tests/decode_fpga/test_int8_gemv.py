@@ -144,22 +144,6 @@ def test_several_lanes_a_row_keep_the_exact_path(int8_dev, cl_dev):
     np.testing.assert_array_equal(run_rows(wide, t, x), run_rows(dataclasses.replace(cl_dev, lanes=32), t, x))
 
 
-def test_int8_activations_with_drafts_fail_at_start(monkeypatch):
-    import pydantic
-
-    from services.decode_fpga.settings import DecodeSettings
-
-    monkeypatch.setenv("HYBRIDSERVE_DECODE_ACTIVATIONS", "int8")
-    monkeypatch.setenv("HYBRIDSERVE_DECODE_SPECULATIVE_K", "3")
-    with pytest.raises(pydantic.ValidationError, match="speculative_k > 0 needs activations fp32"):
-        DecodeSettings()
-    monkeypatch.setenv("HYBRIDSERVE_DECODE_SPECULATIVE_K", "0")
-    assert DecodeSettings().activations == "int8"
-    monkeypatch.setenv("HYBRIDSERVE_DECODE_ACTIVATIONS", "fp32")
-    monkeypatch.setenv("HYBRIDSERVE_DECODE_SPECULATIVE_K", "3")
-    assert DecodeSettings().speculative_k == 3
-
-
 def test_a_bad_activations_value_fails_at_start(monkeypatch):
     import pydantic
 

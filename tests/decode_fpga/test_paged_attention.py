@@ -328,3 +328,26 @@ def test_the_decode_scores_kernel_is_the_decode_kernels_bits(cl_dev, shape):
     q, _, _ = c.split(qkv)
     ref = attention_ref(rope_ref(q, pos, c.inv_freq), seq_of_row, pos, results[None][2], 1, tables)
     np.testing.assert_allclose(results[None][0], ref.reshape(n, -1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [TINY, MODEL, HEAD32, HEAD12], ids=["tiny", "model", "head32", "head12"])
+def test_a_chunks_rows_are_the_decode_rows_bits(cl_dev, shape):
+    """A chunk's row at position p gives what decoding that token at p gives, bit for bit, on and off the
+    16-position tiles (p = 15, 31, 47 close one): speculation verifies drafts as a chunk, and a verify
+    row whose attention rounds otherwise than the decode step parts the tokens, most under int8
+    activations, which turn an ulp into a quantization step (issue 56)."""
+    rng = np.random.default_rng(8)
+    c = Case(cl_dev, **shape, num_blocks=80)
+    start, chunk = 13, 36  # positions 13..48
+    tables = scattered_tables(rng, c.layout.num_blocks, [start + chunk], shape["block_size"])
+    c.fill_context(rng, 0, tables, [start])
+    qkv = c.qkv(rng, chunk)
+    pos = np.arange(start, start + chunk)
+    got, sums, pool, _ = c.run("rope_store+attention", qkv, np.zeros(chunk, int), pos, tables, 0)
+    image = c.image.copy()
+    for i, p in enumerate(pos):  # the same tokens decoded one at a time
+        one, one_sums, image, _ = c.run("decode", qkv[i:i + 1], np.zeros(1, int), np.array([p]), tables, 0, image)
+        np.testing.assert_array_equal(got[i], one[0], err_msg=f"position {p}")
+        if c.hd % 32 == 0:  # the kernels write block sums only then
+            np.testing.assert_array_equal(sums[i], one_sums[0], err_msg=f"position {p}")
+    np.testing.assert_array_equal(pool, image)

@@ -77,7 +77,8 @@ inline void store_head(hvec *acc, const float denom, const int r, const int h, _
 }
 
 // The new position last (its weight joins the cached positions' sums after theirs, in every decode
-// kernel), then out[r, h]: acc and denom hold the cached positions' sums, v_new the new value.
+// kernel, and a chunk row's own position in paged_attention.cl's, so both give a row the same bits),
+// then out[r, h]: acc and denom hold the cached positions' sums, v_new the new value.
 inline void store_with_new(hvec *acc, float denom, const float s_new, const float m, __global const float *v_new,
                            const int r, const int h, __global float *out, __global float *out_sums)
 {

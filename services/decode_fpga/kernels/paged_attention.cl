@@ -88,7 +88,11 @@ __kernel void paged_rope_store_kv(__global float *qkv, __global const int *seq_o
 // must already be in the pool (paged_kv_write / paged_rope_store_kv of the chunk first). A chunk
 // of C tokens at [start, start + C) is C rows at those positions: each sees the cached context
 // and the chunk's tokens up to itself, which is the causal mask. Rows of several sequences mix
-// freely. Work-item (r, h): query head h. Global size (rows, N_KV GROUP).
+// freely. The row's own position joins last, after the positions before it, as in a decode step
+// (paged_attend_decode), so a chunk's row is the bits of the same token decoded alone: a verify
+// step's rows (speculation) are the decode steps' (a row's own position inside the tiles of 16 rounded
+// otherwise, which int8 activations turned into other tokens). Work-item (r, h): query head h.
+// Global size (rows, N_KV GROUP).
 __kernel void paged_attention(__global const float *qkv, __global const int *seq_of_row, __global const int *pos,
                               __global const int *block_tables, const int max_blocks, __global const float *pool,
                               const long layer_base, const float scale, __global float *out,
@@ -98,13 +102,16 @@ __kernel void paged_attention(__global const float *qkv, __global const int *seq
     __global const float *q = qkv + (size_t)r * QKV_ROW + h * HEAD_DIM;
     __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
     __global const float *K = pool + layer_base + (h / GROUP) * BLOCK_ELEMS;
-    const int n = pos[r] + 1;
+    const int p = pos[r];
     hvec qv[NV];
     for (int i = 0; i < NV; ++i) qv[i] = VLOADH(i, q);
-    const float m = paged_max_score(qv, K, table, n, scale, -INFINITY);
+    __global const float *kp = paged_row_c(K, table, p);  // the row's own key and value
+    const float s_own = dot_head(qv, kp) * scale;
+    const float m = paged_max_score(qv, K, table, p, scale, s_own);
     hvec acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
-    store_head(acc, paged_weigh_values(qv, K, table, n, scale, m, acc), r, h, out, out_sums);
+    const float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
+    store_with_new(acc, denom, s_own, m, kp + V_OFFSET, r, h, out, out_sums);
 }
 
 // A decode step's RoPE, KV write and attention in one launch (one command per layer instead of two;
@@ -228,16 +235,19 @@ __kernel void paged_attention_scores(__global const float *qkv, __global const i
     const int r = get_global_id(0), g = get_global_id(1);
     __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
     __global const float *K = pool + layer_base + g * BLOCK_ELEMS;
-    const int n = pos[r] + 1;
+    const int p = pos[r];
+    __global const float *kp = paged_row_c(K, table, p);  // the row's own key and value, joining last
     hvec qv[GROUP][NV];
-    for (int j = 0; j < GROUP; ++j)
+    float s_own[GROUP], m[GROUP], denom[GROUP];
+    for (int j = 0; j < GROUP; ++j) {
         for (int i = 0; i < NV; ++i) qv[j][i] = VLOADH(i, qkv + (size_t)r * QKV_ROW + (g * GROUP + j) * HEAD_DIM);
-    float m[GROUP], denom[GROUP];
-    for (int j = 0; j < GROUP; ++j) m[j] = -INFINITY;
-    group_scores(qv, K, table, n, scale, scores, m);
+        m[j] = s_own[j] = dot_head(qv[j], kp) * scale;
+    }
+    group_scores(qv, K, table, p, scale, scores, m);  // the positions before it, [0, p)
     hvec acc[GROUP][NV];
-    group_weigh(K, table, n, scores, m, acc, denom);
-    for (int j = 0; j < GROUP; ++j) store_head(acc[j], denom[j], r, g * GROUP + j, out, out_sums);
+    group_weigh(K, table, p, scores, m, acc, denom);
+    for (int j = 0; j < GROUP; ++j)
+        store_with_new(acc[j], denom[j], s_own[j], m[j], kp + V_OFFSET, r, g * GROUP + j, out, out_sums);
 }
 
 // paged_rope_attention_decode for a CPU device, the same bits: one work-item takes the GROUP query

@@ -13,8 +13,9 @@
 // block table[t / BLOCK_SIZE].
 //
 // Every function reduces over positions 0, 1, 2, ... in order with the tiles of
-// paged_weigh_values (16 positions from position 0, then a scalar tail), so a row's result depends
-// on its own context only: not on the batch, not on where its blocks lie.
+// paged_weigh_values (16 positions from position 0, then a scalar tail), and every kernel adds the
+// row's own position after those before it, so a row's result depends on its own context only: not
+// on the batch, not on where its blocks lie, not on whether it was decoded or came in a chunk.
 
 #define N_KV (KV_DIM / HEAD_DIM)
 #define BLOCK_ELEMS ((size_t)BLOCK_SIZE * HEAD_DIM)  // one head's K (or V) in one block
