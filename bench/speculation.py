@@ -11,6 +11,7 @@ Our texts with drafts on and off are compared prompt by prompt (greedy: they mus
 
     python -m bench.speculation                    # fpga and hybrid, k=8, 2 rounds, llama-server if built
     python -m bench.speculation --modes fpga --k 4 --rounds 3 --tokens 160
+    python -m bench.speculation --k 3 --env HYBRIDSERVE_DECODE_ACTIVATIONS=int8   # our opt-in int8 path
 """
 from __future__ import annotations
 
@@ -112,6 +113,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--llama-server", default="auto", help="PATH, auto (bench/llama_server.py's build) or none")
+    ap.add_argument("--llama-threads", type=int, default=2,
+                    help="llama-server's threads (1 where other work shares the cores: 2 spinning threads beside "
+                         "it give void figures)")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for our stack (repeatable)")
     ap.add_argument("--name", default="speculation")
     args = ap.parse_args()
     from services.model.checkpoint import locate
@@ -123,7 +128,8 @@ def main() -> int:
     servers, targets = Servers(), {}
     with tempfile.TemporaryDirectory(prefix="hybridserve-spec-") as tmp:
         try:
-            env = {f"HYBRIDSERVE_{e}_SPECULATIVE_K": str(args.k) for e in ("PREFILL", "DECODE")}
+            env = {**{f"HYBRIDSERVE_{e}_SPECULATIVE_K": str(args.k) for e in ("PREFILL", "DECODE")},
+                   **dict(e.split("=", 1) for e in args.env)}
             url = servers.start_stack(Path(tmp) / "stack.log", extra_env=env)
             for mode in args.modes.split(","):
                 targets[f"{mode} drafts"] = (url, {"mode": mode})
@@ -132,8 +138,9 @@ def main() -> int:
             if binary:
                 ctx = max(len(p) for ps in work.values() for p in ps) + args.tokens + 16
                 for name, extra in (("llama-server", ()), ("llama-server ngram", LLAMA_NGRAM)):
-                    targets[name] = (servers.start_llama_server(binary, 1, ctx, 2, Path(tmp) / f"{name}.log",
-                                                                name=name, extra=extra), {})
+                    log = Path(tmp) / f"{name}.log"
+                    targets[name] = (servers.start_llama_server(binary, 1, ctx, args.llama_threads, log, name=name,
+                                                                extra=extra), {})
             results = run(targets, work, args.tokens, args.rounds)
         finally:
             servers.stop()
