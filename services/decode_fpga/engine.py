@@ -15,10 +15,10 @@ every layer, K and V read and written through the sequences' block tables. The w
 enqueued on one in-order queue and the host waits once, when it reads back the sampled tokens or
 logits (on PoCL a waited launch costs ~48 µs, an enqueue ~2.4 µs).
 
-A step of one decode row on a CPU device runs either as one launch (paged_plans.py's one_launch,
-decode_layers.cl, enqueued whole behind a user event before it starts) or launch by launch,
-whichever has been faster lately (one_launch_choice.py: the one launch stalls when another process
-takes one of its cores). If its work-groups fail to run at once, the step is redone launch by launch
+A step of one decode row, or of 2-4 rows, on a CPU device runs either as one launch (paged_plans.py's
+one_launch and one_launch_rows, decode_layers.cl, enqueued whole behind a user event before it starts) or
+launch by launch, whichever has been faster lately (one_launch_choice.py, a choice per row count: the one
+launch stalls when another process takes one of its cores). If its work-groups fail to run at once, the step is redone launch by launch
 and counts as a failure.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from services.decode_fpga.device import DeviceContext, select_device
 from services.decode_fpga.device_weights import DeviceWeights, build_device_weights
 from services.decode_fpga.one_launch_choice import OneLaunchChoice
 from services.decode_fpga.paged_kv_store import PagedKVStore
-from services.decode_fpga.paged_plans import PagedStepPlans
+from services.decode_fpga.paged_plans import ONE_LAUNCH_ROWS, PagedStepPlans
 from services.decode_fpga.paged_step_rows import PagedStepInputs
 from services.decode_fpga.scratch import Scratch
 from services.decode_fpga.settings import DecodeSettings
@@ -78,6 +78,8 @@ class OpenCLEngine:
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
         self.one_launch_choice = OneLaunchChoice(dev.name)  # one launch or launch by launch, a one-row step
+        # the same for steps of 2 to ONE_LAUNCH_ROWS rows, a choice for each row count
+        self.rows_launch_choices = {n: OneLaunchChoice(dev.name, rows=n) for n in range(2, ONE_LAUNCH_ROWS + 1)}
         # greedy rows' logprobs by the device's kernel (the engine loop asks, step(logprobs=...)); False:
         # the loop reads their logits rows and computes them on the host (the A/B of bench/micro/logprobs_cost.py)
         self.logprobs_on_device = config.device_logprobs
@@ -160,8 +162,8 @@ class OpenCLEngine:
             k = None if logprobs is None else logprobs.k
             if on_layer is not None or not self.paged_plans.can_run_as_one_launch(rows):
                 return self._paged_step(rows, greedy, on_layer, one_launch=False, targets=targets, k=k)
-            return self.one_launch_choice.run(
-                lambda one_launch: self._paged_step(rows, greedy, None, one_launch, targets=targets, k=k))
+            choice = self.one_launch_choice if rows.n_rows == 1 else self.rows_launch_choices[rows.n_rows]
+            return choice.run(lambda one_launch: self._paged_step(rows, greedy, None, one_launch, targets=targets, k=k))
 
     def _paged_step(self, rows, greedy: bool, on_layer, one_launch: bool, targets=None, k: int | None = None):
         """A step over the rows, uploaded first; None when its one launch gave up (nothing to read)."""
@@ -199,8 +201,10 @@ class OpenCLEngine:
             # whole step is enqueued behind a gate first, and only then let go.
             gate = cl.UserEvent(self.dev.context)
             try:
-                cl.enqueue_nd_range_kernel(q, plans.embed.kernel, (1,), None, wait_for=[gate])
-                for launch in plans.one_launch:
+                embed = plans.embed
+                cl.enqueue_nd_range_kernel(q, embed.kernel, (rows.n_rows, *embed.global_size[1:]), embed.local_size,
+                                           wait_for=[gate])
+                for launch in plans.one_launch_for(rows):
                     launch.enqueue(q, 0, 1)
                 plans.enqueue_head(q, rows, greedy, logprobs_k)
             finally:

@@ -20,6 +20,8 @@ to `max_probe_s`): a busy spell is left within ten steps, and a quiet one is fou
 a few tries, at a few slow steps a minute.
 A new engine runs one launch and first tries the other way `first_probe_s` after its first step.
 `fixed` pins one way (benchmarks and tests; a one launch that gives up is still redone).
+Steps of several rows that may run as one launch (paged_rows_layers) have a choice of their own
+for each row count (`rows`): their times differ from one row's, and from each other's.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from services.engine import metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_STEPS = {True: metrics.ONE_ROW_STEPS.labels("one launch"), False: metrics.ONE_ROW_STEPS.labels("launch by launch")}
+_LABEL = {True: "one launch", False: "launch by launch"}
+_STEPS = {way: metrics.ONE_ROW_STEPS.labels(_LABEL[way]) for way in (True, False)}
 
 # Polls of a step's barriers (by one work-group) before decode_layers.cl gives up: ~12 ms at the
 # ~0.35 ns a poll measured here (an L1-resident counter), three quiet steps' worth at batch 1. A
@@ -48,8 +51,10 @@ class OneLaunchChoice:
 
     def __init__(self, device_name: str = "the device", window: int = 5, probe_steps: int = 3, margin: float = 0.1,
                  first_probe_s: float = 0.25, max_probe_s: float = 32.0,
-                 clock: Callable[[], float] = time.monotonic, fixed: bool | None = None):
-        self.device_name = device_name
+                 clock: Callable[[], float] = time.monotonic, fixed: bool | None = None, rows: int = 1):
+        self.device_name, self.rows = device_name, rows
+        self._steps = _STEPS if rows == 1 else {way: metrics.FEW_ROW_STEPS.labels(_LABEL[way], str(rows))
+                                                for way in (True, False)}
         self.window, self.probe_steps, self.margin = window, probe_steps, margin
         self.first_probe_s, self.max_probe_s = first_probe_s, max_probe_s
         self.clock, self.fixed = clock, fixed
@@ -80,7 +85,7 @@ class OneLaunchChoice:
             metrics.ONE_LAUNCH_GAVE_UP.inc()
             out = step(False)
         self.record(one_launch, time.perf_counter() - start, gave_up)
-        _STEPS[one_launch and not gave_up].inc()
+        self._steps[one_launch and not gave_up].inc()
         return out
 
     def one_launch(self) -> bool:
@@ -143,7 +148,8 @@ class OneLaunchChoice:
         tried = not self.current
         new, old = self.median(tried, self.probe_steps), self.median(self.current, self.probe_steps)
         if (1 + self.margin) * new < old:
-            log.info("decode steps of one sequence now run %s (%.2f ms a step; %s)", _way(tried), new * 1e3,
+            log.info("decode steps of %s now run %s (%.2f ms a step; %s)",
+                     "one sequence" if self.rows == 1 else f"{self.rows} rows", _way(tried), new * 1e3,
                      "one launch gave up" if math.isinf(old) else f"the other way {old * 1e3:.2f} ms")
             self.current = tried
             self.switches += 1

@@ -16,8 +16,10 @@ bits as the launches here, but are not used: one set of launches serves every st
 
 On a CPU device with packed block weights, a step of one decode row runs every layer in one
 launch (paged_decode_layers, decode_layers.cl built over the pool): the same bits as the layers'
-launches here, ~half the time at batch 1 on PoCL (bench/micro/paged_step.py). The engine picks one launch or
-these launches step by step (one_launch_choice.py).
+launches here, ~half the time at batch 1 on PoCL (bench/micro/paged_step.py). A step of 2 to
+ONE_LAUNCH_ROWS rows (a few sequences' decodes, a speculative verify chunk) may run as one launch
+too (paged_rows_layers, the same bits). The engine picks one launch or these launches step by step,
+for each row count (one_launch_choice.py).
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
 from services.model.config import ModelConfig
 
 ARGMAX_WG = 256  # work-items per row of argmax_rows
+# the most rows paged_rows_layers takes: a verify chunk of k = 3 drafts, the batched GEMVs' pass of four
+ONE_LAUNCH_ROWS = 4
 Span = str  # which rows a launch covers: StepRows.span's names, "all", "decodes", "chunks", "samples"
 
 
@@ -65,12 +69,22 @@ class PagedStepPlans:
         self.argmax = bind_rows(self._elementwise, "argmax_rows", (ARGMAX_WG,), self.logits,
                                 np.int32(cfg.vocab_size), self.picks, self._argmax_pos, rows_scale=ARGMAX_WG,
                                 local_size=(ARGMAX_WG,))
-        # one decode row: [clear_ints, paged_decode_layers], or None
-        self.one_launch = self._bind_one_launch(layer_groups) if one_launch and weights.packed is not None else None
+        # one decode row: [clear_ints, paged_decode_layers]; 2 to ONE_LAUNCH_ROWS rows: [clear_ints,
+        # paged_rows_layers]; or None
+        packed = one_launch and weights.packed is not None
+        self.one_launch = self._bind_one_launch(layer_groups) if packed else None
+        self.one_launch_rows = self._bind_rows_launch(layer_groups) if packed else None
 
     def can_run_as_one_launch(self, rows: StepRows) -> bool:
-        """Whether this step's layers may run as one launch (a step of one decode row, the launch bound)."""
-        return self.one_launch is not None and rows.n_rows == 1 and rows.n_decodes == 1
+        """Whether this step's layers may run as one launch: one decode row, or 2 to ONE_LAUNCH_ROWS rows
+        of any chunks (the launches bound)."""
+        if rows.n_rows == 1:
+            return self.one_launch is not None and rows.n_decodes == 1
+        return self.one_launch_rows is not None and rows.n_rows <= ONE_LAUNCH_ROWS
+
+    def one_launch_for(self, rows: StepRows) -> list[RowLaunch]:
+        """The one-launch step's launches for these rows (can_run_as_one_launch)."""
+        return self.one_launch if rows.n_rows == 1 else self.one_launch_rows
 
     # ---- replay -------------------------------------------------------------------------
     def enqueue_layer(self, queue: cl.CommandQueue, li: int, rows: StepRows) -> None:
@@ -130,15 +144,35 @@ class PagedStepPlans:
             out.append(("all", spanning(ak.add_bias(s.x, ext.b_down, c.hidden, 1))))
         return out
 
+    def _layers_program(self, rows: int | None = None) -> cl.Program:
+        """decode_layers.cl for this model and pool; rows: its several-row kernel's bound (ROWS)."""
+        c, packed, st = self.cfg, self.weights.packed, self.store
+        return self.dev.build("decode_layers.cl", {
+            "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
+            "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
+            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
+            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L", **({"ROWS": rows} if rows else {}),
+            **self.weights.arch.one_launch_defines()})
+
+    def _bind_rows_launch(self, layer_groups: int) -> list[RowLaunch]:
+        """Every layer of a step of 2 to ONE_LAUNCH_ROWS rows as one launch, after its counters are zeroed."""
+        c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
+        b = self.inputs.buffers
+        program = self._layers_program(ONE_LAUNCH_ROWS)
+        clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 3 * c.n_layers),), s.sync, rows_dim=None)
+        layers = bind_rows(program, "paged_rows_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
+                           np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
+                           s.act_sums, b["n_rows"], b["seq_of_row"], b["pos"], s.rope_cs,
+                           np.float32(1.0 / np.sqrt(c.head_dim)), st.pool, np.int64(st.layout.layer_elems),
+                           b["block_tables"], np.int32(st.max_blocks), s.sync, *self.weights.arch.one_launch_args(),
+                           rows_dim=None, local_size=(1,))
+        return [clear, layers]
+
     def _bind_one_launch(self, layer_groups: int) -> list[RowLaunch]:
         """Every layer of a one-decode step as one launch, after its counters are zeroed."""
         c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
         b = self.inputs.buffers
-        program = self.dev.build("decode_layers.cl", {
-            "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
-            "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
-            "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L", **self.weights.arch.one_launch_defines()})
+        program = self._layers_program()
         clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
         layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
                            np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,

@@ -8,8 +8,9 @@ chunks: a one-token chunk runs through paged_rope_attention_decode (RoPE, the KV
 attention in one launch) and a longer one through paged_rope_store_kv + paged_attention, whose
 rows other rows of their chunk read. Both give a row the same bits (the row's own position joins
 its attention last in both), so a row's arithmetic depends neither on its batch nor on its chunk:
-a speculative verify chunk's rows are the decode steps' rows. The sampling rows (each sampling chunk's last row; every row of a chunk that wants all its logits,
-for prompt logprobs) are listed in chunk order.
+a speculative verify chunk's rows are the decode steps' rows. The sampling rows (each sampling
+chunk's last row; every row of a chunk that wants all its logits, for prompt logprobs) are listed
+in chunk order.
 
 On the device every int input lives in one buffer, a section per input at an aligned origin,
 bound through sub-buffers, so a step uploads them with one copy.

@@ -35,8 +35,8 @@ class Scratch:
     xn_sums: cl.Buffer  # [rows, blocks32(hidden)]
     attn_sums: cl.Buffer  # [rows, blocks32(q_dim)]
     act_sums: cl.Buffer  # [rows, blocks32(ff)]
-    sync: cl.Buffer  # int32 [SYNC_LINE * (2 + 2 n_layers)]: decode_layers' failure flag, barrier arrivals
-    #                  and each layer's two work counters
+    sync: cl.Buffer  # int32 [SYNC_LINE * (2 + 3 n_layers)]: decode_layers' failure flag, barrier arrivals
+    #                  and each layer's work counters (two for one row, three for several)
     rope_cs: cl.Buffer  # [max_context, head_dim]: cos | sin of every position (paged_attention.cl's rope_table)
 
     @classmethod
@@ -49,4 +49,4 @@ class Scratch:
                    gu=buf(rows * 2 * cfg.intermediate), act=buf(rows * cfg.intermediate),
                    xn_sums=buf(rows * blocks32(cfg.hidden)), attn_sums=buf(rows * blocks32(cfg.q_dim)),
                    act_sums=buf(rows * blocks32(cfg.intermediate)),
-                   sync=buf(SYNC_LINE * (2 + 2 * cfg.n_layers), np.int32), rope_cs=buf(max_context * cfg.head_dim))
+                   sync=buf(SYNC_LINE * (2 + 3 * cfg.n_layers), np.int32), rope_cs=buf(max_context * cfg.head_dim))

@@ -25,6 +25,9 @@ HANDOFF_EXPOSED_SECONDS = Histogram("hybridserve_kv_handoff_exposed_seconds",
 HANDOFF_BYTES = Counter("hybridserve_kv_handoff_bytes", "Bytes of KV handed over")
 ONE_ROW_STEPS = Counter("hybridserve_decode_one_row_steps",
                         "One-sequence decode steps, by the way they ran (one_launch_choice.py)", ["way"])
+FEW_ROW_STEPS = Counter("hybridserve_decode_few_row_steps",
+                        "Decode steps of 2-4 rows that may run as one launch, by the way they ran and their rows",
+                        ["way", "rows"])
 ONE_LAUNCH_GAVE_UP = Counter("hybridserve_decode_one_launch_gave_up",
                              "One-launch decode steps whose work-groups did not all run at once (redone by launches)")
 

@@ -16,7 +16,7 @@ from services.model.checkpoint import CheckpointError
 from services.model.loading import load_model
 from tests.conftest import random_prompt
 from tests.decode_fpga.kquant_checkpoint import write_tiny_llama
-from tests.decode_fpga.test_paged_step import decode_logits, scattered_tables
+from tests.decode_fpga.test_paged_step import decode_logits, few_rows_logits, scattered_tables
 from tests.engine.step_calls import prompt_logits
 
 KTYPES = ("q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -106,6 +106,16 @@ def test_one_launch_layers_bit_for_bit_per_type(tmp_path, cl_dev, qtype):
         if one_launch:
             assert choice.ran[True] == 6 and not choice.gave_up
     np.testing.assert_array_equal(out[True], out[False])
+    # and steps of 2-4 rows (paged_rows_layers): several sequences' decodes, chunks of 3 and 4
+    engine.paged_plans.one_launch_rows = engine.paged_plans._bind_rows_launch(1)
+    prompts = [random_prompt(n, model.config.vocab_size, seed=10 + n) for n in (9, 26, 3)]
+    tables = scattered_tables(engine, [n + 20 for n in (9, 26, 3)], seed=13)
+    rows = {}
+    for one_launch in (True, False):
+        engine.rows_launch_choices = {n: OneLaunchChoice(fixed=one_launch, rows=n) for n in (2, 3, 4)}
+        rows[one_launch] = few_rows_logits(engine, prompts, tables)
+    for i, (a, b) in enumerate(zip(rows[True], rows[False])):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def run_together(engine, prompts, tables, budget, greedy, n_new=N_NEW):
     return [(t, np.stack(lg) if lg else None) for t, lg in zip(tokens, logits)]
 
 
-PROMPT_LENGTHS = [5, 12, 28, 45, 60, 90, 121, 139]  # decode positions 15, 31, 47, 63, 143: where the two attention paths round apart
+PROMPT_LENGTHS = [5, 12, 28, 45, 60, 90, 121, 139]  # decode positions 15, 31, 47, 63, 143: where tiles end
 
 
 @pytest.mark.slow
@@ -266,8 +266,8 @@ def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf
     assert one.paged_plans.one_launch is not None and launches.paged_plans.one_launch is None
     rows = one.step_inputs.rows([chunk(0, 0, [5], [0])])
     assert one.paged_plans.can_run_as_one_launch(rows)
-    assert not one.paged_plans.can_run_as_one_launch(one.step_inputs.rows([chunk(0, 0, [5], [0]),
-                                                                             chunk(1, 0, [6], [1])]))
+    two = one.step_inputs.rows([chunk(0, 0, [5], [0]), chunk(1, 0, [6], [1])])  # several rows: their own launch
+    assert one.paged_plans.one_launch_for(two) is one.paged_plans.one_launch_rows is not one.paged_plans.one_launch
     choice = OneLaunchChoice(fixed=True)  # no tries of the other way
     monkeypatch.setattr(one, "one_launch_choice", choice)
     prompt = random_prompt(n_prompt, model_config.vocab_size, seed=24)
@@ -278,6 +278,48 @@ def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf
     one_row_steps = 6 + (n_prompt == 1)
     assert choice.ran[True] >= 1 and choice.ran[True] + choice.gave_up == one_row_steps
 
+
+
+def few_rows_logits(engine, prompts, tables):
+    """Each prompt in a step of its own; then steps of 2-4 rows: the sequences' decodes together (positions
+    crossing 15 and 31, where attention tiles end), a verify-like chunk of 4 tokens with every row's logits,
+    a chunk of 3 beside a decode. Every step's logits, in order."""
+    import dataclasses
+
+    firsts = [int(np.argmax(engine.step([chunk(i, 0, p, t)], greedy=False)[0])) for i, (p, t) in
+              enumerate(zip(prompts, tables))]
+    pos, last, out = [len(p) for p in prompts], firsts, []
+    for _ in range(8):  # every sequence decodes
+        logits = engine.step([chunk(i, pos[i], [last[i]], tables[i]) for i in range(len(prompts))], greedy=False)
+        out.append(logits)
+        last = [int(np.argmax(lg)) for lg in logits]
+        pos = [n + 1 for n in pos]
+    drafts = [last[0], 17, 923 % engine.cfg.vocab_size, 4]  # sequence 0's newest token and three drafts
+    out.append(engine.step([dataclasses.replace(chunk(0, pos[0], drafts, tables[0]), all_logits=True)],
+                           greedy=False))
+    out.append(engine.step([chunk(1, pos[1], [last[1]], tables[1]),
+                            chunk(0, pos[0] + 4, [5, 6, 7], tables[0])], greedy=False))
+    return out
+
+
+def test_steps_of_few_rows_run_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
+                                                         monkeypatch):
+    """paged_rows_layers (2 to 4 rows in one launch) gives every row the launches' logits, bit for bit."""
+    one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
+    assert one.paged_plans.one_launch_rows is not None and launches.paged_plans.one_launch_rows is None
+    five = one.step_inputs.rows([chunk(0, 0, [5, 6, 7, 8, 9], [0])])
+    assert not one.paged_plans.can_run_as_one_launch(five)  # past ONE_LAUNCH_ROWS
+    choices = {n: OneLaunchChoice(fixed=True, rows=n) for n in (2, 3, 4)}  # no tries of the other way
+    monkeypatch.setattr(one, "rows_launch_choices", choices)
+    prompts = [random_prompt(n, model_config.vocab_size, seed=30 + n) for n in (9, 26, 3)]
+    tables = scattered_tables(one, [n + 20 for n in (9, 26, 3)], seed=12)
+    got, want = few_rows_logits(one, prompts, tables), few_rows_logits(launches, prompts, tables)
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"step {i}")
+    # every step of 2-4 rows ran as one launch, but for any that gave up on a busy machine (redone by launches):
+    # the 3-token prompt, 8 decode steps of 3 rows, the chunk of 4, the chunk of 3 beside a decode
+    assert sum(c.ran[True] for c in choices.values()) >= 1
+    assert sum(c.ran[True] + c.gave_up for c in choices.values()) == 11
 
 def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
                                                                 model_config, caplog):

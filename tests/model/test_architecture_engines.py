@@ -176,6 +176,16 @@ def test_one_launch_where_decode_layers_computes_the_layer(case, device, monkeyp
     np.testing.assert_array_equal(decode_logits(e), decode_logits(launches))
     # the decode steps ran as one launch, but for any that gave up on a busy machine (redone by launches)
     assert choice.ran[True] + choice.gave_up == N_NEW - 1
+    # steps of 2-4 rows (paged_rows_layers): several sequences' decodes, chunks of 3 and 4
+    from tests.decode_fpga.test_paged_step import few_rows_logits, scattered_tables
+
+    choices = {n: OneLaunchChoice(fixed=True, rows=n) for n in (2, 3, 4)}
+    monkeypatch.setattr(e, "rows_launch_choices", choices)
+    prompts = [list(PROMPTS[0]), list(PROMPTS[0][:3]), list(PROMPTS[0]) * 2]
+    tables = scattered_tables(e, [len(p) + 20 for p in prompts], seed=14)
+    for i, (a, b) in enumerate(zip(few_rows_logits(e, prompts, tables), few_rows_logits(launches, prompts, tables))):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {i}")
+    assert sum(c.ran[True] + c.gave_up for c in choices.values()) == 11
 
 
 @pytest.mark.parametrize("engine_name", ["torch_engine", "ocl_engine"])

@@ -185,3 +185,123 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
         GEMV_ROWS(tab[17], HIDDEN, FF, F32(11), F16(12), U8(13), xl, xsl, x, 1);
     }
 }
+
+#ifdef ROWS
+// ---- several rows in one launch (ROWS at most): paged_rows_layers -------------------------------
+//
+// The step's rows r < n_rows[0] (decodes of several sequences, a speculative verify chunk, a short
+// prompt chunk; 2 to ROWS of them) through every layer in one launch, the phases of
+// paged_decode_layers with each row's arithmetic that of the launch-by-launch step: the GEMVs take
+// every row of x per block of weights (GEMV_ROW_N_F: each row ROW_DOT_F's terms), and attention runs
+// as the prefill launches run it, the RoPE and the KV write of every row first (a row of a chunk reads
+// the K and V of the rows before it), then each (row, query head) (paged_attend_row: the row's own
+// position last, the decode kernels' bits). Sync: sync[LINE (2 + 3 l)], [LINE (3 + 3 l)] and
+// [LINE (4 + 3 l)] count the KV items, heads and activation blocks taken in layer l.
+
+#define GEMV_ROWS_N_F(F, OUT, COLS, D, M, Q, Y, YS, ACCUMULATE)                                 \
+    do {                                                                                         \
+        const int g_ = get_group_id(0), ng_ = get_num_groups(0);                                 \
+        const int end_ = (int)(((long)(OUT) * (g_ + 1)) / ng_);                                  \
+        for (int o = (int)(((long)(OUT) * g_) / ng_); o < end_; ++o)                             \
+            GEMV_ROW_N_F(F, o, (D), (M), (Q), &xr[0][0], XL, &xsr[0][0], XL / 32, nr, (COLS), (Y), (YS), \
+                         (ACCUMULATE));                                                          \
+    } while (0)
+#define GEMV_ROWS_N(FMT, ...)                                                                    \
+    do {                                                                                         \
+        if (HAS_QFMT(40, 0) && (FMT) == 40) GEMV_ROWS_N_F(40, __VA_ARGS__);                      \
+        else if (HAS_QFMT(41, 1) && (FMT) == 41) GEMV_ROWS_N_F(41, __VA_ARGS__);                 \
+        else if (HAS_QFMT(80, 2) && (FMT) == 80) GEMV_ROWS_N_F(80, __VA_ARGS__);                 \
+        else if (HAS_QFMT(50, 3) && (FMT) == 50) GEMV_ROWS_N_F(50, __VA_ARGS__);                 \
+        else if (HAS_QFMT(51, 4) && (FMT) == 51) GEMV_ROWS_N_F(51, __VA_ARGS__);                 \
+        else if (HAS_QFMT(42, 5) && (FMT) == 42) GEMV_ROWS_N_F(42, __VA_ARGS__);                 \
+        else if (HAS_QFMT(52, 6) && (FMT) == 52) GEMV_ROWS_N_F(52, __VA_ARGS__);                 \
+        else if (HAS_QFMT(62, 7) && (FMT) == 62) GEMV_ROWS_N_F(62, __VA_ARGS__);                 \
+    } while (0)
+
+__kernel void paged_rows_layers(__global float *x, __global const uchar *w, __global const int *table,
+                                const int n_layers, const float eps,
+                                __global float *qkv, __global float *attn, __global float *attn_sums,
+                                __global float *gu, __global float *act, __global float *act_sums,
+                                __global const int *n_rows, __global const int *seq_of_row, __global const int *pos,
+                                __global const float *rope_cs, const float scale, __global float *pool,
+                                const long layer_elems, __global const int *block_tables, const int max_blocks,
+                                __global int *sync
+#ifdef QKV_BIAS
+                                , __global const float *qkv_bias
+#endif
+#ifdef QK_NORM
+                                , __global const float *qk_norm
+#endif
+                                )
+{
+    __local float xr[ROWS][XL], xsr[ROWS][XL / 32];  // the current phase's input rows and their block sums
+    const int nr = min(n_rows[0], ROWS);
+    int n = 0;  // barriers passed
+    long spun = 0;  // polls at them
+#define ROW_TABLE(r) (block_tables + (size_t)seq_of_row[r] * max_blocks)
+    for (int layer = 0; layer < n_layers; ++layer) {
+        __global const int *tab = table + TABLE_INTS * layer;
+        __global int *kv_taken = sync + LINE * (2 + 3 * layer), *heads_taken = sync + LINE * (3 + 3 * layer);
+        __global int *blocks_taken = sync + LINE * (4 + 3 * layer);
+        __global float *layer_pool = pool + layer * layer_elems;
+        if (layer > 0 && !all_arrived(sync, ++n, &spun)) return;  // the last layer's residual is complete
+
+        // 1. attention RMSNorm of every row, q|k|v
+        for (int r = 0; r < nr; ++r) RMS_NORM_ROW(xr[r], xsr[r], x + (size_t)r * HIDDEN, F32(0), eps, HIDDEN);
+        GEMV_ROWS_N(tab[14], QKV_ROWS, HIDDEN, F32(2), F16(3), U8(4), qkv, QKV_ROWS, 0);
+#ifdef QKV_BIAS
+        {  // this work-group's outputs of GEMV_ROWS_N, their biases added to every row
+            const int g_ = get_group_id(0), ng_ = get_num_groups(0);
+            __global const float *b_ = qkv_bias + (size_t)layer * QKV_ROWS;
+            for (int o = (int)(((long)QKV_ROWS * g_) / ng_); o < (int)(((long)QKV_ROWS * (g_ + 1)) / ng_); ++o)
+                for (int r = 0; r < nr; ++r) qkv[(size_t)r * QKV_ROWS + o] += b_[o];
+        }
+#endif
+        if (!all_arrived(sync, ++n, &spun)) return;
+
+        // 2. RoPE and the KV write of every row (paged_rope_store_kv's items), then attention a (row,
+        // query head) at a time
+        for (int t = atomic_inc(kv_taken); t < nr * N_KV * (GROUP + 1); t = atomic_inc(kv_taken)) {
+            const int r = t / (N_KV * (GROUP + 1)), g = (t % (N_KV * (GROUP + 1))) / (GROUP + 1);
+            paged_rope_store_item(qkv + (size_t)r * QKV_ROWS, g, t % (GROUP + 1), pos[r], rope_cs,
+                                  layer_pool + g * BLOCK_ELEMS, ROW_TABLE(r), QK_W(layer), eps);
+        }
+        if (!all_arrived(sync, ++n, &spun)) return;
+        for (int t = atomic_inc(heads_taken); t < nr * N_HEADS; t = atomic_inc(heads_taken)) {
+            const int r = t / N_HEADS, h = t % N_HEADS;
+            paged_attend_row(qkv, r, h, pos[r], layer_pool + (h / GROUP) * BLOCK_ELEMS, ROW_TABLE(r), scale, attn,
+                             attn_sums);
+        }
+        if (!all_arrived(sync, ++n, &spun)) return;
+
+        // 3. the output projection into the residual
+        for (int r = 0; r < nr; ++r) {
+            for (int i = 0; i < Q_DIM; ++i) xr[r][i] = attn[(size_t)r * Q_DIM + i];
+            for (int b = 0; b < Q_DIM / 32; ++b) xsr[r][b] = attn_sums[(size_t)r * (Q_DIM / 32) + b];
+        }
+        GEMV_ROWS_N(tab[15], HIDDEN, Q_DIM, F32(5), F16(6), U8(7), x, HIDDEN, 1);
+        if (!all_arrived(sync, ++n, &spun)) return;
+
+        // 4. MLP RMSNorm of every row, gate|up
+        for (int r = 0; r < nr; ++r) RMS_NORM_ROW(xr[r], xsr[r], x + (size_t)r * HIDDEN, F32(1), eps, HIDDEN);
+        GEMV_ROWS_N(tab[16], 2 * FF, HIDDEN, F32(8), F16(9), U8(10), gu, 2 * FF, 0);
+        if (!all_arrived(sync, ++n, &spun)) return;
+
+        // 5. silu(gate) * up, a row's 32-block at a time
+        for (int t = atomic_inc(blocks_taken); t < nr * (FF / 32); t = atomic_inc(blocks_taken)) {
+            const int r = t / (FF / 32), b = t % (FF / 32);
+            SILU_MUL_BLOCK(act_sums[(size_t)r * (FF / 32) + b], gu + (size_t)r * 2 * FF, gu + (size_t)r * 2 * FF + FF,
+                           b, act + (size_t)r * FF);
+        }
+        if (!all_arrived(sync, ++n, &spun)) return;
+
+        // 6. the down projection into the residual
+        for (int r = 0; r < nr; ++r) {
+            for (int i = 0; i < FF; ++i) xr[r][i] = act[(size_t)r * FF + i];
+            for (int b = 0; b < FF / 32; ++b) xsr[r][b] = act_sums[(size_t)r * (FF / 32) + b];
+        }
+        GEMV_ROWS_N(tab[17], HIDDEN, FF, F32(11), F16(12), U8(13), x, HIDDEN, 1);
+    }
+#undef ROW_TABLE
+}
+#endif

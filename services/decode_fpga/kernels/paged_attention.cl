@@ -15,8 +15,6 @@
 #include "head_vector.h"
 #include "paged_attention.h"
 
-#define QKV_ROW (Q_DIM + 2 * KV_DIM)
-
 // The RoPE angles' cosines and sines of every position, computed once at start-up:
 // rope_cs[pos][0:HALF] = cos, rope_cs[pos][HALF:HEAD_DIM] = sin. On PoCL cos/sin are
 // software routines (~20 us a launch when each decode step recomputed them).
@@ -50,15 +48,6 @@ __kernel void paged_kv_write(__global const float *src, const long src_base, con
     }
 }
 
-// A head vector in global memory, roped in place.
-inline void rope_in_place(__global float *v, const int pos, __global const float *rope_cs)
-{
-    float t[HEAD_DIM];
-    for (int i = 0; i < HEAD_DIM; ++i) t[i] = v[i];
-    rope(t, pos, rope_cs);
-    for (int i = 0; i < HEAD_DIM; ++i) v[i] = t[i];
-}
-
 // A prefill chunk's RoPE and KV write: work-item (r, g (GROUP + 1) + j) serves kv head g;
 // j == 0 ropes its K in qkv and stores K and V at pos[r]; j in 1..GROUP ropes query head g GROUP + j-1.
 // Global size (rows, N_KV (GROUP + 1)).
@@ -67,20 +56,8 @@ __kernel void paged_rope_store_kv(__global float *qkv, __global const int *seq_o
                                   const int max_blocks, __global float *pool, const long layer_base)
 {
     const int r = get_global_id(0), g = get_global_id(1) / (GROUP + 1), j = get_global_id(1) % (GROUP + 1);
-    __global float *row = qkv + (size_t)r * QKV_ROW;
-    if (j > 0) {
-        rope_in_place(row + (g * GROUP + j - 1) * HEAD_DIM, pos[r], rope_cs);
-        return;
-    }
-    __global float *k = row + Q_DIM + g * HEAD_DIM;
-    __global const float *v = row + Q_DIM + KV_DIM + g * HEAD_DIM;
-    rope_in_place(k, pos[r], rope_cs);
-    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
-    __global float *kd = paged_row(pool + layer_base + g * BLOCK_ELEMS, table, pos[r]);
-    for (int i = 0; i < HEAD_DIM / 4; ++i) {
-        vstore4(vload4(i, k), i, kd);
-        vstore4(vload4(i, v), i, kd + V_OFFSET);
-    }
+    paged_rope_store_item(qkv + (size_t)r * QKV_ROW, g, j, pos[r], rope_cs, pool + layer_base + g * BLOCK_ELEMS,
+                          block_tables + (size_t)seq_of_row[r] * max_blocks, 0, 0.0f);
 }
 
 // Prefill-chunk (and general) attention through block tables: row r
@@ -88,30 +65,16 @@ __kernel void paged_rope_store_kv(__global float *qkv, __global const int *seq_o
 // must already be in the pool (paged_kv_write / paged_rope_store_kv of the chunk first). A chunk
 // of C tokens at [start, start + C) is C rows at those positions: each sees the cached context
 // and the chunk's tokens up to itself, which is the causal mask. Rows of several sequences mix
-// freely. The row's own position joins last, after the positions before it, as in a decode step
-// (paged_attend_decode), so a chunk's row is the bits of the same token decoded alone: a verify
-// step's rows (speculation) are the decode steps' (a row's own position inside the tiles of 16 rounded
-// otherwise, which int8 activations turned into other tokens). Work-item (r, h): query head h.
-// Global size (rows, N_KV GROUP).
+// freely. The row's own position joins last, as in a decode step (paged_attend_row,
+// paged_attention.h). Work-item (r, h): query head h. Global size (rows, N_KV GROUP).
 __kernel void paged_attention(__global const float *qkv, __global const int *seq_of_row, __global const int *pos,
                               __global const int *block_tables, const int max_blocks, __global const float *pool,
                               const long layer_base, const float scale, __global float *out,
                               __global float *out_sums)
 {
     const int r = get_global_id(0), h = get_global_id(1);
-    __global const float *q = qkv + (size_t)r * QKV_ROW + h * HEAD_DIM;
-    __global const int *table = block_tables + (size_t)seq_of_row[r] * max_blocks;
-    __global const float *K = pool + layer_base + (h / GROUP) * BLOCK_ELEMS;
-    const int p = pos[r];
-    hvec qv[NV];
-    for (int i = 0; i < NV; ++i) qv[i] = VLOADH(i, q);
-    __global const float *kp = paged_row_c(K, table, p);  // the row's own key and value
-    const float s_own = dot_head(qv, kp) * scale;
-    const float m = paged_max_score(qv, K, table, p, scale, s_own);
-    hvec acc[NV];
-    for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
-    const float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
-    store_with_new(acc, denom, s_own, m, kp + V_OFFSET, r, h, out, out_sums);
+    paged_attend_row(qkv, r, h, pos[r], pool + layer_base + (h / GROUP) * BLOCK_ELEMS,
+                     block_tables + (size_t)seq_of_row[r] * max_blocks, scale, out, out_sums);
 }
 
 // A decode step's RoPE, KV write and attention in one launch (one command per layer instead of two;

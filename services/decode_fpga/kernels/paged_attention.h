@@ -142,3 +142,64 @@ inline void paged_attend_decode(__global const float *qkv, const int r, const in
     const float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
     store_with_new(acc, denom, s_new, m, v_new, r, h, out, out_sums);
 }
+
+// ---- a chunk's rows (paged_attention.cl's prefill kernels, decode_layers.cl's several-row step) ----
+
+#ifndef QKV_ROW
+#define QKV_ROW (Q_DIM + 2 * KV_DIM)
+#endif
+
+// A head vector in global memory, normalized (qk_w not 0: Qwen3's per-head RMSNorm, head_norm_private:
+// arch_ops.cl's head_rms_norm's bits) and roped, in place.
+inline void norm_rope_in_place(__global float *v, const int pos, __global const float *rope_cs,
+                               __global const float *qk_w, const float qk_eps)
+{
+    float t[HEAD_DIM];
+    for (int i = 0; i < HEAD_DIM; ++i) t[i] = v[i];
+    if (qk_w) head_norm_private(t, qk_w, qk_eps);
+    rope(t, pos, rope_cs);
+    for (int i = 0; i < HEAD_DIM; ++i) v[i] = t[i];
+}
+
+// Item j of kv head g of the q|k|v row `row` at position p: j == 0 ropes the head's K in place and
+// stores K and V at p (K: the layer's base + g * BLOCK_ELEMS); j in 1..GROUP ropes query head
+// g GROUP + j - 1 in place. qk_w: as paged_attend_decode's (q_norm | k_norm), or 0.
+inline void paged_rope_store_item(__global float *row, const int g, const int j, const int p,
+                                  __global const float *rope_cs, __global float *K, __global const int *table,
+                                  __global const float *qk_w, const float qk_eps)
+{
+    if (j > 0) {
+        norm_rope_in_place(row + (g * GROUP + j - 1) * HEAD_DIM, p, rope_cs, qk_w, qk_eps);
+        return;
+    }
+    __global float *k = row + Q_DIM + g * HEAD_DIM;
+    __global const float *v = row + Q_DIM + KV_DIM + g * HEAD_DIM;
+    norm_rope_in_place(k, p, rope_cs, qk_w ? qk_w + HEAD_DIM : 0, qk_eps);
+    __global float *kd = paged_row(K, table, p);
+    for (int i = 0; i < HEAD_DIM / 4; ++i) {
+        vstore4(vload4(i, k), i, kd);
+        vstore4(vload4(i, v), i, kd + V_OFFSET);
+    }
+}
+
+// Query head h of row r (roped, in qkv) at position p over positions [0, p] of its sequence, whose K
+// and V are in the pool (K: the layer's base + (h / GROUP) * BLOCK_ELEMS). The row's own position
+// joins last, after the positions before it, as in a decode step (paged_attend_decode), so a chunk's
+// row is the bits of the same token decoded alone: a verify step's rows (speculation) are the decode
+// steps' (a row's own position inside the tiles of 16 rounded otherwise, which int8 activations
+// turned into other tokens).
+inline void paged_attend_row(__global const float *qkv, const int r, const int h, const int p,
+                             __global const float *K, __global const int *table, const float scale,
+                             __global float *out, __global float *out_sums)
+{
+    __global const float *q = qkv + (size_t)r * QKV_ROW + h * HEAD_DIM;
+    hvec qv[NV];
+    for (int i = 0; i < NV; ++i) qv[i] = VLOADH(i, q);
+    __global const float *kp = paged_row_c(K, table, p);  // the row's own key and value
+    const float s_own = dot_head(qv, kp) * scale;
+    const float m = paged_max_score(qv, K, table, p, scale, s_own);
+    hvec acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = (hvec)(0.0f);
+    const float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
+    store_with_new(acc, denom, s_own, m, kp + V_OFFSET, r, h, out, out_sums);
+}

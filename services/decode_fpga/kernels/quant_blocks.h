@@ -274,6 +274,87 @@ inline void block_terms_f(const int F, __global const uchar *q, const int b, __g
         (Y)[O] = (ACCUMULATE) ? (Y)[O] + acc_o_ : acc_o_;                                      \
     } while (0)
 
+// GEMV_ROW_F for the NR rows of X (at most ROWS, a compile-time bound; row r at X + r XS, its block
+// sums at XSUM + r XSS) into Y[r YS + O]: each row's terms are ROW_DOT_F's, in its order and into its
+// two accumulators, so each row gets the bits GEMV_ROW_F gives it alone; each block's weights are
+// converted once for all the rows (decode_layers.cl's several-row step).
+#define GEMV_ROW_N_F(F, O, D, M, Q, X, XS, XSUM, XSS, NR, COLS, Y, YS, ACCUMULATE)                 \
+    do {                                                                                       \
+        const int nb_ = (COLS) / 32, nbp_ = (nb_ + 3) & ~3;                                    \
+        __global const float *drow_ = DROW_AT_F(F, (D), (O), nbp_);                            \
+        __global const half *mrow_ = MROW_AT_F(F, (M), (O), nbp_);                             \
+        __global const uchar *qrow_ = (Q) + (size_t)(O) * nb_ * QBYTES_F(F);                   \
+        float8 a0_[ROWS], a1_[ROWS];                                                           \
+        float4 ms_[ROWS];                                                                      \
+        float16 w0_, w1_;                                                                      \
+        for (int r_ = 0; r_ < (NR); ++r_) {                                                    \
+            a0_[r_] = (float8)(0.0f); a1_[r_] = a0_[r_]; ms_[r_] = (float4)(0.0f);             \
+        }                                                                                      \
+        if (KQ_F(F)) { /* whole super-blocks: KQ_SUPER_F's terms, a row at a time per block */ \
+            for (int s_ = 0; s_ < nb_ / 8; ++s_) {                                             \
+                const float16 k_ = KQ_BYTES_F(F, mrow_, s_);                                   \
+                const float16 sc_ = drow_[(F) == 62 ? s_ : 2 * s_] * k_;                       \
+                if (HAS_MINS_F(F)) {                                                           \
+                    const float8 mn_ = -drow_[2 * s_ + 1] * k_.odd;                            \
+                    for (int r_ = 0; r_ < (NR); ++r_) {                                        \
+                        ms_[r_] = fma(mn_.lo, vload4(2 * s_, (XSUM) + r_ * (XSS)), ms_[r_]);   \
+                        ms_[r_] = fma(mn_.hi, vload4(2 * s_ + 1, (XSUM) + r_ * (XSS)), ms_[r_]); \
+                    }                                                                          \
+                }                                                                              \
+                const float sc8_[16] = {sc_.s0, sc_.s1, sc_.s2, sc_.s3, sc_.s4, sc_.s5, sc_.s6, sc_.s7, \
+                                        sc_.s8, sc_.s9, sc_.sa, sc_.sb, sc_.sc, sc_.sd, sc_.se, sc_.sf}; \
+                for (int k8_ = 0; k8_ < 8; k8_ += 2) {                                         \
+                    block_weights_f((F), qrow_, 8 * s_ + k8_, &w0_, &w1_);                      \
+                    for (int r_ = 0; r_ < (NR); ++r_)                                          \
+                        SCALES_ACC_F(F, a0_[r_], w0_, w1_, (X) + r_ * (XS), 8 * s_ + k8_,      \
+                                     sc8_[2 * k8_], sc8_[2 * k8_ + 1]);                         \
+                    block_weights_f((F), qrow_, 8 * s_ + k8_ + 1, &w0_, &w1_);                  \
+                    for (int r_ = 0; r_ < (NR); ++r_)                                          \
+                        SCALES_ACC_F(F, a1_[r_], w0_, w1_, (X) + r_ * (XS), 8 * s_ + k8_ + 1,  \
+                                     sc8_[2 * k8_ + 2], sc8_[2 * k8_ + 3]);                     \
+                }                                                                              \
+            }                                                                                  \
+            for (int r_ = 0; r_ < (NR); ++r_) {                                                \
+                float acc_ = hsum8(a0_[r_] + a1_[r_]);                                          \
+                if (HAS_MINS_F(F)) acc_ += (ms_[r_].x + ms_[r_].y) + (ms_[r_].z + ms_[r_].w);  \
+                __global float *y_ = (Y) + (size_t)r_ * (YS) + (O);                            \
+                *y_ = (ACCUMULATE) ? *y_ + acc_ : acc_;                                        \
+            }                                                                                  \
+            break; /* out of this do-while: the rows are done */                              \
+        }                                                                                      \
+        int b_ = 0;                                                                            \
+        for (; b_ + 2 <= nb_; b_ += 2) {                                                       \
+            block_weights_f((F), qrow_, b_, &w0_, &w1_);                                       \
+            for (int r_ = 0; r_ < (NR); ++r_)                                                  \
+                BLOCK_ACC_F(F, a0_[r_], w0_, w1_, (X) + r_ * (XS), b_, drow_, mrow_);          \
+            block_weights_f((F), qrow_, b_ + 1, &w0_, &w1_);                                   \
+            for (int r_ = 0; r_ < (NR); ++r_)                                                  \
+                BLOCK_ACC_F(F, a1_[r_], w0_, w1_, (X) + r_ * (XS), b_ + 1, drow_, mrow_);      \
+        }                                                                                      \
+        if (b_ < nb_) {                                                                        \
+            block_weights_f((F), qrow_, b_, &w0_, &w1_);                                       \
+            for (int r_ = 0; r_ < (NR); ++r_)                                                  \
+                BLOCK_ACC_F(F, a0_[r_], w0_, w1_, (X) + r_ * (XS), b_, drow_, mrow_);          \
+        }                                                                                      \
+        for (int r_ = 0; r_ < (NR); ++r_) {                                                    \
+            float acc_ = hsum8(a0_[r_] + a1_[r_]);                                              \
+            if (HAS_MINS_F(F)) {                                                               \
+                const int ng_ = nb_ / 4;                                                       \
+                float4 m4s_ = (float4)(0.0f);                                                  \
+                for (int g_ = 0; g_ < ng_; ++g_)                                               \
+                    m4s_ = fma(LOAD_MIN4_F(F, g_, mrow_, drow_), vload4(g_, (XSUM) + r_ * (XSS)), m4s_); \
+                acc_ += (m4s_.x + m4s_.y) + (m4s_.z + m4s_.w);                                 \
+                if (nb_ > 4 * ng_) {                                                           \
+                    const float4 m4_ = LOAD_MIN4_F(F, ng_, mrow_, drow_);                      \
+                    for (int b2_ = 4 * ng_; b2_ < nb_; ++b2_)                                  \
+                        acc_ += pick4(m4_, b2_ & 3) * ((XSUM) + r_ * (XSS))[b2_];              \
+                }                                                                              \
+            }                                                                                  \
+            __global float *y_ = (Y) + (size_t)r_ * (YS) + (O);                                \
+            *y_ = (ACCUMULATE) ? *y_ + acc_ : acc_;                                            \
+        }                                                                                      \
+    } while (0)
+
 // ---- the one-format names, for the kernels built with -DQFMT ----
 #ifdef QFMT
 #define QBYTES QBYTES_F(QFMT)
