@@ -32,6 +32,7 @@ from services.decode_fpga.device_logprobs import DeviceLogprobs
 from services.decode_fpga.device_weights import DeviceWeights
 from services.decode_fpga.launch import Launch, RowLaunch, bind_rows
 from services.decode_fpga.one_launch_choice import BARRIER_SPIN_LIMIT
+from services.decode_fpga.paged_attention import scores_positions
 from services.decode_fpga.paged_kv_store import PagedKVStore
 from services.decode_fpga.paged_step_rows import PagedStepInputs, StepRows
 from services.decode_fpga.scratch import SYNC_LINE, Scratch, blocks32
@@ -145,9 +146,12 @@ class PagedStepPlans:
         return out
 
     def _layers_program(self, rows: int | None = None) -> cl.Program:
-        """decode_layers.cl for this model and pool; rows: its several-row kernel's bound (ROWS)."""
+        """decode_layers.cl for this model and pool; rows: its several-row kernel's bound (ROWS), whose
+        attention takes a kv head's query heads at once (MAX_POS) where the scores fit (PagedAttention)."""
         c, packed, st = self.cfg, self.weights.packed, self.store
-        return self.dev.build("decode_layers.cl", {
+        max_pos = ({"MAX_POS": scores_positions(st.max_blocks * st.layout.block_size)}
+                   if rows and st.kernels.scores_fit(st.max_blocks) else {})
+        return self.dev.build("decode_layers.cl", {**max_pos,
             "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
             "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,

@@ -302,11 +302,18 @@ def few_rows_logits(engine, prompts, tables):
     return out
 
 
+@pytest.mark.parametrize("group_attention", [True, False], ids=["kv-head-items", "query-head-items"])
 def test_steps_of_few_rows_run_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
-                                                         monkeypatch):
-    """paged_rows_layers (2 to 4 rows in one launch) gives every row the launches' logits, bit for bit."""
+                                                         monkeypatch, group_attention):
+    """paged_rows_layers (2 to 4 rows in one launch) gives every row the launches' logits, bit for bit, with
+    its attention a kv head's query heads at once (a CPU's, where the scores fit in local memory) or a query
+    head at a time (elsewhere)."""
     one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
     assert one.paged_plans.one_launch_rows is not None and launches.paged_plans.one_launch_rows is None
+    assert one.paged.kernels.scores_fit(one.paged.max_blocks)  # PoCL: the kv-head items by default
+    if not group_attention:
+        monkeypatch.setattr(one.paged.kernels, "scores_fit", lambda max_blocks: False)
+        monkeypatch.setattr(one.paged_plans, "one_launch_rows", one.paged_plans._bind_rows_launch(one.fit.layer_groups))
     five = one.step_inputs.rows([chunk(0, 0, [5, 6, 7, 8, 9], [0])])
     assert not one.paged_plans.can_run_as_one_launch(five)  # past ONE_LAUNCH_ROWS
     choices = {n: OneLaunchChoice(fixed=True, rows=n) for n in (2, 3, 4)}  # no tries of the other way

@@ -195,8 +195,10 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
 // every row of x per block of weights (GEMV_ROW_N_F: each row ROW_DOT_F's terms), and attention runs
 // as the prefill launches run it, the RoPE and the KV write of every row first (a row of a chunk reads
 // the K and V of the rows before it), then each (row, query head) (paged_attend_row: the row's own
-// position last, the decode kernels' bits). Sync: sync[LINE (2 + 3 l)], [LINE (3 + 3 l)] and
-// [LINE (4 + 3 l)] count the KV items, heads and activation blocks taken in layer l.
+// position last, the decode kernels' bits), or with MAX_POS (a CPU's local memory holds a kv head's
+// scores) each (row, kv head) with its query heads at once (paged_attend_group, the same bits).
+// Sync: sync[LINE (2 + 3 l)], [LINE (3 + 3 l)] and [LINE (4 + 3 l)] count the KV items, heads (or kv
+// heads) and activation blocks taken in layer l.
 
 #define GEMV_ROWS_N_F(F, OUT, COLS, D, M, Q, Y, YS, ACCUMULATE)                                 \
     do {                                                                                         \
@@ -235,6 +237,9 @@ __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __gl
                                 )
 {
     __local float xr[ROWS][XL], xsr[ROWS][XL / 32];  // the current phase's input rows and their block sums
+#ifdef MAX_POS
+    __local float scores[GROUP][MAX_POS];  // paged_attend_group's: a kv head's scores of one row
+#endif
     const int nr = min(n_rows[0], ROWS);
     int n = 0;  // barriers passed
     long spun = 0;  // polls at them
@@ -267,11 +272,19 @@ __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __gl
                                   layer_pool + g * BLOCK_ELEMS, ROW_TABLE(r), QK_W(layer), eps);
         }
         if (!all_arrived(sync, ++n, &spun)) return;
+#ifdef MAX_POS  // a (row, kv head) at a time, each cached score computed once for its GROUP query heads
+        for (int t = atomic_inc(heads_taken); t < nr * N_KV; t = atomic_inc(heads_taken)) {
+            const int r = t / N_KV, g = t % N_KV;
+            paged_attend_group(qkv, r, g, pos[r], layer_pool + g * BLOCK_ELEMS, ROW_TABLE(r), scale, scores, attn,
+                               attn_sums);
+        }
+#else
         for (int t = atomic_inc(heads_taken); t < nr * N_HEADS; t = atomic_inc(heads_taken)) {
             const int r = t / N_HEADS, h = t % N_HEADS;
             paged_attend_row(qkv, r, h, pos[r], layer_pool + (h / GROUP) * BLOCK_ELEMS, ROW_TABLE(r), scale, attn,
                              attn_sums);
         }
+#endif
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 3. the output projection into the residual

@@ -203,3 +203,114 @@ inline void paged_attend_row(__global const float *qkv, const int r, const int h
     const float denom = paged_weigh_values(qv, K, table, p, scale, m, acc);
     store_with_new(acc, denom, s_own, m, kp + V_OFFSET, r, h, out, out_sums);
 }
+
+#ifdef MAX_POS
+// ---- a CPU's attention of a kv head's GROUP query heads at once (the *_scores kernels) ----
+// hsum (head_vector.h) of 16 head vectors at once: lane k of the result is hsum(a[k]) by the same
+// tree of additions (lane i + lane i + 8, then + lane i + 4, then (x + y) + (z + w)), so the same bits,
+// with the additions of 16 positions sharing vector instructions.
+inline float16 hsum16_lanes(const float16 *a)
+{
+    float16 b[8], c[4], d[2];
+    for (int k = 0; k < 8; ++k) b[k] = (float16)(a[2 * k].lo, a[2 * k + 1].lo) + (float16)(a[2 * k].hi, a[2 * k + 1].hi);
+    for (int k = 0; k < 4; ++k)
+        c[k] = (float16)(b[2 * k].s0123, b[2 * k].s89ab, b[2 * k + 1].s0123, b[2 * k + 1].s89ab)
+             + (float16)(b[2 * k].s4567, b[2 * k].scdef, b[2 * k + 1].s4567, b[2 * k + 1].scdef);
+    for (int k = 0; k < 2; ++k) d[k] = (float16)(c[2 * k].even, c[2 * k + 1].even) + (float16)(c[2 * k].odd, c[2 * k + 1].odd);
+    return (float16)(d[0].even, d[1].even) + (float16)(d[0].odd, d[1].odd);
+}
+
+// The first pass of the *_scores kernels: the scaled scores of positions [0, n) of a kv head's GROUP
+// query heads into `scores`, computed once each, and into m[j] the largest of m[j] and head j's scores.
+// A score is the same expression as paged_weigh_values' (tiles of 16 reduce with hsum16_lanes), and fmax
+// gives the same maximum in any order.
+inline void group_scores(hvec qv[GROUP][NV], __global const float *K, __global const int *table, const int n,
+                         const float scale, __local float scores[GROUP][MAX_POS], float *m)
+{
+    float16 top[GROUP];
+    for (int j = 0; j < GROUP; ++j) top[j] = (float16)(-INFINITY);
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        __global const float *kt = paged_row_c(K, table, t);  // a tile within one block
+        for (int j = 0; j < GROUP; ++j) {
+            float16 a[16];
+            for (int k = 0; k < 16; ++k) a[k] = dot_lanes(qv[j], kt + (size_t)k * HEAD_DIM);
+            const float16 s = hsum16_lanes(a) * scale;
+            vstore16(s, 0, &scores[j][t]);
+            top[j] = fmax(top[j], s);
+        }
+    }
+    for (int j = 0; j < GROUP; ++j) {
+        const float8 m8 = fmax(top[j].lo, top[j].hi);
+        const float4 m4 = fmax(m8.lo, m8.hi);
+        m[j] = fmax(m[j], fmax(fmax(m4.x, m4.y), fmax(m4.z, m4.w)));
+    }
+    for (; t < n; ++t) {
+        __global const float *kr = paged_row_c(K, table, t);
+        for (int j = 0; j < GROUP; ++j) {
+            scores[j][t] = dot_head(qv[j], kr) * scale;
+            m[j] = fmax(m[j], scores[j][t]);
+        }
+    }
+}
+
+// The second pass: paged_weigh_values' tiles of 16 positions of [0, n), then its tail, for the GROUP
+// heads at once (each V row loaded once for all of them): acc[j] += exp(s_t - m[j]) V[t]; denom[j]:
+// the sum of head j's weights, tile for tile paged_weigh_values' bits.
+inline void group_weigh(__global const float *K, __global const int *table, const int n,
+                        __local float scores[GROUP][MAX_POS], const float *m, hvec acc[GROUP][NV], float *denom)
+{
+    float16 wsum[GROUP];
+    for (int j = 0; j < GROUP; ++j) {
+        wsum[j] = (float16)(0.0f);
+        for (int i = 0; i < NV; ++i) acc[j][i] = (hvec)(0.0f);
+    }
+    int t = 0;
+    for (; t + 16 <= n; t += 16) {
+        __global const float *vt = paged_row_c(K, table, t) + V_OFFSET;
+        float w[GROUP][16];
+        for (int j = 0; j < GROUP; ++j) {
+            const float16 w16 = exp(vload16(0, &scores[j][t]) - (float16)(m[j]));
+            vstore16(w16, 0, w[j]);
+            wsum[j] += w16;
+        }
+        for (int k = 0; k < 16; ++k)
+            for (int i = 0; i < NV; ++i) {
+                const hvec v = VLOADH(i, vt + (size_t)k * HEAD_DIM);
+                for (int j = 0; j < GROUP; ++j) acc[j][i] = fma((hvec)(w[j][k]), v, acc[j][i]);
+            }
+    }
+    for (int j = 0; j < GROUP; ++j) {
+        const float8 w8 = wsum[j].lo + wsum[j].hi;
+        const float4 w4 = w8.lo + w8.hi;
+        denom[j] = (w4.x + w4.y) + (w4.z + w4.w);
+        for (int u = t; u < n; ++u) {
+            __global const float *vr = paged_row_c(K, table, u) + V_OFFSET;
+            const float w = exp(scores[j][u] - m[j]);
+            denom[j] += w;
+            for (int i = 0; i < NV; ++i) acc[j][i] = fma((hvec)(w), VLOADH(i, vr), acc[j][i]);
+        }
+    }
+}
+
+// paged_attention_scores' work: the GROUP query heads of kv head g of row r (roped, in qkv) at position
+// p, each cached score computed once into `scores`, the row's own position last (paged_attend_row's
+// bits). K: the layer's base + g * BLOCK_ELEMS.
+inline void paged_attend_group(__global const float *qkv, const int r, const int g, const int p,
+                               __global const float *K, __global const int *table, const float scale,
+                               __local float scores[GROUP][MAX_POS], __global float *out, __global float *out_sums)
+{
+    __global const float *kp = paged_row_c(K, table, p);  // the row's own key and value, joining last
+    hvec qv[GROUP][NV];
+    float s_own[GROUP], m[GROUP], denom[GROUP];
+    for (int j = 0; j < GROUP; ++j) {
+        for (int i = 0; i < NV; ++i) qv[j][i] = VLOADH(i, qkv + (size_t)r * QKV_ROW + (g * GROUP + j) * HEAD_DIM);
+        m[j] = s_own[j] = dot_head(qv[j], kp) * scale;
+    }
+    group_scores(qv, K, table, p, scale, scores, m);  // the positions before it, [0, p)
+    hvec acc[GROUP][NV];
+    group_weigh(K, table, p, scores, m, acc, denom);
+    for (int j = 0; j < GROUP; ++j)
+        store_with_new(acc[j], denom[j], s_own[j], m[j], kp + V_OFFSET, r, g * GROUP + j, out, out_sums);
+}
+#endif
