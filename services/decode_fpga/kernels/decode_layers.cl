@@ -90,20 +90,21 @@ inline bool all_arrived(__global int *sync, const int n, long *spun)
             GEMV_ROW_F(F, o, (D), (M), (Q), (XV), (XSV), (COLS), (Y), (ACCUMULATE));             \
     } while (0)
 
-// GEMV_ROWS_F for the matrix's format FMT (a run-time value from the table): one branch per
-// format in QFMT_SET (quant_gemv.py's QFMT_BITS), each compiled for its constant format
+// M(F, ...) for the matrix's format FMT (a run-time value from the table): one branch per format
+// in QFMT_SET (quant_gemv.py's QFMT_BITS), each compiled for its constant format
 #define HAS_QFMT(F, BIT) (((QFMT_SET) >> (BIT)) & 1)
-#define GEMV_ROWS(FMT, ...)                                                                      \
+#define BY_QFMT(FMT, M, ...)                                                                     \
     do {                                                                                         \
-        if (HAS_QFMT(40, 0) && (FMT) == 40) GEMV_ROWS_F(40, __VA_ARGS__);                        \
-        else if (HAS_QFMT(41, 1) && (FMT) == 41) GEMV_ROWS_F(41, __VA_ARGS__);                   \
-        else if (HAS_QFMT(80, 2) && (FMT) == 80) GEMV_ROWS_F(80, __VA_ARGS__);                   \
-        else if (HAS_QFMT(50, 3) && (FMT) == 50) GEMV_ROWS_F(50, __VA_ARGS__);                   \
-        else if (HAS_QFMT(51, 4) && (FMT) == 51) GEMV_ROWS_F(51, __VA_ARGS__);                   \
-        else if (HAS_QFMT(42, 5) && (FMT) == 42) GEMV_ROWS_F(42, __VA_ARGS__);                   \
-        else if (HAS_QFMT(52, 6) && (FMT) == 52) GEMV_ROWS_F(52, __VA_ARGS__);                   \
-        else if (HAS_QFMT(62, 7) && (FMT) == 62) GEMV_ROWS_F(62, __VA_ARGS__);                   \
+        if (HAS_QFMT(40, 0) && (FMT) == 40) M(40, __VA_ARGS__);                                  \
+        else if (HAS_QFMT(41, 1) && (FMT) == 41) M(41, __VA_ARGS__);                             \
+        else if (HAS_QFMT(80, 2) && (FMT) == 80) M(80, __VA_ARGS__);                             \
+        else if (HAS_QFMT(50, 3) && (FMT) == 50) M(50, __VA_ARGS__);                             \
+        else if (HAS_QFMT(51, 4) && (FMT) == 51) M(51, __VA_ARGS__);                             \
+        else if (HAS_QFMT(42, 5) && (FMT) == 42) M(42, __VA_ARGS__);                             \
+        else if (HAS_QFMT(52, 6) && (FMT) == 52) M(52, __VA_ARGS__);                             \
+        else if (HAS_QFMT(62, 7) && (FMT) == 62) M(62, __VA_ARGS__);                             \
     } while (0)
+#define GEMV_ROWS(FMT, ...) BY_QFMT(FMT, GEMV_ROWS_F, __VA_ARGS__)
 
 #define F32(k) ((__global const float *)(w + tab[k]))
 #define F16(k) ((__global const half *)(w + tab[k]))
@@ -115,6 +116,17 @@ inline bool all_arrived(__global int *sync, const int n, long *spun)
 #define QK_W(layer) 0
 #endif
 
+// the architecture's arguments, last, where it has those parts (arch_parts.py's one_launch_args)
+#if defined(QKV_BIAS) && defined(QK_NORM)
+#define ARCH_ARGS , __global const float *qkv_bias, __global const float *qk_norm
+#elif defined(QKV_BIAS)
+#define ARCH_ARGS , __global const float *qkv_bias
+#elif defined(QK_NORM)
+#define ARCH_ARGS , __global const float *qk_norm
+#else
+#define ARCH_ARGS
+#endif
+
 // pool: [n_layers][num_blocks][2][N_KV][BLOCK_SIZE][HEAD_DIM], layer_elems floats a layer;
 // row 0 is sequence seq_of_row[0] (its table: block_tables[seq_of_row[0]][0:max_blocks]) at pos[0]
 __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __global const int *table,
@@ -124,14 +136,7 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
                                   __global const int *seq_of_row, __global const int *pos,
                                   __global const float *rope_cs, const float scale, __global float *pool,
                                   const long layer_elems, __global const int *block_tables, const int max_blocks,
-                                  __global int *sync
-#ifdef QKV_BIAS
-                                  , __global const float *qkv_bias
-#endif
-#ifdef QK_NORM
-                                  , __global const float *qk_norm
-#endif
-                                  )
+                                  __global int *sync ARCH_ARGS)
 {
     __global const int *seq_table = block_tables + (size_t)seq_of_row[0] * max_blocks;
 #define ATTEND_HEAD(h) paged_attend_decode(qkv, 0, (h) / GROUP, (h) % GROUP, p, rope_cs, scale,             \
@@ -208,17 +213,13 @@ __kernel void paged_decode_layers(__global float *x, __global const uchar *w, __
             GEMV_ROW_N_F(F, o, (D), (M), (Q), &xr[0][0], XL, &xsr[0][0], XL / 32, nr, (COLS), (Y), (YS), \
                          (ACCUMULATE));                                                          \
     } while (0)
-#define GEMV_ROWS_N(FMT, ...)                                                                    \
-    do {                                                                                         \
-        if (HAS_QFMT(40, 0) && (FMT) == 40) GEMV_ROWS_N_F(40, __VA_ARGS__);                      \
-        else if (HAS_QFMT(41, 1) && (FMT) == 41) GEMV_ROWS_N_F(41, __VA_ARGS__);                 \
-        else if (HAS_QFMT(80, 2) && (FMT) == 80) GEMV_ROWS_N_F(80, __VA_ARGS__);                 \
-        else if (HAS_QFMT(50, 3) && (FMT) == 50) GEMV_ROWS_N_F(50, __VA_ARGS__);                 \
-        else if (HAS_QFMT(51, 4) && (FMT) == 51) GEMV_ROWS_N_F(51, __VA_ARGS__);                 \
-        else if (HAS_QFMT(42, 5) && (FMT) == 42) GEMV_ROWS_N_F(42, __VA_ARGS__);                 \
-        else if (HAS_QFMT(52, 6) && (FMT) == 52) GEMV_ROWS_N_F(52, __VA_ARGS__);                 \
-        else if (HAS_QFMT(62, 7) && (FMT) == 62) GEMV_ROWS_N_F(62, __VA_ARGS__);                 \
-    } while (0)
+#define GEMV_ROWS_N(FMT, ...) BY_QFMT(FMT, GEMV_ROWS_N_F, __VA_ARGS__)
+// the step's rows of SRC [rows, COLS] and their block sums SUMS into xr and xsr, a GEMV's input
+#define LOAD_ROWS(SRC, SUMS, COLS)                                                               \
+    for (int r = 0; r < nr; ++r) {                                                               \
+        for (int i = 0; i < (COLS); ++i) xr[r][i] = (SRC)[(size_t)r * (COLS) + i];               \
+        for (int b = 0; b < (COLS) / 32; ++b) xsr[r][b] = (SUMS)[(size_t)r * ((COLS) / 32) + b]; \
+    }
 
 __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __global const int *table,
                                 const int n_layers, const float eps,
@@ -227,14 +228,7 @@ __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __gl
                                 __global const int *n_rows, __global const int *seq_of_row, __global const int *pos,
                                 __global const float *rope_cs, const float scale, __global float *pool,
                                 const long layer_elems, __global const int *block_tables, const int max_blocks,
-                                __global int *sync
-#ifdef QKV_BIAS
-                                , __global const float *qkv_bias
-#endif
-#ifdef QK_NORM
-                                , __global const float *qk_norm
-#endif
-                                )
+                                __global int *sync ARCH_ARGS)
 {
     __local float xr[ROWS][XL], xsr[ROWS][XL / 32];  // the current phase's input rows and their block sums
 #ifdef MAX_POS
@@ -288,10 +282,7 @@ __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __gl
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 3. the output projection into the residual
-        for (int r = 0; r < nr; ++r) {
-            for (int i = 0; i < Q_DIM; ++i) xr[r][i] = attn[(size_t)r * Q_DIM + i];
-            for (int b = 0; b < Q_DIM / 32; ++b) xsr[r][b] = attn_sums[(size_t)r * (Q_DIM / 32) + b];
-        }
+        LOAD_ROWS(attn, attn_sums, Q_DIM);
         GEMV_ROWS_N(tab[15], HIDDEN, Q_DIM, F32(5), F16(6), U8(7), x, HIDDEN, 1);
         if (!all_arrived(sync, ++n, &spun)) return;
 
@@ -309,10 +300,7 @@ __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __gl
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 6. the down projection into the residual
-        for (int r = 0; r < nr; ++r) {
-            for (int i = 0; i < FF; ++i) xr[r][i] = act[(size_t)r * FF + i];
-            for (int b = 0; b < FF / 32; ++b) xsr[r][b] = act_sums[(size_t)r * (FF / 32) + b];
-        }
+        LOAD_ROWS(act, act_sums, FF);
         GEMV_ROWS_N(tab[17], HIDDEN, FF, F32(11), F16(12), U8(13), x, HIDDEN, 1);
     }
 #undef ROW_TABLE
