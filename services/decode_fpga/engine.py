@@ -18,8 +18,8 @@ logits (on PoCL a waited launch costs ~48 µs, an enqueue ~2.4 µs).
 A step of one decode row, or of 2-4 rows, on a CPU device runs either as one launch (paged_plans.py's
 one_launch and one_launch_rows, decode_layers.cl, enqueued whole behind a user event before it starts) or
 launch by launch, whichever has been faster lately (one_launch_choice.py, a choice per row count: the one
-launch stalls when another process takes one of its cores). If its work-groups fail to run at once, the step is redone launch by launch
-and counts as a failure.
+launch stalls when another process takes one of its cores). If its work-groups fail to run at once, the
+step is redone launch by launch and counts as a failure.
 """
 from __future__ import annotations
 

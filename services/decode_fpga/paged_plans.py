@@ -145,24 +145,29 @@ class PagedStepPlans:
             out.append(("all", spanning(ak.add_bias(s.x, ext.b_down, c.hidden, 1))))
         return out
 
-    def _layers_program(self, rows: int | None = None) -> cl.Program:
-        """decode_layers.cl for this model and pool; rows: its several-row kernel's bound (ROWS), whose
-        attention takes a kv head's query heads at once (MAX_POS) where the scores fit (PagedAttention)."""
+    def _layers_program(self, rows: int | None = None, max_pos: int | None = None) -> cl.Program:
+        """decode_layers.cl for this model and pool; rows: its several-row kernel's bound (ROWS); max_pos:
+        that kernel's attention takes a kv head's query heads at once, the scores of MAX_POS positions."""
         c, packed, st = self.cfg, self.weights.packed, self.store
-        max_pos = ({"MAX_POS": scores_positions(st.max_blocks * st.layout.block_size)}
-                   if rows and st.kernels.scores_fit(st.max_blocks) else {})
-        return self.dev.build("decode_layers.cl", {**max_pos,
+        return self.dev.build("decode_layers.cl", {
             "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
             "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
             "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L", **({"ROWS": rows} if rows else {}),
-            **self.weights.arch.one_launch_defines()})
+            **({"MAX_POS": max_pos} if max_pos else {}), **self.weights.arch.one_launch_defines()})
 
-    def _bind_rows_launch(self, layer_groups: int) -> list[RowLaunch]:
-        """Every layer of a step of 2 to ONE_LAUNCH_ROWS rows as one launch, after its counters are zeroed."""
+    def _bind_rows_launch(self, layer_groups: int) -> list[RowLaunch] | None:
+        """Every layer of a step of 2 to ONE_LAUNCH_ROWS rows as one launch, after its counters are zeroed;
+        None where its local arrays (the rows of a GEMV's input, and a kv head's scores where PagedAttention
+        keeps them) would not fit in the device's local memory."""
         c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
         b = self.inputs.buffers
-        program = self._layers_program(ONE_LAUNCH_ROWS)
+        max_pos = scores_positions(st.max_blocks * st.layout.block_size) if st.kernels.scores_fit(st.max_blocks) else 0
+        xl = max(c.hidden, c.intermediate, c.q_dim)
+        local_bytes = 4 * (ONE_LAUNCH_ROWS * (xl + xl // 32) + (c.n_heads // c.n_kv_heads) * max_pos)
+        if local_bytes > self.dev.device.local_mem_size:
+            return None
+        program = self._layers_program(ONE_LAUNCH_ROWS, max_pos)
         clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 3 * c.n_layers),), s.sync, rows_dim=None)
         layers = bind_rows(program, "paged_rows_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
                            np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,

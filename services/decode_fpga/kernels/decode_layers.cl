@@ -259,7 +259,7 @@ __kernel void paged_rows_layers(__global float *x, __global const uchar *w, __gl
         if (!all_arrived(sync, ++n, &spun)) return;
 
         // 2. RoPE and the KV write of every row (paged_rope_store_kv's items), then attention a (row,
-        // query head) at a time
+        // head) at a time
         for (int t = atomic_inc(kv_taken); t < nr * N_KV * (GROUP + 1); t = atomic_inc(kv_taken)) {
             const int r = t / (N_KV * (GROUP + 1)), g = (t % (N_KV * (GROUP + 1))) / (GROUP + 1);
             paged_rope_store_item(qkv + (size_t)r * QKV_ROWS, g, t % (GROUP + 1), pos[r], rope_cs,
