@@ -16,6 +16,7 @@ import pytest
 from services.launcher.autoscale import Hysteresis, PoolScaler
 from services.gateway.fleet.planner import Planner, Targets, plan_json
 from services.gateway.fleet.planner_latency import floor_for, pool_of
+from services.gateway.routing.router import Router
 from tests.gateway.test_planner import calibrated_router
 
 
@@ -90,6 +91,28 @@ def test_a_load_that_meets_the_targets_stays_at_the_minimum():
         assert plan.desired == {"prefill": 1, "decode": 1}, plan
     assert plan.latency["prefill"].ratio == pytest.approx(0.3) and plan.latency["decode"].ratio == pytest.approx(0.4)
 
+
+
+def test_a_model_saturated_by_a_busy_hosts_profile_is_corrected_by_what_the_pool_does():
+    """Prefill costs profiled beside other work (here 0.1 s a token: 14.9 s for the mean prompt) make the model
+    saturate one engine at one request a second, an infinite predicted TTFT and once max_replicas engines. The
+    pool meets the target (0.6 s observed), so the observed TTFT set against the prefill time alone scales
+    the cost down and the pool stays at one (the live planner test once saw 16 this way)."""
+    samples = []
+    for n in (16, 64, 256):
+        samples += [{"stage": "prefill", "device": d, "n_in": n, "n_out": 0, "seconds": 0.1 * n}
+                    for d in ("gpu", "fpga")]
+        samples += [{"stage": "decode", "device": d, "n_in": n, "n_out": 32, "seconds": 32 * 0.01}
+                    for d in ("gpu", "fpga")]
+        samples.append({"stage": "handoff", "n_in": n, "n_out": 0, "seconds": 0.0001 * n})
+    router = Router(samples)
+    p, clock = planner()
+    for _ in range(30):
+        closed_loop_second(p, clock, ttft=0.6, itl=0.04)
+    plan = p.plan(router, 8)
+    assert plan.predicted["ttft_s"] == float("inf")
+    assert plan.correction["prefill"] == pytest.approx(0.6 / router.stage_seconds("prefill", "gpu", 149, 0))
+    assert plan.desired == {"prefill": 1, "decode": 1}, plan
 
 def test_fpga_mode_misses_raise_the_decode_pool_only():
     p, clock = planner()

@@ -159,7 +159,10 @@ class Planner:
             seqs = max(1, max_num_seqs)
             predicted = {"ttft_s": predicted_ttft(d, prefill_s, sizes["prefill"]),
                          "itl_s": token_s(decode_batch(d, token_s, sizes["decode"], seqs))}
-            correction = {"prefill": _ratio(latency["prefill"].p50["ttft"], predicted["ttft_s"]),
+            # a model that saturates the pool it has (rho >= 1: costs profiled on a busy host, say) predicts no
+            # finite TTFT; the pool's observed TTFT is then set against the prefill time alone
+            ttft_model = predicted["ttft_s"] if math.isfinite(predicted["ttft_s"]) else prefill_s
+            correction = {"prefill": _ratio(latency["prefill"].p50["ttft"], ttft_model),
                           "decode": _ratio(latency["decode"].p50["itl"], predicted["itl_s"])}
             prefill_s *= min(1.0, correction["prefill"] or 1.0)
             scale["decode"] = min(1.0, correction["decode"] or 1.0)
