@@ -145,6 +145,11 @@ class PagedStepPlans:
             out.append(("all", spanning(ak.add_bias(s.x, ext.b_down, c.hidden, 1))))
         return out
 
+    @property
+    def _xl(self) -> int:
+        """decode_layers.cl's XL: the longest vector a phase reads."""
+        return max(self.cfg.hidden, self.cfg.intermediate, self.cfg.q_dim)
+
     def _layers_program(self, rows: int | None = None, max_pos: int | None = None) -> cl.Program:
         """decode_layers.cl for this model and pool; rows: its several-row kernel's bound (ROWS); max_pos:
         that kernel's attention takes a kv head's query heads at once, the scores of MAX_POS positions."""
@@ -152,43 +157,41 @@ class PagedStepPlans:
         return self.dev.build("decode_layers.cl", {
             "QFMT_SET": packed.qfmt_set, "HIDDEN": c.hidden, "FF": c.intermediate,
             "HEAD_DIM": c.head_dim, "GROUP": c.n_heads // c.n_kv_heads, "Q_DIM": c.q_dim, "KV_DIM": c.kv_dim,
-            "XL": max(c.hidden, c.intermediate, c.q_dim), "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
+            "XL": self._xl, "LINE": SYNC_LINE, "BLOCK_SIZE": st.layout.block_size,
             "SPIN_LIMIT": f"{BARRIER_SPIN_LIMIT}L", **({"ROWS": rows} if rows else {}),
             **({"MAX_POS": max_pos} if max_pos else {}), **self.weights.arch.one_launch_defines()})
 
-    def _bind_rows_launch(self, layer_groups: int) -> list[RowLaunch] | None:
-        """Every layer of a step of 2 to ONE_LAUNCH_ROWS rows as one launch, after its counters are zeroed;
-        None where its local arrays (the rows of a GEMV's input, and a kv head's scores where PagedAttention
-        keeps them) would not fit in the device's local memory."""
+    def _bind_layers(self, program: cl.Program, kernel: str, layer_groups: int, counters: int,
+                     n_rows: tuple = ()) -> list[RowLaunch]:
+        """[clear_ints over the barrier's and `counters` work counters a layer, `kernel` over every layer]:
+        decode_layers.cl's kernels take the same arguments, the several-row one with n_rows before seq_of_row."""
         c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
         b = self.inputs.buffers
-        max_pos = scores_positions(st.max_blocks * st.layout.block_size) if st.kernels.scores_fit(st.max_blocks) else 0
-        xl = max(c.hidden, c.intermediate, c.q_dim)
-        local_bytes = 4 * (ONE_LAUNCH_ROWS * (xl + xl // 32) + (c.n_heads // c.n_kv_heads) * max_pos)
-        if local_bytes > self.dev.device.local_mem_size:
-            return None
-        program = self._layers_program(ONE_LAUNCH_ROWS, max_pos)
-        clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 3 * c.n_layers),), s.sync, rows_dim=None)
-        layers = bind_rows(program, "paged_rows_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
+        clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + counters * c.n_layers),), s.sync,
+                          rows_dim=None)
+        layers = bind_rows(program, kernel, (layer_groups,), s.x, packed.arrays.buffer, packed.table,
                            np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
-                           s.act_sums, b["n_rows"], b["seq_of_row"], b["pos"], s.rope_cs,
+                           s.act_sums, *n_rows, b["seq_of_row"], b["pos"], s.rope_cs,
                            np.float32(1.0 / np.sqrt(c.head_dim)), st.pool, np.int64(st.layout.layer_elems),
                            b["block_tables"], np.int32(st.max_blocks), s.sync, *self.weights.arch.one_launch_args(),
                            rows_dim=None, local_size=(1,))
         return [clear, layers]
 
+    def _bind_rows_launch(self, layer_groups: int) -> list[RowLaunch] | None:
+        """Every layer of a step of 2 to ONE_LAUNCH_ROWS rows as one launch, after its counters are zeroed;
+        None where its local arrays (the rows of a GEMV's input, and a kv head's scores where PagedAttention
+        keeps them) would not fit in the device's local memory."""
+        c, st = self.cfg, self.store
+        max_pos = scores_positions(st.max_blocks * st.layout.block_size) if st.kernels.scores_fit(st.max_blocks) else 0
+        local_bytes = 4 * (ONE_LAUNCH_ROWS * (self._xl + self._xl // 32) + (c.n_heads // c.n_kv_heads) * max_pos)
+        if local_bytes > self.dev.device.local_mem_size:
+            return None
+        return self._bind_layers(self._layers_program(ONE_LAUNCH_ROWS, max_pos), "paged_rows_layers", layer_groups,
+                                 3, (self.inputs.buffers["n_rows"],))
+
     def _bind_one_launch(self, layer_groups: int) -> list[RowLaunch]:
         """Every layer of a one-decode step as one launch, after its counters are zeroed."""
-        c, s, packed, st = self.cfg, self.s, self.weights.packed, self.store
-        b = self.inputs.buffers
-        program = self._layers_program()
-        clear = bind_rows(self._elementwise, "clear_ints", (SYNC_LINE * (2 + 2 * c.n_layers),), s.sync, rows_dim=None)
-        layers = bind_rows(program, "paged_decode_layers", (layer_groups,), s.x, packed.arrays.buffer, packed.table,
-                           np.int32(c.n_layers), np.float32(c.rms_eps), s.qkv, s.attn, s.attn_sums, s.gu, s.act,
-                           s.act_sums, b["seq_of_row"], b["pos"], s.rope_cs, np.float32(1.0 / np.sqrt(c.head_dim)),
-                           st.pool, np.int64(st.layout.layer_elems), b["block_tables"], np.int32(st.max_blocks),
-                           s.sync, *self.weights.arch.one_launch_args(), rows_dim=None, local_size=(1,))
-        return [clear, layers]
+        return self._bind_layers(self._layers_program(), "paged_decode_layers", layer_groups, 2)
 
     def _bind_head(self) -> list[tuple[Span, RowLaunch]]:
         """The sampling rows of scratch.x gathered into self.sampled, the final norm, the LM head."""
