@@ -57,6 +57,16 @@ they fill it). Four 2,000-token prompts arriving at once beside one stream queue
 but its decodes took 20 ms of the 100: each step still gave the prompts 80 ms, and stretching it to 2 s
 froze the stream for 2.0-3.0 s (fpga and auto, bench/long_prompt_gaps.py) for a first token a few
 seconds sooner. At 32 clients the decodes fill ~97% of it and the stretch is what it was.
+
+The queued prompts count toward the pressure as the decode rows they become once in (`cap`'s `n_queued`).
+With the decodes alone, a closed loop of 32 clients could settle with few of them: on the 2-core host
+(fpga mode, the serve mix) decode_fpga decoded ~9 streams while ~22 prompts queued, a step of 9 decodes
+and ~13 prompt tokens took ~90 ms (9 ms and ~4 ms a row), the decodes alone ~45 ms of the target, so no
+step stretched, prompts got ~13 tokens a step, and TTFT p50 was 43-54 s. Another run of the same command
+stretched (TTFT p50 23 s): which way a run went hung on its first steps. Counted, side by side in one
+run: TTFT p50 6.2 s against 53.8, 79.0 against 66.9 tokens/s, ITL p99 1.95 s against 0.17
+(bench/results/serve_32_queued_pressure.json). One stream and four long prompts are 5 rows, ~25 ms: still
+no stretch (fpga's largest gap 132 ms, long_prompt_gaps_queued_pressure.json).
 """
 from __future__ import annotations
 
@@ -136,13 +146,14 @@ class StepPacer:
             return self.base_s
         return max(0.0, self.base_s + (n_decodes - self.base_rows) * (self.per_token_s or 0.0))
 
-    def cap(self, oldest_wait_s: float = 0.0, n_decodes: int | None = None) -> int | None:
+    def cap(self, oldest_wait_s: float = 0.0, n_decodes: int | None = None, n_queued: int = 0) -> int | None:
         """Prompt tokens a step with decodes may take; None: no cap (off). `oldest_wait_s`: how long the
         oldest prompt queued behind another has waited (it stretches the target, see the docstring);
-        `n_decodes`: the step's decode rows."""
+        `n_decodes`: the step's decode rows; `n_queued`: prompts without a first token, which count
+        toward the pressure as the decode rows they will be."""
         if self.target_s <= 0:
             return None
-        target = self.target_for(oldest_wait_s, n_decodes)
+        target = self.target_for(oldest_wait_s, None if n_decodes is None else n_decodes + n_queued)
         if target < self.step_target_s:  # the queue is served: what fit a stretched step fits less now
             self.fits = int(self.fits * target / self.step_target_s)
         self.step_target_s = target

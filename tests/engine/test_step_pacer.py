@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import statistics
 
 from services.engine.engine_loop import EngineLoop
 from services.engine.sampling import SamplingParams
@@ -290,6 +291,56 @@ def test_prompts_queued_beside_few_streams_never_stretch_their_steps():
     for _ in range(10):
         p.observe(30, 0, 0.097)
     assert p.pressure(30) > 0.9 and p.target_for(1.0, 30) > 1.8, (p.pressure(30), p.target_for(1.0, 30))
+
+
+def test_a_closed_loop_of_32_clients_does_not_settle_with_few_decodes_and_a_long_queue():
+    """At 32 clients (fpga mode, the serve mix, the 2-core host) decode_fpga decoded ~9 streams while ~22
+    prompts queued: a step of 9 decodes and ~13 prompt tokens took ~90 ms (9 ms and ~4 ms a row), the
+    decodes alone ~45 ms of the 100 ms target, so the pressure was none, no step stretched, prompts got
+    ~13 tokens a step, and as streams finished at the rate prompts got in, it stayed so: TTFT p50 43-54 s.
+    Another run of the same command stretched (TTFT p50 23 s): which way a run went hung on its first
+    steps. The queued prompts are decode rows once in, so they count toward the pressure: 9 + 23 rows
+    fill the target, and the queue gets the stretched steps. (One stream and four long prompts, the test
+    above, are 5 rows, ~25 ms: no stretch.)"""
+    clock = [0.0]
+    sched = Scheduler(SchedulerConfig(num_blocks=4000, block_size=16, max_num_seqs=64, max_num_batched_tokens=64,
+                                      stretched_batched_tokens=512, max_model_len=4096, step_target_s=0.1,
+                                      ttft_target_s=0.5, step_max_s=2.0), clock=lambda: clock[0])
+    ids = itertools.count()
+
+    def step():
+        out = sched.schedule()
+        seconds = 0.009 + 0.004 * sum(c.num_tokens for c in out.chunks)  # the weights' pass, ~4 ms a row
+        clock[0] += seconds
+        sched.observe_step(out, seconds)
+        return out, seconds, sched.update(out, {c.seq_id: 9 for c in out.chunks if c.samples})
+
+    for i in range(9):  # streams decoding, finishing one after another
+        sched.add(Sequence(next(ids), [i + 1], 20 + 15 * i))
+    for _ in range(5):
+        step()
+    arrived, ttfts, steps, decoding = {}, {}, [], []
+
+    def client_sends():  # serve.py's mean prompt and output
+        seq_id = next(ids)
+        arrived[seq_id] = clock[0]
+        sched.add(Sequence(seq_id, [100_000 + 1000 * seq_id + j for j in range(272)], 160))
+
+    for _ in range(32 - 9):
+        client_sends()
+    while clock[0] < 120.0:
+        out, seconds, finished = step()
+        steps.append(seconds)
+        decoding.append(len(out.decodes))
+        ttfts.update({c.seq_id: clock[0] - arrived[c.seq_id] for c in out.prefills
+                      if c.samples and c.seq_id not in ttfts})
+        for _ in finished:
+            client_sends()
+    # (here TTFT p50 9.4 s with 28.8 decodes a step on average; with the decodes alone in the pressure
+    # 42.5 s with 9.2, as the real run)
+    assert statistics.median(ttfts.values()) < 20, statistics.median(ttfts.values())
+    assert statistics.mean(decoding) > 20, statistics.mean(decoding)
+    assert max(steps) <= 1.5 * 2.0, max(steps)
 
 
 def test_with_no_step_target_the_queue_alone_stretches_the_budget():
