@@ -9,6 +9,8 @@ decoding side by side, prefill left out. The batch size where drafts on falls be
 `HYBRIDSERVE_*_SPECULATIVE_MAX_BATCH` should be (docs/speculation.md).
 
     python -m bench.micro.speculation_batch [--engines opencl,torch] [--batches 1,2,4,8,16] [--k 8]
+    python -m bench.micro.speculation_batch --gguf FILE ...  (the OpenCL engine on another GGUF file with the
+        default model's tokenizer, e.g. bench/micro/scale_1b_checkpoint.py's 1B-shaped one)
 """
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="speculation_batch")
+    ap.add_argument("--gguf", default=None, help="the OpenCL engine on this GGUF file (its tokenizer the default's)")
     args = ap.parse_args()
 
     from services.model.loading import load_model
@@ -89,12 +92,19 @@ def main() -> None:
     results: dict = {}
     for name in args.engines.split(","):
         progress(f"{name}: building the engine")
-        engine = make_engine(name, loaded)
+        if args.gguf:  # a file whose weights only the OpenCL engine holds (scale_1b.py's light load)
+            from pathlib import Path
+
+            from bench.micro.scale_1b import our_engine
+
+            engine = our_engine(Path(args.gguf), 2048, tuple(batches))
+        else:
+            engine = make_engine(name, loaded)
         config = SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                  max_num_seqs=max(batches), max_num_batched_tokens=engine.max_num_batched_tokens,
                                  max_model_len=2048,
                                  speculation=SpeculationConfig(k=args.k, max_batch=max(batches)))
-        loop = EngineLoop(engine, config, loaded.config.eos_token_ids)
+        loop = EngineLoop(engine, config, engine.cfg.eos_token_ids if args.gguf else loaded.config.eos_token_ids)
         try:
             decode_rate(loop, workloads["chat"][:1], 4, True)  # warm: kernels built, pools touched
             for workload, prompts in workloads.items():
