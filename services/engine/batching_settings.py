@@ -31,12 +31,13 @@ class BatchingSettings(BaseModel):
     # recomputed (services/engine/host_kv_tier.py); 0 = no host tier
     host_kv_cache_mb: int = Field(0, ge=0)
     # speculative decoding with n-gram drafts (services/engine/speculation.py): up to this many drafts a
-    # decoding sequence checks per step (0 = off; 3, on, by default: every target of docs/speculation.md
-    # holds with it, and greedy tokens are the same), from n-grams of n_min..n_max tokens, only while at most
+    # decoding sequence checks per step (0 = off, the default until every target of docs/speculation.md holds:
+    # fpga's copy-heavy speed-up straddles its 1.8x; 3 is the measured best), from n-grams of n_min..n_max
+    # tokens, only while at most
     # speculative_max_batch sequences decode (beyond, drafts cost the batch more than they give: with k=3 on
     # PoCL here chat drafts lost 4% at 2 sequences and 14% at 4, copy-heavy ones gained 67% and 25%;
     # bench/micro/speculation_batch.py, docs/speculation.md)
-    speculative_k: int = Field(3, ge=0, le=16)
+    speculative_k: int = Field(0, ge=0, le=16)
     speculative_n_min: int = Field(2, ge=1)
     speculative_n_max: int = Field(4, ge=1)
     speculative_max_batch: int = Field(2, ge=1)
