@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--name", default="speculation_batch")
     ap.add_argument("--gguf", default=None, help="the OpenCL engine on this GGUF file (its tokenizer the default's)")
     args = ap.parse_args()
+    if args.gguf and args.engines != "opencl":
+        ap.error("--gguf runs the OpenCL engine only (--engines opencl)")
 
     from services.model.loading import load_model
     from services.model.tokenizer import load_tokenizer
