@@ -110,16 +110,13 @@ class Scheduler:
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def oldest_queued_wait(self) -> float:
-        """Seconds the oldest prompt queued behind another has been here (the second oldest without a
-        first token, waiting or part-prefilled): what stretches the pacer's step target (step_pacer.py).
-        The oldest is left out: a lone long prompt takes long by itself, and stretching for it would
-        stall the streams it runs beside. Part-prefilled prompts count: with max_num_seqs at least the
-        clients (64) every prompt is admitted at once and the queue is inside `running`."""
-        return self._queue()[0]
-
-    def _queue(self) -> tuple[float, int]:
-        """(oldest_queued_wait, how many prompts have no first token yet, waiting or part-prefilled)."""
+    def prompt_queue(self) -> tuple[float, int]:
+        """(wait, count): the seconds the oldest prompt queued behind another has been here (the second oldest
+        without a first token, waiting or part-prefilled), and how many prompts have no first token yet: what
+        stretches the pacer's step target (step_pacer.py). The oldest is left out of the wait: a lone long
+        prompt takes long by itself, and stretching for it would stall the streams it runs beside.
+        Part-prefilled prompts count: with max_num_seqs at least the clients (64) every prompt is admitted at
+        once and the queue is inside `running`."""
         if self.pacer.ttft_target_s <= 0:
             return 0.0, 0  # the target never stretches: no pass over the queues each step
         pending = [seq.arrived_s for seq in self.waiting if not seq.num_generated]
@@ -196,9 +193,9 @@ class Scheduler:
         preempted: list[int] = []
         self._logit_rows = self.config.prompt_logit_rows
         decodes = self._schedule_decodes(preempted)
-        waited, queued = self._queue()
+        waited, queued = self.prompt_queue()
         decode_rows = sum(c.num_tokens for c in decodes)  # drafts included
-        budget = max(0, self._step_tokens(waited, decode_rows + queued if decodes else None) - decode_rows)
+        budget = max(0, self._step_tokens(waited, decode_rows if decodes else None, queued) - decode_rows)
         cap = self.pacer.cap(waited, decode_rows, queued) if decodes else None
         if cap is not None:  # streams wait on this step: no more prompt than fits the step target
             budget = min(budget, cap)
@@ -208,12 +205,11 @@ class Scheduler:
         self._in_flight = SchedulerOutput(tuple(decodes), tuple(prefills), tuple(preempted))
         return self._in_flight
 
-    def _step_tokens(self, waited: float, rows: int | None) -> int:
+    def _step_tokens(self, waited: float, decode_rows: int | None, queued: int) -> int:
         """The tokens this step may compute: max_num_batched_tokens, grown toward
-        stretched_batched_tokens as far as the queue stretches the step (step_pacer.py); `rows`: its
-        decode rows and the prompts queued, which decode once they are in."""
+        stretched_batched_tokens as far as the queue stretches the step (step_pacer.py)."""
         calm = self.config.max_num_batched_tokens
-        return calm + int(self.pacer.stretch(waited, rows) * (self.config.most_batched_tokens - calm))
+        return calm + int(self.pacer.stretch(waited, decode_rows, queued) * (self.config.most_batched_tokens - calm))
 
     def update(self, output: SchedulerOutput, sampled_tokens: Mapping[int, int]) -> list[Sequence]:
         """Record the step's computed tokens and sampled ones; return the sequences it finished."""

@@ -95,12 +95,13 @@ class StepPacer:
         self.step_target_s = target_s  # the target of the step last capped (stretched or not)
         self.last_cap = 0  # the prompt tokens that step was allowed (a gauge)
 
-    def stretch(self, oldest_wait_s: float, n_decodes: int | None = None) -> float:
+    def stretch(self, oldest_wait_s: float, n_decodes: int | None = None, n_queued: int = 0) -> float:
         """How far the queue stretches a step, 0 (not at all) to 1 (at twice the TTFT target, decodes filling
         the calm target): its target (`target_for`) and the scheduler's token budget grow with it."""
         if self.ttft_target_s <= 0 or oldest_wait_s <= self.ttft_target_s:
             return 0.0
-        return min(1.0, oldest_wait_s / self.ttft_target_s - 1.0) * self.pressure(n_decodes)
+        rows = None if n_decodes is None else n_decodes + n_queued  # queued prompts: the decode rows they become
+        return min(1.0, oldest_wait_s / self.ttft_target_s - 1.0) * self.pressure(rows)
 
     def pressure(self, n_decodes: int | None) -> float:
         """How much `n_decodes` decode rows crowd prompts out of a calm step: 0 while their base takes at
@@ -111,9 +112,9 @@ class StepPacer:
         share = self.base_for(n_decodes) / self.target_s
         return min(1.0, max(0.0, (share - ROOM_FOR_PROMPTS) / (1.0 - ROOM_FOR_PROMPTS)))
 
-    def target_for(self, oldest_wait_s: float, n_decodes: int | None = None) -> float:
+    def target_for(self, oldest_wait_s: float, n_decodes: int | None = None, n_queued: int = 0) -> float:
         """The step target while the oldest prompt queued behind another has waited `oldest_wait_s`."""
-        return self.target_s + self.stretch(oldest_wait_s, n_decodes) * (self.max_s - self.target_s)
+        return self.target_s + self.stretch(oldest_wait_s, n_decodes, n_queued) * (self.max_s - self.target_s)
 
     def observe(self, n_decodes: int, n_prefill_tokens: int, seconds: float) -> None:
         if n_prefill_tokens == 0:
@@ -153,7 +154,7 @@ class StepPacer:
         toward the pressure as the decode rows they will be."""
         if self.target_s <= 0:
             return None
-        target = self.target_for(oldest_wait_s, None if n_decodes is None else n_decodes + n_queued)
+        target = self.target_for(oldest_wait_s, n_decodes, n_queued)
         if target < self.step_target_s:  # the queue is served: what fit a stretched step fits less now
             self.fits = int(self.fits * target / self.step_target_s)
         self.step_target_s = target
