@@ -341,6 +341,7 @@ def test_no_several_row_launch_where_its_local_arrays_do_not_fit(ocl_gguf_engine
     monkeypatch.setattr(plans, "dev", small)
     assert plans._bind_rows_launch(1) is None
 
+
 def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
                                                                 model_config, caplog):
     """More work-groups than PoCL has threads: the barrier gives up, the step is redone launch by

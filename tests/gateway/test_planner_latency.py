@@ -92,7 +92,6 @@ def test_a_load_that_meets_the_targets_stays_at_the_minimum():
     assert plan.latency["prefill"].ratio == pytest.approx(0.3) and plan.latency["decode"].ratio == pytest.approx(0.4)
 
 
-
 def test_a_model_saturated_by_a_busy_hosts_profile_is_corrected_by_what_the_pool_does():
     """Prefill costs profiled beside other work (here 0.1 s a token: 14.9 s for the mean prompt) make the model
     saturate one engine at one request a second, an infinite predicted TTFT and once max_replicas engines. The
@@ -113,6 +112,7 @@ def test_a_model_saturated_by_a_busy_hosts_profile_is_corrected_by_what_the_pool
     assert plan.predicted["ttft_s"] == float("inf")
     assert plan.correction["prefill"] == pytest.approx(0.6 / router.stage_seconds("prefill", "gpu", 149, 0))
     assert plan.desired == {"prefill": 1, "decode": 1}, plan
+
 
 def test_fpga_mode_misses_raise_the_decode_pool_only():
     p, clock = planner()
