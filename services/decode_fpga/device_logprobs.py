@@ -58,9 +58,14 @@ class DeviceLogprobs:
                 np.int32(k), self.words, rows_scale=LP_WG, local_size=(LP_WG,))
         launch.enqueue(queue, 0, n_rows)
 
+    @staticmethod
+    def host_words(n_rows: int, k: int) -> np.ndarray:
+        """The host array the rows' words are read into (StepLogprobs.from_words)."""
+        return np.empty((n_rows, 2 + 2 * k), np.int32)
+
     def read(self, queue: cl.CommandQueue, n_rows: int, k: int) -> StepLogprobs:
-        """The rows' words (the step's one wait), as StepLogprobs."""
-        words = np.empty((n_rows, 2 + 2 * k), np.int32)
+        """The rows' words read now, as StepLogprobs (the kernel alone; a step reads them with its own wait)."""
+        words = self.host_words(n_rows, k)
         if n_rows:
             cl.enqueue_copy(queue, words, self.words, is_blocking=True)
         return StepLogprobs.from_words(words, k)

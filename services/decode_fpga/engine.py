@@ -7,6 +7,7 @@
     paged_step_rows.py a step's rows from the scheduler's chunks, checked, and their upload
     paged_plans.py     PagedStepPlans: the bound launches of a step, for any rows
     device_logprobs.py a step's logprobs and top k on the device (kernels/logprobs.cl)
+    step_gate.py       a one-launch step let go and read back with the GIL released
 
 Every request reaches the engine as chunks of a step, which the engine loop
 (services/engine/engine_loop.py) schedules: a server's, or a tool's own (services/engine/one_request.py).
@@ -40,6 +41,7 @@ from services.decode_fpga.paged_plans import ONE_LAUNCH_ROWS, PagedStepPlans
 from services.decode_fpga.paged_step_rows import PagedStepInputs
 from services.decode_fpga.scratch import Scratch
 from services.decode_fpga.settings import DecodeSettings
+from services.decode_fpga.step_gate import Read, StepGate
 from services.engine.logprobs import LogprobsAsked, StepLogprobs
 from services.model.config import ModelConfig
 from services.model.gguf_blocks import read_block_tensors
@@ -78,6 +80,7 @@ class OpenCLEngine:
         dev.queue.finish()
         self._lock = threading.RLock()  # one step at a time on the one queue
         self.one_launch_choice = OneLaunchChoice(dev.name)  # one launch or launch by launch, a one-row step
+        self._gate = StepGate()
         # the same for steps of 2 to ONE_LAUNCH_ROWS rows, a choice for each row count
         self.rows_launch_choices = {n: OneLaunchChoice(dev.name, rows=n) for n in range(2, ONE_LAUNCH_ROWS + 1)}
         # greedy rows' logprobs by the device's kernel (the engine loop asks, step(logprobs=...)); False:
@@ -172,46 +175,55 @@ class OpenCLEngine:
         self.step_inputs.upload(rows, keep)
         if k is not None:
             plans.logprobs.upload(targets, keep)
-        failed = self._enqueue_paged_step(rows, greedy, on_layer, one_launch, k)
         if k is not None:
-            out = plans.logprobs.read(q, rows.n_samples, k)  # the one wait
-            if rows.n_samples == 0:
-                q.finish()
-            return None if failed is not None and failed[0] else out
-        if rows.n_samples == 0:
-            q.finish()
+            out = plans.logprobs.host_words(rows.n_samples, k)
+            result = Read(out, plans.logprobs.words)
         else:
             out = (np.empty(rows.n_samples, np.int32) if greedy
                    else np.empty((rows.n_samples, self.cfg.vocab_size), np.float32))
-            cl.enqueue_copy(q, out, plans.picks if greedy else plans.logits, is_blocking=True)  # the one wait
-        if failed is not None and failed[0]:
-            return None
-        if rows.n_samples == 0:
-            return [] if greedy else np.empty((0, self.cfg.vocab_size), np.float32)
-        return out.tolist() if greedy else out
-
-    def _enqueue_paged_step(self, rows, greedy: bool, on_layer, one_launch: bool,
-                            logprobs_k: int | None = None) -> np.ndarray | None:
-        """Enqueue the embedding, every layer and the head of a paged step; returns the host array a
-        one-launch step's failure flag is read into (see _paged_step), else None."""
-        q, plans = self.dev.queue, self.paged_plans
+            result = Read(out, plans.picks if greedy else plans.logits)
+        reads = [result] if rows.n_samples else []
         if one_launch:
-            # decode_layers' work-groups spin at their barriers and hold every core: a host thread
-            # enqueuing while they run waits for a core, and the device for its next command. So the
-            # whole step is enqueued behind a gate first, and only then let go.
+            # decode_layers' work-groups spin at their barriers and hold every core: a host thread enqueuing
+            # while they run waits for a core, and the device for its next command. So the whole step is
+            # enqueued behind a gate first, which opens when nothing but OpenCL calls are left: a thread that
+            # loses its core to the work-groups must not be holding the GIL then (step_gate.py)
             gate = cl.UserEvent(self.dev.context)
             try:
-                embed = plans.embed
-                cl.enqueue_nd_range_kernel(q, embed.kernel, (rows.n_rows, *embed.global_size[1:]), embed.local_size,
-                                           wait_for=[gate])
-                for launch in plans.one_launch_for(rows):
-                    launch.enqueue(q, 0, 1)
-                plans.enqueue_head(q, rows, greedy, logprobs_k)
-            finally:
-                gate.set_status(cl.command_execution_status.COMPLETE)
-            failed = np.zeros(1, np.int32)
-            cl.enqueue_copy(q, failed, self.scratch.sync, is_blocking=False)
-            return failed
+                failed = self._enqueue_one_launch(rows, greedy, gate, k)
+            except BaseException:
+                StepGate.open(gate)  # what was enqueued behind it drains; the step is not read
+                q.finish()
+                raise
+            self._gate.open_and_read(q, gate, [Read(failed, self.scratch.sync), *reads])  # the one wait
+            if failed[0]:
+                return None
+        else:
+            self._enqueue_launches(rows, greedy, on_layer, k)
+            if reads:
+                cl.enqueue_copy(q, result.host, result.buffer, is_blocking=True)  # the one wait
+            else:
+                q.finish()
+        if k is not None:
+            return StepLogprobs.from_words(out, k)
+        return out.tolist() if greedy else out
+
+    def _enqueue_one_launch(self, rows, greedy: bool, gate: cl.UserEvent, logprobs_k: int | None) -> np.ndarray:
+        """Enqueue the embedding, every layer as one launch and the head of a paged step behind `gate`;
+        returns the host array its failure flag is to be read into (decode_layers.cl's sync[0])."""
+        q, plans = self.dev.queue, self.paged_plans
+        embed = plans.embed
+        cl.enqueue_nd_range_kernel(q, embed.kernel, (rows.n_rows, *embed.global_size[1:]), embed.local_size,
+                                   wait_for=[gate])
+        for launch in plans.one_launch_for(rows):
+            launch.enqueue(q, 0, 1)
+        plans.enqueue_head(q, rows, greedy, logprobs_k)
+        return np.zeros(1, np.int32)
+
+    def _enqueue_launches(self, rows, greedy: bool, on_layer, logprobs_k: int | None) -> None:
+        """Enqueue the embedding, every layer and the head of a paged step launch by launch (waiting after
+        each layer while on_layer is given)."""
+        q, plans = self.dev.queue, self.paged_plans
         plans.embed.enqueue(q, *rows.span("all"))
         for li in range(self.cfg.n_layers):
             plans.enqueue_layer(q, li, rows)
@@ -219,7 +231,6 @@ class OpenCLEngine:
                 q.finish()  # layer li's K and V of every chunk are in the pool
                 on_layer(li)
         plans.enqueue_head(q, rows, greedy, logprobs_k)
-        return None
 
     def import_kv_blocks(self, block_table, layer: int, kv: np.ndarray) -> None:
         """Hybrid, receiving side: one layer of wire-layout KV [2, n_kv_heads, n, head_dim] (fp32 or fp16)
