@@ -197,8 +197,12 @@ def build_server(servicer: EngineServicer, settings) -> tuple[grpc.Server, healt
     """The gRPC server (bound, not started) and its health servicer (every service NOT_SERVING yet)."""
     threads = servicer.admitted_calls(settings) + CONTROL_CALLS
     token = settings.engine_token.get_secret_value() if settings.engine_token else ""
+    # no SO_REUSEPORT (gRPC sets it by default): a second engine on a port one already serves would bind
+    # too and silently take a share of its connections (a test stack that drew another's port answered
+    # with the other stack's model); it must fail to start instead
     server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-                         interceptors=[TokenCheck(token)] if token else [], maximum_concurrent_rpcs=threads)
+                         interceptors=[TokenCheck(token)] if token else [], maximum_concurrent_rpcs=threads,
+                         options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_EngineServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -207,7 +211,11 @@ def build_server(servicer: EngineServicer, settings) -> tuple[grpc.Server, healt
     if settings.engine_reflection:
         reflection.enable_server_reflection((ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{settings.host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # what grpcio raises when the bind fails
+        raise OSError(f"cannot listen on {address} (is another process listening there?): {exc}") from None
+    if bound == 0:
         raise OSError(f"cannot listen on {address}")
     return server, health_servicer
 
