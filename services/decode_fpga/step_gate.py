@@ -89,7 +89,10 @@ class StepGate:
         # everything the calls take, before the gate opens
         q = ctypes.c_void_p(queue.int_ptr)
         args = [(ctypes.c_void_p(r.buffer.int_ptr), r.host.nbytes, ctypes.c_void_p(r.host.ctypes.data)) for r in reads]
-        _check(self._lib.clSetUserEventStatus(ctypes.c_void_p(gate.int_ptr), CL_COMPLETE), "clSetUserEventStatus")
+        status = self._lib.clSetUserEventStatus(ctypes.c_void_p(gate.int_ptr), CL_COMPLETE)
+        if status != 0:  # the step must not stay queued behind a shut gate: pyopencl's call, then the error
+            self.open(gate)
+            _check(status, "clSetUserEventStatus")
         for i, (buf, nbytes, ptr) in enumerate(args):
             blocking = CL_TRUE if i == len(args) - 1 else CL_FALSE
             _check(self._lib.clEnqueueReadBuffer(q, buf, blocking, 0, nbytes, ptr, 0, None, None),
