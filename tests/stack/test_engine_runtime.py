@@ -438,6 +438,9 @@ def test_a_failed_prefill_is_internal_on_both_engines_never_unavailable(torch_en
             with pytest.raises(grpc.RpcError) as hybrid:
                 list(pb_grpc.EngineStub(b).Generate(pb.GenerateRequest(request_id="rq-2", prompt_token_ids=prompt,
                                                                        mode=pb.MODE_HYBRID), timeout=60))
+        # while the loops run: a call's error can reach the client before its handler has handed the
+        # request's blocks back, and a closed loop never frees them (a fresh clone's make test saw that)
+        freed = all_free(decode) and all_free(broken)
     finally:
         dec_server.stop(0)
         pre_server.stop(0)
@@ -447,7 +450,7 @@ def test_a_failed_prefill_is_internal_on_both_engines_never_unavailable(torch_en
     assert direct.value.details() == "internal error in prefill_gpu (request rq-1); see its log"
     assert hybrid.value.code() == grpc.StatusCode.INTERNAL
     assert hybrid.value.details() == "internal error in decode_fpga (request rq-2); see its log"
-    assert arena.slots_in_use == 0 and all_free(decode) and all_free(broken)
+    assert freed and arena.slots_in_use == 0
 
 
 @pytest.mark.parametrize("mode", ["gpu", "hybrid"])
