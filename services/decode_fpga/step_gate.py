@@ -8,7 +8,7 @@ a host whose cores something else also wants (prefill_gpu's torch threads beside
 GPU), the thread that opened the gate was taken off its core by the work-groups it had just woken,
 still holding the GIL, and got a core back only tens of ms later; every other thread of the process
 (the gRPC threads sending the last step's tokens, a hand-off's imports) waited for the GIL meanwhile.
-A stream's token then left the engine 50-80 ms after its step (py-spy: 433 of 744 of the process's
+A stream's token then left the engine 46-82 ms after its step (py-spy: 433 of 744 of the process's
 GIL samples on that line; bench/long_prompt_gaps.py's trace).
 
 So everything a step reads back is prepared before the gate opens (host arrays, pointers), and the
