@@ -86,10 +86,10 @@ class StepGate:
             if not reads:
                 queue.finish()
             return
-        # everything the calls take, before the gate opens
-        q = ctypes.c_void_p(queue.int_ptr)
-        args = [(ctypes.c_void_p(r.buffer.int_ptr), r.host.nbytes, ctypes.c_void_p(r.host.ctypes.data)) for r in reads]
-        status = self._lib.clSetUserEventStatus(ctypes.c_void_p(gate.int_ptr), CL_COMPLETE)
+        # everything the calls take, before the gate opens (plain ints: argtypes convert them)
+        q = queue.int_ptr
+        args = [(r.buffer.int_ptr, r.host.nbytes, r.host.ctypes.data) for r in reads]
+        status = self._lib.clSetUserEventStatus(gate.int_ptr, CL_COMPLETE)
         if status != 0:  # the step must not stay queued behind a shut gate: pyopencl's call, then the error
             self.open(gate)
             _check(status, "clSetUserEventStatus")

@@ -33,9 +33,9 @@ class BatchingSettings(BaseModel):
     # speculative decoding with n-gram drafts (services/engine/speculation.py): up to this many drafts a
     # decoding sequence checks per step (0 = off, the default until every target of docs/speculation.md holds:
     # fpga's copy-heavy speed-up straddles its 1.8x; 3 is the measured best), from n-grams of n_min..n_max
-    # tokens, only while at most
-    # speculative_max_batch sequences decode (beyond, drafts cost the batch more than they give: with k=3 on
-    # PoCL here chat drafts lost 4% at 2 sequences and 14% at 4, copy-heavy ones gained 67% and 25%;
+    # tokens, only while at most speculative_max_batch sequences decode (beyond, drafts cost the batch more
+    # than they give: with k=3 on PoCL here chat drafts lost 4% at 2 sequences and 14% at 4, copy-heavy ones
+    # gained 67% and 25%;
     # bench/micro/speculation_batch.py, docs/speculation.md)
     speculative_k: int = Field(0, ge=0, le=16)
     speculative_n_min: int = Field(2, ge=1)
