@@ -46,7 +46,7 @@ def make_engine(name: str, loaded, weights: str = "gguf"):
     if name == "torch":
         from services.prefill_gpu.engine import TorchEngine
 
-        return TorchEngine(loaded.config, loaded.weights, device="cpu")
+        return TorchEngine(loaded.config, loaded.weights)  # CUDA where torch sees one, as the service
     from services.decode_fpga.config import EngineConfig
     from services.decode_fpga.device import select_device
     from services.decode_fpga.engine import OpenCLEngine
