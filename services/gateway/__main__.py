@@ -7,6 +7,7 @@ import sys
 
 
 def main() -> int:
+    from services.gateway import cpu_priority
     from services.gateway.api.server import server
     from services.gateway.settings import GatewaySettings
     from services.lifetime import exit_with_parent
@@ -17,6 +18,12 @@ def main() -> int:
                         format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
     exit_with_parent(settings.parent_pid, "gateway")
     token_trace.configure(settings.token_trace, "gateway")
+    # here, not in create_app: tests build apps in pytest's own process, whose priority stays as it is
+    nice = cpu_priority.apply(settings.cpu_nice)
+    if nice is not None:
+        logging.getLogger("services.gateway").info(
+            "gateway threads at nice %d%s", nice, "" if settings.cpu_nice is not None else
+            " (HYBRIDSERVE_GATEWAY_CPU_NICE empty: left as started)")
     server(settings).run()
     return 0
 

@@ -19,7 +19,7 @@ class GatewaySettings(CommonSettings):
                                                   **{f: "gateway_" + f for f in ("pairs", "pairs_dns",
                                                                                  "pairs_dns_refresh_s",
                                                                                  "prefill_pool", "decode_pool",
-                                                                                 "pool_admin")}}
+                                                                                 "pool_admin", "cpu_nice")}}
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -47,6 +47,10 @@ class GatewaySettings(CommonSettings):
     # on SIGTERM, how long requests in flight may run on while new ones get 503 (compose's
     # stop_grace_period must be longer, or the container is killed mid-drain)
     drain_grace_s: float = Field(60.0, gt=0)
+    # the nice value of every thread, taken at start where the system allows it (below 0: CAP_SYS_NICE or
+    # ulimit -e): the gateway reads each token without waiting for a core behind prefill and decode work on
+    # the same cores (cpu_priority.py, docs/readiness.md); None (the variable set empty): left alone
+    cpu_nice: int | None = Field(-10, ge=-20, le=19)
     request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
     # JSON output (response_format json_object/json_schema, guided_json) may come in a markdown fence,
@@ -128,8 +132,9 @@ class GatewaySettings(CommonSettings):
             return [(p, d) for p in parse_pool(self.prefill_pool) for d in parse_pool(self.decode_pool)]
         return parse_pairs(self.pairs) if self.pairs else [(self.prefill_address, self.decode_address)]
 
-    @field_validator("api_key", mode="before")
+    @field_validator("api_key", "cpu_nice", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
-        # compose passes HYBRIDSERVE_GATEWAY_API_KEY= when none is set: that means "no key", not "the empty key"
+        # compose passes HYBRIDSERVE_GATEWAY_API_KEY= when none is set: that means "no key", not "the empty key";
+        # HYBRIDSERVE_GATEWAY_CPU_NICE= means "leave the priority alone"
         return None if v in ("", None) else v
