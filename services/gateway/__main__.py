@@ -19,7 +19,8 @@ def main() -> int:
     exit_with_parent(settings.parent_pid, "gateway")
     token_trace.configure(settings.token_trace, "gateway")
     # here, not in create_app: tests build apps in pytest's own process, whose priority stays as it is
-    nice = cpu_priority.apply(settings.cpu_nice)
+    # a refused default is said at info level: an unprivileged `make run` cannot take it, and nothing is wrong
+    nice = cpu_priority.apply(settings.cpu_nice, asked="cpu_nice" in settings.model_fields_set)
     if nice is not None:
         logging.getLogger("services.gateway").info(
             "gateway threads at nice %d%s", nice, "" if settings.cpu_nice is not None else

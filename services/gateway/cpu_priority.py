@@ -2,21 +2,20 @@
 
 On a host without a GPU, prefill_gpu's torch prefill threads and decode_fpga's OpenCL work-groups take every
 core. The gateway's work per token is small (its GIL was held 3.5% of the time), but each token waits for a
-core before the gateway reads it from gRPC and writes its SSE chunk. On the 2-core host that hop (gRPC `sent`
-→ gateway `recv`) had a p99 of 56-89 ms and a max of 160-170 ms under hybrid 4 x 512. With every gateway
-thread at nice -10 it was p99 17-45 ms, max 83-103 ms; the stream's largest gap while the long prompts
-arrived fell from 140-161 ms to 104-119 ms, and the long prompts' TTFT stayed 5.7-6.0 s (docs/readiness.md,
-"Where the time under those gaps goes"). So -10 is the default (HYBRIDSERVE_GATEWAY_CPU_NICE; empty: leave
-the priority alone).
+core before the gateway reads it from gRPC and writes its SSE chunk. On the 2-core host, under hybrid 4 x 512,
+every gateway thread at nice -10 cut that hop (gRPC `sent` → gateway `recv`) from p99 56-89 ms to 17-45 ms.
+Over every mode and prompt pattern the gain was smaller: of 48 rounds, 10 had a largest gap over 150 ms at -10
+and 18 at nice 0, with the long prompts' TTFT unchanged (docs/readiness.md, "Where the time under those gaps
+goes"). So -10 is the default (HYBRIDSERVE_GATEWAY_CPU_NICE; empty: leave the priority alone).
 
 Lowering a nice value (below 0, from the usual 0) needs CAP_SYS_NICE (compose: `cap_add: [SYS_NICE]`) or
-an RLIMIT_NICE that allows it (`ulimit -e`). Without either the system refuses it; the gateway then logs one
-warning and serves at the priority it has.
+an RLIMIT_NICE that allows it (`ulimit -e`). Without either the system refuses it; the gateway then says so
+once (a warning if the value was set on purpose, else at info level) and serves at the priority it has.
 
 Where it acts: Linux weighs threads by nice within their scheduling group (a cgroup; with autogroup on, a
 session), and shares the cores between groups by the groups' weights. The figures above were measured under
 `hybridserve up`, which starts each service in a session of its own: on that host (autogroup on, every process
-in the root cpu cgroup) the gateway and each engine were groups of their own, and -10 still cut the gaps.
+in the root cpu cgroup) the gateway and each engine were groups of their own, and -10 still changed them.
 Engines in other containers compete by their cgroups' weights; what -10 does there is not measured.
 
 `apply` sets the value on every thread the process has now. Threads started later (asyncio's executor,
@@ -31,10 +30,11 @@ import os
 log = logging.getLogger(__name__)
 
 
-def apply(nice: int | None) -> int | None:
+def apply(nice: int | None, asked: bool = True) -> int | None:
     """Give every thread of this process the nice value `nice`. Returns the value taken; None where the
-    system refused it (with a warning, every thread left as it was). `nice` None: nothing is changed and
-    the calling thread's nice value is returned."""
+    system refused it (every thread left as it was, logged: a warning when `asked`, the value set on purpose;
+    at info level for the default, which an unprivileged `make run` cannot take and need not be warned
+    about). `nice` None: nothing is changed and the calling thread's nice value is returned."""
     if nice is None:
         return os.getpriority(os.PRIO_PROCESS, 0)
     was = {}
@@ -59,10 +59,10 @@ def apply(nice: int | None) -> int | None:
                 os.setpriority(os.PRIO_PROCESS, tid, was[tid])
             except OSError:  # ended meanwhile
                 pass
-        log.warning("cpu_nice %d refused (%s); the gateway keeps its priority (nice %d). A lower nice value needs "
-                    "CAP_SYS_NICE (compose: cap_add: [SYS_NICE]) or an RLIMIT_NICE that allows it (ulimit -e); "
-                    "HYBRIDSERVE_GATEWAY_CPU_NICE= (empty) does not ask", nice, exc,
-                    os.getpriority(os.PRIO_PROCESS, 0))
+        log.log(logging.WARNING if asked else logging.INFO,
+                "cpu_nice %d refused (%s); the gateway keeps its priority (nice %d). A lower nice value needs "
+                "CAP_SYS_NICE (compose: cap_add: [SYS_NICE]) or an RLIMIT_NICE that allows it (ulimit -e); "
+                "HYBRIDSERVE_GATEWAY_CPU_NICE= (empty) does not ask", nice, exc, os.getpriority(os.PRIO_PROCESS, 0))
         return None
     return nice
 

@@ -24,7 +24,7 @@ BASE = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's nice value, which the
 CHILD = """
 import json, logging, os, sys, threading
 from services.gateway import cpu_priority
-logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 asked = None if sys.argv[1] == "none" else int(sys.argv[1])
 stop, set_up = threading.Event(), threading.Event()
 def own_nice(value):  # a thread that sets its own nice value, then waits
@@ -35,18 +35,20 @@ if sys.argv[3] == "drop":  # root becomes nobody, in every thread, and loses its
 def nices():
     return {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}
 was = nices()
-taken = cpu_priority.apply(asked)
+taken = cpu_priority.apply(asked, asked=sys.argv[4] == "asked")
 after = threading.Thread(target=stop.wait); after.start()
 print(json.dumps({"taken": taken, "was": was, "now": nices(), "uid": os.geteuid()}))
 stop.set()
 """
 
 
-def run_child(asked: int | None, before_thread_nice: int = 0, drop: bool = False) -> tuple[dict, str]:
+def run_child(asked: int | None, before_thread_nice: int = 0, drop: bool = False,
+              on_purpose: bool = True) -> tuple[dict, str]:
     """apply(asked) in a fresh Python with one thread started before (at its own nice value) and one after:
     what it printed (taken, each thread's nice before and after) and its stderr."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(asked).lower(), str(before_thread_nice),
-                          "drop" if drop else "stay"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          "drop" if drop else "stay",
+                          "asked" if on_purpose else "default"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout), out.stderr
 
@@ -90,7 +92,15 @@ def test_a_refused_value_leaves_every_thread_as_it_was_with_one_warning():
     assert sorted(got["was"].values()) == [BASE, BASE + 2]
     assert all(got["now"][t] == n for t, n in got["was"].items()), got
     assert sorted(got["now"].values()) == [BASE, BASE, BASE + 2], got  # the one started after: the main's
-    assert refused(log) and log.count("refused") == 1, log
+    assert refused(log) and log.count("refused") == 1 and log.startswith("WARNING "), log
+
+
+def test_a_refused_default_is_said_at_info_level():
+    """The default, not set on purpose, refused (an unprivileged `make run`): said once, as information, since
+    nothing is wrong; every thread as it was."""
+    got, log = run_child(-10, drop=ROOT_USER, on_purpose=False)
+    assert got["taken"] is None and all(got["now"][t] == n for t, n in got["was"].items()), got
+    assert refused(log) and log.startswith("INFO ") and "WARNING" not in log, log
 
 
 def test_a_refusal_part_way_changes_no_thread():
