@@ -75,6 +75,7 @@ def test_three_modes_give_transformers_tokens(mixed_model, mixed_engine, mixed_h
         assert dict(info.stored_weight_types) == mixed_engine.stored_weight_types
 
 
+@pytest.mark.usefixtures("cpu_device")
 @pytest.mark.parametrize("qtype", [*KTYPES, "mixed"])
 def test_one_launch_layers_bit_for_bit_per_type(tmp_path, cl_dev, qtype):
     """Every layer matrix in one format (or, "mixed", MIXED's five formats across matrices and layers),

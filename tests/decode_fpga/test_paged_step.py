@@ -260,6 +260,7 @@ def decode_logits(engine, prompt, table, n_new):
 # 1: a first decode over one cached position; 31: decodes cross position 31, where attention tiles end; 70: a
 # prompt of several blocks
 @pytest.mark.parametrize("n_prompt", [1, 9, 31, 70])
+@pytest.mark.usefixtures("cpu_device")
 def test_one_decode_row_runs_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
                                                        n_prompt, monkeypatch):
     one, launches = ocl_gguf_engine, ocl_gguf_launches_engine
@@ -303,6 +304,7 @@ def few_rows_logits(engine, prompts, tables):
 
 
 @pytest.mark.parametrize("group_attention", [True, False], ids=["kv-head-items", "query-head-items"])
+@pytest.mark.usefixtures("cpu_device")
 def test_steps_of_few_rows_run_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gguf_launches_engine, model_config,
                                                          monkeypatch, group_attention):
     """paged_rows_layers (2 to 4 rows in one launch) gives every row the launches' logits, bit for bit, with
@@ -330,6 +332,7 @@ def test_steps_of_few_rows_run_as_one_launch_bit_for_bit(ocl_gguf_engine, ocl_gg
     assert sum(c.ran[True] for c in choices.values()) == 11 and not any(c.gave_up for c in choices.values())
 
 
+@pytest.mark.usefixtures("cpu_device")
 def test_no_several_row_launch_where_its_local_arrays_do_not_fit(ocl_gguf_engine, monkeypatch):
     """A device whose local memory cannot hold four rows of a GEMV's input and a kv head's scores gets no
     several-row launch (steps of 2-4 rows then run launch by launch); PoCL's 1 MiB holds them."""
@@ -342,6 +345,7 @@ def test_no_several_row_launch_where_its_local_arrays_do_not_fit(ocl_gguf_engine
     assert plans._bind_rows_launch(1) is None
 
 
+@pytest.mark.usefixtures("cpu_device")
 def test_one_launch_that_cannot_run_falls_back_launch_by_launch(loaded_model, cl_dev, ocl_gguf_launches_engine,
                                                                 model_config, caplog):
     """More work-groups than PoCL has threads: the barrier gives up, the step is redone launch by
