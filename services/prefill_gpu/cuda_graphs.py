@@ -17,7 +17,10 @@ K/V writes land where no sequence reads, and every position a padded row may rea
 (the pool is zeroed on CUDA).
 
 Other steps (decodes and prefill chunks mixed in one step, a step with a layer-export hook for
-the hybrid hand-off, a batch past the largest bucket) run eagerly through plan_step/run_step.
+the hybrid hand-off, a batch past the largest bucket, a chunk that wants every row's logits: speculative
+verify chunks and prompt logprobs) run eagerly through plan_step/run_step. (Until 2026-11-30 a lone verify
+chunk took the prefill-chunk graph, which gives the last row's logits only: on CUDA, drafts then skipped
+tokens. A lent H200's run showed it; test_cuda_graphs.py holds the fixed-shape path to the eager tokens.)
 
 `StaticStep.forward` is plain torch: on the CPU the tests run it eagerly against the planned
 eager step (same logits, same KV, nothing written outside the scratch block); on CUDA it is what
@@ -191,8 +194,10 @@ class StepGraphs:
         self.capture_s = 0.0
 
     def bucket_for(self, chunks: Sequence["ScheduledChunk"]) -> Bucket | None:
-        """The bucket these chunks fit, or None (a mixed step, too many rows, too long a context)."""
-        if not chunks:
+        """The bucket these chunks fit, or None (a mixed step, too many rows, too long a context, or a chunk
+        that wants every row's logits: a verify chunk's drafts or prompt logprobs, where the graphs give a
+        chunk's last row only)."""
+        if not chunks or any(getattr(c, "all_logits", False) for c in chunks):
             return None
         if all(len(c.token_ids) == 1 for c in chunks):
             rows = _pow2_at_least(len(chunks), self.min_decode_rows)

@@ -15,6 +15,7 @@ a call without a deadline).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,20 @@ from services.prefill_gpu.handoff_admission import HandoffAdmission
 from services.prefill_gpu.kv_export import LayerExporter
 
 
+log = logging.getLogger(__name__)
+
+
+def speculation_caveat(device_type: str, speculative_k: int) -> str | None:
+    """What to say at start when drafts are asked for where they were measured to cost more than they give."""
+    if device_type == "cuda" and speculative_k > 0:
+        # decode steps replay captured CUDA graphs; a verify step (every row's logits) has no graph bucket and
+        # runs eagerly (cuda_graphs.py): on an H200, 4 and 16 sequences with drafts made 0.21-0.56x the tokens/s
+        return (f"speculative_k={speculative_k} on CUDA: verify steps run eagerly (no CUDA graph); on an H200 "
+                "drafts gave 0.21-0.56x the tokens/s without them at 4 and 16 sequences (docs/speculation.md). "
+                "HYBRIDSERVE_PREFILL_SPECULATIVE_K=0 is faster there")
+    return None
+
+
 class PrefillRuntime(EngineRuntime):
     device_label = "gpu"
     engine_name = "torch"
@@ -50,6 +65,9 @@ class PrefillRuntime(EngineRuntime):
         # hybrid decode must never wait behind gpu-mode generations for its prefill
         self.handoff_admission = HandoffAdmission(arena.size, settings.handoff_max_running,
                                                   settings.prefill_queue_depth)
+        caveat = speculation_caveat(engine.device.type, settings.speculative_k)
+        if caveat:
+            log.warning(caveat)
 
     cpu_class: str | None = None  # the CPU scheduling class taken for serving (cpu_priority.py); None: not yet
     # called once profile_samples has the engine's timings: the service's start-up (server.build) takes its

@@ -8,11 +8,14 @@ the same tokens. On CUDA (`-m cuda`, a lent GPU) the same runs go through captur
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from services.engine.batching_settings import BatchingSettings
+from services.engine.sampling import SamplingParams
 from services.prefill_gpu.batched_step import forward_logits, plan_step
 from services.prefill_gpu.cuda_graphs import CHUNK, DECODE, StepGraphs
 from tests.conftest import hf_greedy, random_prompt
@@ -137,6 +140,25 @@ def test_steps_without_a_bucket_run_eagerly(engine, model_config):
     too_many = [chunk(3, [1], (i,), seq_id=i) for i in range(graphs.max_decode_rows + 1)]
     assert graphs.bucket_for(too_many) is None
     assert graphs.bucket_for([chunk(0, [1] * 20, (0, 1))]).rows == 32
+    # a chunk that wants every row's logits (a verify chunk's drafts, prompt logprobs): the graphs give a
+    # chunk's last row only
+    every_row = dataclasses.replace(chunk(16, [1, 2, 3, 4, 5], (0, 1)), all_logits=True, num_drafts=4)
+    assert graphs.bucket_for([every_row]) is None
+
+
+def test_drafts_through_the_fixed_shape_steps_give_the_tokens_without(engine, tokenizer, model_config,
+                                                                      with_fixed_shape):
+    """n-gram drafts with the fixed-shape steps attached (CUDA's path, run eagerly here): greedy tokens equal to
+    those without drafts, in fewer steps. A lone verify chunk once took the prefill-chunk bucket, whose last
+    row alone came back, and skipped tokens (seen on a lent H200 through the speculation benchmark)."""
+    from tests.decode_fpga.test_speculative_decoding import copy_prompt, run
+
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    prompt, eos = copy_prompt(tokenizer), model_config.eos_token_ids
+    (off,), steps_off, _ = run(engine, eos, [(prompt, greedy)], k=0)
+    (on,), steps_on, leaked = run(engine, eos, [(prompt, greedy)], k=4)
+    assert on == off and steps_on < steps_off and leaked == 0, (on, off, steps_on, steps_off)
+    assert with_fixed_shape.replays[DECODE] > 0  # the drafts-off run's decodes went through the fixed shape
 
 
 def test_bad_input_raises_value_error_on_the_fixed_shape_path(engine, model_config, with_fixed_shape):
@@ -196,3 +218,12 @@ def test_a_lone_decode_in_a_one_row_bucket_with_the_cuda_defaults_gives_the_eage
     slot = table[n // engine.block_size] * engine.block_size + n % engine.block_size
     torch.testing.assert_close(cuda_like.kv_pool.data[:, :, :, slot], engine.kv_pool.data[:, :, :, slot],
                                rtol=0, atol=1e-4)
+
+
+def test_drafts_on_cuda_are_called_out_at_start():
+    """prefill_gpu warns at start when drafts are asked for on CUDA, where its verify steps run eagerly and were
+    measured slower than no drafts; nothing is said on the CPU or with drafts off."""
+    from services.prefill_gpu.runtime import speculation_caveat
+
+    assert "eagerly" in speculation_caveat("cuda", 3) and "SPECULATIVE_K=0" in speculation_caveat("cuda", 3)
+    assert speculation_caveat("cuda", 0) is None and speculation_caveat("cpu", 3) is None
