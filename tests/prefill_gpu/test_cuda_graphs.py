@@ -227,3 +227,13 @@ def test_drafts_on_cuda_are_called_out_at_start():
 
     assert "eagerly" in speculation_caveat("cuda", 3) and "SPECULATIVE_K=0" in speculation_caveat("cuda", 3)
     assert speculation_caveat("cuda", 0) is None and speculation_caveat("cpu", 3) is None
+
+
+def test_prompt_logprobs_through_the_fixed_shape_steps_give_every_row(engine, with_fixed_shape):
+    """A lone prompt chunk that wants every row's logits (prompt logprobs) gets them all, as eagerly; the
+    prefill-chunk graph once gave its last row alone."""
+    wants_all = dataclasses.replace(chunk(0, [5, 6, 7, 8, 9, 10], (0,)), all_logits=True)
+    got = engine.step([wants_all], greedy=False)
+    engine.graphs = None
+    np.testing.assert_array_equal(got, engine.step([wants_all], greedy=False))
+    assert got.shape[0] == 6
