@@ -18,6 +18,13 @@ session), and shares the cores between groups by the groups' weights. The figure
 in the root cpu cgroup) the gateway and each engine were groups of their own, and -10 still changed them.
 Engines in other containers compete by their cgroups' weights; what -10 does there is not measured.
 
+With autogroup on, a thread's nice value orders it only against the threads of its own group, so `apply` also
+sets the nice value of the gateway's autogroup where that group is the gateway's own (it leads its session, as
+under `up`; a gateway started from a shell shares the shell's group, which it leaves alone). On the 2-core host,
+hybrid and auto with four 512-token prompts at once, two pairs of runs alternating: the gateway's event loop
+missed its 5 ms tick by over 50 ms 16 times with only the threads' nice value, and 4 times with the group's too
+(docs/readiness.md).
+
 `apply` sets the value on every thread the process has now. Threads started later (asyncio's executor,
 gRPC's) inherit it from their creator. `python -m services.gateway` calls it before it serves;
 create_app does not, so tests that build the app in-process leave pytest's priority alone.
@@ -64,7 +71,23 @@ def apply(nice: int | None, asked: bool = True) -> int | None:
                 "CAP_SYS_NICE (compose: cap_add: [SYS_NICE]) or an RLIMIT_NICE that allows it (ulimit -e); "
                 "HYBRIDSERVE_GATEWAY_CPU_NICE= (empty) does not ask", nice, exc, os.getpriority(os.PRIO_PROCESS, 0))
         return None
+    _own_autogroup(nice)
     return nice
+
+
+def _own_autogroup(nice: int, path: str = "/proc/self/autogroup") -> bool:
+    """Give this process's autogroup the nice value too, where the group is this process's own (it leads its
+    session, as under `hybridserve up`): with autogroup on, a thread's nice orders it only against threads of
+    its own group, and the group's nice weighs it against the engines' groups. Returns whether it was set."""
+    if os.getsid(0) != os.getpid() or not os.path.exists(path):
+        return False  # a group shared with a shell or a parent, or no autogroup here: left alone
+    try:
+        with open(path, "w") as f:
+            f.write(str(nice))
+    except OSError as exc:  # what refuses a thread's nice refuses this too; or autogroup is off
+        log.info("the gateway's autogroup keeps its nice value (%s)", exc)
+        return False
+    return True
 
 
 def _threads() -> list[int]:

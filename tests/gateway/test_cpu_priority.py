@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from services.gateway.settings import GatewaySettings
 from tests.services_harness import ROOT, Service, free_port, wait_http_ok
 
@@ -125,6 +127,7 @@ def test_the_gateway_process_serves_at_its_nice_value(tmp_path, monkeypatch):
     try:
         wait_http_ok(gw, "/livez", timeout=120)
         nices = thread_nices(gw.proc.pid)
+        autogroups = {p: open(p).read().strip() for p in (f"/proc/{gw.proc.pid}/autogroup",) if os.path.exists(p)}
     finally:
         gw.stop()
     log = gw.log_path.read_text()
@@ -132,7 +135,22 @@ def test_the_gateway_process_serves_at_its_nice_value(tmp_path, monkeypatch):
     if ROOT_USER:
         assert set(nices.values()) == {-10}, (nices, log)
         assert not refused(log), log
+        # the harness starts it in a session of its own, so its autogroup is its own and takes the value too
+        # (read while it ran; none where the kernel has no autogroup)
+        assert all(g.endswith("nice -10") for g in autogroups.values()), autogroups
     else:
         assert set(nices.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, (nices, log)
         assert refused(log), log
     assert {t: n for t, n in thread_nices().items() if t in own} == own
+
+
+def test_a_shared_autogroup_is_left_alone():
+    """A gateway that does not lead its session (started from a shell, say) shares the shell's autogroup: its
+    nice value must not change the shell's group. This test's process leads no session of its own."""
+    from services.gateway.cpu_priority import _own_autogroup
+
+    if os.getsid(0) == os.getpid():
+        pytest.skip("this process leads its session")
+    before = open("/proc/self/autogroup").read() if os.path.exists("/proc/self/autogroup") else None
+    assert _own_autogroup(5) is False
+    assert (open("/proc/self/autogroup").read() if before is not None else None) == before
