@@ -13,17 +13,15 @@ an RLIMIT_NICE that allows it (`ulimit -e`). Without either the system refuses i
 once (a warning if the value was set on purpose, else at info level) and serves at the priority it has.
 
 Where it acts: Linux weighs threads by nice within their scheduling group (a cgroup; with autogroup on, a
-session), and shares the cores between groups by the groups' weights. The figures above were measured under
-`hybridserve up`, which starts each service in a session of its own: on that host (autogroup on, every process
-in the root cpu cgroup) the gateway and each engine were groups of their own, and -10 still changed them.
-Engines in other containers compete by their cgroups' weights; what -10 does there is not measured.
-
-With autogroup on, a thread's nice value orders it only against the threads of its own group, so `apply` also
-sets the nice value of the gateway's autogroup where that group is the gateway's own (it leads its session, as
-under `up`; a gateway started from a shell shares the shell's group, which it leaves alone). On the 2-core host,
-hybrid and auto with four 512-token prompts at once, two pairs of runs alternating: the gateway's event loop
-missed its 5 ms tick by over 50 ms 16 times with only the threads' nice value, and 4 times with the group's too
-(docs/readiness.md).
+session) and shares the cores between groups by the groups' weights. `hybridserve up` starts each service in a
+session of its own, so on the 2-core host (autogroup on, every process in the root cpu cgroup) the gateway was a
+group of its own, and its threads' nice value ordered them only against each other. So `apply` also sets the
+nice value of the gateway's autogroup where that group is the gateway's own (it leads its session; a gateway
+started from a shell shares the shell's group, which it leaves alone). Hybrid and auto with four 512-token
+prompts at once, two pairs of runs alternating: the gateway's event loop missed its 5 ms tick by over 50 ms 16
+times with the threads' nice value alone and 4 times with the group's too, and the gateway's hop fell to a p99
+of 10-11 ms (docs/readiness.md). Engines in other containers compete by their cgroups' weights; what -10 does
+there is not measured.
 
 `apply` sets the value on every thread the process has now. Threads started later (asyncio's executor,
 gRPC's) inherit it from their creator. `python -m services.gateway` calls it before it serves;

@@ -47,9 +47,10 @@ class GatewaySettings(CommonSettings):
     # on SIGTERM, how long requests in flight may run on while new ones get 503 (compose's
     # stop_grace_period must be longer, or the container is killed mid-drain)
     drain_grace_s: float = Field(60.0, gt=0)
-    # the nice value of every thread, taken at start where the system allows it (below 0: CAP_SYS_NICE or
-    # ulimit -e): the gateway reads each token without waiting for a core behind prefill and decode work on
-    # the same cores (cpu_priority.py, docs/readiness.md); None (the variable set empty): left alone
+    # the nice value of every thread (and of its autogroup where it leads its session, as under `up`), taken at
+    # start where the system allows it (below 0: CAP_SYS_NICE or ulimit -e): the gateway reads each token
+    # without waiting for a core behind prefill and decode work on the same cores (cpu_priority.py,
+    # docs/readiness.md); None (the variable set empty): left alone
     cpu_nice: int | None = Field(-10, ge=-20, le=19)
     request_timeout_s: float = 600.0  # upper bound of any request; a request's own `timeout` may be shorter
     chat_default_max_tokens: int = 1024  # chat requests without max_tokens
