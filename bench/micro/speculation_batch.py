@@ -6,7 +6,9 @@ drafts on or off for itself (`SamplingParams.speculative`), so the two variants 
 kernels and its prefix cache and take turns within each round (order rotating, medians over rounds). The
 decode rate of a level is the sum over its requests of (tokens - 1) / (last token - first token): the rows
 decoding side by side, prefill left out. The batch size where drafts on falls below drafts off is what
-`HYBRIDSERVE_*_SPECULATIVE_MAX_BATCH` should be (docs/speculation.md).
+`HYBRIDSERVE_*_SPECULATIVE_MAX_BATCH` should be (docs/speculation.md). Each level's greedy tokens with drafts on
+and off are compared in its first round, and a difference stops the run: a figure of wrong tokens is no figure
+(on a lent H200 the torch engine's drafts once skipped tokens and this benchmark printed a rate for them).
 
     python -m bench.micro.speculation_batch [--engines opencl,torch] [--batches 1,2,4,8,16] [--k 8]
     python -m bench.micro.speculation_batch --gguf FILE ...  (the OpenCL engine on another GGUF file with the
@@ -31,13 +33,18 @@ from services.engine.speculation import SpeculationConfig
 VARIANTS = ("drafts", "no drafts")
 
 
-def decode_rate(loop: EngineLoop, prompts: list[list[int]], tokens: int, speculative: bool) -> float:
-    """The summed decode tokens/s of the prompts' requests run at once."""
+def decode_rate(loop: EngineLoop, prompts: list[list[int]], tokens: int, speculative: bool,
+                texts: list | None = None) -> float:
+    """The summed decode tokens/s of the prompts' requests run at once; each request's tokens into `texts`."""
     rates = [0.0] * len(prompts)
+    outs: list[list[int]] = [[] for _ in prompts]
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, speculative=speculative)
 
     def one(i: int) -> None:
-        times = [time.perf_counter() for _event in loop.submit(prompts[i], params)]
+        times = []
+        for event in loop.submit(prompts[i], params):
+            times.append(time.perf_counter())
+            outs[i].append(event.token)
         if len(times) > 1 and times[-1] > times[0]:
             rates[i] = (len(times) - 1) / (times[-1] - times[0])
 
@@ -46,6 +53,8 @@ def decode_rate(loop: EngineLoop, prompts: list[list[int]], tokens: int, specula
         t.start()
     for t in threads:
         t.join()
+    if texts is not None:
+        texts.extend(outs)
     return sum(rates)
 
 
@@ -114,10 +123,17 @@ def main() -> None:
                 for b in batches:
                     batch = [prompts[i % len(prompts)] for i in range(b)]
                     runs = {v: [] for v in VARIANTS}
+                    texts: dict[str, list] = {v: [] for v in VARIANTS}
                     for r in range(args.rounds):
                         for v in VARIANTS[r % 2:] + VARIANTS[:r % 2]:
                             progress(f"{name} {workload} batch {b}: round {r + 1}/{args.rounds} {v}")
-                            runs[v].append(decode_rate(loop, batch, args.tokens, v == "drafts"))
+                            runs[v].append(decode_rate(loop, batch, args.tokens, v == "drafts",
+                                                       texts[v] if r == 0 else None))
+                    # greedy: drafts must not change a token (a run that did measured something else)
+                    if texts["drafts"] != texts["no drafts"]:
+                        differ = sum(a != b for a, b in zip(texts["drafts"], texts["no drafts"]))
+                        raise SystemExit(f"{name} {workload} batch {b}: {differ} of {len(batch)} requests' tokens "
+                                         "differ with drafts on and off (greedy): the engine's speculation is wrong")
                     on, off = statistics.median(runs["drafts"]), statistics.median(runs["no drafts"])
                     levels[str(b)] = {"drafts_tok_s": on, "no_drafts_tok_s": off, "ratio": on / off, "runs": runs}
                 results[(name, workload)] = levels
