@@ -80,7 +80,7 @@ class StepGate:
 
     def open_and_read(self, queue: cl.CommandQueue, gate: cl.UserEvent, reads: list[Read]) -> None:
         if self._lib is None:
-            gate.set_status(cl.command_execution_status.COMPLETE)
+            self.open(gate)
             for i, r in enumerate(reads):
                 cl.enqueue_copy(queue, r.host, r.buffer, is_blocking=i == len(reads) - 1)
             if not reads:

@@ -2,11 +2,10 @@
 
 On a host without a GPU, prefill_gpu's torch prefill threads and decode_fpga's OpenCL work-groups take every
 core. The gateway's work per token is small (its GIL was held 3.5% of the time), but each token waits for a
-core before the gateway reads it from gRPC and writes its SSE chunk. On the 2-core host, under hybrid 4 x 512,
-every gateway thread at nice -10 cut that hop (gRPC `sent` → gateway `recv`) from p99 56-89 ms to 17-45 ms.
-Over every mode and prompt pattern the gain was smaller: of 48 rounds, 10 had a largest gap over 150 ms at -10
-and 18 at nice 0, with the long prompts' TTFT unchanged (docs/readiness.md, "Where the time under those gaps
-goes"). So -10 is the default (HYBRIDSERVE_GATEWAY_CPU_NICE; empty: leave the priority alone).
+core before the gateway reads it from gRPC and writes its SSE chunk. So the gateway's threads take nice -10 by
+default (HYBRIDSERVE_GATEWAY_CPU_NICE; empty: leave the priority alone), and the gateway's hop (gRPC `sent` →
+gateway `recv`) fell on the 2-core host from a p99 of 50-111 ms to 10-11 ms; docs/readiness.md ("Where the time
+under those gaps goes") has the runs, and what the stream's largest gaps did.
 
 Lowering a nice value (below 0, from the usual 0) needs CAP_SYS_NICE (compose: `cap_add: [SYS_NICE]`) or
 an RLIMIT_NICE that allows it (`ulimit -e`). Without either the system refuses it; the gateway then says so
@@ -17,11 +16,9 @@ session) and shares the cores between groups by the groups' weights. `hybridserv
 session of its own, so on the 2-core host (autogroup on, every process in the root cpu cgroup) the gateway was a
 group of its own, and its threads' nice value ordered them only against each other. So `apply` also sets the
 nice value of the gateway's autogroup where that group is the gateway's own (it leads its session; a gateway
-started from a shell shares the shell's group, which it leaves alone). Hybrid and auto with four 512-token
-prompts at once, two pairs of runs alternating: the gateway's event loop missed its 5 ms tick by over 50 ms 16
-times with the threads' nice value alone and 4 times with the group's too, and the gateway's hop fell to a p99
-of 10-11 ms (docs/readiness.md). Engines in other containers compete by their cgroups' weights; what -10 does
-there is not measured.
+started from a shell shares the shell's group, which it leaves alone): the event loop's stalls over 50 ms fell
+from 16 to 4 in the runs readiness.md gives. Engines in other containers compete by their cgroups' weights;
+what -10 does there is not measured.
 
 `apply` sets the value on every thread the process has now. Threads started later (asyncio's executor,
 gRPC's) inherit it from their creator. `python -m services.gateway` calls it before it serves;
@@ -31,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
+
+from services.process_threads import thread_ids
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ def apply(nice: int | None, asked: bool = True) -> int | None:
     if nice is None:
         return os.getpriority(os.PRIO_PROCESS, 0)
     was = {}
-    for tid in _threads():
+    for tid in thread_ids():
         try:
             was[tid] = os.getpriority(os.PRIO_PROCESS, tid)
         except ProcessLookupError:  # the thread ended meanwhile
@@ -87,9 +86,3 @@ def _own_autogroup(nice: int, path: str = "/proc/self/autogroup") -> bool:
         return False
     return True
 
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc: this thread only (threads started later inherit from it)
-        return [0]

@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 import os
 
+from services.process_threads import thread_ids
+
 log = logging.getLogger(__name__)
 
 CHOICES = ("normal", "idle")
@@ -52,7 +54,7 @@ def apply(setting: str, device_type: str) -> str:
         log.warning("cpu_priority idle: this system has no SCHED_IDLE; prefill keeps the normal class")
         return "normal"
     try:
-        for tid in _threads():
+        for tid in thread_ids():
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
             except ProcessLookupError:  # the thread ended meanwhile
@@ -64,9 +66,3 @@ def apply(setting: str, device_type: str) -> str:
              "(HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle: for a host that runs the stack alone)")
     return "idle"
 
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no /proc: this thread only (threads started later inherit from it)
-        return [0]

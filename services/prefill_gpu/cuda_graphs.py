@@ -197,7 +197,7 @@ class StepGraphs:
         """The bucket these chunks fit, or None (a mixed step, too many rows, too long a context, or a chunk
         that wants every row's logits: a verify chunk's drafts or prompt logprobs, where the graphs give a
         chunk's last row only)."""
-        if not chunks or any(getattr(c, "all_logits", False) for c in chunks):
+        if not chunks or any(c.all_logits for c in chunks):
             return None
         if all(len(c.token_ids) == 1 for c in chunks):
             rows = _pow2_at_least(len(chunks), self.min_decode_rows)
