@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # its own layer or lower ones; within one layer the graph must still have no cycle.
 LAYERS = [
     ("services.errors", 0), ("services.settings", 0), ("services.token_trace", 0), ("services.rpc", 0),
-    ("services.modes", 1), ("services.lifetime", 1), ("services.process_threads", 1),
+    ("services.modes", 1), ("services.lifetime", 1), ("services.process_threads", 1), ("services.autogroup", 1),
     ("services.model", 2),
     ("services.kv", 3),
     ("services.engine", 4),

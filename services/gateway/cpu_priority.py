@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 
+from services import autogroup
 from services.process_threads import thread_ids
 
 log = logging.getLogger(__name__)
@@ -68,21 +69,5 @@ def apply(nice: int | None, asked: bool = True) -> int | None:
                 "CAP_SYS_NICE (compose: cap_add: [SYS_NICE]) or an RLIMIT_NICE that allows it (ulimit -e); "
                 "HYBRIDSERVE_GATEWAY_CPU_NICE= (empty) does not ask", nice, exc, os.getpriority(os.PRIO_PROCESS, 0))
         return None
-    _own_autogroup(nice)
+    autogroup.set_own_nice(nice, "the gateway")
     return nice
-
-
-def _own_autogroup(nice: int, path: str = "/proc/self/autogroup") -> bool:
-    """Give this process's autogroup the nice value too, where the group is this process's own (it leads its
-    session, as under `hybridserve up`): with autogroup on, a thread's nice orders it only against threads of
-    its own group, and the group's nice weighs it against the engines' groups. Returns whether it was set."""
-    if os.getsid(0) != os.getpid() or not os.path.exists(path):
-        return False  # a group shared with a shell or a parent, or no autogroup here: left alone
-    try:
-        with open(path, "w") as f:
-            f.write(str(nice))
-    except OSError as exc:  # what refuses a thread's nice refuses this too; or autogroup is off
-        log.info("the gateway's autogroup keeps its nice value (%s)", exc)
-        return False
-    return True
-

@@ -1,4 +1,4 @@
-"""prefill_gpu's CPU scheduling class when its engine computes on the CPU: the decode engine's threads first.
+"""prefill_gpu's CPU scheduling class and group when its engine computes on the CPU: the decode engine's threads first.
 
 On a host without a GPU, prefill_gpu's torch prefill and decode_fpga's PoCL kernels share the same cores.
 A decode step is many short kernel launches, and each one wakes PoCL's worker threads. Linux's fair
@@ -17,9 +17,19 @@ variants, so these runs indicate the cost; they do not measure it. One likely ca
 core follows the load of its threads there, and an idle-class thread's load is tiny. A test suite running
 engines beside other tests' work would starve its hybrid prefills the same way. So idle is for a host that
 runs the stack alone. There it is the measured fix: the largest gaps were 69-115 ms against 107-175 ms, and
-a long prompt's prefill was 0-7% slower. Linux groups tasks by session (autogroup) or cgroup, and the class orders only
-threads of one group. So it acts where `hybridserve up` starts both engines. Engines in separate containers
-compete by their cgroups' weights instead.
+a long prompt's prefill was 0-7% slower.
+
+Where each acts: Linux groups tasks by session (autogroup) or cgroup, shares the cores between groups by the groups'
+weights, and only then between a group's threads. `hybridserve up` starts each engine in a session of its own, so
+the engines are two groups. The idle class still acts across them at a wake-up (a normal thread that wakes preempts
+an idle-class one on its core), but over time the prefill's group keeps half the cores: under a stream's largest
+gaps, decode_fpga's gRPC and event-engine threads sat runnable for 60-110 ms while torch's threads ran. So the
+process can also raise its group's nice value on the CPU (`apply_group_nice`, HYBRIDSERVE_PREFILL_CPU_GROUP_NICE;
+raising needs no privilege): at 10 its group weighs ~1/10 of the decode engine's and gets the cycles that group
+leaves. Also opt-in, for its cost: in hybrid mode the largest gaps held at 67-88 ms (73-156 ms without), but long
+prompts' first tokens came ~25% later, and auto's largest gaps did not change (docs/readiness.md has the runs).
+Engines in separate containers compete by their cgroups' weights instead, where neither setting orders one engine
+against the other.
 
 `apply` sets the class on every thread the process has now. Threads started later inherit it from their
 creator: the gRPC server's pool, the engine loop's OpenMP team.
@@ -29,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 
+from services import autogroup
 from services.process_threads import thread_ids
 
 log = logging.getLogger(__name__)
@@ -66,3 +77,13 @@ def apply(setting: str, device_type: str) -> str:
              "(HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle: for a host that runs the stack alone)")
     return "idle"
 
+
+def apply_group_nice(nice: int | None, device_type: str) -> int | None:
+    """On the CPU, give this process's autogroup the nice value `nice` where the group is its own (as under
+    `hybridserve up`). Returns the value set, or None where the group was left alone (on CUDA, not asked for, a
+    shared group, no autogroup, or refused: a value below the group's needs CAP_SYS_NICE)."""
+    if nice is None or device_type != "cpu" or not autogroup.set_own_nice(nice, "prefill_gpu"):
+        return None
+    log.info("prefill_gpu's scheduling group at nice %d: a decode engine's threads on these cores take them first "
+             "(HYBRIDSERVE_PREFILL_CPU_GROUP_NICE; empty leaves the group alone)", nice)
+    return nice

@@ -75,9 +75,11 @@ class PrefillRuntime(EngineRuntime):
     after_profile: Callable[[], object] | None = None
 
     def take_serving_priority(self) -> str:
-        """Put the whole process in its serving CPU class (settings.cpu_priority), once: "idle" or "normal"."""
+        """Put the whole process in its serving CPU class (settings.cpu_priority), once: "idle" or "normal";
+        and its scheduling group at settings.cpu_group_nice, on the CPU."""
         if self.cpu_class is None:
             self.cpu_class = cpu_priority.apply(self.settings.cpu_priority, self.engine.device.type)
+            cpu_priority.apply_group_nice(self.settings.cpu_group_nice, self.engine.device.type)
         return self.cpu_class
 
     def profile_samples(self, refresh: bool = False):

@@ -34,6 +34,12 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     # the decode engine's threads on the same cores preempt the prefill at once, for a host that runs the stack
     # alone; on a busy host the prefill starves, hence opt-in (cpu_priority.py, docs/readiness.md)
     cpu_priority: Literal["normal", "idle"] = "normal"
+    # the nice value of its autogroup once it serves on the CPU, where it leads its session (as under `up`): the
+    # fair scheduler shares the cores between groups by their weights, and at 0 a prefill keeps half of them while
+    # a decode step's token-sending threads wait; at 10 its group weighs ~1/10 of the decode engine's. Opt-in: hybrid
+    # streams' largest gaps steadied (<= 88 ms), long prompts' first tokens came ~25% later, auto's tail unchanged
+    # (services/autogroup.py, docs/readiness.md); None (unset or empty): the group is left alone
+    cpu_group_nice: int | None = Field(None, ge=-20, le=19)
     arena_bytes: int = 256 * 1024 * 1024
     # a hand-off outside the admission (none in the service any more: it waits for memory in the
     # admission's queue, bounded by the call's deadline) waits this long for a slot; kept for old envs
@@ -56,6 +62,12 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     @classmethod
     def _transport(cls, v: str) -> str:
         return check_transport(v)
+
+    @field_validator("cpu_group_nice", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v):
+        # HYBRIDSERVE_PREFILL_CPU_GROUP_NICE= (compose's way of passing "unset") means "leave the group alone"
+        return None if v in ("", None) else v
 
     @property
     def handoff_max_running(self) -> int:

@@ -15,8 +15,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from services.gateway.settings import GatewaySettings
 from tests.services_harness import ROOT, Service, free_port, wait_http_ok
 
@@ -142,15 +140,3 @@ def test_the_gateway_process_serves_at_its_nice_value(tmp_path, monkeypatch):
         assert set(nices.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, (nices, log)
         assert refused(log), log
     assert {t: n for t, n in thread_nices().items() if t in own} == own
-
-
-def test_a_shared_autogroup_is_left_alone():
-    """A gateway that does not lead its session (started from a shell, say) shares the shell's autogroup: its
-    nice value must not change the shell's group. This test's process leads no session of its own."""
-    from services.gateway.cpu_priority import _own_autogroup
-
-    if os.getsid(0) == os.getpid():
-        pytest.skip("this process leads its session")
-    before = open("/proc/self/autogroup").read() if os.path.exists("/proc/self/autogroup") else None
-    assert _own_autogroup(5) is False
-    assert (open("/proc/self/autogroup").read() if before is not None else None) == before

@@ -1,4 +1,5 @@
-"""prefill_gpu's serving CPU class (services/prefill_gpu/cpu_priority.py): SCHED_IDLE when asked for, every thread.
+"""prefill_gpu's serving CPU class (services/prefill_gpu/cpu_priority.py): SCHED_IDLE when asked for, every thread;
+and its scheduling group's nice value on the CPU.
 
 The class must reach the threads that compute: those there when it is applied, and those started later
 (the gRPC server's pool, the engine loop's OpenMP team). So these tests read each thread's class from the
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 
+from services import autogroup
 from services.prefill_gpu import cpu_priority
 from services.prefill_gpu.settings import PrefillSettings
 from tests.services_harness import Service
@@ -62,16 +64,33 @@ def test_normal_leaves_every_thread_in_the_normal_class(setting, device):
     assert set(classes) == {os.SCHED_OTHER}, classes
 
 
-def test_the_service_on_the_cpu_asked_for_idle_serves_from_the_idle_class(tmp_path):
-    """A real prefill_gpu with HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle: once it serves, every thread of it (gRPC's
-    and torch's among them) is SCHED_IDLE, and the test's own process kept its class."""
+def test_the_group_nice_value_is_opt_in_for_the_cpu_only_and_empty_leaves_the_group_alone(monkeypatch):
+    monkeypatch.delenv("HYBRIDSERVE_PREFILL_CPU_GROUP_NICE", raising=False)
+    assert PrefillSettings().cpu_group_nice is None  # long prompts' first tokens pay for it (docs/readiness.md)
+    assert PrefillSettings.from_environ({"HYBRIDSERVE_PREFILL_CPU_GROUP_NICE": "10"}).cpu_group_nice == 10
+    assert PrefillSettings.from_environ({"HYBRIDSERVE_PREFILL_CPU_GROUP_NICE": ""}).cpu_group_nice is None
+    assert cpu_priority.apply_group_nice(10, "cuda") is None  # on CUDA the prefill's cores are not the decode's
+    assert cpu_priority.apply_group_nice(None, "cpu") is None
+    assert cpu_priority.apply_group_nice(10, "cpu") is None  # pytest's process leads no session: not its group
+
+
+def test_the_service_on_the_cpu_serves_from_the_idle_class_in_a_group_at_the_nice_value_asked_for(tmp_path):
+    """A real prefill_gpu with HYBRIDSERVE_PREFILL_CPU_PRIORITY=idle and HYBRIDSERVE_PREFILL_CPU_GROUP_NICE=10, started
+    in a session of its own as `hybridserve up` starts it: once it serves, every thread of it (gRPC's and torch's
+    among them) is SCHED_IDLE, its autogroup is at nice 10, and the test's own process kept its class and group."""
+    own_group = autogroup.nice_of()
     env = {PrefillSettings.env_name(k): str(v) for k, v in {
-        "device": "cpu", "cpu_priority": "idle", "kv_cache_mb": 64, "arena_bytes": 16 << 20, "max_num_seqs": 2}.items()}
+        "device": "cpu", "cpu_priority": "idle", "cpu_group_nice": 10, "kv_cache_mb": 64, "arena_bytes": 16 << 20,
+        "max_num_seqs": 2}.items()}
     svc = Service("services.prefill_gpu", env, tmp_path / "prefill.log").start()
     try:
         svc.wait_healthy(timeout=300)
         classes = thread_classes(svc.proc.pid)
+        group = autogroup.nice_of(svc.proc.pid)
     finally:
         svc.stop()
     assert len(classes) > 3 and set(classes) == {os.SCHED_IDLE}, classes
     assert set(thread_classes()) == {os.SCHED_OTHER}
+    if own_group is not None:  # a kernel with autogroup
+        assert group == 10, svc.log_path.read_text()[-2000:]
+        assert autogroup.nice_of() == own_group
