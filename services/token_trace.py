@@ -9,7 +9,7 @@ process on the host, so bench/token_path.py can subtract the engine's times from
 
 Hops, in order (`n`: the request's tokens up to and including this message's):
   engine: step_end (the loop's step returned), got (the gRPC thread has the event),
-          sent (its message built and handed to gRPC)
+          sent (its message built and handed to gRPC), resumed (gRPC has sent it and asks for the next)
   gateway: recv (the message read from the call), detok (its text detokenized, stops applied),
            sse (the SSE chunk built, handed to the HTTP server)
 and the loop's steps themselves (`step`, with start and end), for the engine's own step time.

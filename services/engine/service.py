@@ -139,6 +139,8 @@ def messages_of(events: Iterator[TokenEvent], request_id: str = "") -> Iterator[
         if token_trace.ON:
             token_trace.mark(request_id, "sent", n)
         yield msg
+        if token_trace.ON:
+            token_trace.mark(request_id, "resumed", n)
     if pending:  # only when the events ended on a hint (a choice cut short): send what came
         yield response_of(pending)
 
