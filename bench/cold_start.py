@@ -8,6 +8,7 @@ readiness (it must not). Prints a table, writes bench/results/cold_start.json an
 
     python -m bench.cold_start                        # auto, 2 rounds, 2,000-token prompt
     python -m bench.cold_start --modes auto,fpga,hybrid --rounds 1 --long-prompt-tokens 512
+    python -m bench.cold_start --env HYBRIDSERVE_PREFILL_CPU_GROUP_NICE=   # a setting's effect
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from harness.stack import launch_stack
 SMOOTH_S = 0.150
 
 
-def one_round(mode: str, long_tokens: int, stream_tokens: int, seed: int) -> dict:
+def one_round(mode: str, long_tokens: int, stream_tokens: int, seed: int, env: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="hybridserve-cold-") as tmp:
-        stack = launch_stack(Path(tmp) / "up.log", {"HYBRIDSERVE_PROFILE_CACHE": str(Path(tmp) / "profile")})
+        cache = {"HYBRIDSERVE_PROFILE_CACHE": str(Path(tmp) / "profile")}
+        stack = launch_stack(Path(tmp) / "up.log", {**(env or {}), **cache})
         try:
             ready = wait_ready(stack.url, 900, alive=lambda: stack.process.proc.poll() is None)
             checks = calibration_checks_ran(stack.url)
@@ -68,13 +70,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="fresh stacks per mode")
     ap.add_argument("--long-prompt-tokens", type=int, default=2000)
     ap.add_argument("--stream-tokens", type=int, default=160)
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the stack (repeatable)")
     ap.add_argument("--name", default="cold_start")
     args = ap.parse_args()
+    env = dict(e.split("=", 1) for e in args.env)
     rounds = []
     for r in range(args.rounds):
         for mode in args.modes.split(","):
             progress(f"round {r + 1}/{args.rounds}: {mode}, a fresh stack from an empty profile cache")
-            rounds.append(one_round(mode, args.long_prompt_tokens, args.stream_tokens, seed=58 + r))
+            rounds.append(one_round(mode, args.long_prompt_tokens, args.stream_tokens, seed=58 + r, env=env))
     ms = lambda s: "-" if s is None else f"{1000 * s:.0f}"  # noqa: E731
     print(table(["mode", "ready after s", "largest gap ms", "gaps > 150 ms %", "gap p50 ms", "long prompt s",
                  "its mode", "checks after ready"],
