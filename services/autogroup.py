@@ -5,7 +5,7 @@ first shares the cores between groups by the groups' weights, and only then betw
 theirs. A thread's own nice value or class orders it against the threads of its group alone. `hybridserve up`
 starts each service in a session of its own, so each is a group, and what weighs one service against another
 is the group's nice value (`/proc/self/autogroup`). The gateway lowers its group's (it reads every token);
-prefill_gpu on a CPU raises its own (its prefill must not take half the cores from a decode step). Both act
+prefill_gpu on a CPU can raise its own (opt-in: its prefill then leaves the cores to a decode step). Both act
 only where the group is the process's own: a service started from a shell shares the shell's group, which
 belongs to whoever started it. Engines in containers compete by their cgroups' weights instead.
 """
@@ -33,7 +33,7 @@ def set_own_nice(nice: int, who: str, path: str = PATH) -> bool:
     `ulimit -e`); a higher one needs nothing. `who` names the service in the log line of a refusal."""
     if not owns_group() or not os.path.exists(path):
         return False  # a group shared with a shell or a parent, or no autogroup here: left alone
-    for attempt in range(RETRIES + 1):
+    for _ in range(RETRIES + 1):
         try:
             with open(path, "w") as f:
                 f.write(str(nice))
