@@ -26,12 +26,11 @@ default model's, not identical. Nothing here is committed: the files go to scale
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.micro.scale_1b_checkpoint import _tokenizer_fields, cache_dir
+from bench.micro.scale_1b_checkpoint import _tokenizer_fields, cache_dir, ensure_numpy
 
 HIDDEN, N_HEADS, N_KV, FF = 2048, 32, 8, 4096
 HEAD = 64
@@ -155,22 +154,7 @@ def write_f16(path: Path) -> Path:
 
 def ensure(out_dir: Path | None = None) -> Path:
     """The Q4_K_M-typed file, made (F16 written, then requantized) unless it is there already."""
-    from bench.micro.scale_1b_kquants import requantize
-
-    out_dir = out_dir or cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    q = out_dir / f"{NAME}.Q4_K_M-numpy.gguf"
-    if q.exists():
-        return q
-    f16 = out_dir / f"{NAME}.F16.gguf"
-    if not f16.exists():
-        t = time.perf_counter()
-        write_f16(f16)
-        print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", flush=True)
-    t = time.perf_counter()
-    counts = requantize(f16, q)
-    print(f"quantized {q} ({q.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s: {counts}", flush=True)
-    return q
+    return ensure_numpy(out_dir, NAME, write_f16)
 
 
 def main() -> int:

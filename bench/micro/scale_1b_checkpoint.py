@@ -21,6 +21,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -97,12 +98,12 @@ def write_f16(path: Path) -> Path:
     return path
 
 
-def ensure_f16(out_dir: Path) -> Path:
-    """The F16 file both quantizations start from, written unless it is there already."""
-    f16 = out_dir / f"{NAME}.F16.gguf"
+def ensure_f16(out_dir: Path, name: str = NAME, write: Callable[[Path], Path] = write_f16) -> Path:
+    """The F16 file `name` both quantizations start from, written by `write` unless it is there already."""
+    f16 = out_dir / f"{name}.F16.gguf"
     if not f16.exists():
         t = time.perf_counter()
-        write_f16(f16)
+        write(f16)
         print(f"wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", flush=True)
     return f16
 
@@ -125,16 +126,17 @@ def ensure(quantize: str | Path, out_dir: Path | None = None) -> Path:
     return q
 
 
-def ensure_numpy(out_dir: Path | None = None) -> Path:
-    """The Q4_K_M-typed file quantized by scale_1b_kquants.py (no llama.cpp), made unless it is there."""
+def ensure_numpy(out_dir: Path | None = None, name: str = NAME, write: Callable[[Path], Path] = write_f16) -> Path:
+    """The Q4_K_M-typed file quantized by scale_1b_kquants.py (no llama.cpp) from the F16 file `write` makes (by
+    default this module's random one), made unless it is there."""
     from bench.micro.scale_1b_kquants import requantize
 
     out_dir = out_dir or cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    q = out_dir / f"{NAME}.Q4_K_M-numpy.gguf"
+    q = out_dir / f"{name}.Q4_K_M-numpy.gguf"
     if q.exists():
         return q
-    f16 = ensure_f16(out_dir)
+    f16 = ensure_f16(out_dir, name, write)
     t = time.perf_counter()
     counts = requantize(f16, q)
     print(f"quantized {q} ({q.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s: {counts}", flush=True)
