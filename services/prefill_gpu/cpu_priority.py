@@ -26,7 +26,7 @@ an idle-class one on its core), but over time the prefill's group keeps half the
 gaps, decode_fpga's gRPC and event-engine threads sat runnable for 60-110 ms while torch's threads ran. So the
 process can also raise its group's nice value on the CPU (`apply_group_nice`, HYBRIDSERVE_PREFILL_CPU_GROUP_NICE;
 raising needs no privilege): at 10 its group weighs ~1/10 of the decode engine's and gets the cycles that group
-leaves. Also opt-in, for its cost: in hybrid mode the largest gaps held at 67-88 ms (73-156 ms without), but long
+leaves. Also opt-in, for its cost: in hybrid mode the largest gaps held at 67-88 ms (63-156 ms without), but long
 prompts' first tokens came ~25% later, and auto's largest gaps did not change (docs/readiness.md has the runs).
 Engines in separate containers compete by their cgroups' weights instead, where neither setting orders one engine
 against the other.
