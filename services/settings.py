@@ -56,6 +56,13 @@ _warned: set[str] = set()  # old names already logged by this process
 _environ: ContextVar[Mapping[str, str] | None] = ContextVar("hybridserve_environ", default=None)
 
 
+def empty_is_none(value):
+    """A settings validator's step (mode="before") for an optional field: the variable set empty means unset.
+    Compose passes `NAME=` for a variable it names without a value, and an optional field then means "none"
+    (no API key, a priority left alone), not the empty string or a parse error."""
+    return None if value in ("", None) else value
+
+
 class UnknownSettingError(ValueError):
     """A HYBRIDSERVE_ variable that the process it is meant for does not know: most likely a typo."""
 

@@ -8,7 +8,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from services.gateway.fleet.pairs import parse_pairs, parse_pool
 from services.gateway.fleet.planner import Targets
 from services.gateway.fleet.prefix_routing import PrefixPolicy
-from services.settings import CommonSettings
+from services.settings import CommonSettings, empty_is_none
 
 
 class GatewaySettings(CommonSettings):
@@ -136,6 +136,6 @@ class GatewaySettings(CommonSettings):
     @field_validator("api_key", "cpu_nice", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
-        # compose passes HYBRIDSERVE_GATEWAY_API_KEY= when none is set: that means "no key", not "the empty key";
-        # HYBRIDSERVE_GATEWAY_CPU_NICE= means "leave the priority alone"
-        return None if v in ("", None) else v
+        # HYBRIDSERVE_GATEWAY_API_KEY= means "no key", not "the empty key"; HYBRIDSERVE_GATEWAY_CPU_NICE= "leave
+        # the priority alone"
+        return empty_is_none(v)

@@ -7,7 +7,7 @@ from pydantic import Field, field_validator
 
 from services.engine.batching_settings import BatchingSettings
 from services.kv.transports import check_name as check_transport
-from services.settings import CommonSettings
+from services.settings import CommonSettings, empty_is_none
 
 
 class PrefillSettings(CommonSettings, BatchingSettings):
@@ -66,8 +66,8 @@ class PrefillSettings(CommonSettings, BatchingSettings):
     @field_validator("cpu_group_nice", mode="before")
     @classmethod
     def _empty_is_none(cls, v):
-        # HYBRIDSERVE_PREFILL_CPU_GROUP_NICE= (compose's way of passing "unset") means "leave the group alone"
-        return None if v in ("", None) else v
+        # HYBRIDSERVE_PREFILL_CPU_GROUP_NICE= means "leave the group alone"
+        return empty_is_none(v)
 
     @property
     def handoff_max_running(self) -> int:
