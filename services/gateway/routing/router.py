@@ -46,6 +46,7 @@ from prometheus_client import Histogram
 
 from services.gateway.routing.batch_slowdown import BatchSlowdown
 from services.gateway.routing.cost_model import CostModel, StageKey, stage_key
+from services.gateway.routing.draft_gain import DraftGain, plain_seconds
 from services.gateway.routing.exploration import exploration, most_unconfirmed
 from services.gateway.routing.first_token_waits import FirstTokenWaits
 from services.gateway.routing.policy import Decision, ModePolicy
@@ -94,6 +95,7 @@ class Router(ModePolicy):
         self._auto, self._explored = 0, 0
         self._last_seen: dict[StageKey, int] = {}  # auto-decision count when a stage was last measured
         self._slowdown = {e: BatchSlowdown(window) for e in ENGINES}  # decode per token with company
+        self._gain = {e: DraftGain() for e in ENGINES}  # what speculative decoding gives a decode (draft_gain.py)
         self._waits = FirstTokenWaits(recent, stale_after)
         self.checking = False  # a calibration check is confirming an unquiet profile
         self._recent_decisions: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # auto choices, for /debug/router
@@ -129,6 +131,8 @@ class Router(ModePolicy):
                     company = s.get("company")
                     predicted = self._stage_estimate(key, s["n_in"], s.get("n_out") or 0, company or 0)
                     ESTIMATE_RATIO.labels(stage=key[0], device=key[1]).observe(max(s["seconds"], 0.0) / predicted)
+                    if key[0] == "decode":  # measured against the estimate without drafts: their gain
+                        self._gain[key[1]].add(float(s["seconds"]), predicted / self._gain[key[1]].factor())
                     if key[0] == "decode" and company is not None:
                         # against the uncorrected base: beta (c1 / c0 of the fit) is the same whatever constant
                         # error the base has, while the correction learns from these same samples. Measured
@@ -136,7 +140,7 @@ class Router(ModePolicy):
                         # in the correction, every ratio came out ~1 and beta 0 (39 decodes at 14-32
                         # company, live): a busy engine then looked slow alone
                         alone = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
-                        self._slowdown[key[1]].add(company, max(float(s["seconds"]), 1e-9) / alone)
+                        self._slowdown[key[1]].add(company, plain_seconds(s) / alone)
                 self._online.setdefault(key, deque(maxlen=self._window)).append(s)
                 self._last_seen[key] = self._auto
                 if key[1] in ENGINES:
@@ -196,7 +200,8 @@ class Router(ModePolicy):
             base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
             if key[0] == "decode":
                 base *= self._slowdown[key[1]].factor(s.get("company") or 0)
-            ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, max(float(s["seconds"]), 1e-9) / base)))
+            seconds = plain_seconds(s) if key[0] == "decode" else max(float(s["seconds"]), 1e-9)  # drafts: apart
+            ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, seconds / base)))
         return math.log(min(ratios))
 
     def _stage_estimate(self, key: StageKey, n_in: int, n_out: int, company: int = 0,
@@ -206,6 +211,7 @@ class Router(ModePolicy):
         seconds = self.model.stage_seconds(key, n_in, n_out) * math.exp(self._log_corr.get(key, 0.0))
         if key[0] == "decode":
             seconds *= self._slowdown[key[1]].factor(company) if slowdown is None else slowdown
+            seconds *= self._gain[key[1]].factor()
         return seconds
 
     def _shared_slowdown(self, company: dict[str, int]) -> float | None:
@@ -388,7 +394,9 @@ class Router(ModePolicy):
                     "prefill_ahead_s": {e: round(self._queues.ahead[e], 4) for e in ENGINES},
                     "crowding": self.crowding and self.shared_compute,
                     "engines": {e: {**self._queues.snapshot(e), "batch_slowdown_beta": self._slowdown[e].beta,
-                                    "batch_slowdown_samples": self._slowdown[e].samples} for e in ENGINES},
+                                    "batch_slowdown_samples": self._slowdown[e].samples,
+                                    "draft_gain": self._gain[e].factor(), "draft_gain_samples": self._gain[e].samples}
+                                for e in ENGINES},
                     "exploration": {"auto_decisions": self._auto, "explored": self._explored,
                                     "credit": self._credit, "share": self._share, "limit": self._limit},
                     "profile_samples": len(self._base),
