@@ -1,7 +1,8 @@
 """Where speculation stops paying as the batch grows: decode tokens/s of B concurrent greedy requests through
 one engine loop with n-gram drafts on and off, B = 1, 2, 4, 8, ..., copy-heavy and chat prompts.
 
-The loop speculates at every batch size here (`max_batch` lifted to the largest B), and each request turns
+The loop speculates at every batch size here (`max_batch` lifted to the largest B; `--served-limits`: the
+served defaults instead, where beyond `max_batch` only drafts from a long match run), and each request turns
 drafts on or off for itself (`SamplingParams.speculative`), so the two variants share the engine, its
 kernels and its prefix cache and take turns within each round (order rotating, medians over rounds). The
 decode rate of a level is the sum over its requests of (tokens - 1) / (last token - first token): the rows
@@ -25,6 +26,7 @@ from bench._common import RESULTS, machine, progress, table, write_json
 from bench.micro.logprobs_cost import make_engine
 from bench.speculation import CHAT, chat_ids, copy_prompts
 
+from services.engine.batching_settings import BatchingSettings
 from services.engine.engine_loop import EngineLoop
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import SchedulerConfig
@@ -87,6 +89,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="speculation_batch")
+    ap.add_argument("--served-limits", action="store_true",
+                    help="the served max_batch and max_batch_long (BatchingSettings') instead of drafts at every B")
     ap.add_argument("--gguf", default=None, help="the OpenCL engine on this GGUF file (its tokenizer the default's)")
     args = ap.parse_args()
     if args.gguf and args.engines != "opencl":
@@ -111,10 +115,15 @@ def main() -> None:
             engine = our_engine(Path(args.gguf), 2048, tuple(batches))
         else:
             engine = make_engine(name, loaded)
+        served = BatchingSettings()
+        speculation = (SpeculationConfig(k=args.k, n_min=served.speculative_n_min, n_max=served.speculative_n_max,
+                                         max_batch=served.speculative_max_batch,
+                                         max_batch_long=served.speculative_max_batch_long) if args.served_limits
+                       else SpeculationConfig(k=args.k, max_batch=max(batches), max_batch_long=max(batches)))
         config = SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                  max_num_seqs=max(batches), max_num_batched_tokens=engine.max_num_batched_tokens,
                                  max_model_len=2048,
-                                 speculation=SpeculationConfig(k=args.k, max_batch=max(batches)))
+                                 speculation=speculation)
         loop = EngineLoop(engine, config, engine.cfg.eos_token_ids if args.gguf else loaded.config.eos_token_ids)
         try:
             decode_rate(loop, workloads["chat"][:1], 4, True)  # warm: kernels built, pools touched

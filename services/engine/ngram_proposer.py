@@ -20,7 +20,7 @@ from typing import Sequence
 @dataclass(frozen=True)
 class NgramConfig:
     n_min: int = 2  # the shortest n-gram matched: 1 matches any repeated token, and guesses too often
-    n_max: int = 4  # the longest, tried first
+    n_max: int = 8  # the longest, tried first: a longer match tells apart the places a short phrase recurs
     k: int = 4  # drafts proposed at most
 
     def __post_init__(self):
@@ -56,17 +56,22 @@ class NgramIndex:
                     self._previous[n] = earlier
                 self._last_end[key] = end
 
+    def match_length(self) -> int:
+        """The longest n whose suffix n-gram occurred before (what `propose` would draft from); 0: none."""
+        for n in range(self.config.n_max, self.config.n_min - 1, -1):
+            if self._previous.get(n) is not None:
+                return n
+        return 0
+
     def propose(self, k: int | None = None) -> list[int]:
         """Up to `k` (default: the config's) tokens that followed the latest earlier occurrence of the
         longest suffix n-gram seen before; [] when none was."""
         k = self.config.k if k is None else k
-        if k <= 0:
+        n = self.match_length()
+        if k <= 0 or n == 0:
             return []
-        for n in range(self.config.n_max, self.config.n_min - 1, -1):
-            earlier = self._previous.get(n)
-            if earlier is not None:
-                return self.tokens[earlier + 1:earlier + 1 + k]
-        return []
+        earlier = self._previous[n]
+        return self.tokens[earlier + 1:earlier + 1 + k]
 
 
 @dataclass

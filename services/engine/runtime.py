@@ -52,7 +52,8 @@ def speculation_config(settings) -> SpeculationConfig:
     """Speculative decoding from the service's batching settings (off unless speculative_k > 0)."""
     return SpeculationConfig(k=settings.speculative_k, n_min=settings.speculative_n_min,
                              n_max=max(settings.speculative_n_min, settings.speculative_n_max),
-                             max_batch=settings.speculative_max_batch)
+                             max_batch=settings.speculative_max_batch,
+                             max_batch_long=settings.speculative_max_batch_long)
 
 
 def grammar_tokenizer(loaded) -> GrammarTokenizer:

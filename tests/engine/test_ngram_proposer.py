@@ -6,7 +6,9 @@ import random
 
 import pytest
 
+from services.engine.batching_settings import BatchingSettings
 from services.engine.ngram_proposer import Acceptance, NgramConfig, NgramIndex
+from services.engine.speculation import SpeculationConfig
 
 
 def index(tokens, **kw) -> NgramIndex:
@@ -38,13 +40,27 @@ def test_nothing_repeated_proposes_nothing_and_n_min_bounds_the_match():
     assert index([1, 2, 9, 1], n_min=1, n_max=2).propose() == [2, 9, 1]
 
 
-def test_an_incremental_index_proposes_what_a_full_scan_finds():
+@pytest.mark.parametrize("n_max", [4, 8])
+def test_an_incremental_index_proposes_what_a_full_scan_finds(n_max):
     rng = random.Random(7)
-    tokens = [rng.randrange(6) for _ in range(400)]
-    ix = NgramIndex(NgramConfig(n_min=2, n_max=4, k=3))
+    tokens = [rng.randrange(6 if n_max == 4 else 3) for _ in range(400)]  # fewer symbols: long n-grams recur
+    ix = NgramIndex(NgramConfig(n_min=2, n_max=n_max, k=3))
     for end in range(len(tokens)):
         ix.extend(tokens[end:end + 1])
-        assert ix.propose() == scan(tokens[:end + 1], 2, 4, 3), end
+        assert ix.propose() == scan(tokens[:end + 1], 2, n_max, 3), end
+
+
+def test_the_default_n_max_tells_apart_two_places_a_short_phrase_recurs():
+    """A table's rows or a code's lines repeat short phrases: the 4 tokens before the end also ended an
+    unrelated later row, and only the 6 before it find the row being copied. The served default (8) follows
+    the row; 4, the default until the copy-heavy benchmark measured both, took the wrong one."""
+    copied = [1, 2, 3, 4, 5, 6, 100, 101, 102]
+    other = [9, 3, 4, 5, 6, 200, 201, 202]
+    tokens = copied + other + [1, 2, 3, 4, 5, 6]
+    default = BatchingSettings().speculative_n_max
+    assert default == SpeculationConfig().n_max == NgramConfig().n_max
+    assert index(tokens, n_min=2, n_max=default, k=3).propose() == [100, 101, 102]
+    assert index(tokens, n_min=2, n_max=4, k=3).propose() == [200, 201, 202]
 
 
 def scan(tokens, n_min, n_max, k):

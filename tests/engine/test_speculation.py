@@ -94,3 +94,20 @@ def test_who_drafts_when():
     assert spec.drafts(1, repeated, room=10, n_decoding=1) == []
     spec.forget(1)
     assert spec.drafts(1, repeated, room=10, n_decoding=1) == [3, 4, 1]
+
+
+def test_beyond_max_batch_only_a_match_of_n_max_tokens_drafts_and_none_beyond_max_batch_long():
+    """In a larger batch a draft's rows cost every row's step, so only a long match's drafts (mostly
+    accepted) are proposed there: a 2-token match drafts alone but not among 3 sequences; an 8-token one
+    drafts among up to 8, not 9."""
+    spec = Speculator(SpeculationConfig(k=3, n_min=2, n_max=8, max_batch=2, max_batch_long=8))
+    short = [1, 2, 3, 4, 1, 2]  # "1 2" occurred before: a 2-token match
+    assert spec.drafts(1, short, room=10, n_decoding=2) == [3, 4, 1]
+    assert spec.drafts(1, short, room=10, n_decoding=3) == []
+    line = list(range(10, 18))
+    long = line + [99, 98, 97] + line  # the whole 8-token line occurred before
+    assert spec.drafts(2, long, room=10, n_decoding=3) == [99, 98, 97]
+    assert spec.drafts(2, long, room=10, n_decoding=8) == [99, 98, 97]
+    assert spec.drafts(2, long, room=10, n_decoding=9) == []
+    assert SpeculationConfig(max_batch=2, max_batch_long=8).batch_limit == 8
+
