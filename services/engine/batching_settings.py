@@ -31,8 +31,8 @@ class BatchingSettings(BaseModel):
     # recomputed (services/engine/host_kv_tier.py); 0 = no host tier
     host_kv_cache_mb: int = Field(0, ge=0)
     # speculative decoding with n-gram drafts (services/engine/speculation.py): up to this many drafts a
-    # decoding sequence checks per step (0 = off, the default: with drafts on, auto at 32 clients after 8 fell
-    # to 0.78x, docs/speculation.md "The default"; 3 is the measured best), from n-grams of n_min..n_max
+    # decoding sequence checks per step (0 = off, the default: at 8 clients drafts double ITL p99, and auto at
+    # 32 is not shown, docs/speculation.md "The default"; 3 is the measured best), from n-grams of n_min..n_max
     # tokens, longest first (8 rather than 4 picks the right one of a table's or a
     # code's repeated short phrases: 1.65-1.78x -> 1.88-2.19x on copy-heavy prompts), while at most
     # speculative_max_batch sequences decode (beyond, drafts from short matches cost the batch more than they
