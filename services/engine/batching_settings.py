@@ -33,8 +33,8 @@ class BatchingSettings(BaseModel):
     # speculative decoding with n-gram drafts (services/engine/speculation.py): up to this many drafts a
     # decoding sequence checks per step (0 = off, the default: at 8 clients drafts double ITL p99, and auto at
     # 32 is not shown, docs/speculation.md "The default"; 3 is the measured best), from n-grams of n_min..n_max
-    # tokens, longest first (8 rather than 4 picks the right one of a table's or a
-    # code's repeated short phrases: 1.65-1.78x -> 1.88-2.19x on copy-heavy prompts), while at most
+    # tokens, longest first (8 rather than 4 picks the right one of a table's or a code's repeated short
+    # phrases: 1.65-1.78x -> 1.88-2.19x on copy-heavy prompts), while at most
     # speculative_max_batch sequences decode (beyond, drafts from short matches cost the batch more than they
     # give: with k=3 on PoCL here chat drafts lost 4% at 2 sequences and 14% at 4), and, drafts from a match of
     # the whole n_max only (95% of them accepted on copy-heavy prompts, against ~50% from 2-4 tokens), while at

@@ -5,10 +5,13 @@ the estimate is multiplied by).
 The decode correction is the smallest measured / base ratio over a stage's recent requests (router.py): a
 floor, because interference only ever adds time. Drafts break that. A request whose output repeats text it
 holds decodes 2-3x faster than its neighbours because of what it says, not because of how fast the engine
-is, and as the smallest ratio it made decode_fpga look 2-3x cheaper for every request. With decode_fpga's
-drafts on by default, auto at 32 clients (the serve mix, whose outputs of 64-256 forced tokens often repeat
-themselves) then sent every request to decode_fpga: prefill_gpu used 1 CPU-second in 127, and auto gave
-77 tokens/s, forced fpga's figure, against 96 with drafts off (bench/results/serve_8_32_spec_default_s10.json).
+is, and as the smallest ratio it made decode_fpga look 2-3x cheaper for every request
+(tests/gateway/test_router_drafts.py: one such request took a decode's estimate from 2.15 to 0.72 s). With
+decode_fpga's drafts on, auto at 8 clients of the serve mix (outputs of 64-256 forced tokens, which often
+repeat themselves) gave 0.88x drafts off under that rule (bench/results/serve_8_32_spec_default_s10.json),
+and 1.10x and 1.24x with this module and drafts from long matches at 3-8 sequences (speculation.py), one
+run each (serve_8_32_spec_default_s10b.json, serve_auto_8_32_poll_s10.json): the two changes' shares are
+not told apart.
 
 So a sample with accepted drafts teaches the correction and the batch term its time scaled to the steps
 it took: seconds x n_out / (n_out - accepted). A verify step costs at least what a one-row step does, so the
