@@ -92,6 +92,6 @@ def test_the_service_on_the_cpu_serves_from_the_idle_class_in_a_group_at_the_nic
         svc.stop()
     assert len(classes) > 3 and set(classes) == {os.SCHED_IDLE}, classes
     assert set(thread_classes()) == {os.SCHED_OTHER}
-    if own_group is not None:  # a kernel with autogroup
-        assert group == 10, svc.log_path.read_text()[-2000:]
+    if os.path.exists("/proc/self/autogroup"):  # a kernel with autogroup; pytest's own group may be the root's
+        assert group == 10, svc.log_path.read_text()[-2000:]  # (empty file, as in CI): the service has its own
         assert autogroup.nice_of() == own_group
