@@ -51,9 +51,9 @@ def _source():
 
 def _weights(t) -> np.ndarray:
     """A source tensor as float32, [rows, cols] (numpy order) or [n]."""
-    import gguf
+    from services.model.dequantize import dequantize  # gguf-py's values, in large chunks
 
-    a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
+    a = dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32)
     return a.reshape(tuple(int(x) for x in reversed(t.shape))) if len(t.shape) > 1 else a.reshape(-1)
 
 

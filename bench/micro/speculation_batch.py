@@ -28,6 +28,7 @@ from bench.speculation import CHAT, chat_ids, copy_prompts
 
 from services.engine.batching_settings import BatchingSettings
 from services.engine.engine_loop import EngineLoop
+from services.engine.runtime import speculation_config
 from services.engine.sampling import SamplingParams
 from services.engine.scheduler import SchedulerConfig
 from services.engine.speculation import SpeculationConfig
@@ -115,11 +116,8 @@ def main() -> None:
             engine = our_engine(Path(args.gguf), 2048, tuple(batches))
         else:
             engine = make_engine(name, loaded)
-        served = BatchingSettings()
-        speculation = (SpeculationConfig(k=args.k, n_min=served.speculative_n_min, n_max=served.speculative_n_max,
-                                         max_batch=served.speculative_max_batch,
-                                         max_batch_long=served.speculative_max_batch_long) if args.served_limits
-                       else SpeculationConfig(k=args.k, max_batch=max(batches), max_batch_long=max(batches)))
+        speculation = (speculation_config(BatchingSettings(speculative_k=args.k)) if args.served_limits
+                       else SpeculationConfig(k=args.k, max_batch=max(batches)))
         config = SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                  max_num_seqs=max(batches), max_num_batched_tokens=engine.max_num_batched_tokens,
                                  max_model_len=2048,
