@@ -583,6 +583,34 @@ def test_on_one_processor_what_one_mode_misses_beyond_the_others_counts_against_
     assert separate.snapshot()["missed_s"] == {"gpu": 0.0, "fpga": 0.0, "hybrid": 0.0}
 
 
+def test_on_one_processor_a_mode_out_of_use_is_judged_against_the_first_tokens_of_its_own_time():
+    """8 clients, then 32 (live, the serve benchmark): hybrid's first tokens missed 3.5 s beyond fpga's;
+    then auto sent the next ones to fpga, whose estimates ran 25 s high under the new load. Judged
+    against those, hybrid's term rose to 28.5 s and kept it out until it went stale, the rest of the
+    round (77-78 tokens/s against 90-99 where auto kept sending prompts to hybrid). Against fpga's
+    first tokens of its own time it stays 3.5 s; hybrid's next ones, under the new load, are judged
+    against fpga's of that load. Another mode's first tokens stale by then count for none."""
+    router = Router(synthetic_samples(), explore_share=0, shared_compute=True, stale_after=20)
+    n_in, n_out = LOAD[0]
+    for _ in range(3):
+        router.observe_first_token("fpga", 20.0, 0.0, 20.0)
+        router.observe_first_token("hybrid", 20.0, 0.0, 23.5)
+        router.choose(n_in, n_out)
+    assert router.snapshot()["missed_s"] == {"gpu": 0.0, "fpga": 0.0, "hybrid": 3.5}
+    for _ in range(3):
+        router.choose(n_in, n_out)
+        router.observe_first_token("fpga", 40.0, 0.0, 15.0)
+    assert router.snapshot()["missed_s"] == {"gpu": 0.0, "fpga": 0.0, "hybrid": 3.5}
+    for _ in range(3):
+        router.observe_first_token("hybrid", 40.0, 0.0, 16.0)
+    assert router.snapshot()["missed_s"] == {"gpu": 0.0, "fpga": 0.0, "hybrid": 1.0}
+    for _ in range(21):  # hybrid's and fpga's first tokens go stale; a gpu one comes 2 s late
+        router.choose(n_in, n_out)
+    for _ in range(3):
+        router.observe_first_token("gpu", 20.0, 0.0, 22.0)
+    assert router.snapshot()["missed_s"] == {"gpu": 0.0, "fpga": 0.0, "hybrid": 0.0}
+
+
 def test_a_burst_on_separate_devices_spreads_over_the_prefill_engines():
     """On separate devices the prompts sent ahead wait on their own prefill engine: a burst of sixteen
     long prompts fills prefill_gpu's queue (hybrid, the cheapest alone) until fpga's own prefill is the
