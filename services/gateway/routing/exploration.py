@@ -5,7 +5,8 @@ measured by fewer than CONFIRMING requests and not timed by a quiet profile (an 
 repeats agreed with no other load, or a cached one a quiet probe confirmed at this start: such a
 profile is trusted like requests, so a fresh start on a quiet machine does not run a mode its profile
 shows far slower just to check it; the gateway checks an unquiet one with short requests of its own
-first, calibration_check.py); at most 5 stages x 2: a start on a busy machine learns the stages of
+first, calibration_check.py), or timed by one that the one request measuring it since found over
+DISAGREE x slow (router.py's _confirmed); at most 5 stages x 2: a start on a busy machine learns the stages of
 every mode within a few requests, and a first request timed on a busy machine is checked by a second,
 (b) to refresh a stage not measured for `stale_after` auto decisions, from a credit of `explore_share`
 per auto request (so at most that share; the router keeps the credit). A request explores only where
