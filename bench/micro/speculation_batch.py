@@ -92,8 +92,12 @@ def main() -> None:
     ap.add_argument("--name", default="speculation_batch")
     ap.add_argument("--served-limits", action="store_true",
                     help="the served max_batch and max_batch_long (BatchingSettings') instead of drafts at every B")
+    ap.add_argument("--max-batch-long", type=int, default=None,
+                    help="with --served-limits: speculative_max_batch_long instead of the served default")
     ap.add_argument("--gguf", default=None, help="the OpenCL engine on this GGUF file (its tokenizer the default's)")
     args = ap.parse_args()
+    if args.max_batch_long is not None and not args.served_limits:
+        ap.error("--max-batch-long changes the served limits (--served-limits)")
     if args.gguf and args.engines != "opencl":
         ap.error("--gguf runs the OpenCL engine only (--engines opencl)")
 
@@ -116,7 +120,9 @@ def main() -> None:
             engine = our_engine(Path(args.gguf), 2048, tuple(batches))
         else:
             engine = make_engine(name, loaded)
-        speculation = (speculation_config(BatchingSettings(speculative_k=args.k)) if args.served_limits
+        served = {"speculative_k": args.k} if args.max_batch_long is None else \
+            {"speculative_k": args.k, "speculative_max_batch_long": args.max_batch_long}
+        speculation = (speculation_config(BatchingSettings(**served)) if args.served_limits
                        else SpeculationConfig(k=args.k, max_batch=max(batches)))
         config = SchedulerConfig(num_blocks=engine.num_blocks, block_size=engine.block_size,
                                  max_num_seqs=max(batches), max_num_batched_tokens=engine.max_num_batched_tokens,

@@ -31,19 +31,20 @@ class BatchingSettings(BaseModel):
     # recomputed (services/engine/host_kv_tier.py); 0 = no host tier
     host_kv_cache_mb: int = Field(0, ge=0)
     # speculative decoding with n-gram drafts (services/engine/speculation.py): up to this many drafts a
-    # decoding sequence checks per step (0 = off, the default: at 8 clients drafts double ITL p99, and auto at
-    # 32 is not shown, docs/speculation.md "The default"; 3 is the measured best), from n-grams of n_min..n_max
+    # decoding sequence checks per step (0 = off, the default: at 8 clients drafts double a stream's ITL p99,
+    # docs/speculation.md "The default"; 3 is the measured best), from n-grams of n_min..n_max
     # tokens, longest first (8 rather than 4 picks the right one of a table's or a code's repeated short
     # phrases: 1.65-1.78x -> 1.88-2.19x on copy-heavy prompts), while at most
     # speculative_max_batch sequences decode (beyond, drafts from short matches cost the batch more than they
     # give: with k=3 on PoCL here chat drafts lost 4% at 2 sequences and 14% at 4), and, drafts from a match of
     # the whole n_max only (95% of them accepted on copy-heavy prompts, against ~50% from 2-4 tokens), while at
-    # most speculative_max_batch_long do. bench/micro/speculation_batch.py, docs/speculation.md
+    # most speculative_max_batch_long do (32: copy-heavy 1.22-1.23x at 16 and 1.01-1.16x at 32, 1.02x at 64;
+    # chat 0.99-1.05x throughout). bench/micro/speculation_batch.py, docs/speculation.md
     speculative_k: int = Field(0, ge=0, le=16)
     speculative_n_min: int = Field(2, ge=1)
     speculative_n_max: int = Field(8, ge=1)
     speculative_max_batch: int = Field(2, ge=1)
-    speculative_max_batch_long: int = Field(8, ge=1)
+    speculative_max_batch_long: int = Field(32, ge=1)
 
     def step_rows(self) -> int:
         """The tokens one step computes at most, stretched or not: the rows an engine is built for."""
