@@ -38,13 +38,14 @@ class BatchingSettings(BaseModel):
     # speculative_max_batch sequences decode (beyond, drafts from short matches cost the batch more than they
     # give: with k=3 on PoCL here chat drafts lost 4% at 2 sequences and 14% at 4), and, drafts from a match of
     # the whole n_max only (95% of them accepted on copy-heavy prompts, against ~50% from 2-4 tokens), while at
-    # most speculative_max_batch_long do (32: copy-heavy 1.22-1.23x at 16 and 1.01-1.16x at 32, 1.02x at 64;
-    # chat 0.99-1.05x throughout). bench/micro/speculation_batch.py, docs/speculation.md
+    # most speculative_max_batch_long do (8: decode alone gains up to 32 (copy-heavy 1.22x at 16, 1.01-1.16x at
+    # 32, chat 0.99-1.05x), but in the serve mix at 32 clients the longer steps held the prompts back: TTFT p50
+    # 11.3 s against 6.0 s, 0.97x tokens/s). bench/micro/speculation_batch.py, docs/speculation.md
     speculative_k: int = Field(0, ge=0, le=16)
     speculative_n_min: int = Field(2, ge=1)
     speculative_n_max: int = Field(8, ge=1)
     speculative_max_batch: int = Field(2, ge=1)
-    speculative_max_batch_long: int = Field(32, ge=1)
+    speculative_max_batch_long: int = Field(8, ge=1)
 
     def step_rows(self) -> int:
         """The tokens one step computes at most, stretched or not: the rows an engine is built for."""

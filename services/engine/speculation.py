@@ -34,7 +34,7 @@ class SpeculationConfig:
     n_min: int = 2
     n_max: int = 8  # BatchingSettings' default (why: there)
     max_batch: int = 2  # no drafts in a step with more sequences decoding than this...
-    max_batch_long: int = 32  # ...but those of a match of n_max tokens, up to this many decoding
+    max_batch_long: int = 8  # ...but those of a match of n_max tokens, up to this many decoding
 
     @property
     def batch_limit(self) -> int:
