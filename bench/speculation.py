@@ -12,6 +12,7 @@ Our texts with drafts on and off are compared prompt by prompt (greedy: they mus
     python -m bench.speculation                    # fpga and hybrid, k=8, 2 rounds, llama-server if built
     python -m bench.speculation --modes fpga --k 4 --rounds 3 --tokens 160
     python -m bench.speculation --k 3 --env HYBRIDSERVE_DECODE_ACTIVATIONS=int8   # our opt-in int8 path
+    python -m bench.speculation --k 3 --clients 8 --llama-server none   # 8 requests at once, summed tokens/s
 """
 from __future__ import annotations
 
@@ -59,12 +60,16 @@ async def one(client, url: str, model: str, prompt: list[int], tokens: int, extr
             "accepted": (r["usage"].get("completion_tokens_details") or {}).get("accepted_prediction_tokens")}
 
 
-def run(targets: dict[str, tuple[str, dict]], work: dict[str, list[list[int]]], tokens: int, rounds: int) -> dict:
-    """Per target, per workload: every request's result, rounds interleaved (targets in turn each round)."""
+def run(targets: dict[str, tuple[str, dict]], work: dict[str, list[list[int]]], tokens: int, rounds: int,
+        clients: int = 1) -> tuple[dict, dict]:
+    """Per target, per workload: every request's result, rounds interleaved (targets in turn each round), and
+    with `clients` > 1 the summed decode tokens/s of each set of `clients` requests sent at once (the
+    workload's prompts in turn)."""
     results = {t: {w: [] for w in work} for t in targets}
+    together = {t: {w: [] for w in work} for t in targets}
 
     async def go():
-        async with async_client(2) as client:
+        async with async_client(max(2, clients)) as client:
             models = {t: served_model(url) for t, (url, _) in targets.items()}
             for r in range(rounds):
                 order = list(targets) if r % 2 == 0 else list(reversed(targets))
@@ -72,20 +77,29 @@ def run(targets: dict[str, tuple[str, dict]], work: dict[str, list[list[int]]], 
                     url, extra = targets[t]
                     progress(f"round {r + 1}/{rounds}: {t}")
                     for w, prompts in work.items():
-                        for p in prompts:
-                            results[t][w].append(await one(client, url, models[t], p, tokens, extra))
+                        if clients == 1:
+                            for p in prompts:
+                                results[t][w].append(await one(client, url, models[t], p, tokens, extra))
+                            continue
+                        sent = [prompts[i % len(prompts)] for i in range(clients)]
+                        rs = await asyncio.gather(*(one(client, url, models[t], p, tokens, extra) for p in sent))
+                        results[t][w].extend(rs)
+                        together[t][w].append(sum(x["decode_tok_s"] or 0.0 for x in rs))
 
     asyncio.run(go())
-    return results
+    return results, together
 
 
-def summary(results: dict) -> dict:
-    return {t: {w: {"decode_tok_s_median": statistics.median(x["decode_tok_s"] for x in rs if x["decode_tok_s"]),
+def summary(results: dict, together: dict) -> dict:
+    """Per target and workload: the median decode tokens/s of a request (one client) or of a set of requests
+    sent at once (summed over them), and the median accepted drafts of a request."""
+    return {t: {w: {"decode_tok_s_median": statistics.median(together[t][w]) if together[t][w] else
+                    statistics.median(x["decode_tok_s"] for x in rs if x["decode_tok_s"]),
                     "accepted_median": statistics.median(x["accepted"] or 0 for x in rs)}
                 for w, rs in per.items()} for t, per in results.items()}
 
 
-def plot(s: dict, path: Path) -> None:
+def plot(s: dict, path: Path, clients: int = 1) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,7 +112,7 @@ def plot(s: dict, path: Path) -> None:
         ax.bar([w + i * width for w in range(len(workloads))], [s[t][w]["decode_tok_s_median"] for w in workloads],
                width, label=t)
     ax.set_xticks([w + 0.4 - width / 2 for w in range(len(workloads))], workloads)
-    ax.set_ylabel("decode tokens/s, one client (median)")
+    ax.set_ylabel(f"decode tokens/s, {clients} client{'s' if clients > 1 else ''} (median)")
     ax.set_title("n-gram speculative decoding")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -117,8 +131,12 @@ def main() -> int:
                     help="llama-server's threads (1 where other work shares the cores: 2 spinning threads beside "
                          "it give void figures)")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for our stack (repeatable)")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="requests sent at once, each set's decode tokens/s summed (ours only: --llama-server none)")
     ap.add_argument("--name", default="speculation")
     args = ap.parse_args()
+    if args.clients > 1 and args.llama_server != "none":
+        ap.error("--clients > 1 measures our stack alone: add --llama-server none")
     from services.model.checkpoint import locate
     from services.model.tokenizer import load_tokenizer
     from services.settings import CommonSettings
@@ -141,10 +159,10 @@ def main() -> int:
                     log = Path(tmp) / f"{name}.log"
                     targets[name] = (servers.start_llama_server(binary, 1, ctx, args.llama_threads, log, name=name,
                                                                 extra=extra), {})
-            results = run(targets, work, args.tokens, args.rounds)
+            results, together = run(targets, work, args.tokens, args.rounds, args.clients)
         finally:
             servers.stop()
-    s = summary(results)
+    s = summary(results, together)
     same = {m: all(a["text"] == b["text"] for w in work
                    for a, b in zip(results[f"{m} drafts"][w], results[f"{m} no drafts"][w]))
             for m in args.modes.split(",")}
@@ -161,7 +179,7 @@ def main() -> int:
     print(table(["target", "workload", "decode tok/s (median)", "x no drafts", "x llama ngram", "accepted (median)"],
                 rows))
     print("texts with drafts equal to without, per mode:", same)
-    plot(s, RESULTS / f"{args.name}.png")
+    plot(s, RESULTS / f"{args.name}.png", args.clients)
     write_json(args.name, {"args": vars(args), "summary": s, "same_text": same,
                            "results": {t: {w: [{k: v for k, v in x.items() if k != "text"} for x in rs]
                                            for w, rs in per.items()} for t, per in results.items()}})
