@@ -2,8 +2,10 @@
 
 * An engine SIGKILLed in the middle of a greedy completion: the gateway migrates the request to
   the engine left, the client's text is the uninterrupted run's (no token twice, none missing),
-  the migration is counted, logged and said in the response. A seeded request of two choices
-  running beside it: each choice continues where it was, with its own random stream.
+  the migration is counted, logged and said in the response. The engines draft (n-gram
+  speculation) and the greedy completion copies its prompt, so the migrated stream also has the text
+  of a run without drafts. A seeded request of two choices running beside it (drafts off): each
+  choice continues where it was, with its own random stream.
 * Both engines gone: a stream ends with an error event then `[DONE]`; a plain request gets 503
   with Retry-After.
 * SIGTERM to the gateway with a stream in flight: /health says 503, a new request gets 503, the
@@ -30,6 +32,11 @@ from tests.services_harness import engine_pair, start_gateway, wait_http_ok
 pytestmark = pytest.mark.slow
 
 PROMPT = "The history of the printing press begins"
+# a text the model copies, so that n-gram drafts are accepted before and after a migration
+COPY_PROMPT = ("Repeat this exactly: The river runs past the old mill, under the stone bridge and into the "
+               "valley where the farmers keep their sheep. The river runs past the old mill, under the stone "
+               "bridge and into the valley where the farmers keep their sheep. The river")
+SPECULATIVE_K = "4"
 N_TOKENS = 96  # long enough that a kill after KILL_AFTER chunks lands mid-decode
 KILL_AFTER = 8
 
@@ -37,10 +44,14 @@ KILL_AFTER = 8
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, profile_cache):
     tmp = tmp_path_factory.mktemp("engine_loss")
-    prefill, decode = engine_pair(tmp, {PrefillSettings.env_name("arena_bytes"): str(32 << 20)},
+    prefill, decode = engine_pair(tmp, {PrefillSettings.env_name("arena_bytes"): str(32 << 20),
+                                        "HYBRIDSERVE_PREFILL_SPECULATIVE_K": SPECULATIVE_K,
+                                        "HYBRIDSERVE_PREFILL_SPECULATIVE_MAX_BATCH": "4"},
                                   {DecodeSettings.env_name("max_context"): "1024",
                                    # 3: the migration test runs a request of two choices beside one of one
-                                   DecodeSettings.env_name("max_sequences"): "3"}, profile_cache)
+                                   DecodeSettings.env_name("max_sequences"): "3",
+                                   "HYBRIDSERVE_DECODE_SPECULATIVE_K": SPECULATIVE_K,
+                                   "HYBRIDSERVE_DECODE_SPECULATIVE_MAX_BATCH": "4"}, profile_cache)
     gateway = start_gateway(tmp, prefill, decode)
     try:
         # start-up (model load, kernel build) takes minutes when other work holds the two cores
@@ -165,6 +176,11 @@ def migrations_of(events: list) -> list[dict]:
     return next(e["hybridserve"] for e in events if isinstance(e, dict) and e.get("hybridserve"))["migrations"]
 
 
+def copying(payload: dict) -> dict:
+    """`payload` with the prompt the model copies (its drafts accepted)."""
+    return {**payload, "prompt": COPY_PROMPT}
+
+
 def kill_decode_mid_stream(stack, several: dict) -> tuple[list, list]:
     """decode_fpga SIGKILLed after KILL_AFTER chunks of a greedy hybrid stream while a request of
     several choices streams beside it: both requests' events."""
@@ -179,7 +195,7 @@ def kill_decode_mid_stream(stack, several: dict) -> tuple[list, list]:
         if n == KILL_AFTER:
             stack["decode"].stop(sig=signal.SIGKILL)
 
-    events = stream_events(stack, body(stack, "hybrid", True), on_chunk=kill)
+    events = stream_events(stack, copying(body(stack, "hybrid", True)), on_chunk=kill)
     worker.join(300)
     assert stack["decode"].proc.poll() is not None
     return events, beside["events"]
@@ -189,9 +205,14 @@ def test_decode_fpga_killed_mid_stream_the_streams_go_on_on_prefill_gpu_with_the
     # beside the greedy stream, one of two seeded choices (each its own random stream, which its
     # continuation draws on), running when the same kill lands: one restart of decode_fpga for both
     # (as long as the greedy stream: with 48 tokens, on a busy machine, it once ended before the kill landed)
-    several = {**body(stack, "hybrid", True, max_tokens=N_TOKENS), "n": 2, "temperature": 1.0, "seed": 3}
+    several = {**body(stack, "hybrid", True, max_tokens=N_TOKENS), "n": 2, "temperature": 1.0, "seed": 3,
+               "speculative": False}
     engines_as(stack, True, True)
-    reference = stream_events(stack, body(stack, "hybrid", True))
+    reference = stream_events(stack, copying(body(stack, "hybrid", True)))
+    # greedy: the text without drafts, and with them
+    assert text_of(stream_events(stack, {**copying(body(stack, "hybrid", True)), "speculative": False})) == \
+        text_of(reference)
+    assert reference[-2]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
     several_reference = choice_texts(stream_events(stack, several), 2)
     assert several_reference[0] != several_reference[1]
     before = migrations(stack, "hybrid", "gpu")
