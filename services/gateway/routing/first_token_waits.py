@@ -70,9 +70,10 @@ class FirstTokenWaits:
         32 clients after 8, hybrid's last first tokens, from the 8-client round, had missed 3.5 s
         beyond fpga's then; against fpga's of the 32-client round, whose estimates ran high, its
         term rose to 18-41 s, and auto sent the rest of the round to fpga (77-78 tokens/s against
-        90-99 where it kept sending prompts to hybrid; docs/speculation.md). A mode whose own first tokens are the newest is still judged against
-        the others' last ones, older: if that makes it look slow, auto sends work to the others and
-        their newer first tokens correct it."""
+        90-99 where it kept sending prompts to hybrid; docs/speculation.md). A mode whose own first
+        tokens are the newest is still judged against the others' last ones, older: if that makes it
+        look slow, auto sends work to the others and their newer first tokens correct it (the mode's
+        own are always among those it is judged against, so the term is never below 0)."""
         own = self._shortfall(mode, decisions)
         if own is None:
             return 0.0
