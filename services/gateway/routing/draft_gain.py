@@ -31,8 +31,8 @@ FLOOR = 0.1  # the largest speed-up one engine's estimate takes from drafts (k d
 
 
 def plain_seconds(sample: dict) -> float:
-    """A decode sample's seconds scaled to the steps it took without its accepted drafts (its own
-    seconds when none were accepted)."""
+    """A sample's seconds scaled to the steps it took without its accepted drafts (its own seconds, at
+    least 1e-9, when none were accepted, as for every stage but decode)."""
     seconds = max(float(sample["seconds"]), 1e-9)
     n_out, accepted = int(sample.get("n_out") or 0), int(sample.get("accepted") or 0)
     if accepted <= 0 or n_out <= 0:

@@ -201,8 +201,8 @@ class Router(ModePolicy):
             base = self.model.stage_seconds(key, s["n_in"], s.get("n_out") or 0)
             if key[0] == "decode":
                 base *= self._slowdown[key[1]].factor(s.get("company") or 0)
-            seconds = plain_seconds(s) if key[0] == "decode" else max(float(s["seconds"]), 1e-9)  # drafts: apart
-            ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, seconds / base)))
+            # a decode with accepted drafts counts its time without them (their gain is learned apart)
+            ratios.append(min(RATIO_CLAMP, max(1.0 / RATIO_CLAMP, plain_seconds(s) / base)))
         return math.log(min(ratios))
 
     def _stage_estimate(self, key: StageKey, n_in: int, n_out: int, company: int = 0,
