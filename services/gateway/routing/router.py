@@ -1,12 +1,13 @@
 """The router, the `auto` mode policy (policy.py): pick gpu, fpga or hybrid per request from a cost model
-(Past 300 lines on purpose: the choice and the corrections it learns share one lock; every part that can
-stand alone - queues, first-token waits, exploration, samples - already does, beside it.)
 that learns online.
+
+(Past 300 lines on purpose: the choice and the corrections it learns share one lock; every part that can
+stand alone - queues, first-token waits, the drafts' gain, exploration, samples - already does, beside it.)
 
 Pure Python and numpy, no torch or OpenCL, so it is unit-tested in milliseconds. The estimate and the
 corrections it learns share one lock here; the fit, the batch term, the queues, the first-token waits
 and exploration's rule live beside it (cost_model.py, batch_slowdown.py, queues.py, first_token_waits.py,
-exploration.py), the start-up check in calibration_check.py.
+draft_gain.py, exploration.py), the start-up check in calibration_check.py.
 
     T(mode) = sum over the mode's stages of  base(stage, n_in, n_out) x correction(stage)  + queueing
 
